@@ -1,0 +1,667 @@
+//! Configuration, loaded once at start-up: figment layers defaults < TOML file < `IDEMPROXY_` env < flags
+//! into the raw serde structs, then `validate()` turns them into the typed [`Config`] the proxy runs with.
+//! Nothing here is read again after start; the typed config is passed down, never global.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use http::{HeaderName, Method, Uri};
+use serde::{Deserialize, Serialize};
+
+/// A configuration error: one line naming the key and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+#[error("config error: {key}: {message}")]
+pub struct ConfigError {
+    /// Dotted path of the offending key (`idempotency.ttl`), or `config` when the file itself is unreadable.
+    pub key: String,
+    /// What is wrong, in one line.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(key: &str, message: impl std::fmt::Display) -> Self {
+        ConfigError {
+            key: key.to_owned(),
+            message: message.to_string().replace('\n', " "),
+        }
+    }
+
+    fn from_figment(err: figment::Error) -> Self {
+        let key = if err.path.is_empty() {
+            "config".to_owned()
+        } else {
+            err.path.join(".")
+        };
+        let source = err
+            .metadata
+            .as_ref()
+            .map(|m| format!(" (from {})", m.name))
+            .unwrap_or_default();
+        ConfigError::new(&key, format!("{}{source}", err.kind))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw layer: exactly what the TOML file, the environment and the flags may say.
+// ---------------------------------------------------------------------------------------------
+
+/// The configuration as written, before validation. Every key has a default.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    /// Listeners and shutdown.
+    pub server: RawServer,
+    /// The protected service.
+    pub upstream: RawUpstream,
+    /// Where claims and stored responses live.
+    pub store: RawStore,
+    /// Which requests are protected and how.
+    pub idempotency: RawIdempotency,
+    /// Log output.
+    pub log: RawLog,
+}
+
+/// `[server]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawServer {
+    /// Proxy listener address.
+    pub listen: String,
+    /// Admin listener address (`/metrics`, `/healthz`, `/readyz`).
+    pub admin_listen: String,
+    /// How long in-flight requests may run to completion after a shutdown signal.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        RawServer {
+            listen: "0.0.0.0:8080".into(),
+            admin_listen: "127.0.0.1:9090".into(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `[upstream]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawUpstream {
+    /// Base URL of the protected service (`http://host:port`).
+    pub url: String,
+    /// Bound on establishing a TCP connection to the upstream.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Bound on waiting for the response head, and on the gap between two body chunks.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for RawUpstream {
+    fn default() -> Self {
+        RawUpstream {
+            url: "http://127.0.0.1:3000".into(),
+            connect_timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// `[store]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStore {
+    /// `postgres://user:password@host:port/database`.
+    pub url: String,
+    /// Maximum connections in the pool.
+    pub pool_size: usize,
+    /// Bound on any one store operation, including waiting for a pooled connection.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// What keyed requests get while the store is unreachable.
+    pub on_error: OnStoreError,
+    /// Apply pending migrations when `serve` starts.
+    pub migrate: bool,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            url: "postgres://postgres@127.0.0.1:5432/idemproxy".into(),
+            pool_size: 16,
+            timeout: Duration::from_secs(5),
+            on_error: OnStoreError::FailClosed,
+            migrate: true,
+        }
+    }
+}
+
+/// Behaviour of keyed requests while the store is down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    /// Answer 503 and never forward.
+    FailClosed,
+    /// Forward without protection, and count it.
+    FailOpen,
+}
+
+/// `[idempotency]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawIdempotency {
+    /// Request header carrying the key.
+    pub header: String,
+    /// Methods that are protected; others pass through.
+    pub methods: Vec<String>,
+    /// Reject protected methods without a key (400) instead of passing them through.
+    pub required: bool,
+    /// How long a key lives after its first claim.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// How long a claim holds without a heartbeat before another request may take it over.
+    #[serde(with = "humantime_serde")]
+    pub lock_timeout: Duration,
+    /// Longest accepted key, in characters.
+    pub max_key_length: usize,
+    /// Largest request body of a keyed request (it is read whole to fingerprint it).
+    pub max_request_body: ByteSize,
+    /// Largest response body kept for replay; larger responses are forwarded but not retained.
+    pub max_stored_response: ByteSize,
+    /// Request headers whose values separate clients (hashed, never stored raw).
+    pub scope_headers: Vec<String>,
+    /// Request headers that, besides method, path and body, make two requests the same.
+    pub fingerprint_headers: Vec<String>,
+    /// Upstream statuses that release the claim instead of being stored (`"5xx"` or a code).
+    pub release_statuses: Vec<String>,
+}
+
+impl Default for RawIdempotency {
+    fn default() -> Self {
+        RawIdempotency {
+            header: "Idempotency-Key".into(),
+            methods: vec!["POST".into(), "PATCH".into()],
+            required: false,
+            ttl: Duration::from_secs(24 * 3600),
+            lock_timeout: Duration::from_secs(30),
+            max_key_length: 255,
+            max_request_body: ByteSize::mib(10),
+            max_stored_response: ByteSize::mib(4),
+            scope_headers: vec!["authorization".into()],
+            fingerprint_headers: vec!["content-type".into()],
+            release_statuses: vec!["5xx".into(), "408".into(), "425".into(), "429".into()],
+        }
+    }
+}
+
+/// `[log]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLog {
+    /// `text` for people, `json` for log pipelines.
+    pub format: LogFormat,
+    /// Filter in `RUST_LOG` syntax; the `RUST_LOG` variable overrides it.
+    pub filter: String,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        RawLog {
+            format: LogFormat::Text,
+            filter: "info".into(),
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed layer: what the proxy runs with.
+// ---------------------------------------------------------------------------------------------
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Listeners and shutdown.
+    pub server: ServerConfig,
+    /// The protected service.
+    pub upstream: UpstreamConfig,
+    /// The store.
+    pub store: StoreConfig,
+    /// The idempotency policy.
+    pub idempotency: IdempotencyConfig,
+    /// Logging.
+    pub log: RawLog,
+    raw: RawConfig,
+}
+
+/// Validated `[server]`.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Proxy listener address.
+    pub listen: SocketAddr,
+    /// Admin listener address.
+    pub admin_listen: SocketAddr,
+    /// Drain bound after a shutdown signal.
+    pub shutdown_grace: Duration,
+}
+
+/// Validated `[upstream]`.
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    /// Scheme and authority of the upstream; requests keep their own path and query.
+    pub base: Uri,
+    /// TCP connect bound.
+    pub connect_timeout: Duration,
+    /// Response head bound and body idle bound.
+    pub timeout: Duration,
+}
+
+/// Validated `[store]`.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Connection settings parsed from the URL.
+    pub url: String,
+    /// Maximum pooled connections.
+    pub pool_size: usize,
+    /// Bound on one store operation.
+    pub timeout: Duration,
+    /// Behaviour while the store is down.
+    pub on_error: OnStoreError,
+    /// Migrate at `serve` start.
+    pub migrate: bool,
+}
+
+/// Validated `[idempotency]`.
+#[derive(Debug, Clone)]
+pub struct IdempotencyConfig {
+    /// Key header name.
+    pub header: HeaderName,
+    /// Protected methods.
+    pub methods: Vec<Method>,
+    /// Whether protected methods must carry a key.
+    pub required: bool,
+    /// Key lifetime.
+    pub ttl: Duration,
+    /// Claim lease.
+    pub lock_timeout: Duration,
+    /// Longest key.
+    pub max_key_length: usize,
+    /// Largest keyed request body, bytes.
+    pub max_request_body: u64,
+    /// Largest stored response body, bytes.
+    pub max_stored_response: u64,
+    /// Scope headers, lower-case.
+    pub scope_headers: Vec<HeaderName>,
+    /// Fingerprint headers, lower-case.
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// Statuses that release the claim.
+    pub release: ReleasePolicy,
+}
+
+/// Which upstream statuses mean "not processed, run it again" and so release the claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleasePolicy {
+    /// Release every 5xx.
+    pub server_errors: bool,
+    /// Individual codes to release.
+    pub codes: Vec<u16>,
+}
+
+impl ReleasePolicy {
+    /// Whether a response with this status releases the claim rather than being stored.
+    pub fn releases(&self, status: http::StatusCode) -> bool {
+        (self.server_errors && status.is_server_error()) || self.codes.contains(&status.as_u16())
+    }
+}
+
+/// Command-line overrides, the top layer.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Overrides {
+    /// `--listen`
+    pub listen: Option<String>,
+    /// `--admin-listen`
+    pub admin_listen: Option<String>,
+    /// `--upstream`
+    pub upstream: Option<String>,
+    /// `--store`
+    pub store: Option<String>,
+    /// `--no-migrate`
+    pub no_migrate: bool,
+}
+
+impl Config {
+    /// Defaults < the given TOML text. No environment, no flags: for tests and embedding.
+    pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
+        let figment =
+            Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
+        Self::from_figment(figment)
+    }
+
+    /// Defaults < TOML file (if given) < `IDEMPROXY_…` environment < command-line overrides.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    "config",
+                    format!("cannot read file {}", path.display()),
+                ));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment
+            .merge(Env::prefixed("IDEMPROXY_").split("__").lowercase(true))
+            .merge(overrides.figment());
+        Self::from_figment(figment)
+    }
+
+    fn from_figment(figment: Figment) -> Result<Config, ConfigError> {
+        let raw: RawConfig = figment.extract().map_err(ConfigError::from_figment)?;
+        raw.validate()
+    }
+
+    /// The effective configuration as TOML, with secrets masked.
+    pub fn to_masked_toml(&self) -> String {
+        let mut raw = self.raw.clone();
+        raw.store.url = mask_url_password(&raw.store.url);
+        toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}
+
+impl Overrides {
+    fn figment(&self) -> Figment {
+        let mut figment = Figment::new();
+        let mut set = |key: &str, value: &Option<String>| {
+            if let Some(value) = value {
+                figment = std::mem::take(&mut figment).merge(Serialized::default(key, value));
+            }
+        };
+        set("server.listen", &self.listen);
+        set("server.admin_listen", &self.admin_listen);
+        set("upstream.url", &self.upstream);
+        set("store.url", &self.store);
+        if self.no_migrate {
+            figment = figment.merge(Serialized::default("store.migrate", false));
+        }
+        figment
+    }
+}
+
+impl RawConfig {
+    /// Checks every value and converts it to its typed form; the first problem found is returned.
+    pub fn validate(self) -> Result<Config, ConfigError> {
+        Ok(Config {
+            server: self.server.validate()?,
+            upstream: self.upstream.validate()?,
+            store: self.store.validate()?,
+            idempotency: self.idempotency.validate()?,
+            log: self.log.clone(),
+            raw: self,
+        })
+    }
+}
+
+impl RawServer {
+    fn validate(&self) -> Result<ServerConfig, ConfigError> {
+        Ok(ServerConfig {
+            listen: parse_addr("server.listen", &self.listen)?,
+            admin_listen: parse_addr("server.admin_listen", &self.admin_listen)?,
+            shutdown_grace: self.shutdown_grace,
+        })
+    }
+}
+
+impl RawUpstream {
+    fn validate(&self) -> Result<UpstreamConfig, ConfigError> {
+        let key = "upstream.url";
+        let uri: Uri = self
+            .url
+            .parse()
+            .map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
+        if uri.scheme() != Some(&http::uri::Scheme::HTTP) {
+            return Err(ConfigError::new(key, "must be an http:// URL"));
+        }
+        if uri.authority().is_none() {
+            return Err(ConfigError::new(key, "must name a host"));
+        }
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(ConfigError::new(
+                key,
+                "must not carry a path or query; requests keep their own",
+            ));
+        }
+        positive("upstream.connect_timeout", self.connect_timeout)?;
+        positive("upstream.timeout", self.timeout)?;
+        Ok(UpstreamConfig {
+            base: uri,
+            connect_timeout: self.connect_timeout,
+            timeout: self.timeout,
+        })
+    }
+}
+
+impl RawStore {
+    fn validate(&self) -> Result<StoreConfig, ConfigError> {
+        let key = "store.url";
+        let url = url::Url::parse(&self.url)
+            .map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
+        if !matches!(url.scheme(), "postgres" | "postgresql") {
+            return Err(ConfigError::new(
+                key,
+                format!(
+                    "unsupported scheme {:?}; use postgres://user@host:port/database",
+                    url.scheme()
+                ),
+            ));
+        }
+        self.url
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
+        if self.pool_size == 0 {
+            return Err(ConfigError::new("store.pool_size", "must be at least 1"));
+        }
+        positive("store.timeout", self.timeout)?;
+        Ok(StoreConfig {
+            url: self.url.clone(),
+            pool_size: self.pool_size,
+            timeout: self.timeout,
+            on_error: self.on_error,
+            migrate: self.migrate,
+        })
+    }
+}
+
+impl RawIdempotency {
+    fn validate(&self) -> Result<IdempotencyConfig, ConfigError> {
+        positive("idempotency.lock_timeout", self.lock_timeout)?;
+        if self.ttl <= self.lock_timeout {
+            return Err(ConfigError::new(
+                "idempotency.ttl",
+                "must be longer than idempotency.lock_timeout",
+            ));
+        }
+        if !(1..=4096).contains(&self.max_key_length) {
+            return Err(ConfigError::new(
+                "idempotency.max_key_length",
+                "must be between 1 and 4096",
+            ));
+        }
+        Ok(IdempotencyConfig {
+            header: parse_header("idempotency.header", &self.header)?,
+            methods: self.methods()?,
+            required: self.required,
+            ttl: self.ttl,
+            lock_timeout: self.lock_timeout,
+            max_key_length: self.max_key_length,
+            max_request_body: self.max_request_body.as_u64(),
+            max_stored_response: self.max_stored_response.as_u64(),
+            scope_headers: parse_headers("idempotency.scope_headers", &self.scope_headers)?,
+            fingerprint_headers: parse_headers(
+                "idempotency.fingerprint_headers",
+                &self.fingerprint_headers,
+            )?,
+            release: self.release()?,
+        })
+    }
+
+    fn methods(&self) -> Result<Vec<Method>, ConfigError> {
+        let key = "idempotency.methods";
+        self.methods
+            .iter()
+            .map(|m| {
+                Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                    .map_err(|_| ConfigError::new(key, format!("{m:?} is not an HTTP method")))
+            })
+            .collect()
+    }
+
+    fn release(&self) -> Result<ReleasePolicy, ConfigError> {
+        let key = "idempotency.release_statuses";
+        let mut policy = ReleasePolicy {
+            server_errors: false,
+            codes: Vec::new(),
+        };
+        for entry in &self.release_statuses {
+            if entry.eq_ignore_ascii_case("5xx") {
+                policy.server_errors = true;
+                continue;
+            }
+            match entry.parse::<u16>() {
+                Ok(code) if (100..=599).contains(&code) => policy.codes.push(code),
+                _ => {
+                    return Err(ConfigError::new(
+                        key,
+                        format!("{entry:?} is neither \"5xx\" nor a status code"),
+                    ));
+                }
+            }
+        }
+        Ok(policy)
+    }
+}
+
+fn parse_addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
+    value.parse().map_err(|_| {
+        ConfigError::new(
+            key,
+            format!("{value:?} is not an address like 0.0.0.0:8080"),
+        )
+    })
+}
+
+fn parse_header(key: &str, value: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(value.as_bytes())
+        .map_err(|_| ConfigError::new(key, format!("{value:?} is not a header name")))
+}
+
+fn parse_headers(key: &str, values: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    values.iter().map(|v| parse_header(key, v)).collect()
+}
+
+fn positive(key: &str, value: Duration) -> Result<(), ConfigError> {
+    if value.is_zero() {
+        return Err(ConfigError::new(key, "must be greater than zero"));
+    }
+    Ok(())
+}
+
+/// Replaces the password of a URL with `***`; leaves anything unparsable alone.
+pub fn mask_url_password(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(mut url) if url.password().is_some() => {
+            let _ = url.set_password(Some("***"));
+            url.to_string()
+        }
+        _ => raw.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        let config = Config::from_toml_str("").expect("defaults are valid");
+        assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(30));
+        assert_eq!(config.idempotency.max_request_body, 10 * 1024 * 1024);
+        assert_eq!(
+            config.idempotency.methods,
+            vec![Method::POST, Method::PATCH]
+        );
+    }
+
+    #[test]
+    fn durations_and_sizes_parse() {
+        let config = Config::from_toml_str(
+            "[idempotency]\nttl = \"2h\"\nlock_timeout = \"5s\"\nmax_stored_response = \"1MiB\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.idempotency.ttl, Duration::from_secs(7200));
+        assert_eq!(config.idempotency.max_stored_response, 1024 * 1024);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::from_toml_str("[store]\npool = 3\n").unwrap_err();
+        assert!(err.to_string().contains("pool"), "{err}");
+    }
+
+    #[test]
+    fn bad_duration_names_the_key() {
+        let err = Config::from_toml_str("[idempotency]\nttl = \"forever\"\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.ttl");
+    }
+
+    #[test]
+    fn bad_upstream_names_the_key() {
+        let err = Config::from_toml_str("[upstream]\nurl = \"ftp://x\"\n").unwrap_err();
+        assert_eq!(err.key, "upstream.url");
+    }
+
+    #[test]
+    fn ttl_must_exceed_lease() {
+        let err = Config::from_toml_str("[idempotency]\nttl = \"1s\"\nlock_timeout = \"2s\"\n")
+            .unwrap_err();
+        assert_eq!(err.key, "idempotency.ttl");
+    }
+
+    #[test]
+    fn release_policy_parses_classes_and_codes() {
+        let config =
+            Config::from_toml_str("[idempotency]\nrelease_statuses = [\"5xx\", \"409\"]\n")
+                .unwrap();
+        let policy = &config.idempotency.release;
+        assert!(policy.releases(http::StatusCode::BAD_GATEWAY));
+        assert!(policy.releases(http::StatusCode::CONFLICT));
+        assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
+        let err =
+            Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.release_statuses");
+    }
+
+    #[test]
+    fn password_is_masked() {
+        assert_eq!(
+            mask_url_password("postgres://app:s3cret@db:5432/idem"),
+            "postgres://app:***@db:5432/idem"
+        );
+        let config =
+            Config::from_toml_str("[store]\nurl = \"postgres://app:s3cret@db/idem\"\n").unwrap();
+        assert!(!config.to_masked_toml().contains("s3cret"));
+    }
+}

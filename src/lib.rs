@@ -1,0 +1,104 @@
+//! idemproxy: an idempotency sidecar. A reverse proxy that executes each keyed request at most once and
+//! replays the stored response to every retry.
+//!
+//! The request's path, by file:
+//!
+//! - `server.rs` accepts connections (HTTP/1.1 and h2c) and drains them at shutdown;
+//! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `store.rs` claim →
+//!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
+//!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
+//! - `store/postgres.rs` holds the key table; `error.rs` turns failures into problem+json;
+//! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
+//! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation.
+
+#![forbid(unsafe_code)]
+#![deny(clippy::print_stdout)]
+#![warn(missing_docs)]
+
+pub mod admin;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod shutdown;
+pub mod store;
+
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use config::Config;
+
+use crate::admin::Admin;
+use crate::metrics::Metrics;
+use crate::proxy::Proxy;
+use crate::store::postgres::PostgresStore;
+use crate::store::{StoreError, StoreHandle};
+
+/// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
+pub struct Listeners {
+    /// The proxy listener.
+    pub proxy: TcpListener,
+    /// The admin listener.
+    pub admin: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both addresses of the configuration.
+    pub async fn bind(config: &Config) -> std::io::Result<Listeners> {
+        Ok(Listeners {
+            proxy: TcpListener::bind(config.server.listen).await?,
+            admin: TcpListener::bind(config.server.admin_listen).await?,
+        })
+    }
+}
+
+/// Why `run` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The store could not be set up or migrated.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A listener's address could not be read.
+    #[error("listener: {0}")]
+    Listener(#[from] std::io::Error),
+}
+
+/// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
+/// Applies pending migrations first unless `store.migrate` is off.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    if config.store.migrate {
+        let applied = PostgresStore::migrate(&config.store).await?;
+        tracing::info!(applied, "store schema is up to date");
+    }
+    let metrics = Metrics::new();
+    let backend = PostgresStore::connect(&config.store)?;
+    let store = StoreHandle::new(Arc::new(backend), metrics.clone());
+    let proxy = Proxy::new(&config, store.clone(), metrics.clone(), TaskTracker::new());
+    let admin = Admin::new(metrics, store);
+    tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
+    tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
+    server::serve(
+        listeners.proxy,
+        listeners.admin,
+        proxy,
+        admin,
+        shutdown,
+        config.server.shutdown_grace,
+    )
+    .await;
+    Ok(())
+}
+
+/// Applies pending migrations and reports how many were applied.
+pub async fn migrate(config: &Config) -> Result<usize, StoreError> {
+    PostgresStore::migrate(&config.store).await
+}

@@ -1,0 +1,82 @@
+//! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
+//! the library. Exit codes: 0 done, 1 runtime failure, 64 bad configuration.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use idemproxy::cli::{Cli, Command, ConfigArgs};
+use idemproxy::config::{Config, LogFormat};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+/// sysexits' EX_USAGE, as for any bad configuration.
+const EXIT_CONFIG: u8 = 64;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let args = match &cli.command {
+        Command::Serve(args) | Command::Migrate(args) | Command::CheckConfig(args) => args,
+    };
+    let config = match load(args) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("{error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if let Command::CheckConfig(_) = cli.command {
+        print!("{}", config.to_masked_toml());
+        return ExitCode::SUCCESS;
+    }
+    init_tracing(&config);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "cannot start the runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Migrate(_) => migrate(&config).await,
+            _ => serve(config).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(error = format!("{error:#}"), "idemproxy stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(args: &ConfigArgs) -> Result<Config, idemproxy::config::ConfigError> {
+    Config::load(args.config.as_deref(), &args.overrides())
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let listeners = idemproxy::Listeners::bind(&config).await?;
+    let shutdown = CancellationToken::new();
+    idemproxy::shutdown::cancel_on_signal(shutdown.clone())?;
+    idemproxy::run(config, listeners, shutdown).await?;
+    Ok(())
+}
+
+async fn migrate(config: &Config) -> anyhow::Result<()> {
+    let applied = idemproxy::migrate(config).await?;
+    tracing::info!(applied, "migrations applied");
+    Ok(())
+}
+
+fn init_tracing(config: &Config) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}

@@ -1,0 +1,293 @@
+//! Every metric idemproxy exports, by name, in this one file. A [`Metrics`] owns its own registry (never the
+//! global one) and is created once in `run()` and passed down. Labels come from small fixed sets only:
+//! never keys, paths or error text.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+/// How a request ended, for `idemproxy_requests_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Not a protected request: forwarded as is.
+    Passthrough,
+    /// Claimed and forwarded to the upstream.
+    Executed,
+    /// Answered from the stored response.
+    Replayed,
+    /// Refused: another request holds the key.
+    Conflict,
+    /// Refused: key reused with another payload.
+    Mismatch,
+    /// Refused: malformed key, missing key, or body too large.
+    Rejected,
+    /// The store could not be reached.
+    StoreUnavailable,
+    /// The upstream could not be reached, broke off, or timed out.
+    UpstreamError,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 8] = [
+        Outcome::Passthrough,
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::Rejected,
+        Outcome::StoreUnavailable,
+        Outcome::UpstreamError,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Passthrough => "passthrough",
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Rejected => "rejected",
+            Outcome::StoreUnavailable => "store_unavailable",
+            Outcome::UpstreamError => "upstream_error",
+        }
+    }
+}
+
+/// A store operation, for the `op` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreOp {
+    /// The claim statement (and its follow-up read).
+    Claim,
+    /// Lease extension.
+    Heartbeat,
+    /// Storing the response.
+    Complete,
+    /// Releasing a claim after a retryable failure.
+    Release,
+    /// Readiness probe.
+    Ping,
+}
+
+impl StoreOp {
+    const ALL: [StoreOp; 5] = [
+        StoreOp::Claim,
+        StoreOp::Heartbeat,
+        StoreOp::Complete,
+        StoreOp::Release,
+        StoreOp::Ping,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Claim => "claim",
+            StoreOp::Heartbeat => "heartbeat",
+            StoreOp::Complete => "complete",
+            StoreOp::Release => "release",
+            StoreOp::Ping => "ping",
+        }
+    }
+}
+
+/// The registry and every metric in it.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `idemproxy_requests_total{outcome}`
+    pub requests: IntCounterVec,
+    /// `idemproxy_replays_total`
+    pub replays: IntCounter,
+    /// `idemproxy_conflicts_total`
+    pub conflicts: IntCounter,
+    /// `idemproxy_stale_takeovers_total`
+    pub stale_takeovers: IntCounter,
+    /// `idemproxy_mismatches_total`
+    pub mismatches: IntCounter,
+    /// `idemproxy_lost_claims_total`: fenced-out heartbeats, completions and releases.
+    pub lost_claims: IntCounter,
+    /// `idemproxy_unprotected_requests_total`: keyed requests forwarded without a claim (fail_open).
+    pub unprotected: IntCounter,
+    /// `idemproxy_responses_not_retained_total`: completions whose body was over the storage cap.
+    pub not_retained: IntCounter,
+    /// `idemproxy_store_errors_total{op}`
+    pub store_errors: IntCounterVec,
+    /// `idemproxy_store_duration_seconds{op}`
+    pub store_duration: HistogramVec,
+    /// `idemproxy_upstream_duration_seconds`: time to the upstream's response head.
+    pub upstream_duration: Histogram,
+    /// `idemproxy_in_flight_requests`
+    pub in_flight: IntGauge,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let latency = prometheus::exponential_buckets(0.0005, 2.0, 16)
+            .expect("static bucket layout is valid");
+        let metrics = Metrics {
+            requests: IntCounterVec::new(
+                Opts::new("idemproxy_requests_total", "Requests by how they ended."),
+                &["outcome"],
+            )
+            .expect("valid metric"),
+            replays: counter(
+                "idemproxy_replays_total",
+                "Requests answered from a stored response.",
+            ),
+            conflicts: counter(
+                "idemproxy_conflicts_total",
+                "Requests refused because their key was in flight.",
+            ),
+            stale_takeovers: counter(
+                "idemproxy_stale_takeovers_total",
+                "Claims taken over after the previous claim's lease ran out.",
+            ),
+            mismatches: counter(
+                "idemproxy_mismatches_total",
+                "Requests refused because their key was used with another payload.",
+            ),
+            lost_claims: counter(
+                "idemproxy_lost_claims_total",
+                "Heartbeats, completions and releases refused because the claim was taken over.",
+            ),
+            unprotected: counter(
+                "idemproxy_unprotected_requests_total",
+                "Keyed requests forwarded without protection while the store was down (fail_open).",
+            ),
+            not_retained: counter(
+                "idemproxy_responses_not_retained_total",
+                "Completed requests whose response was over max_stored_response and was not kept.",
+            ),
+            store_errors: IntCounterVec::new(
+                Opts::new(
+                    "idemproxy_store_errors_total",
+                    "Failed store operations by operation.",
+                ),
+                &["op"],
+            )
+            .expect("valid metric"),
+            store_duration: HistogramVec::new(
+                HistogramOpts::new(
+                    "idemproxy_store_duration_seconds",
+                    "Store operation latency.",
+                )
+                .buckets(latency.clone()),
+                &["op"],
+            )
+            .expect("valid metric"),
+            upstream_duration: Histogram::with_opts(
+                HistogramOpts::new(
+                    "idemproxy_upstream_duration_seconds",
+                    "Time from forwarding a request to the upstream's response head.",
+                )
+                .buckets(latency),
+            )
+            .expect("valid metric"),
+            in_flight: IntGauge::new(
+                "idemproxy_in_flight_requests",
+                "Requests being handled now.",
+            )
+            .expect("valid metric"),
+            registry,
+        };
+        metrics.register_all();
+        metrics.touch_label_sets();
+        metrics
+    }
+
+    fn register_all(&self) {
+        let collectors: [Box<dyn prometheus::core::Collector>; 12] = [
+            Box::new(self.requests.clone()),
+            Box::new(self.replays.clone()),
+            Box::new(self.conflicts.clone()),
+            Box::new(self.stale_takeovers.clone()),
+            Box::new(self.mismatches.clone()),
+            Box::new(self.lost_claims.clone()),
+            Box::new(self.unprotected.clone()),
+            Box::new(self.not_retained.clone()),
+            Box::new(self.store_errors.clone()),
+            Box::new(self.store_duration.clone()),
+            Box::new(self.upstream_duration.clone()),
+            Box::new(self.in_flight.clone()),
+        ];
+        for collector in collectors {
+            self.registry
+                .register(collector)
+                .expect("metric names are unique");
+        }
+    }
+
+    /// Exports every labelled series at zero from the start, so rates work before the first event.
+    fn touch_label_sets(&self) {
+        for outcome in Outcome::ALL {
+            self.requests.with_label_values(&[outcome.as_str()]);
+        }
+        for op in StoreOp::ALL {
+            self.store_errors.with_label_values(&[op.as_str()]);
+        }
+    }
+
+    /// Counts a finished request.
+    pub fn record(&self, outcome: Outcome) {
+        self.requests.with_label_values(&[outcome.as_str()]).inc();
+        match outcome {
+            Outcome::Replayed => self.replays.inc(),
+            Outcome::Conflict => self.conflicts.inc(),
+            Outcome::Mismatch => self.mismatches.inc(),
+            _ => {}
+        }
+    }
+
+    /// Observes one store operation's latency, and counts it if it failed.
+    pub fn store_op(&self, op: StoreOp, seconds: f64, ok: bool) {
+        self.store_duration
+            .with_label_values(&[op.as_str()])
+            .observe(seconds);
+        if !ok {
+            self.store_errors.with_label_values(&[op.as_str()]).inc();
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Vec<u8> {
+        let mut buffer = Vec::new();
+        if let Err(error) = TextEncoder::new().encode(&self.registry.gather(), &mut buffer) {
+            tracing::error!(%error, "cannot encode metrics");
+        }
+        buffer
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+fn counter(name: &str, help: &str) -> IntCounter {
+    IntCounter::new(name, help).expect("valid metric")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_counts_in_both_series() {
+        let metrics = Metrics::new();
+        metrics.record(Outcome::Replayed);
+        let text = String::from_utf8(metrics.render()).unwrap();
+        assert!(text.contains("idemproxy_replays_total 1"), "{text}");
+        assert!(
+            text.contains("idemproxy_requests_total{outcome=\"replayed\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemproxy_requests_total{outcome=\"conflict\"} 0"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,301 @@
+//! Runs once a request is cleared to reach the upstream (passthrough, a won claim, or fail_open): builds the
+//! upstream request with clean headers, sends it under the configured timeouts, and classifies failures by
+//! whether the upstream may have received the request. Also owns the claim's heartbeat.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri, Version, request};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio_util::sync::CancellationToken;
+
+use http_body_util::BodyExt;
+
+use super::body::{BoxError, ProxyBody};
+use crate::config::UpstreamConfig;
+use crate::error::ProxyError;
+use crate::metrics::Metrics;
+use crate::store::{RecordId, StoreHandle};
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1): meaningful for one connection only, never forwarded or stored.
+const HOP_BY_HOP: [HeaderName; 6] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Why the upstream did not give us a response head.
+#[derive(Debug)]
+pub enum UpstreamFailure {
+    /// The connection could not be made: the upstream certainly never saw the request.
+    NotDelivered(String),
+    /// The request may have reached the upstream (reset, broken connection after sending).
+    Ambiguous(String),
+    /// No response head within `upstream.timeout`; the request may have reached the upstream.
+    Timeout(Duration),
+}
+
+impl UpstreamFailure {
+    /// The client-facing error.
+    pub fn into_error(self) -> ProxyError {
+        match self {
+            UpstreamFailure::NotDelivered(why) | UpstreamFailure::Ambiguous(why) => {
+                ProxyError::UpstreamUnreachable(why)
+            }
+            UpstreamFailure::Timeout(after) => ProxyError::UpstreamTimeout(after),
+        }
+    }
+}
+
+/// The pooled HTTP/1.1 client to the upstream.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, ProxyBody>,
+    base: Uri,
+    timeout: Duration,
+    metrics: Metrics,
+}
+
+impl Upstream {
+    /// A client with keep-alive pooling and the configured connect timeout.
+    pub fn new(config: &UpstreamConfig, metrics: Metrics) -> Upstream {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        connector.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        Upstream {
+            client,
+            base: config.base.clone(),
+            timeout: config.timeout,
+            metrics,
+        }
+    }
+
+    /// The bound on waiting for a response head and between body chunks.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
+    /// `X-Forwarded-*` set; the client's `Host` kept.
+    pub fn request(
+        &self,
+        parts: &request::Parts,
+        body: ProxyBody,
+        peer: SocketAddr,
+    ) -> Request<ProxyBody> {
+        let mut headers = parts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        let host = original_host(parts);
+        if let Some(host) = &host {
+            headers.insert(header::HOST, host.clone());
+        }
+        set_forwarded(&mut headers, peer, host);
+        let mut request = Request::new(body);
+        *request.method_mut() = parts.method.clone();
+        *request.uri_mut() = self.uri_for(&parts.uri);
+        *request.version_mut() = Version::HTTP_11;
+        *request.headers_mut() = headers;
+        request
+    }
+
+    fn uri_for(&self, uri: &Uri) -> Uri {
+        let mut target = self.base.clone().into_parts();
+        target.path_and_query = Some(
+            uri.path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+        );
+        Uri::from_parts(target).unwrap_or_else(|_| self.base.clone())
+    }
+
+    /// Sends the request and waits for the response head within `upstream.timeout`.
+    pub async fn send(
+        &self,
+        request: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, UpstreamFailure> {
+        let started = std::time::Instant::now();
+        let result = tokio::time::timeout(self.timeout, self.client.request(request)).await;
+        self.metrics
+            .upstream_duration
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(e)) if e.is_connect() => Err(UpstreamFailure::NotDelivered(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamFailure::Ambiguous(error_chain(&e))),
+            Err(_) => Err(UpstreamFailure::Timeout(self.timeout)),
+        }
+    }
+}
+
+/// An upstream response passed through as it streams, without capture.
+pub fn stream_response(response: Response<Incoming>) -> Response<ProxyBody> {
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, body.map_err(BoxError::from).boxed())
+}
+
+/// Removes hop-by-hop headers, including every header the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    let proxy: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("proxy-"))
+        .cloned()
+        .collect();
+    for name in proxy {
+        headers.remove(name);
+    }
+}
+
+fn original_host(parts: &request::Parts) -> Option<HeaderValue> {
+    parts.headers.get(header::HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    })
+}
+
+fn set_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: Option<HeaderValue>) {
+    let client_ip = peer.ip().to_string();
+    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(prior) => format!("{prior}, {client_ip}"),
+        None => client_ip,
+    };
+    if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
+        headers.insert(X_FORWARDED_FOR, value);
+    }
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    if let Some(host) = host {
+        headers.insert(X_FORWARDED_HOST, host);
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Extends a claim's lease about every third of `lock_timeout` while the upstream works. Stops when
+/// dropped or stopped; stops by itself when the claim turns out to be taken over (counted as lost).
+pub struct Heartbeat {
+    stop: CancellationToken,
+}
+
+impl Heartbeat {
+    /// Starts beating for `id` on a task owned by `tracker`.
+    pub fn start(
+        store: StoreHandle,
+        id: RecordId,
+        lease: Duration,
+        metrics: Metrics,
+        tracker: &tokio_util::task::TaskTracker,
+    ) -> Heartbeat {
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        tracker.spawn(async move {
+            let mut ticks = tokio::time::interval(lease / 3);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            loop {
+                tokio::select! {
+                    _ = token.cancelled() => return,
+                    _ = ticks.tick() => {}
+                }
+                match store.heartbeat(&id, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        metrics.lost_claims.inc();
+                        tracing::warn!(key = %id.key, "claim was taken over; heartbeat stopped");
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!(key = %id.key, %error, "heartbeat failed; will retry")
+                    }
+                }
+            }
+        });
+        Heartbeat { stop }
+    }
+
+    /// Stops extending the lease.
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_connection_named_ones_are_removed() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.insert("x-secret", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["content-type"]);
+    }
+
+    #[test]
+    fn forwarded_for_appends_the_peer() {
+        let mut headers = HeaderMap::new();
+        headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
+        set_forwarded(
+            &mut headers,
+            "127.0.0.1:5000".parse().unwrap(),
+            Some(HeaderValue::from_static("api")),
+        );
+        assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
+        assert_eq!(headers[&X_FORWARDED_HOST], "api");
+        assert_eq!(headers[&X_FORWARDED_PROTO], "http");
+    }
+}

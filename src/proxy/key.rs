@@ -1,0 +1,211 @@
+//! Runs first for a protected request, before any store work: reads the idempotency key, derives the scope
+//! from the client's credentials, and fingerprints the request. Pure functions of the request; touches
+//! nothing else.
+
+use http::header::GetAll;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+use sha2::{Digest, Sha256};
+
+use crate::error::ProxyError;
+
+/// Route scope name; every request shares it until routes can name their own.
+pub const DEFAULT_SCOPE: &str = "default";
+
+/// Reads the key from its header. `Ok(None)` when the header is absent.
+///
+/// Accepted forms: an RFC 8941 sf-string (`"abc"`, with `\"` and `\\` escapes) or a bare value (`abc`);
+/// after unquoting, 1 to `max_len` visible ASCII characters. A bare value may not contain `,`, which is
+/// what two header lines folded into one look like. Repeated headers are refused.
+pub fn parse_key(
+    values: GetAll<'_, HeaderValue>,
+    max_len: usize,
+) -> Result<Option<String>, ProxyError> {
+    let mut values = values.iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(invalid("the header is repeated"));
+    }
+    let raw = value
+        .to_str()
+        .map_err(|_| invalid("not visible ASCII"))?
+        .trim();
+    let key = if raw.starts_with('"') {
+        unquote(raw)?
+    } else {
+        if raw.contains(',') {
+            return Err(invalid(
+                "a bare key may not contain ','; quote it as an sf-string",
+            ));
+        }
+        raw.to_owned()
+    };
+    check_key(&key, max_len)?;
+    Ok(Some(key))
+}
+
+fn unquote(raw: &str) -> Result<String, ProxyError> {
+    let item: sfv::Item = sfv::Parser::new(raw)
+        .parse()
+        .map_err(|e| invalid(&format!("not a valid sf-string: {e}")))?;
+    if !item.params.is_empty() {
+        return Err(invalid("parameters are not allowed"));
+    }
+    match item.bare_item.as_string() {
+        Some(s) => Ok(s.as_str().to_owned()),
+        None => Err(invalid("not a valid sf-string")),
+    }
+}
+
+fn check_key(key: &str, max_len: usize) -> Result<(), ProxyError> {
+    if key.is_empty() {
+        return Err(invalid("empty"));
+    }
+    if key.len() > max_len {
+        return Err(invalid(&format!("longer than {max_len} characters")));
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid("only visible ASCII characters are allowed"));
+    }
+    Ok(())
+}
+
+fn invalid(why: &str) -> ProxyError {
+    ProxyError::InvalidKey(why.to_owned())
+}
+
+/// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers'
+/// values, so clients with different credentials never share keys and credentials are never stored.
+pub fn scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
+    let mut hash = Sha256::new();
+    for name in scope_headers {
+        hash_field(&mut hash, name.as_str().as_bytes());
+        for value in headers.get_all(name) {
+            hash_field(&mut hash, value.as_bytes());
+        }
+    }
+    format!("{DEFAULT_SCOPE}:{}", hex::encode(hash.finalize()))
+}
+
+/// SHA-256 over what makes two requests "the same": method, path with query, the fingerprint headers'
+/// values, and the body. Every field is length-prefixed so no two different requests hash alike by
+/// shifting bytes between fields.
+pub fn fingerprint(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    names: &[HeaderName],
+    body: &[u8],
+) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    hash_field(&mut hash, method.as_str().as_bytes());
+    let target = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
+    hash_field(&mut hash, target.as_bytes());
+    for name in names {
+        hash_field(&mut hash, name.as_str().as_bytes());
+        for value in headers.get_all(name) {
+            hash_field(&mut hash, value.as_bytes());
+        }
+    }
+    hash_field(&mut hash, body);
+    hash.finalize().into()
+}
+
+fn hash_field(hash: &mut Sha256, bytes: &[u8]) {
+    hash.update((bytes.len() as u64).to_be_bytes());
+    hash.update(bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_of(values: &[&[u8]]) -> Result<Option<String>, ProxyError> {
+        let mut headers = HeaderMap::new();
+        for v in values {
+            headers.append("idempotency-key", HeaderValue::from_bytes(v).unwrap());
+        }
+        parse_key(headers.get_all("idempotency-key"), 16)
+    }
+
+    #[test]
+    fn bare_and_quoted_forms_are_the_same_key() {
+        assert_eq!(key_of(&[b"abc-1"]).unwrap().as_deref(), Some("abc-1"));
+        assert_eq!(key_of(&[b"\"abc-1\""]).unwrap().as_deref(), Some("abc-1"));
+        assert_eq!(key_of(&[br#""a\"b""#]).unwrap().as_deref(), Some("a\"b"));
+    }
+
+    #[test]
+    fn absent_header_is_no_key() {
+        assert!(key_of(&[]).unwrap().is_none());
+    }
+
+    #[test]
+    fn malformed_keys_are_refused() {
+        let cases: &[&[&[u8]]] = &[
+            &[b""],
+            &[b"\"\""],
+            &[b"\"unterminated"],
+            &[b"\"a\";p=1"],
+            &[b"a b"],
+            &[b"\"a b\""],
+            &[b"a,b"],
+            &[b"0123456789abcdefX"],
+            &[b"caf\xc3\xa9"],
+            &[b"a", b"b"],
+        ];
+        for case in cases {
+            let result = key_of(case);
+            assert!(
+                matches!(result, Err(ProxyError::InvalidKey(_))),
+                "{case:?} gave {result:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn scope_separates_credentials_and_hides_them() {
+        let names = [HeaderName::from_static("authorization")];
+        let mut a = HeaderMap::new();
+        a.insert("authorization", HeaderValue::from_static("Bearer alice"));
+        let mut b = HeaderMap::new();
+        b.insert("authorization", HeaderValue::from_static("Bearer bob"));
+        assert_ne!(scope(&a, &names), scope(&b, &names));
+        assert_eq!(scope(&a, &names), scope(&a.clone(), &names));
+        assert!(!scope(&a, &names).contains("alice"));
+    }
+
+    #[test]
+    fn fingerprint_covers_method_path_headers_and_body() {
+        let names = [HeaderName::from_static("content-type")];
+        let uri: Uri = "/pay?x=1".parse().unwrap();
+        let headers = HeaderMap::new();
+        let base = fingerprint(&Method::POST, &uri, &headers, &names, b"{}");
+        assert_eq!(
+            base,
+            fingerprint(&Method::POST, &uri, &headers, &names, b"{}")
+        );
+        assert_ne!(
+            base,
+            fingerprint(&Method::PATCH, &uri, &headers, &names, b"{}")
+        );
+        assert_ne!(
+            base,
+            fingerprint(
+                &Method::POST,
+                &"/pay?x=2".parse().unwrap(),
+                &headers,
+                &names,
+                b"{}"
+            )
+        );
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, &uri, &headers, &names, b"{ }")
+        );
+        let mut json = HeaderMap::new();
+        json.insert("content-type", HeaderValue::from_static("application/json"));
+        assert_ne!(base, fingerprint(&Method::POST, &uri, &json, &names, b"{}"));
+    }
+}

@@ -1,0 +1,80 @@
+//! Runs when the claim found a completed record with the same fingerprint: rebuilds the original response
+//! from the store, byte for byte, without touching the upstream.
+
+use http::{HeaderName, HeaderValue, Response, StatusCode};
+
+use super::body::{self, ProxyBody};
+use crate::error::ProxyError;
+use crate::store::StoredResponse;
+
+/// Marks every response answered from the store.
+pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The stored response as the client first saw it, plus `Idempotent-Replayed: true`. A record kept
+/// without its body (over `max_stored_response`) answers 410: the operation happened and must not run again.
+pub fn response(stored: StoredResponse) -> Result<Response<ProxyBody>, ProxyError> {
+    let Some(body) = stored.body else {
+        return Err(ProxyError::ResponseNotRetained {
+            status: stored.status,
+        });
+    };
+    let mut response = Response::new(body::full(body));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&value),
+        ) {
+            (Ok(name), Ok(value)) => {
+                headers.append(name, value);
+            }
+            _ => {
+                tracing::warn!(header = %name, "stored header is not valid HTTP; left out of the replay")
+            }
+        }
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn replay_restores_status_headers_and_body() {
+        let stored = StoredResponse {
+            status: 201,
+            headers: vec![
+                ("content-type".into(), b"application/json".to_vec()),
+                ("set-cookie".into(), b"a=1".to_vec()),
+                ("set-cookie".into(), b"b=2".to_vec()),
+            ],
+            body: Some(Bytes::from_static(b"{\"id\":7}")),
+        };
+        let response = response(stored).unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        assert_eq!(response.headers()["content-type"], "application/json");
+        assert_eq!(response.headers().get_all("set-cookie").iter().count(), 2);
+        assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"{\"id\":7}");
+    }
+
+    #[test]
+    fn record_without_body_answers_gone() {
+        let stored = StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: None,
+        };
+        assert!(matches!(
+            response(stored),
+            Err(ProxyError::ResponseNotRetained { status: 200 })
+        ));
+    }
+}

@@ -1,0 +1,421 @@
+//! The PostgreSQL key table. Runs on the request path (claim) and in the forwarding task (heartbeat,
+//! complete, release); touches only the `idemproxy` schema. Every statement is a named constant, prepared
+//! once per pooled connection; every operation is bounded by `store.timeout`, and a connection that timed
+//! out is dropped instead of going back to the pool. The database clock (`now()`) is the only clock.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use tokio::time::{error::Elapsed, timeout};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{NoTls, Row};
+
+use super::{
+    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, Store, StoreError, StoredResponse,
+};
+use crate::config::StoreConfig;
+
+mod embedded {
+    refinery::embed_migrations!("migrations/postgres");
+}
+
+/// Where refinery records applied migrations; it lives in our schema so a database can be shared.
+const MIGRATION_TABLE: &str = "idemproxy.schema_history";
+
+/// Serialises concurrent `migrate` runs of several replicas starting at once. Taken only by migration,
+/// never on the request path.
+const MIGRATION_LOCK_ID: i64 = 0x1de3_7072_6f78_7901;
+
+/// Columns describing a record as seen by the statement; shared by the claim and the re-read.
+macro_rules! view_columns {
+    () => {
+        "r.status, r.fingerprint = $3 AS same_fingerprint, \
+         ceil(extract(epoch FROM (r.locked_until - now())) * 1000)::bigint AS lease_ms, \
+         r.expires_at <= now() AS expired, r.response_status, r.response_header_names, \
+         r.response_header_values, r.response_body, r.body_retained"
+    };
+}
+
+/// The claim, in one round trip. The INSERT wins a new key outright. On conflict, the DO UPDATE re-takes the
+/// row only in the claimable cases (expired; or same fingerprint and failed or past its lease); PostgreSQL
+/// evaluates that WHERE against the latest committed version of the row, under its row lock, so two
+/// claimers can never both win. When nothing was claimed, the second branch reports the row as of the
+/// statement's snapshot. That snapshot may predate a concurrent commit (the row is then invisible, or looks
+/// claimable although the WHERE refused it); the caller detects both and re-reads in a new statement.
+const CLAIM: &str = concat!(
+    "WITH claimed AS (
+        INSERT INTO idemproxy.records AS r
+            (scope, key, fingerprint, status, token, attempt, claim_kind,
+             locked_until, created_at, expires_at, updated_at)
+        VALUES ($1, $2, $3, 'processing', $4, 1, 'new',
+                now() + make_interval(secs => $5), now(), now() + make_interval(secs => $6), now())
+        ON CONFLICT (scope, key) DO UPDATE SET
+            fingerprint = EXCLUDED.fingerprint,
+            status = 'processing',
+            token = EXCLUDED.token,
+            attempt = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempt + 1 END,
+            claim_kind = CASE WHEN r.expires_at <= now() THEN 'new'
+                              WHEN r.status = 'failed' THEN 'retry'
+                              ELSE 'takeover' END,
+            locked_until = EXCLUDED.locked_until,
+            created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+            expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at ELSE r.expires_at END,
+            updated_at = now(),
+            response_status = NULL,
+            response_header_names = NULL,
+            response_header_values = NULL,
+            response_body = NULL,
+            body_retained = NULL
+        WHERE r.expires_at <= now()
+           OR (r.fingerprint = EXCLUDED.fingerprint
+               AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now())))
+        RETURNING r.attempt, r.claim_kind
+    )
+    SELECT true AS won, c.attempt, c.claim_kind,
+           NULL::text AS status, NULL::boolean AS same_fingerprint, NULL::bigint AS lease_ms,
+           NULL::boolean AS expired, NULL::smallint AS response_status, NULL::text[] AS response_header_names,
+           NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, NULL::boolean AS body_retained
+    FROM claimed c
+    UNION ALL
+    SELECT false, r.attempt, r.claim_kind, ",
+    view_columns!(),
+    "
+    FROM idemproxy.records r
+    WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+);
+
+/// Re-read of a record the claim could not take, in a fresh statement and so a fresh snapshot that sees
+/// every commit the claim's conflict check saw. `$3` is the request's fingerprint.
+const READ: &str = concat!(
+    "SELECT false AS won, r.attempt, r.claim_kind, ",
+    view_columns!(),
+    " FROM idemproxy.records r WHERE r.scope = $1 AND r.key = $2"
+);
+
+/// Extends the lease of a live claim. Fenced: only the holder of the current token can.
+const HEARTBEAT: &str = "UPDATE idemproxy.records
+    SET locked_until = now() + make_interval(secs => $4), updated_at = now()
+    WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
+
+/// Stores the response. Fenced: a slow original whose claim was taken over matches no row.
+const COMPLETE: &str = "UPDATE idemproxy.records
+    SET status = 'completed', locked_until = now(), updated_at = now(),
+        response_status = $4, response_header_names = $5, response_header_values = $6,
+        response_body = $7, body_retained = $8
+    WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
+
+/// Gives the key back so the next retry executes. Fenced like COMPLETE.
+const RELEASE: &str = "UPDATE idemproxy.records
+    SET status = 'failed', locked_until = now(), updated_at = now()
+    WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
+
+/// How many claim rounds to try before answering "in flight" to a key that changes under every read.
+const CLAIM_ROUNDS: usize = 3;
+
+/// How often a statement hit by a serialization failure or deadlock is retried.
+const SERIALIZATION_RETRIES: usize = 3;
+
+/// The PostgreSQL-backed [`Store`].
+pub struct PostgresStore {
+    pool: Pool,
+    timeout: Duration,
+}
+
+impl PostgresStore {
+    /// Builds the pool; connections open lazily, so this succeeds while the database is down.
+    pub fn connect(config: &StoreConfig) -> Result<PostgresStore, StoreError> {
+        let pg = pg_config(config)?;
+        let manager = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(config.pool_size)
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(PostgresStore {
+            pool,
+            timeout: config.timeout,
+        })
+    }
+
+    async fn client(&self) -> Result<Object, StoreError> {
+        match timeout(self.timeout, self.pool.get()).await {
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(e)) => Err(StoreError::Backend(e.to_string())),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Maps a bounded operation's result; a connection whose operation timed out may still have a
+    /// statement in flight, so it is detached from the pool rather than reused.
+    fn finish<T>(
+        &self,
+        client: Object,
+        result: Result<Result<T, tokio_postgres::Error>, Elapsed>,
+    ) -> Result<T, StoreError> {
+        match result {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(backend(e)),
+            Err(_) => {
+                drop(Object::take(client));
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    async fn execute_fenced(
+        &self,
+        sql: &'static str,
+        id: &RecordId,
+        extra: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+            vec![&id.scope, &id.key, &id.token];
+        params.extend_from_slice(extra);
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(sql).await?;
+            retry_serialization(|| client.execute(&statement, &params)).await
+        })
+        .await;
+        self.finish(client, result).map(|rows| rows == 1)
+    }
+
+    /// Applies pending migrations. Several replicas may call this at once: a session advisory lock on a
+    /// dedicated connection serialises them, and each applies only what is still missing.
+    pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
+        let pg = pg_config(config)?;
+        let (mut client, connection) = pg.connect(NoTls).await.map_err(backend)?;
+        let driver = tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::warn!(%error, "migration connection ended");
+            }
+        });
+        let applied = migrate_locked(&mut client).await;
+        drop(client);
+        let _ = driver.await;
+        applied
+    }
+}
+
+async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
+    let migration = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_ID])
+        .await
+        .map_err(migration)?;
+    client
+        .batch_execute("CREATE SCHEMA IF NOT EXISTS idemproxy")
+        .await
+        .map_err(migration)?;
+    let report = embedded::migrations::runner()
+        .set_migration_table_name(MIGRATION_TABLE)
+        .run_async(client)
+        .await
+        .map_err(|e| StoreError::Migration(e.to_string()));
+    client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_ID])
+        .await
+        .map_err(migration)?;
+    Ok(report?.applied_migrations().len())
+}
+
+fn pg_config(config: &StoreConfig) -> Result<tokio_postgres::Config, StoreError> {
+    let mut pg: tokio_postgres::Config = config
+        .url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| StoreError::Backend(e.to_string()))?;
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(config.timeout);
+    }
+    if pg.get_application_name().is_none() {
+        pg.application_name("idemproxy");
+    }
+    pg.keepalives(true).keepalives_idle(Duration::from_secs(30));
+    Ok(pg)
+}
+
+fn backend(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Backend(e.to_string())
+}
+
+/// Runs a statement again when the database reports a serialization failure or deadlock (40001, 40P01),
+/// which distributed Postgres-compatible databases raise under contention.
+async fn retry_serialization<T, F, Fut>(mut statement: F) -> Result<T, tokio_postgres::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, tokio_postgres::Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        match statement().await {
+            Err(e) if attempt < SERIALIZATION_RETRIES && is_serialization_failure(&e) => {
+                attempt += 1
+            }
+            result => return result,
+        }
+    }
+}
+
+fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
+    matches!(
+        e.code(),
+        Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
+    )
+}
+
+/// One row of CLAIM or READ.
+enum Seen {
+    Won { attempt: i32, kind: ClaimKind },
+    Record(View),
+}
+
+/// A record as one statement saw it.
+struct View {
+    status: String,
+    same_fingerprint: bool,
+    lease_ms: i64,
+    expired: bool,
+    response: Option<StoredResponse>,
+}
+
+impl View {
+    /// Whether the claim statement's WHERE would have taken this version of the row. If it looks claimable
+    /// but the claim did not win, the version is from an older snapshot than the conflict check saw.
+    fn claimable(&self) -> bool {
+        self.expired
+            || (self.same_fingerprint
+                && (self.status == "failed" || (self.status == "processing" && self.lease_ms <= 0)))
+    }
+
+    fn into_existing(self) -> Existing {
+        match (self.status.as_str(), self.response) {
+            ("completed", Some(response)) => Existing::Completed {
+                same_fingerprint: self.same_fingerprint,
+                response,
+            },
+            ("failed", _) => Existing::Failed,
+            _ => Existing::Processing {
+                same_fingerprint: self.same_fingerprint,
+                lease_remaining: Duration::from_millis(self.lease_ms.max(0) as u64),
+            },
+        }
+    }
+}
+
+fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
+    let attempt: i32 = row.try_get("attempt")?;
+    let kind: String = row.try_get("claim_kind")?;
+    if row.try_get::<_, bool>("won")? {
+        let kind = ClaimKind::parse(&kind).unwrap_or(ClaimKind::New);
+        return Ok(Seen::Won { attempt, kind });
+    }
+    Ok(Seen::Record(View {
+        status: row.try_get("status")?,
+        same_fingerprint: row.try_get("same_fingerprint")?,
+        lease_ms: row.try_get("lease_ms")?,
+        expired: row.try_get("expired")?,
+        response: decode_response(row)?,
+    }))
+}
+
+fn decode_response(row: &Row) -> Result<Option<StoredResponse>, tokio_postgres::Error> {
+    let Some(status) = row.try_get::<_, Option<i16>>("response_status")? else {
+        return Ok(None);
+    };
+    let names: Vec<String> = row
+        .try_get::<_, Option<_>>("response_header_names")?
+        .unwrap_or_default();
+    let values: Vec<Vec<u8>> = row
+        .try_get::<_, Option<_>>("response_header_values")?
+        .unwrap_or_default();
+    let retained = row
+        .try_get::<_, Option<bool>>("body_retained")?
+        .unwrap_or(false);
+    let body: Option<Vec<u8>> = row.try_get("response_body")?;
+    Ok(Some(StoredResponse {
+        status: status as u16,
+        headers: names.into_iter().zip(values).collect(),
+        body: if retained {
+            Some(Bytes::from(body.unwrap_or_default()))
+        } else {
+            None
+        },
+    }))
+}
+
+async fn claim_on(
+    client: &Object,
+    request: &ClaimRequest,
+) -> Result<ClaimResult, tokio_postgres::Error> {
+    let claim = client.prepare_cached(CLAIM).await?;
+    let read = client.prepare_cached(READ).await?;
+    let id = &request.id;
+    let fingerprint: &[u8] = &request.fingerprint;
+    let lease = request.lease.as_secs_f64();
+    let ttl = request.ttl.as_secs_f64();
+    for _ in 0..CLAIM_ROUNDS {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+            [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
+        let row = retry_serialization(|| client.query_opt(&claim, &params)).await?;
+        match row.as_ref().map(decode).transpose()? {
+            Some(Seen::Won { attempt, kind }) => return Ok(ClaimResult::Won { attempt, kind }),
+            Some(Seen::Record(view)) if !view.claimable() => {
+                return Ok(ClaimResult::Held(view.into_existing()));
+            }
+            _ => {}
+        }
+        let row = client
+            .query_opt(&read, &[&id.scope, &id.key, &fingerprint])
+            .await?;
+        if let Some(Seen::Record(view)) = row.as_ref().map(decode).transpose()?
+            && !view.claimable()
+        {
+            return Ok(ClaimResult::Held(view.into_existing()));
+        }
+    }
+    tracing::warn!("key changed under every claim round; answering in flight");
+    Ok(ClaimResult::Held(Existing::Processing {
+        same_fingerprint: true,
+        lease_remaining: Duration::from_secs(1),
+    }))
+}
+
+#[async_trait::async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, claim_on(&client, request)).await;
+        self.finish(client, result)
+    }
+
+    async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
+        self.execute_fenced(HEARTBEAT, id, &[&lease.as_secs_f64()])
+            .await
+    }
+
+    async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
+        let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
+        let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| v.as_slice()).collect();
+        let status = response.status as i16;
+        let retained = response.body.is_some();
+        let body: Option<&[u8]> = response.body.as_deref();
+        self.execute_fenced(COMPLETE, id, &[&status, &names, &values, &body, &retained])
+            .await
+    }
+
+    async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.execute_fenced(RELEASE, id, &[]).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, client.simple_query("SELECT 1")).await;
+        self.finish(client, result).map(drop)
+    }
+}
