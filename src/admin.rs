@@ -24,10 +24,7 @@ impl Admin {
     }
 
     /// Answers one admin request.
-    pub async fn handle(
-        self,
-        request: Request<Incoming>,
-    ) -> Result<Response<ProxyBody>, Infallible> {
+    pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
         if request.method() != Method::GET && request.method() != Method::HEAD {
             return Ok(text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"));
         }

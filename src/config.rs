@@ -346,8 +346,7 @@ pub struct Overrides {
 impl Config {
     /// Defaults < the given TOML text. No environment, no flags: for tests and embedding.
     pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
-        let figment =
-            Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
+        let figment = Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
         Self::from_figment(figment)
     }
 
@@ -457,8 +456,7 @@ impl RawUpstream {
 impl RawStore {
     fn validate(&self) -> Result<StoreConfig, ConfigError> {
         let key = "store.url";
-        let url = url::Url::parse(&self.url)
-            .map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
+        let url = url::Url::parse(&self.url).map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
         if !matches!(url.scheme(), "postgres" | "postgresql") {
             return Err(ConfigError::new(
                 key,
@@ -510,10 +508,7 @@ impl RawIdempotency {
             max_request_body: self.max_request_body.as_u64(),
             max_stored_response: self.max_stored_response.as_u64(),
             scope_headers: parse_headers("idempotency.scope_headers", &self.scope_headers)?,
-            fingerprint_headers: parse_headers(
-                "idempotency.fingerprint_headers",
-                &self.fingerprint_headers,
-            )?,
+            fingerprint_headers: parse_headers("idempotency.fingerprint_headers", &self.fingerprint_headers)?,
             release: self.release()?,
         })
     }
@@ -555,12 +550,9 @@ impl RawIdempotency {
 }
 
 fn parse_addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
-    value.parse().map_err(|_| {
-        ConfigError::new(
-            key,
-            format!("{value:?} is not an address like 0.0.0.0:8080"),
-        )
-    })
+    value
+        .parse()
+        .map_err(|_| ConfigError::new(key, format!("{value:?} is not an address like 0.0.0.0:8080")))
 }
 
 fn parse_header(key: &str, value: &str) -> Result<HeaderName, ConfigError> {
@@ -599,10 +591,7 @@ mod tests {
         let config = Config::from_toml_str("").expect("defaults are valid");
         assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(30));
         assert_eq!(config.idempotency.max_request_body, 10 * 1024 * 1024);
-        assert_eq!(
-            config.idempotency.methods,
-            vec![Method::POST, Method::PATCH]
-        );
+        assert_eq!(config.idempotency.methods, vec![Method::POST, Method::PATCH]);
     }
 
     #[test]
@@ -635,22 +624,18 @@ mod tests {
 
     #[test]
     fn ttl_must_exceed_lease() {
-        let err = Config::from_toml_str("[idempotency]\nttl = \"1s\"\nlock_timeout = \"2s\"\n")
-            .unwrap_err();
+        let err = Config::from_toml_str("[idempotency]\nttl = \"1s\"\nlock_timeout = \"2s\"\n").unwrap_err();
         assert_eq!(err.key, "idempotency.ttl");
     }
 
     #[test]
     fn release_policy_parses_classes_and_codes() {
-        let config =
-            Config::from_toml_str("[idempotency]\nrelease_statuses = [\"5xx\", \"409\"]\n")
-                .unwrap();
+        let config = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"5xx\", \"409\"]\n").unwrap();
         let policy = &config.idempotency.release;
         assert!(policy.releases(http::StatusCode::BAD_GATEWAY));
         assert!(policy.releases(http::StatusCode::CONFLICT));
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
-        let err =
-            Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
+        let err = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
         assert_eq!(err.key, "idempotency.release_statuses");
     }
 
@@ -660,8 +645,7 @@ mod tests {
             mask_url_password("postgres://app:s3cret@db:5432/idem"),
             "postgres://app:***@db:5432/idem"
         );
-        let config =
-            Config::from_toml_str("[store]\nurl = \"postgres://app:s3cret@db/idem\"\n").unwrap();
+        let config = Config::from_toml_str("[store]\nurl = \"postgres://app:s3cret@db/idem\"\n").unwrap();
         assert!(!config.to_masked_toml().contains("s3cret"));
     }
 }

@@ -40,9 +40,7 @@ pub enum ProxyError {
     #[error("this key was already used with a different request")]
     KeyReused,
     /// The key's operation happened, but its response was too large to keep.
-    #[error(
-        "the response to this key was not retained; the operation completed and will not run again"
-    )]
+    #[error("the response to this key was not retained; the operation completed and will not run again")]
     ResponseNotRetained {
         /// Stored status of the original response.
         status: u16,
@@ -117,9 +115,7 @@ impl ProxyError {
             ProxyError::KeyReused => Outcome::Mismatch,
             ProxyError::ResponseNotRetained { .. } => Outcome::Replayed,
             ProxyError::StoreUnavailable(_) => Outcome::StoreUnavailable,
-            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => {
-                Outcome::UpstreamError
-            }
+            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => Outcome::UpstreamError,
         }
     }
 

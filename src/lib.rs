@@ -70,11 +70,7 @@ pub enum RunError {
 
 /// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
 /// Applies pending migrations first unless `store.migrate` is off.
-pub async fn run(
-    config: Config,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-) -> Result<(), RunError> {
+pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     if config.store.migrate {
         let applied = PostgresStore::migrate(&config.store).await?;
         tracing::info!(applied, "store schema is up to date");

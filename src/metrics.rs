@@ -3,8 +3,8 @@
 //! never keys, paths or error text.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 /// How a request ended, for `idemproxy_requests_total{outcome}`.
@@ -125,8 +125,8 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Metrics {
         let registry = Registry::new();
-        let latency = prometheus::exponential_buckets(0.0005, 2.0, 16)
-            .expect("static bucket layout is valid");
+        let latency =
+            prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static bucket layout is valid");
         let metrics = Metrics {
             requests: IntCounterVec::new(
                 Opts::new("idemproxy_requests_total", "Requests by how they ended."),
@@ -170,11 +170,8 @@ impl Metrics {
             )
             .expect("valid metric"),
             store_duration: HistogramVec::new(
-                HistogramOpts::new(
-                    "idemproxy_store_duration_seconds",
-                    "Store operation latency.",
-                )
-                .buckets(latency.clone()),
+                HistogramOpts::new("idemproxy_store_duration_seconds", "Store operation latency.")
+                    .buckets(latency.clone()),
                 &["op"],
             )
             .expect("valid metric"),
@@ -186,11 +183,8 @@ impl Metrics {
                 .buckets(latency),
             )
             .expect("valid metric"),
-            in_flight: IntGauge::new(
-                "idemproxy_in_flight_requests",
-                "Requests being handled now.",
-            )
-            .expect("valid metric"),
+            in_flight: IntGauge::new("idemproxy_in_flight_requests", "Requests being handled now.")
+                .expect("valid metric"),
             registry,
         };
         metrics.register_all();

@@ -45,12 +45,7 @@ type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
 
 impl Proxy {
     /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them.
-    pub fn new(
-        config: &Config,
-        store: StoreHandle,
-        metrics: Metrics,
-        tracker: TaskTracker,
-    ) -> Proxy {
+    pub fn new(config: &Config, store: StoreHandle, metrics: Metrics, tracker: TaskTracker) -> Proxy {
         Proxy {
             policy: Arc::new(config.idempotency.clone()),
             on_store_error: config.store.on_error,
@@ -74,10 +69,7 @@ impl Proxy {
             route = key::DEFAULT_SCOPE,
             outcome = tracing::field::Empty,
         );
-        let result = self
-            .handle_inner(request, peer)
-            .instrument(span.clone())
-            .await;
+        let result = self.handle_inner(request, peer).instrument(span.clone()).await;
         let _entered = span.enter();
         let response = match result {
             Ok((response, outcome)) => {
@@ -107,10 +99,7 @@ impl Proxy {
             return self.passthrough(request, peer).await;
         }
         let headers = request.headers();
-        let Some(key) = key::parse_key(
-            headers.get_all(&self.policy.header),
-            self.policy.max_key_length,
-        )?
+        let Some(key) = key::parse_key(headers.get_all(&self.policy.header), self.policy.max_key_length)?
         else {
             if self.policy.required {
                 return Err(ProxyError::MissingKey(self.policy.header.clone()));
@@ -172,17 +161,10 @@ impl Proxy {
 
     /// Forwards a claimed request on its own task (so a client disconnect cannot cancel it) and waits
     /// for the response head.
-    async fn execute(
-        &self,
-        id: RecordId,
-        parts: &request::Parts,
-        body: Bytes,
-        peer: SocketAddr,
-    ) -> Handled {
+    async fn execute(&self, id: RecordId, parts: &request::Parts, body: Bytes, peer: SocketAddr) -> Handled {
         let request = self.upstream.request(parts, body::full(body), peer);
         let (head, response) = oneshot::channel();
-        self.tracker
-            .spawn(tee::execute(self.clone(), id, request, head));
+        self.tracker.spawn(tee::execute(self.clone(), id, request, head));
         match response.await {
             Ok(head) => head.map(|response| (response, Outcome::Executed)),
             Err(_) => Err(ProxyError::UpstreamUnreachable(

@@ -32,15 +32,10 @@ pub async fn serve(
     let tracker = proxy.tracker.clone();
     let connections = GracefulShutdown::new();
     let admin_stop = CancellationToken::new();
-    let admin_loop = tokio::spawn(accept_loop(
-        admin_listener,
-        admin_stop.clone(),
-        None,
-        move |_| {
-            let admin = admin.clone();
-            move |request| admin.clone().handle(request)
-        },
-    ));
+    let admin_loop = tokio::spawn(accept_loop(admin_listener, admin_stop.clone(), None, move |_| {
+        let admin = admin.clone();
+        move |request| admin.clone().handle(request)
+    }));
     accept_loop(proxy_listener, shutdown, Some(&connections), move |peer| {
         let proxy = proxy.clone();
         move |request| proxy.clone().handle(request, peer)
@@ -60,10 +55,7 @@ async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Dura
     .await;
     match drained {
         Ok(()) => tracing::info!("drained; all in-flight requests finished"),
-        Err(_) => tracing::warn!(
-            ?grace,
-            "shutdown grace ran out with requests still in flight"
-        ),
+        Err(_) => tracing::warn!(?grace, "shutdown grace ran out with requests still in flight"),
     }
 }
 

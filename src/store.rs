@@ -158,8 +158,7 @@ impl StoreHandle {
 
     /// See [`Store::claim`].
     pub async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        self.measured(StoreOp::Claim, self.inner.claim(request))
-            .await
+        self.measured(StoreOp::Claim, self.inner.claim(request)).await
     }
 
     /// See [`Store::heartbeat`].
@@ -169,19 +168,14 @@ impl StoreHandle {
     }
 
     /// See [`Store::complete`].
-    pub async fn complete(
-        &self,
-        id: &RecordId,
-        response: &StoredResponse,
-    ) -> Result<bool, StoreError> {
+    pub async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
         self.measured(StoreOp::Complete, self.inner.complete(id, response))
             .await
     }
 
     /// See [`Store::release`].
     pub async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
-        self.measured(StoreOp::Release, self.inner.release(id))
-            .await
+        self.measured(StoreOp::Release, self.inner.release(id)).await
     }
 
     /// See [`Store::ping`].

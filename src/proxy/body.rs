@@ -13,9 +13,7 @@ pub type ProxyBody = BoxBody<Bytes, BoxError>;
 
 /// A body of known bytes.
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
-    Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed()
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
 }
 
 /// A body with no bytes.

@@ -69,10 +69,7 @@ mod tests {
             attempt: 2,
             kind: ClaimKind::Takeover,
         };
-        assert!(matches!(
-            decide(result, "k", &metrics),
-            Ok(Decision::Execute)
-        ));
+        assert!(matches!(decide(result, "k", &metrics), Ok(Decision::Execute)));
         assert_eq!(metrics.stale_takeovers.get(), 1);
     }
 

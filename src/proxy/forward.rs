@@ -93,14 +93,11 @@ impl Upstream {
 
     /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
     /// `X-Forwarded-*` set; the client's `Host` kept.
-    pub fn request(
-        &self,
-        parts: &request::Parts,
-        body: ProxyBody,
-        peer: SocketAddr,
-    ) -> Request<ProxyBody> {
+    pub fn request(&self, parts: &request::Parts, body: ProxyBody, peer: SocketAddr) -> Request<ProxyBody> {
         let mut headers = parts.headers.clone();
         strip_hop_by_hop(&mut headers);
+        // The proxy has answered any 100-continue itself by reading the body.
+        headers.remove(header::EXPECT);
         let host = original_host(parts);
         if let Some(host) = &host {
             headers.insert(header::HOST, host.clone());
@@ -125,10 +122,7 @@ impl Upstream {
     }
 
     /// Sends the request and waits for the response head within `upstream.timeout`.
-    pub async fn send(
-        &self,
-        request: Request<ProxyBody>,
-    ) -> Result<Response<Incoming>, UpstreamFailure> {
+    pub async fn send(&self, request: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamFailure> {
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(self.timeout, self.client.request(request)).await;
         self.metrics
@@ -274,10 +268,7 @@ mod tests {
         );
         headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         headers.insert("x-secret", HeaderValue::from_static("1"));
-        headers.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
+        headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
         headers.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         strip_hop_by_hop(&mut headers);

@@ -16,10 +16,7 @@ pub const DEFAULT_SCOPE: &str = "default";
 /// Accepted forms: an RFC 8941 sf-string (`"abc"`, with `\"` and `\\` escapes) or a bare value (`abc`);
 /// after unquoting, 1 to `max_len` visible ASCII characters. A bare value may not contain `,`, which is
 /// what two header lines folded into one look like. Repeated headers are refused.
-pub fn parse_key(
-    values: GetAll<'_, HeaderValue>,
-    max_len: usize,
-) -> Result<Option<String>, ProxyError> {
+pub fn parse_key(values: GetAll<'_, HeaderValue>, max_len: usize) -> Result<Option<String>, ProxyError> {
     let mut values = values.iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -27,10 +24,7 @@ pub fn parse_key(
     if values.next().is_some() {
         return Err(invalid("the header is repeated"));
     }
-    let raw = value
-        .to_str()
-        .map_err(|_| invalid("not visible ASCII"))?
-        .trim();
+    let raw = value.to_str().map_err(|_| invalid("not visible ASCII"))?.trim();
     let key = if raw.starts_with('"') {
         unquote(raw)?
     } else {
@@ -182,14 +176,8 @@ mod tests {
         let uri: Uri = "/pay?x=1".parse().unwrap();
         let headers = HeaderMap::new();
         let base = fingerprint(&Method::POST, &uri, &headers, &names, b"{}");
-        assert_eq!(
-            base,
-            fingerprint(&Method::POST, &uri, &headers, &names, b"{}")
-        );
-        assert_ne!(
-            base,
-            fingerprint(&Method::PATCH, &uri, &headers, &names, b"{}")
-        );
+        assert_eq!(base, fingerprint(&Method::POST, &uri, &headers, &names, b"{}"));
+        assert_ne!(base, fingerprint(&Method::PATCH, &uri, &headers, &names, b"{}"));
         assert_ne!(
             base,
             fingerprint(
@@ -200,10 +188,7 @@ mod tests {
                 b"{}"
             )
         );
-        assert_ne!(
-            base,
-            fingerprint(&Method::POST, &uri, &headers, &names, b"{ }")
-        );
+        assert_ne!(base, fingerprint(&Method::POST, &uri, &headers, &names, b"{ }"));
         let mut json = HeaderMap::new();
         json.insert("content-type", HeaderValue::from_static("application/json"));
         assert_ne!(base, fingerprint(&Method::POST, &uri, &json, &names, b"{}"));

@@ -30,12 +30,7 @@ pub type Head = Result<Response<ProxyBody>, ProxyError>;
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
 /// error) goes to `head`.
-pub async fn execute(
-    proxy: Proxy,
-    id: RecordId,
-    request: Request<ProxyBody>,
-    head: oneshot::Sender<Head>,
-) {
+pub async fn execute(proxy: Proxy, id: RecordId, request: Request<ProxyBody>, head: oneshot::Sender<Head>) {
     let heartbeat = Heartbeat::start(
         proxy.store.clone(),
         id.clone(),

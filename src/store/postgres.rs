@@ -11,9 +11,7 @@ use tokio::time::{error::Elapsed, timeout};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{NoTls, Row};
 
-use super::{
-    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, Store, StoreError, StoredResponse,
-};
+use super::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, Store, StoreError, StoredResponse};
 use crate::config::StoreConfig;
 
 mod embedded {
@@ -175,8 +173,7 @@ impl PostgresStore {
         extra: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-            vec![&id.scope, &id.key, &id.token];
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&id.scope, &id.key, &id.token];
         params.extend_from_slice(extra);
         let result = timeout(self.timeout, async {
             let statement = client.prepare_cached(sql).await?;
@@ -254,9 +251,7 @@ where
     let mut attempt = 0;
     loop {
         match statement().await {
-            Err(e) if attempt < SERIALIZATION_RETRIES && is_serialization_failure(&e) => {
-                attempt += 1
-            }
+            Err(e) if attempt < SERIALIZATION_RETRIES && is_serialization_failure(&e) => attempt += 1,
             result => return result,
         }
     }
@@ -334,9 +329,7 @@ fn decode_response(row: &Row) -> Result<Option<StoredResponse>, tokio_postgres::
     let values: Vec<Vec<u8>> = row
         .try_get::<_, Option<_>>("response_header_values")?
         .unwrap_or_default();
-    let retained = row
-        .try_get::<_, Option<bool>>("body_retained")?
-        .unwrap_or(false);
+    let retained = row.try_get::<_, Option<bool>>("body_retained")?.unwrap_or(false);
     let body: Option<Vec<u8>> = row.try_get("response_body")?;
     Ok(Some(StoredResponse {
         status: status as u16,
@@ -349,10 +342,7 @@ fn decode_response(row: &Row) -> Result<Option<StoredResponse>, tokio_postgres::
     }))
 }
 
-async fn claim_on(
-    client: &Object,
-    request: &ClaimRequest,
-) -> Result<ClaimResult, tokio_postgres::Error> {
+async fn claim_on(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
     let claim = client.prepare_cached(CLAIM).await?;
     let read = client.prepare_cached(READ).await?;
     let id = &request.id;
@@ -395,8 +385,7 @@ impl Store for PostgresStore {
     }
 
     async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
-        self.execute_fenced(HEARTBEAT, id, &[&lease.as_secs_f64()])
-            .await
+        self.execute_fenced(HEARTBEAT, id, &[&lease.as_secs_f64()]).await
     }
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
