@@ -78,7 +78,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let metrics = Metrics::new();
     let backend = PostgresStore::connect(&config.store)?;
     let store = StoreHandle::new(Arc::new(backend), metrics.clone());
-    let proxy = Proxy::new(&config, store.clone(), metrics.clone(), TaskTracker::new());
+    let proxy = Arc::new(Proxy::new(
+        &config,
+        store.clone(),
+        metrics.clone(),
+        TaskTracker::new(),
+    ));
     let admin = Admin::new(metrics, store);
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");

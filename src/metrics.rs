@@ -2,6 +2,9 @@
 //! global one) and is created once in `run()` and passed down. Labels come from small fixed sets only:
 //! never keys, paths or error text.
 
+use std::ops::Deref;
+use std::sync::Arc;
+
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
@@ -91,9 +94,20 @@ impl StoreOp {
     }
 }
 
-/// The registry and every metric in it.
+/// The registry and every metric in it; clones share them.
 #[derive(Clone)]
-pub struct Metrics {
+pub struct Metrics(Arc<MetricSet>);
+
+impl Deref for Metrics {
+    type Target = MetricSet;
+
+    fn deref(&self) -> &MetricSet {
+        &self.0
+    }
+}
+
+/// The metrics themselves, reached through [`Metrics`].
+pub struct MetricSet {
     registry: Registry,
     /// `idemproxy_requests_total{outcome}`
     pub requests: IntCounterVec,
@@ -127,7 +141,7 @@ impl Metrics {
         let registry = Registry::new();
         let latency =
             prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static bucket layout is valid");
-        let metrics = Metrics {
+        let set = MetricSet {
             requests: IntCounterVec::new(
                 Opts::new("idemproxy_requests_total", "Requests by how they ended."),
                 &["outcome"],
@@ -187,11 +201,13 @@ impl Metrics {
                 .expect("valid metric"),
             registry,
         };
-        metrics.register_all();
-        metrics.touch_label_sets();
-        metrics
+        set.register_all();
+        set.touch_label_sets();
+        Metrics(Arc::new(set))
     }
+}
 
+impl MetricSet {
     fn register_all(&self) {
         let collectors: [Box<dyn prometheus::core::Collector>; 12] = [
             Box::new(self.requests.clone()),

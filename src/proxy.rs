@@ -30,8 +30,7 @@ use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimRequest, RecordId, StoreError, StoreHandle};
 
-/// Everything a request needs, cheap to clone into each request and each forwarding task.
-#[derive(Clone)]
+/// Everything a request needs; shared behind an `Arc` by every connection and forwarding task.
 pub struct Proxy {
     pub(crate) policy: Arc<IdempotencyConfig>,
     pub(crate) on_store_error: OnStoreError,
@@ -58,7 +57,7 @@ impl Proxy {
 
     /// Answers one request. Never fails.
     pub async fn handle(
-        self,
+        self: Arc<Self>,
         request: Request<Incoming>,
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, Infallible> {
@@ -94,7 +93,7 @@ impl Proxy {
         self.metrics.record(outcome);
     }
 
-    async fn handle_inner(&self, request: Request<Incoming>, peer: SocketAddr) -> Handled {
+    async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: SocketAddr) -> Handled {
         if !self.policy.methods.contains(request.method()) {
             return self.passthrough(request, peer).await;
         }
@@ -161,7 +160,13 @@ impl Proxy {
 
     /// Forwards a claimed request on its own task (so a client disconnect cannot cancel it) and waits
     /// for the response head.
-    async fn execute(&self, id: RecordId, parts: &request::Parts, body: Bytes, peer: SocketAddr) -> Handled {
+    async fn execute(
+        self: &Arc<Self>,
+        id: RecordId,
+        parts: &request::Parts,
+        body: Bytes,
+        peer: SocketAddr,
+    ) -> Handled {
         let request = self.upstream.request(parts, body::full(body), peer);
         let (head, response) = oneshot::channel();
         self.tracker.spawn(tee::execute(self.clone(), id, request, head));

@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -24,7 +25,7 @@ use crate::proxy::body::ProxyBody;
 pub async fn serve(
     proxy_listener: TcpListener,
     admin_listener: TcpListener,
-    proxy: Proxy,
+    proxy: Arc<Proxy>,
     admin: Admin,
     shutdown: CancellationToken,
     grace: Duration,

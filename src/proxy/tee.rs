@@ -3,6 +3,7 @@
 //! downstream first and into the capture second, and finally completes or releases the claim. It owns the
 //! upstream body until its end; it touches the store only through fenced writes.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -30,7 +31,12 @@ pub type Head = Result<Response<ProxyBody>, ProxyError>;
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
 /// error) goes to `head`.
-pub async fn execute(proxy: Proxy, id: RecordId, request: Request<ProxyBody>, head: oneshot::Sender<Head>) {
+pub async fn execute(
+    proxy: Arc<Proxy>,
+    id: RecordId,
+    request: Request<ProxyBody>,
+    head: oneshot::Sender<Head>,
+) {
     let heartbeat = Heartbeat::start(
         proxy.store.clone(),
         id.clone(),
@@ -61,7 +67,7 @@ pub async fn execute(proxy: Proxy, id: RecordId, request: Request<ProxyBody>, he
 }
 
 async fn relay(
-    proxy: Proxy,
+    proxy: Arc<Proxy>,
     id: RecordId,
     response: Response<Incoming>,
     head: oneshot::Sender<Head>,
