@@ -1,0 +1,13 @@
+//! Integration tests: the real proxy against real PostgreSQL and a stub upstream on real sockets.
+
+mod support;
+
+mod admin;
+mod concurrency;
+mod harness;
+mod key_header;
+mod processes;
+mod proxy_basic;
+mod store_faults;
+mod store_pg;
+mod upstream_faults;

@@ -1,0 +1,112 @@
+//! The real binary: a proxy that dies mid-request, and one that is asked to stop.
+
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use crate::support::{InProcessProxy, ProxyProcess, Reply, TestEnv, keyed_post, metric, poll_until};
+
+#[tokio::test]
+async fn killed_proxy_claim_is_taken_over_after_its_lease() {
+    let env = TestEnv::new().await;
+    let config = env.config().set("idempotency.lock_timeout", "2s");
+    let mut dying = ProxyProcess::spawn(&config).await;
+    // The successor starts first so it can probe while the dead proxy's lease still holds.
+    let successor = ProxyProcess::spawn(&config).await;
+
+    let original = tokio::spawn(Reply::try_of(keyed_post(&dying.url, "/slow", "k", "{}")));
+    env.upstream.wait_for_key("k", 1).await;
+    dying.kill().await;
+    assert!(
+        original.await.unwrap().is_err(),
+        "the killed proxy cannot have answered"
+    );
+
+    let blocked = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
+    blocked.assert_problem(409, "key-in-flight");
+    assert!(blocked.retry_after() >= 1);
+
+    env.upstream.release("slow");
+    let taken_over = poll_until("the dead proxy's lease to run out", || async {
+        let reply = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
+        (reply.status != 409).then_some(reply)
+    })
+    .await;
+    assert_eq!(taken_over.status, 201, "{}", taken_over.text());
+    assert!(!taken_over.is_replay());
+    assert_eq!(taken_over.text(), "slow done 2");
+    assert_eq!(env.upstream.executions_for_key("k"), 2);
+    let takeovers = metric(&successor.admin_url, "idemproxy_stale_takeovers_total", &[]).await;
+    assert_eq!(takeovers, 1.0);
+}
+
+#[tokio::test]
+async fn sigterm_drains_an_in_flight_request() {
+    let env = TestEnv::new().await;
+    let mut proxy = ProxyProcess::spawn(&env.config()).await;
+
+    let in_flight = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/slow", "k", "{}")));
+    env.upstream.wait_for_key("k", 1).await;
+    proxy.terminate();
+    stops_accepting(&proxy.url).await;
+
+    env.upstream.release("slow");
+    let reply = tokio::time::timeout(Duration::from_secs(30), in_flight)
+        .await
+        .expect("the in-flight request finishes")
+        .expect("request task");
+    assert_eq!(reply.status, 201);
+    assert_eq!(reply.text(), "slow done 1");
+    let status = proxy.wait().await;
+    assert!(
+        status.success(),
+        "exit status {status}; stderr:\n{}",
+        proxy.stderr()
+    );
+
+    let fresh = env.proxy().await;
+    let replay = Reply::of(keyed_post(&fresh.url, "/slow", "k", "{}")).await;
+    assert!(
+        replay.is_replay(),
+        "the drained response was not stored: {}",
+        replay.text()
+    );
+    assert_eq!(replay.text(), "slow done 1");
+}
+
+#[tokio::test]
+async fn cancelled_run_drains_an_in_flight_request() {
+    let env = TestEnv::new().await;
+    let mut proxy = env.proxy().await;
+
+    let in_flight = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/slow", "k", "{}")));
+    env.upstream.wait_for_key("k", 1).await;
+    proxy.shutdown.cancel();
+    stops_accepting(&proxy.url).await;
+    // Draining: while the request is held upstream, `run` must not return.
+    let run = proxy.task.as_mut().expect("run task");
+    let early = tokio::time::timeout(Duration::from_millis(500), run).await;
+    assert!(early.is_err(), "run returned with a request in flight: {early:?}");
+    env.upstream.release("slow");
+
+    let reply = in_flight.await.expect("request task");
+    assert_eq!(reply.text(), "slow done 1");
+    proxy.stop().await.expect("run returns Ok after draining");
+
+    let fresh = InProcessProxy::start(&env.config()).await;
+    let replay = Reply::of(keyed_post(&fresh.url, "/slow", "k", "{}")).await;
+    assert!(
+        replay.is_replay(),
+        "the drained response was not stored: {}",
+        replay.text()
+    );
+}
+
+/// Waits until the proxy listener refuses connections: shutdown has begun.
+async fn stops_accepting(proxy_url: &str) {
+    let addr = proxy_url.strip_prefix("http://").expect("http URL");
+    poll_until("the proxy to stop accepting connections", || async {
+        TcpStream::connect(addr).await.is_err().then_some(())
+    })
+    .await;
+}

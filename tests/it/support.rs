@@ -1,0 +1,70 @@
+//! Test harness: a database, a stub upstream and the proxy, wired together per test.
+
+pub mod http;
+pub mod pg;
+pub mod proxy;
+pub mod relay;
+pub mod upstream;
+
+pub use http::{Reply, keyed_post, metric, settled};
+pub use pg::TestDb;
+pub use proxy::{InProcessProxy, ProxyConfig, ProxyProcess};
+pub use relay::Relay;
+pub use upstream::Upstream;
+
+/// One test's world: its own database and its own stub upstream.
+pub struct TestEnv {
+    pub db: TestDb,
+    pub upstream: Upstream,
+}
+
+impl TestEnv {
+    pub async fn new() -> TestEnv {
+        TestEnv {
+            db: TestDb::create().await,
+            upstream: Upstream::start().await,
+        }
+    }
+
+    /// Test defaults pointing at this env's database and upstream.
+    pub fn config(&self) -> ProxyConfig {
+        ProxyConfig::new(&self.db.url(), &self.upstream.url())
+    }
+
+    /// An in-process proxy with the test defaults.
+    pub async fn proxy(&self) -> InProcessProxy {
+        InProcessProxy::start(&self.config()).await
+    }
+}
+
+/// Bound on waiting for a state that has no signal to await (a lease or a TTL running out).
+const POLL_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Calls `attempt` until it returns `Some`, every 50 ms, for at most 30 s; panics naming `what`.
+pub async fn poll_until<T, F, Fut>(what: &str, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let polling = async {
+        loop {
+            if let Some(done) = attempt().await {
+                return done;
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    };
+    tokio::time::timeout(POLL_BOUND, polling)
+        .await
+        .unwrap_or_else(|_| panic!("gave up after {POLL_BOUND:?} waiting for {what}"))
+}
+
+/// Waits until the counter reaches at least `at_least` and returns its value.
+pub async fn metric_reaches(admin_url: &str, name: &str, labels: &[(&str, &str)], at_least: f64) -> f64 {
+    poll_until(&format!("{name}{labels:?} >= {at_least}"), || async {
+        let value = metric(admin_url, name, labels).await;
+        (value >= at_least).then_some(value)
+    })
+    .await
+}

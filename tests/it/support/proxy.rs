@@ -1,0 +1,327 @@
+//! The proxy under test: its config, run in-process through `idemproxy::run` or as the real binary.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::{ExitStatus, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    net::TcpListener,
+    process::{Child, ChildStderr, Command},
+    task::JoinHandle,
+};
+use tokio_util::sync::CancellationToken;
+
+/// Bound on the proxy starting, becoming ready and exiting.
+const START_BOUND: Duration = Duration::from_secs(30);
+
+/// A proxy config as TOML: test defaults, then the test's own settings.
+#[derive(Clone)]
+pub struct ProxyConfig {
+    table: toml::Table,
+}
+
+impl ProxyConfig {
+    /// Defaults for tests: both listeners on 127.0.0.1:0, JSON logs, a small pool, and a 1 s bound
+    /// on store operations so a cut store is noticed quickly.
+    pub fn new(store_url: &str, upstream_url: &str) -> ProxyConfig {
+        ProxyConfig {
+            table: toml::Table::new(),
+        }
+        .set("server.listen", "127.0.0.1:0")
+        .set("server.admin_listen", "127.0.0.1:0")
+        .set("server.shutdown_grace", "10s")
+        .set("upstream.url", upstream_url)
+        .set("store.url", store_url)
+        .set("store.pool_size", 4)
+        .set("store.timeout", "1s")
+        .set("log.format", "json")
+        .set("log.filter", "info")
+    }
+
+    /// Sets `section.key` (e.g. `"idempotency.lock_timeout"`) to `value`.
+    pub fn set(mut self, path: &str, value: impl Into<toml::Value>) -> ProxyConfig {
+        let (section, key) = path
+            .split_once('.')
+            .unwrap_or_else(|| panic!("config path {path:?} is not section.key"));
+        let section = self
+            .table
+            .entry(section)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let toml::Value::Table(section) = section else {
+            unreachable!("sections are tables")
+        };
+        section.insert(key.to_string(), value.into());
+        self
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(&self.table).expect("test config renders as TOML")
+    }
+
+    fn config(&self) -> idemproxy::Config {
+        let text = self.to_toml();
+        idemproxy::Config::from_toml_str(&text)
+            .unwrap_or_else(|e| panic!("test config rejected: {e}\n{text}"))
+    }
+}
+
+/// The proxy running inside the test's runtime through `idemproxy::run`.
+pub struct InProcessProxy {
+    /// Base URL of the proxy listener, without a trailing slash.
+    pub url: String,
+    /// Base URL of the admin listener, without a trailing slash.
+    pub admin_url: String,
+    pub shutdown: CancellationToken,
+    pub task: Option<JoinHandle<Result<(), idemproxy::RunError>>>,
+}
+
+impl InProcessProxy {
+    /// Starts the proxy and waits until `/readyz` answers 200. Its logs go to the test's output.
+    pub async fn start(config: &ProxyConfig) -> InProcessProxy {
+        init_tracing();
+        let proxy = bind().await;
+        let admin = bind().await;
+        let url = base_url(proxy.local_addr().expect("proxy address"));
+        let admin_url = base_url(admin.local_addr().expect("admin address"));
+        let listeners = idemproxy::Listeners { proxy, admin };
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(idemproxy::run(config.config(), listeners, shutdown.clone()));
+        let mut started = InProcessProxy {
+            url,
+            admin_url,
+            shutdown,
+            task: Some(task),
+        };
+        started.wait_ready().await;
+        started
+    }
+
+    /// Cancels the shutdown token and waits (bounded) for `run` to return.
+    pub async fn stop(mut self) -> Result<(), idemproxy::RunError> {
+        self.shutdown.cancel();
+        let task = self.task.take().expect("proxy task present until stopped");
+        tokio::time::timeout(START_BOUND, task)
+            .await
+            .expect("proxy did not stop within the bound")
+            .expect("proxy task panicked")
+    }
+
+    async fn wait_ready(&mut self) {
+        let ready = async {
+            while !is_ready(&self.admin_url).await {
+                if self.task.as_ref().is_some_and(JoinHandle::is_finished) {
+                    let task = self.task.take().expect("checked above");
+                    panic!("proxy stopped while starting: {:?}", task.await);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        if tokio::time::timeout(START_BOUND, ready).await.is_err() {
+            panic!("in-process proxy not ready after {START_BOUND:?}");
+        }
+    }
+}
+
+impl Drop for InProcessProxy {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The real `idemproxy serve` binary, run as a child process.
+pub struct ProxyProcess {
+    child: Child,
+    /// Base URL of the proxy listener, without a trailing slash.
+    pub url: String,
+    /// Base URL of the admin listener, without a trailing slash.
+    pub admin_url: String,
+    stderr: Arc<Mutex<Vec<String>>>,
+    config_path: PathBuf,
+}
+
+impl ProxyProcess {
+    /// Spawns `idemproxy serve --config <file>`, reads the listening addresses from its JSON log
+    /// on stderr and waits until `/readyz` answers 200.
+    pub async fn spawn(config: &ProxyConfig) -> ProxyProcess {
+        let config_path = write_config(config);
+        let mut child = command(&config_path).spawn().expect("spawn the idemproxy binary");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let pipe = child.stderr.take().expect("stderr is piped");
+        let addrs = tokio::time::timeout(START_BOUND, listening(pipe, stderr.clone())).await;
+        let Ok(Some((proxy, admin))) = addrs else {
+            let _ = child.start_kill();
+            panic!(
+                "idemproxy did not log both \"proxy listening\" and \"admin listening\" within \
+                 {START_BOUND:?}; stderr:\n{}",
+                stderr.lock().unwrap().join("\n")
+            );
+        };
+        let process = ProxyProcess {
+            child,
+            url: base_url(proxy),
+            admin_url: base_url(admin),
+            stderr,
+            config_path,
+        };
+        process.wait_ready().await;
+        process
+    }
+
+    /// The process id, for sending signals.
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("process still running")
+    }
+
+    /// Kills the process with SIGKILL and reaps it.
+    pub async fn kill(&mut self) {
+        self.child.start_kill().expect("send SIGKILL");
+        self.wait().await;
+    }
+
+    /// Sends SIGTERM: the proxy should drain in-flight work and exit 0.
+    pub fn terminate(&self) {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("run kill -TERM");
+        assert!(status.success(), "kill -TERM failed: {status}");
+    }
+
+    /// Waits (bounded) for the process to exit.
+    pub async fn wait(&mut self) -> ExitStatus {
+        match tokio::time::timeout(START_BOUND, self.child.wait()).await {
+            Ok(status) => status.expect("wait for idemproxy"),
+            Err(_) => panic!(
+                "idemproxy did not exit within {START_BOUND:?}; stderr:\n{}",
+                self.stderr()
+            ),
+        }
+    }
+
+    /// Everything the process wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().join("\n")
+    }
+
+    async fn wait_ready(&self) {
+        let ready = async {
+            while !is_ready(&self.admin_url).await {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        if tokio::time::timeout(START_BOUND, ready).await.is_err() {
+            panic!(
+                "idemproxy not ready after {START_BOUND:?}; stderr:\n{}",
+                self.stderr()
+            );
+        }
+    }
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("idemproxy {} stderr:\n{}", self.url, self.stderr());
+        }
+        let _ = self.child.start_kill();
+        let _ = std::fs::remove_file(&self.config_path);
+    }
+}
+
+fn command(config_path: &PathBuf) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    command
+        .arg("serve")
+        .arg("--config")
+        .arg(config_path)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("IDEMPROXY_")) {
+        command.env_remove(name);
+    }
+    command
+}
+
+fn write_config(config: &ProxyConfig) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let name = format!(
+        "idemproxy-test-{}-{}-{}.toml",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        uuid::Uuid::new_v4().simple()
+    );
+    let path = std::env::temp_dir().join(name);
+    std::fs::write(&path, config.to_toml()).expect("write the test config file");
+    path
+}
+
+/// Reads JSON log lines until both listening addresses are known, then keeps draining the pipe
+/// in the background so the process never blocks on a full stderr.
+async fn listening(pipe: ChildStderr, seen: Arc<Mutex<Vec<String>>>) -> Option<(SocketAddr, SocketAddr)> {
+    let mut lines = BufReader::new(pipe).lines();
+    let (mut proxy, mut admin) = (None, None);
+    while proxy.is_none() || admin.is_none() {
+        let line = lines.next_line().await.ok()??;
+        match listening_addr(&line) {
+            Some(("proxy listening", addr)) => proxy = Some(addr),
+            Some(("admin listening", addr)) => admin = Some(addr),
+            _ => {}
+        }
+        seen.lock().unwrap().push(line);
+    }
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            seen.lock().unwrap().push(line);
+        }
+    });
+    Some((proxy?, admin?))
+}
+
+fn listening_addr(line: &str) -> Option<(&'static str, SocketAddr)> {
+    let event: serde_json::Value = serde_json::from_str(line).ok()?;
+    let fields = event.get("fields")?;
+    let message = match fields.get("message")?.as_str()? {
+        "proxy listening" => "proxy listening",
+        "admin listening" => "admin listening",
+        _ => return None,
+    };
+    let addr = fields.get("addr")?.as_str()?.parse().ok()?;
+    Some((message, addr))
+}
+
+/// Sends in-process logs (`RUST_LOG`, else `info`) to the test's captured output.
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+async fn bind() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0")
+}
+
+fn base_url(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+async fn is_ready(admin_url: &str) -> bool {
+    let response = super::http::client()
+        .get(format!("{admin_url}/readyz"))
+        .send()
+        .await;
+    response.is_ok_and(|r| r.status() == 200)
+}
