@@ -3,10 +3,12 @@
 mod support;
 
 mod admin;
+mod cli;
 mod concurrency;
 mod harness;
 mod key_header;
 mod processes;
+mod protocols;
 mod proxy_basic;
 mod store_faults;
 mod store_pg;

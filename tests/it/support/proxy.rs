@@ -2,12 +2,8 @@
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
     process::{ExitStatus, Stdio},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -144,7 +140,8 @@ pub struct ProxyProcess {
     /// Base URL of the admin listener, without a trailing slash.
     pub admin_url: String,
     stderr: Arc<Mutex<Vec<String>>>,
-    config_path: PathBuf,
+    /// The config file the process reads; removed when the process handle is dropped.
+    _config_path: tempfile::TempPath,
 }
 
 impl ProxyProcess {
@@ -169,7 +166,7 @@ impl ProxyProcess {
             url: base_url(proxy),
             admin_url: base_url(admin),
             stderr,
-            config_path,
+            _config_path: config_path,
         };
         process.wait_ready().await;
         process
@@ -232,11 +229,10 @@ impl Drop for ProxyProcess {
             eprintln!("idemproxy {} stderr:\n{}", self.url, self.stderr());
         }
         let _ = self.child.start_kill();
-        let _ = std::fs::remove_file(&self.config_path);
     }
 }
 
-fn command(config_path: &PathBuf) -> Command {
+fn command(config_path: &std::path::Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
     command
         .arg("serve")
@@ -253,17 +249,15 @@ fn command(config_path: &PathBuf) -> Command {
     command
 }
 
-fn write_config(config: &ProxyConfig) -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let name = format!(
-        "idemproxy-test-{}-{}-{}.toml",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed),
-        uuid::Uuid::new_v4().simple()
-    );
-    let path = std::env::temp_dir().join(name);
-    std::fs::write(&path, config.to_toml()).expect("write the test config file");
-    path
+/// The config as a temporary TOML file, removed when the returned path is dropped.
+fn write_config(config: &ProxyConfig) -> tempfile::TempPath {
+    let mut file = tempfile::Builder::new()
+        .prefix("idemproxy-test-")
+        .suffix(".toml")
+        .tempfile()
+        .expect("create the test config file");
+    std::io::Write::write_all(&mut file, config.to_toml().as_bytes()).expect("write the test config file");
+    file.into_temp_path()
 }
 
 /// Reads JSON log lines until both listening addresses are known, then keeps draining the pipe
