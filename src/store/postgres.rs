@@ -25,7 +25,7 @@ const MIGRATION_TABLE: &str = "idemproxy.schema_history";
 /// never on the request path.
 const MIGRATION_LOCK_ID: i64 = 0x1de3_7072_6f78_7901;
 
-/// Columns describing a record as seen by the statement; shared by the claim and the re-read.
+/// Columns describing a record as seen by the statement; `$3` is the request's fingerprint.
 macro_rules! view_columns {
     () => {
         "r.status, r.fingerprint = $3 AS same_fingerprint, \
@@ -35,60 +35,84 @@ macro_rules! view_columns {
     };
 }
 
-/// The claim, in one round trip. The INSERT wins a new key outright. On conflict, the DO UPDATE re-takes the
-/// row only in the claimable cases (expired; or same fingerprint and failed or past its lease); PostgreSQL
-/// evaluates that WHERE against the latest committed version of the row, under its row lock, so two
-/// claimers can never both win. When nothing was claimed, the second branch reports the row as of the
-/// statement's snapshot. That snapshot may predate a concurrent commit (the row is then invisible, or looks
-/// claimable although the WHERE refused it); the caller detects both and re-reads in a new statement.
+/// The shape of CLAIM's and TAKE's answer: one row saying whether this request won the key, and if not,
+/// the record as of the statement's snapshot. `$1`, `$2`: scope and key; the CTE is named `won`.
+macro_rules! won_or_record {
+    () => {
+        concat!(
+            "SELECT true AS won, w.attempt, w.claim_kind, NULL::text AS status, \
+                    NULL::boolean AS same_fingerprint, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
+                    NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
+                    NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
+                    NULL::boolean AS body_retained
+             FROM won w
+             UNION ALL
+             SELECT false, r.attempt, r.claim_kind, ",
+            view_columns!(),
+            " FROM idemproxy.records r
+             WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM won)"
+        )
+    };
+}
+
+/// Which existing records a claim may take: expired ones, and for the same request, released ones and
+/// those whose lease ran out. Evaluated by the database clock.
+macro_rules! claimable {
+    () => {
+        "(r.expires_at <= now()
+          OR (r.fingerprint = $3
+              AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now()))))"
+    };
+}
+
+/// The claim's first round trip. A new key is won by the INSERT, decided by the primary key. An existing
+/// key is left untouched (DO NOTHING takes no row lock and writes nothing, so replays of one hot key never
+/// queue behind each other) and reported as of the statement's snapshot. That snapshot may predate a
+/// concurrent commit: the row is then invisible, or looks claimable when it no longer is. Both cases, and
+/// a row that really is claimable, go on to TAKE.
 const CLAIM: &str = concat!(
-    "WITH claimed AS (
+    "WITH won AS (
         INSERT INTO idemproxy.records AS r
             (scope, key, fingerprint, status, token, attempt, claim_kind,
              locked_until, created_at, expires_at, updated_at)
         VALUES ($1, $2, $3, 'processing', $4, 1, 'new',
                 now() + make_interval(secs => $5), now(), now() + make_interval(secs => $6), now())
-        ON CONFLICT (scope, key) DO UPDATE SET
-            fingerprint = EXCLUDED.fingerprint,
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING r.attempt, r.claim_kind
+    ) ",
+    won_or_record!()
+);
+
+/// The second round trip, for an existing record that may be claimable: an atomic conditional UPDATE.
+/// PostgreSQL re-checks the WHERE against the latest committed version of the row under its row lock, so
+/// of several concurrent takers exactly one wins, and a row changed since this statement's snapshot is
+/// judged as it is now. If nothing was taken, the record is reported as for CLAIM.
+const TAKE: &str = concat!(
+    "WITH won AS (
+        UPDATE idemproxy.records AS r SET
+            fingerprint = $3,
             status = 'processing',
-            token = EXCLUDED.token,
+            token = $4,
             attempt = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempt + 1 END,
             claim_kind = CASE WHEN r.expires_at <= now() THEN 'new'
                               WHEN r.status = 'failed' THEN 'retry'
                               ELSE 'takeover' END,
-            locked_until = EXCLUDED.locked_until,
+            locked_until = now() + make_interval(secs => $5),
             created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
-            expires_at = CASE WHEN r.expires_at <= now() THEN EXCLUDED.expires_at ELSE r.expires_at END,
+            expires_at = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $6)
+                              ELSE r.expires_at END,
             updated_at = now(),
             response_status = NULL,
             response_header_names = NULL,
             response_header_values = NULL,
             response_body = NULL,
             body_retained = NULL
-        WHERE r.expires_at <= now()
-           OR (r.fingerprint = EXCLUDED.fingerprint
-               AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now())))
-        RETURNING r.attempt, r.claim_kind
-    )
-    SELECT true AS won, c.attempt, c.claim_kind,
-           NULL::text AS status, NULL::boolean AS same_fingerprint, NULL::bigint AS lease_ms,
-           NULL::boolean AS expired, NULL::smallint AS response_status, NULL::text[] AS response_header_names,
-           NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, NULL::boolean AS body_retained
-    FROM claimed c
-    UNION ALL
-    SELECT false, r.attempt, r.claim_kind, ",
-    view_columns!(),
+        WHERE r.scope = $1 AND r.key = $2 AND ",
+    claimable!(),
     "
-    FROM idemproxy.records r
-    WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
-);
-
-/// Re-read of a record the claim could not take, in a fresh statement and so a fresh snapshot that sees
-/// every commit the claim's conflict check saw. `$3` is the request's fingerprint.
-const READ: &str = concat!(
-    "SELECT false AS won, r.attempt, r.claim_kind, ",
-    view_columns!(),
-    " FROM idemproxy.records r WHERE r.scope = $1 AND r.key = $2"
+        RETURNING r.attempt, r.claim_kind
+    ) ",
+    won_or_record!()
 );
 
 /// Extends the lease of a live claim. Fenced: only the holder of the current token can.
@@ -264,7 +288,7 @@ fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
     )
 }
 
-/// One row of CLAIM or READ.
+/// One row of CLAIM or TAKE.
 enum Seen {
     Won { attempt: i32, kind: ClaimKind },
     Record(View),
@@ -280,8 +304,8 @@ struct View {
 }
 
 impl View {
-    /// Whether the claim statement's WHERE would have taken this version of the row. If it looks claimable
-    /// but the claim did not win, the version is from an older snapshot than the conflict check saw.
+    /// Whether TAKE's WHERE (`claimable!`) would take this version of the row. A version that looks
+    /// claimable but was not taken is from an older snapshot than the row lock saw.
     fn claimable(&self) -> bool {
         self.expired
             || (self.same_fingerprint
@@ -344,32 +368,26 @@ fn decode_response(row: &Row) -> Result<Option<StoredResponse>, tokio_postgres::
 
 async fn claim_on(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
     let claim = client.prepare_cached(CLAIM).await?;
-    let read = client.prepare_cached(READ).await?;
+    let take = client.prepare_cached(TAKE).await?;
     let id = &request.id;
     let fingerprint: &[u8] = &request.fingerprint;
     let lease = request.lease.as_secs_f64();
     let ttl = request.ttl.as_secs_f64();
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
     for _ in 0..CLAIM_ROUNDS {
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-            [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
-        let row = retry_serialization(|| client.query_opt(&claim, &params)).await?;
-        match row.as_ref().map(decode).transpose()? {
-            Some(Seen::Won { attempt, kind }) => return Ok(ClaimResult::Won { attempt, kind }),
-            Some(Seen::Record(view)) if !view.claimable() => {
-                return Ok(ClaimResult::Held(view.into_existing()));
+        for statement in [&claim, &take] {
+            let row = retry_serialization(|| client.query_opt(statement, &params)).await?;
+            match row.as_ref().map(decode).transpose()? {
+                Some(Seen::Won { attempt, kind }) => return Ok(ClaimResult::Won { attempt, kind }),
+                Some(Seen::Record(view)) if !view.claimable() => {
+                    return Ok(ClaimResult::Held(view.into_existing()));
+                }
+                _ => {}
             }
-            _ => {}
-        }
-        let row = client
-            .query_opt(&read, &[&id.scope, &id.key, &fingerprint])
-            .await?;
-        if let Some(Seen::Record(view)) = row.as_ref().map(decode).transpose()?
-            && !view.claimable()
-        {
-            return Ok(ClaimResult::Held(view.into_existing()));
         }
     }
-    tracing::warn!("key changed under every claim round; answering in flight");
+    tracing::warn!(key = %id.key, "key changed under every claim round; answering in flight");
     Ok(ClaimResult::Held(Existing::Processing {
         same_fingerprint: true,
         lease_remaining: Duration::from_secs(1),

@@ -64,28 +64,56 @@ async fn held(store: &PostgresStore, request: &ClaimRequest) -> Existing {
 #[tokio::test]
 async fn concurrent_claims_of_one_key_have_exactly_one_winner() {
     let (_db, store) = store().await;
-    let claims = (0..50).map(|_| {
-        let store = store.clone();
-        tokio::spawn(async move { store.claim(&request("race", 1, LONG, DAY)).await })
-    });
-    let mut winners = 0;
+    assert_eq!(
+        concurrent_winners(&store, "race").await,
+        vec![(1, ClaimKind::New)]
+    );
+}
+
+/// The winners among 50 concurrent claims of `key`; every loser must see the winner's live claim with
+/// its real lease (not the contention fallback).
+async fn concurrent_winners(store: &Arc<PostgresStore>, key: &'static str) -> Vec<(i32, ClaimKind)> {
+    let claims: Vec<_> = (0..50)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&request(key, 1, LONG, DAY)).await })
+        })
+        .collect();
+    let mut winners = Vec::new();
     for claim in claims {
         match claim.await.unwrap().expect("claim runs") {
-            ClaimResult::Won { attempt, kind } => {
-                assert_eq!((attempt, kind), (1, ClaimKind::New));
-                winners += 1;
-            }
+            ClaimResult::Won { attempt, kind } => winners.push((attempt, kind)),
             ClaimResult::Held(Existing::Processing {
                 same_fingerprint: true,
                 lease_remaining,
-            }) => assert!(
-                lease_remaining > Duration::from_secs(20),
-                "a loser reads the winner's lease, not a fallback: {lease_remaining:?}"
-            ),
+            }) => assert!(lease_remaining > Duration::from_secs(20), "{lease_remaining:?}"),
             other => panic!("a loser must see the winner's live claim, saw {other:?}"),
         }
     }
-    assert_eq!(winners, 1);
+    winners
+}
+
+#[tokio::test]
+async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner() {
+    let (_db, store) = store().await;
+    won(&store, &request("stale-race", 1, Duration::from_millis(200), DAY)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        concurrent_winners(&store, "stale-race").await,
+        vec![(2, ClaimKind::Takeover)]
+    );
+}
+
+#[tokio::test]
+async fn concurrent_retries_of_a_released_key_have_exactly_one_winner() {
+    let (_db, store) = store().await;
+    let first = request("retry-race", 1, LONG, DAY);
+    won(&store, &first).await;
+    assert!(store.release(&first.id).await.unwrap());
+    assert_eq!(
+        concurrent_winners(&store, "retry-race").await,
+        vec![(2, ClaimKind::Retry)]
+    );
 }
 
 #[tokio::test]
@@ -261,7 +289,7 @@ async fn row_committed_after_the_claims_snapshot_is_still_seen() {
         let store = store.clone();
         tokio::spawn(async move { store.claim(&request("late", 1, LONG, DAY)).await })
     };
-    wait_until_blocked_on_a_lock(&db).await;
+    db.wait_for_a_lock_waiter().await;
     concurrent.commit().await.unwrap();
 
     match claimer.await.unwrap().expect("claim runs") {
@@ -271,26 +299,4 @@ async fn row_committed_after_the_claims_snapshot_is_still_seen() {
         }) => assert_eq!(response.body.as_deref(), Some(&b"late body"[..])),
         other => panic!("expected the concurrently committed record, got {other:?}"),
     }
-}
-
-async fn wait_until_blocked_on_a_lock(db: &TestDb) {
-    let (observer, connection) = tokio_postgres::connect(&db.url(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    for _ in 0..500 {
-        let row = observer
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        if row.get::<_, i64>(0) > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the claim never waited on the concurrent transaction's row");
 }

@@ -49,6 +49,33 @@ impl TestDb {
         url.to_string()
     }
 
+    /// A client connected to this test's database, for setting up races by hand.
+    pub async fn client(&self) -> tokio_postgres::Client {
+        let url = Url::parse(&self.url()).expect("test database URL");
+        connect(&url).await
+    }
+
+    /// Waits until some session on this database is blocked on a lock (a statement queued behind a
+    /// transaction the test holds open).
+    pub async fn wait_for_a_lock_waiter(&self) {
+        let observer = self.client().await;
+        for _ in 0..1000 {
+            let row = observer
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .expect("read pg_stat_activity");
+            if row.get::<_, i64>(0) > 0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("no session on {} ever waited on a lock", self.name);
+    }
+
     /// `host:port` of the PostgreSQL server, for a relay to forward to.
     pub fn server_addr(&self) -> String {
         let host = self.admin_url.host_str().unwrap_or("localhost");
