@@ -107,15 +107,44 @@ impl Proxy {
         };
         let (parts, body) = request.into_parts();
         let body = self.read_body(&parts.headers, body).await?;
+        let (head, response) = oneshot::channel();
+        let keyed = self.clone().keyed(parts, key, body, peer, head);
+        self.tracker.spawn(keyed.instrument(tracing::Span::current()));
+        response.await.unwrap_or_else(|_| {
+            Err(ProxyError::UpstreamUnreachable(
+                "the request's task ended without a response".into(),
+            ))
+        })
+    }
+
+    /// The keyed lifecycle from the claim on. It runs on its own task: once the claim statement is sent,
+    /// a client that disconnects can no longer cancel anything, so a won claim is always executed and
+    /// completed (or released) instead of being left to its lease. The answer goes to `head`.
+    async fn keyed(
+        self: Arc<Self>,
+        parts: request::Parts,
+        key: String,
+        body: Bytes,
+        peer: SocketAddr,
+        head: oneshot::Sender<Handled>,
+    ) {
         let claim = self.claim_request(&parts, key, &body);
-        let result = match self.store.claim(&claim).await {
-            Ok(result) => result,
-            Err(error) => return self.store_down(&parts, body, peer, error).await,
+        let decision = match self.store.claim(&claim).await {
+            Ok(result) => claim::decide(result, &claim.id.key, &self.metrics),
+            Err(error) => {
+                let _ = head.send(self.store_down(&parts, body, peer, error).await);
+                return;
+            }
         };
-        match claim::decide(result, &claim.id.key, &self.metrics)? {
-            Decision::Replay(stored) => Ok((replay::response(stored)?, Outcome::Replayed)),
-            Decision::Execute => self.execute(claim.id, &parts, body, peer).await,
-        }
+        let answer = match decision {
+            Ok(Decision::Execute) => {
+                let request = self.upstream.request(&parts, body::full(body), peer);
+                return tee::execute(self, claim.id, request, head).await;
+            }
+            Ok(Decision::Replay(stored)) => replay::response(stored).map(|r| (r, Outcome::Replayed)),
+            Err(refusal) => Err(refusal),
+        };
+        let _ = head.send(answer);
     }
 
     fn claim_request(&self, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {
@@ -155,26 +184,6 @@ impl Proxy {
             Ok(collected) => Ok(collected.to_bytes()),
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large),
             Err(e) => Err(ProxyError::ClientBody(e.to_string())),
-        }
-    }
-
-    /// Forwards a claimed request on its own task (so a client disconnect cannot cancel it) and waits
-    /// for the response head.
-    async fn execute(
-        self: &Arc<Self>,
-        id: RecordId,
-        parts: &request::Parts,
-        body: Bytes,
-        peer: SocketAddr,
-    ) -> Handled {
-        let request = self.upstream.request(parts, body::full(body), peer);
-        let (head, response) = oneshot::channel();
-        self.tracker.spawn(tee::execute(self.clone(), id, request, head));
-        match response.await {
-            Ok(head) => head.map(|response| (response, Outcome::Executed)),
-            Err(_) => Err(ProxyError::UpstreamUnreachable(
-                "the forwarding task ended without a response".into(),
-            )),
         }
     }
 

@@ -17,6 +17,7 @@ use super::Proxy;
 use super::body::{BoxError, ProxyBody};
 use super::forward::{Heartbeat, UpstreamFailure, stream_response, strip_hop_by_hop};
 use crate::error::ProxyError;
+use crate::metrics::Outcome;
 use crate::store::{RecordId, StoredResponse};
 
 /// Frames buffered between the relay and a slow client before the relay waits.
@@ -27,7 +28,7 @@ const COMPLETE_ATTEMPTS: u32 = 4;
 const COMPLETE_BACKOFF: Duration = Duration::from_millis(200);
 
 /// What the client is waiting for: a response head with a streaming body, or an error.
-pub type Head = Result<Response<ProxyBody>, ProxyError>;
+pub type Head = Result<(Response<ProxyBody>, Outcome), ProxyError>;
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
 /// error) goes to `head`.
@@ -60,7 +61,7 @@ pub async fn execute(
     if proxy.policy.release.releases(response.status()) {
         heartbeat.stop();
         release(&proxy, &id).await;
-        let _ = head.send(Ok(stream_response(response)));
+        let _ = head.send(Ok((stream_response(response), Outcome::Executed)));
         return;
     }
     relay(proxy, id, response, head, heartbeat).await;
@@ -80,7 +81,10 @@ async fn relay(
     let (sender, channel) = Channel::<Bytes, BoxError>::new(DOWNSTREAM_FRAMES);
     let mut downstream = Some(sender);
     if head
-        .send(Ok(Response::from_parts(parts, channel.boxed())))
+        .send(Ok((
+            Response::from_parts(parts, channel.boxed()),
+            Outcome::Executed,
+        )))
         .is_err()
     {
         tracing::debug!(key = %id.key, "client left before the response head; reading upstream to the end");

@@ -79,6 +79,39 @@ async fn client_disconnect_does_not_cancel_the_execution() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+/// The client hangs up while its claim statement is waiting in the database (queued behind a
+/// transaction the test holds on the same key). The claim still wins once it runs, so the request must
+/// still execute and be stored, not be left claimed until its lease runs out.
+#[tokio::test]
+async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
+    let env = TestEnv::new().await;
+    let proxy = env.proxy().await;
+    let scope = idemproxy::proxy::key::scope(&http::HeaderMap::new(), &[http::header::AUTHORIZATION]);
+    let mut holder = env.db.client().await;
+    let blocking = holder.transaction().await.unwrap();
+    blocking
+        .execute(
+            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                 locked_until, created_at, expires_at, updated_at)
+             VALUES ($1, 'k', '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
+                 now() + interval '1 day', now())",
+            &[&scope],
+        )
+        .await
+        .unwrap();
+
+    let connection = raw_keyed_post(&proxy.url, "/orders", "k", "{}").await;
+    env.db.wait_for_a_lock_waiter().await;
+    drop(connection);
+    blocking.rollback().await.unwrap();
+
+    env.upstream.wait_for_key("k", 1).await;
+    let retry = settled(|| keyed_post(&proxy.url, "/orders", "k", "{}")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(retry.is_replay(), "the retry must get the stored response");
+    assert_eq!(env.upstream.executions_for_key("k"), 1);
+}
+
 #[tokio::test]
 async fn two_proxy_processes_on_one_database_execute_once() {
     let env = TestEnv::new().await;
