@@ -108,6 +108,10 @@ impl Proxy {
         let (parts, body) = request.into_parts();
         let body = self.read_body(&parts.headers, body).await?;
         let (head, response) = oneshot::channel();
+        let head = Answer {
+            head,
+            metrics: self.metrics.clone(),
+        };
         let keyed = self.clone().keyed(parts, key, body, peer, head);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
@@ -126,13 +130,13 @@ impl Proxy {
         key: String,
         body: Bytes,
         peer: SocketAddr,
-        head: oneshot::Sender<Handled>,
+        head: Answer,
     ) {
         let claim = self.claim_request(&parts, key, &body);
         let decision = match self.store.claim(&claim).await {
             Ok(result) => claim::decide(result, &claim.id.key, &self.metrics),
             Err(error) => {
-                let _ = head.send(self.store_down(&parts, body, peer, error).await);
+                head.send(self.store_down(&parts, body, peer, error).await);
                 return;
             }
         };
@@ -144,7 +148,7 @@ impl Proxy {
             Ok(Decision::Replay(stored)) => replay::response(stored).map(|r| (r, Outcome::Replayed)),
             Err(refusal) => Err(refusal),
         };
-        let _ = head.send(answer);
+        head.send(answer);
     }
 
     fn claim_request(&self, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {
@@ -220,6 +224,29 @@ impl Proxy {
             .await
             .map_err(UpstreamFailure::into_error)?;
         Ok((stream_response(response), Outcome::StoreUnavailable))
+    }
+}
+
+/// Where a keyed request's answer goes. `handle` counts every outcome, unless the client hung up and took
+/// `handle` with it; such answers are counted here instead, so executions are never missing from
+/// `idemproxy_requests_total`.
+pub(crate) struct Answer {
+    head: oneshot::Sender<Handled>,
+    metrics: Metrics,
+}
+
+impl Answer {
+    /// Hands the answer to the client; `false` when the client has gone.
+    pub(crate) fn send(self, answer: Handled) -> bool {
+        let outcome = match &answer {
+            Ok((_, outcome)) => *outcome,
+            Err(error) => error.outcome(),
+        };
+        let delivered = self.head.send(answer).is_ok();
+        if !delivered {
+            self.metrics.record(outcome);
+        }
+        delivered
     }
 }
 

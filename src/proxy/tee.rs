@@ -11,12 +11,10 @@ use http::{HeaderMap, Request, Response, header};
 use http_body_util::BodyExt;
 use http_body_util::channel::{Channel, Sender};
 use hyper::body::Incoming;
-use tokio::sync::oneshot;
 
-use super::Proxy;
 use super::body::{BoxError, ProxyBody};
 use super::forward::{Heartbeat, UpstreamFailure, stream_response, strip_hop_by_hop};
-use crate::error::ProxyError;
+use super::{Answer, Proxy};
 use crate::metrics::Outcome;
 use crate::store::{RecordId, StoredResponse};
 
@@ -27,17 +25,9 @@ const DOWNSTREAM_FRAMES: usize = 8;
 const COMPLETE_ATTEMPTS: u32 = 4;
 const COMPLETE_BACKOFF: Duration = Duration::from_millis(200);
 
-/// What the client is waiting for: a response head with a streaming body, or an error.
-pub type Head = Result<(Response<ProxyBody>, Outcome), ProxyError>;
-
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
 /// error) goes to `head`.
-pub async fn execute(
-    proxy: Arc<Proxy>,
-    id: RecordId,
-    request: Request<ProxyBody>,
-    head: oneshot::Sender<Head>,
-) {
+pub(crate) async fn execute(proxy: Arc<Proxy>, id: RecordId, request: Request<ProxyBody>, head: Answer) {
     let heartbeat = Heartbeat::start(
         proxy.store.clone(),
         id.clone(),
@@ -54,14 +44,14 @@ pub async fn execute(
             } else {
                 tracing::warn!(key = %id.key, "upstream outcome unknown; claim left to its lease");
             }
-            let _ = head.send(Err(failure.into_error()));
+            head.send(Err(failure.into_error()));
             return;
         }
     };
     if proxy.policy.release.releases(response.status()) {
         heartbeat.stop();
         release(&proxy, &id).await;
-        let _ = head.send(Ok((stream_response(response), Outcome::Executed)));
+        head.send(Ok((stream_response(response), Outcome::Executed)));
         return;
     }
     relay(proxy, id, response, head, heartbeat).await;
@@ -71,7 +61,7 @@ async fn relay(
     proxy: Arc<Proxy>,
     id: RecordId,
     response: Response<Incoming>,
-    head: oneshot::Sender<Head>,
+    head: Answer,
     heartbeat: Heartbeat,
 ) {
     let (mut parts, mut upstream) = response.into_parts();
@@ -80,13 +70,8 @@ async fn relay(
     let status = parts.status;
     let (sender, channel) = Channel::<Bytes, BoxError>::new(DOWNSTREAM_FRAMES);
     let mut downstream = Some(sender);
-    if head
-        .send(Ok((
-            Response::from_parts(parts, channel.boxed()),
-            Outcome::Executed,
-        )))
-        .is_err()
-    {
+    let response = Response::from_parts(parts, channel.boxed());
+    if !head.send(Ok((response, Outcome::Executed))) {
         tracing::debug!(key = %id.key, "client left before the response head; reading upstream to the end");
         downstream = None;
     }

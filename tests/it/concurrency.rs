@@ -6,7 +6,7 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use crate::support::{
-    InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, settled,
+    InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches, settled,
 };
 
 /// Asserts every reply is the one execution (201), its replay, or a 409 conflict, and that exactly
@@ -77,6 +77,8 @@ async fn client_disconnect_does_not_cancel_the_execution() {
     assert!(retry.is_replay(), "the retry must get the stored response");
     assert_eq!(retry.text(), "slow done 1");
     assert_eq!(env.upstream.executions(), 1);
+    let executed = [("outcome", "executed")];
+    metric_reaches(&proxy.admin_url, "idemproxy_requests_total", &executed, 1.0).await;
 }
 
 /// The client hangs up while its claim statement is waiting in the database (queued behind a
@@ -110,6 +112,8 @@ async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
     assert_eq!(retry.status, 201, "{}", retry.text());
     assert!(retry.is_replay(), "the retry must get the stored response");
     assert_eq!(env.upstream.executions_for_key("k"), 1);
+    let executed = [("outcome", "executed")];
+    metric_reaches(&proxy.admin_url, "idemproxy_requests_total", &executed, 1.0).await;
 }
 
 #[tokio::test]
