@@ -68,29 +68,29 @@ impl Proxy {
             route = key::DEFAULT_SCOPE,
             outcome = tracing::field::Empty,
         );
+        let started = std::time::Instant::now();
         let result = self.handle_inner(request, peer).instrument(span.clone()).await;
         let _entered = span.enter();
-        let response = match result {
-            Ok((response, outcome)) => {
-                self.finish(&span, outcome);
-                response
-            }
+        let (response, outcome) = match result {
+            Ok(answered) => answered,
             Err(error) => {
-                self.finish(&span, error.outcome());
                 if error.status().is_server_error() {
                     tracing::warn!(%error, status = error.status().as_u16(), "request failed");
                 } else {
-                    tracing::debug!(%error, status = error.status().as_u16(), "request refused");
+                    tracing::debug!(%error, "request refused");
                 }
-                error.into_response()
+                let outcome = error.outcome();
+                (error.into_response(), outcome)
             }
         };
-        Ok(response)
-    }
-
-    fn finish(&self, span: &tracing::Span, outcome: Outcome) {
         span.record("outcome", outcome.as_str());
         self.metrics.record(outcome);
+        tracing::debug!(
+            status = response.status().as_u16(),
+            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "answered"
+        );
+        Ok(response)
     }
 
     async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: SocketAddr) -> Handled {
