@@ -3,7 +3,7 @@
 //! Nothing here is read again after start; the typed config is passed down, never global.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytesize::ByteSize;
@@ -127,6 +127,10 @@ pub struct RawStore {
     pub on_error: OnStoreError,
     /// Apply pending migrations when `serve` starts.
     pub migrate: bool,
+    /// PEM file of CA certificates trusted for the store's TLS (with `sslmode=require` in the URL), in
+    /// addition to the system's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 impl Default for RawStore {
@@ -137,6 +141,7 @@ impl Default for RawStore {
             timeout: Duration::from_secs(5),
             on_error: OnStoreError::FailClosed,
             migrate: true,
+            tls_ca_file: None,
         }
     }
 }
@@ -283,6 +288,10 @@ pub struct StoreConfig {
     pub on_error: OnStoreError,
     /// Migrate at `serve` start.
     pub migrate: bool,
+    /// Whether the URL asks for TLS (`sslmode=require`).
+    pub tls: bool,
+    /// Extra trusted CA certificates for the store's TLS.
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 /// Validated `[idempotency]`.
@@ -466,9 +475,25 @@ impl RawStore {
                 ),
             ));
         }
-        self.url
+        let pg = self
+            .url
             .parse::<tokio_postgres::Config>()
             .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
+        let tls = pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require;
+        if let Some(path) = &self.tls_ca_file {
+            if !tls {
+                return Err(ConfigError::new(
+                    "store.tls_ca_file",
+                    "only used with TLS: add sslmode=require to store.url",
+                ));
+            }
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    "store.tls_ca_file",
+                    format!("cannot read file {}", path.display()),
+                ));
+            }
+        }
         if self.pool_size == 0 {
             return Err(ConfigError::new("store.pool_size", "must be at least 1"));
         }
@@ -479,6 +504,8 @@ impl RawStore {
             timeout: self.timeout,
             on_error: self.on_error,
             migrate: self.migrate,
+            tls,
+            tls_ca_file: self.tls_ca_file.clone(),
         })
     }
 }
@@ -637,6 +664,21 @@ mod tests {
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
         let err = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
         assert_eq!(err.key, "idempotency.release_statuses");
+    }
+
+    #[test]
+    fn store_ca_file_needs_tls_and_a_readable_file() {
+        let err = Config::from_toml_str("[store]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err();
+        assert_eq!(err.key, "store.tls_ca_file");
+        let err = Config::from_toml_str(
+            "[store]\nurl = \"postgres://db/idem?sslmode=require\"\ntls_ca_file = \"/nonexistent.pem\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "store.tls_ca_file");
+        let config =
+            Config::from_toml_str("[store]\nurl = \"postgres://db/idem?sslmode=require\"\n").unwrap();
+        assert!(config.store.tls);
+        assert!(!Config::from_toml_str("").unwrap().store.tls);
     }
 
     #[test]

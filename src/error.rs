@@ -159,6 +159,18 @@ impl ProxyError {
     }
 }
 
+/// An error and all its causes on one line (`outer: cause: root cause`), for logs and problem details.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 
 use super::body::{BoxError, ProxyBody};
 use crate::config::UpstreamConfig;
-use crate::error::ProxyError;
+use crate::error::{ProxyError, error_chain};
 use crate::metrics::Metrics;
 use crate::store::{RecordId, StoreHandle};
 
@@ -188,17 +188,6 @@ fn set_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: Option<HeaderV
     if let Some(host) = host {
         headers.insert(X_FORWARDED_HOST, host);
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Extends a claim's lease about every third of `lock_timeout` while the upstream works. Stops when

@@ -3,16 +3,22 @@
 //! once per pooled connection; every operation is bounded by `store.timeout`, and a connection that timed
 //! out is dropped instead of going back to the pool. The database clock (`now()`) is the only clock.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
 use tokio::time::{error::Elapsed, timeout};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::{NoTls, Row, Socket};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, Store, StoreError, StoredResponse};
 use crate::config::StoreConfig;
+use crate::error::error_chain;
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
@@ -148,13 +154,13 @@ impl PostgresStore {
     /// Builds the pool; connections open lazily, so this succeeds while the database is down.
     pub fn connect(config: &StoreConfig) -> Result<PostgresStore, StoreError> {
         let pg = pg_config(config)?;
-        let manager = Manager::from_config(
-            pg,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match tls_connector(config)? {
+            Some(tls) => Manager::from_config(pg, tls, manager_config),
+            None => Manager::from_config(pg, NoTls, manager_config),
+        };
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
             .build()
@@ -211,21 +217,66 @@ impl PostgresStore {
     /// dedicated connection serialises them, and each applies only what is still missing.
     pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
         let pg = pg_config(config)?;
-        let (mut client, connection) = pg.connect(NoTls).await.map_err(backend)?;
-        let driver = tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::warn!(%error, "migration connection ended");
-            }
-        });
-        let applied = migrate_locked(&mut client).await;
-        drop(client);
-        let _ = driver.await;
-        applied
+        match tls_connector(config)? {
+            Some(tls) => migrate_over(pg, tls).await,
+            None => migrate_over(pg, NoTls).await,
+        }
     }
 }
 
+async fn migrate_over<T>(pg: tokio_postgres::Config, tls: T) -> Result<usize, StoreError>
+where
+    T: MakeTlsConnect<Socket>,
+    T::Stream: Send + 'static,
+{
+    let (mut client, connection) = pg.connect(tls).await.map_err(backend)?;
+    let driver = tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::warn!(%error, "migration connection ended");
+        }
+    });
+    let applied = migrate_locked(&mut client).await;
+    drop(client);
+    let _ = driver.await;
+    applied
+}
+
+/// The TLS connector when the URL says `sslmode=require`: rustls, verifying the server's certificate and
+/// name against the system's CA certificates plus `store.tls_ca_file`. Other modes connect in clear text.
+fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsConnect>, StoreError> {
+    if !config.tls {
+        return Ok(None);
+    }
+    let tls_error = |what: String| StoreError::Backend(format!("store TLS: {what}"));
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    roots.add_parsable_certificates(native.certs);
+    if let Some(path) = &config.tls_ca_file {
+        let certs = CertificateDer::pem_file_iter(path)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| tls_error(format!("cannot read {}: {e}", path.display())))?;
+        for cert in certs {
+            roots
+                .add(cert)
+                .map_err(|e| tls_error(format!("bad CA certificate in {}: {e}", path.display())))?;
+        }
+    }
+    if roots.is_empty() {
+        return Err(tls_error(
+            "no trusted CA certificates; set store.tls_ca_file".into(),
+        ));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| tls_error(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Some(MakeRustlsConnect::new(client)))
+}
+
 async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
-    let migration = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
+    let migration = |e: tokio_postgres::Error| StoreError::Migration(error_chain(&e));
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_ID])
         .await
@@ -262,7 +313,7 @@ fn pg_config(config: &StoreConfig) -> Result<tokio_postgres::Config, StoreError>
 }
 
 fn backend(e: tokio_postgres::Error) -> StoreError {
-    StoreError::Backend(e.to_string())
+    StoreError::Backend(error_chain(&e))
 }
 
 /// Runs a statement again when the database reports a serialization failure or deadlock (40001, 40P01),

@@ -12,4 +12,5 @@ mod protocols;
 mod proxy_basic;
 mod store_faults;
 mod store_pg;
+mod store_tls;
 mod upstream_faults;

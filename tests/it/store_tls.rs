@@ -1,0 +1,84 @@
+//! The store over TLS (`sslmode=require`): the server's certificate and name are verified, and keyed
+//! requests work over the encrypted connection. Needs the local PostgreSQL to have TLS on and a
+//! certificate for `localhost` (Debian's default cluster does); otherwise these tests say so and stop.
+
+use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, settled};
+
+/// The server's certificate as PEM, when TLS is on; read through SQL so no path is assumed.
+async fn server_certificate(env: &TestEnv) -> Option<String> {
+    let client = env.db.client().await;
+    let ssl: String = client.query_one("SHOW ssl", &[]).await.unwrap().get(0);
+    if ssl != "on" {
+        eprintln!("skipped: the PostgreSQL server under test has ssl = off");
+        return None;
+    }
+    let row = client
+        .query_one("SELECT pg_read_file(current_setting('ssl_cert_file'))", &[])
+        .await
+        .expect("read the server certificate (needs a superuser test role)");
+    Some(row.get(0))
+}
+
+fn tls_url(env: &TestEnv, host: &str) -> String {
+    let mut url = url::Url::parse(&env.db.url()).unwrap();
+    url.set_host(Some(host)).unwrap();
+    url.set_query(Some("sslmode=require"));
+    url.to_string()
+}
+
+#[tokio::test]
+async fn store_over_tls_serves_keyed_requests_on_encrypted_connections() {
+    let env = TestEnv::new().await;
+    let Some(certificate) = server_certificate(&env).await else {
+        return;
+    };
+    let ca = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca.path(), certificate).unwrap();
+    let config = env
+        .config()
+        .set("store.url", tls_url(&env, "localhost"))
+        .set("store.tls_ca_file", ca.path().to_str().unwrap());
+    let proxy = InProcessProxy::start(&config).await;
+
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "tls", "{}")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let replay = settled(|| keyed_post(&proxy.url, "/orders", "tls", "{}")).await;
+    assert!(replay.is_replay());
+
+    let observer = env.db.client().await;
+    let row = observer
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE s.ssl) FROM pg_stat_activity a
+             JOIN pg_stat_ssl s USING (pid)
+             WHERE a.datname = current_database() AND a.application_name = 'idemproxy'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (connections, encrypted): (i64, i64) = (row.get(0), row.get(1));
+    assert!(connections > 0, "the proxy holds pooled store connections");
+    assert_eq!(encrypted, connections, "every store connection is encrypted");
+}
+
+#[tokio::test]
+async fn store_certificate_for_another_name_is_refused() {
+    let env = TestEnv::new().await;
+    if server_certificate(&env).await.is_none() {
+        return;
+    }
+    // The certificate names localhost, not 127.0.0.1: the connection must not be trusted.
+    let config = env.config().set("store.url", tls_url(&env, "127.0.0.1"));
+    let listeners = idemproxy::Listeners {
+        proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let config = idemproxy::Config::from_toml_str(&config.to_toml()).unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let error = idemproxy::run(config, listeners, shutdown)
+        .await
+        .expect_err("start-up must fail on an untrusted store certificate");
+    assert!(
+        error.to_string().contains("certificate not valid for name"),
+        "{error}"
+    );
+}
