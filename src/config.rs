@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytesize::ByteSize;
@@ -76,6 +77,9 @@ pub struct RawServer {
     /// How long in-flight requests may run to completion after a shutdown signal.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// TLS on the proxy listener; absent means cleartext (HTTP/1.1 and h2c).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RawServerTls>,
 }
 
 impl Default for RawServer {
@@ -84,8 +88,19 @@ impl Default for RawServer {
             listen: "0.0.0.0:8080".into(),
             admin_listen: "127.0.0.1:9090".into(),
             shutdown_grace: Duration::from_secs(30),
+            tls: None,
         }
     }
+}
+
+/// `[server.tls]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServerTls {
+    /// PEM certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
 }
 
 /// `[upstream]`
@@ -262,6 +277,8 @@ pub struct ServerConfig {
     pub admin_listen: SocketAddr,
     /// Drain bound after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// The listener's TLS settings, when TLS is on.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Validated `[upstream]`.
@@ -429,7 +446,26 @@ impl RawServer {
             listen: parse_addr("server.listen", &self.listen)?,
             admin_listen: parse_addr("server.admin_listen", &self.admin_listen)?,
             shutdown_grace: self.shutdown_grace,
+            tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
         })
+    }
+}
+
+impl RawServerTls {
+    fn validate(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
+        for (key, path) in [
+            ("server.tls.cert_file", &self.cert_file),
+            ("server.tls.key_file", &self.key_file),
+        ] {
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    key,
+                    format!("cannot read file {}", path.display()),
+                ));
+            }
+        }
+        crate::tls::server_config(&self.cert_file, &self.key_file)
+            .map_err(|e| ConfigError::new("server.tls", e))
     }
 }
 
@@ -679,6 +715,22 @@ mod tests {
             Config::from_toml_str("[store]\nurl = \"postgres://db/idem?sslmode=require\"\n").unwrap();
         assert!(config.store.tls);
         assert!(!Config::from_toml_str("").unwrap().store.tls);
+    }
+
+    #[test]
+    fn listener_tls_files_are_checked_at_load() {
+        let err = Config::from_toml_str(
+            "[server.tls]\ncert_file = \"/nonexistent/cert.pem\"\nkey_file = \"/nonexistent/key.pem\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "server.tls.cert_file");
+        let err = Config::from_toml_str(
+            "[server.tls]\ncert_file = \"/etc/hostname\"\nkey_file = \"/etc/hostname\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "server.tls", "{err}");
+        let err = Config::from_toml_str("[server.tls]\ncert_file = \"/etc/hostname\"\n").unwrap_err();
+        assert!(err.to_string().contains("key_file"), "{err}");
     }
 
     #[test]

@@ -24,6 +24,7 @@ pub mod proxy;
 pub mod server;
 pub mod shutdown;
 pub mod store;
+pub mod tls;
 
 use std::sync::Arc;
 

@@ -10,7 +10,6 @@ pub mod replay;
 pub mod tee;
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -24,7 +23,7 @@ use uuid::Uuid;
 
 use self::body::{BoxError, ProxyBody};
 use self::claim::Decision;
-use self::forward::{Upstream, UpstreamFailure, stream_response};
+use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
 use crate::config::{Config, IdempotencyConfig, OnStoreError};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
@@ -38,6 +37,7 @@ pub struct Proxy {
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
     pub(crate) tracker: TaskTracker,
+    pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
@@ -52,6 +52,7 @@ impl Proxy {
             upstream: Upstream::new(&config.upstream, metrics.clone()),
             metrics,
             tracker,
+            tls: config.server.tls.clone(),
         }
     }
 
@@ -59,7 +60,7 @@ impl Proxy {
     pub async fn handle(
         self: Arc<Self>,
         request: Request<Incoming>,
-        peer: SocketAddr,
+        peer: Downstream,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let _in_flight = InFlight::enter(&self.metrics);
         let span = tracing::info_span!(
@@ -93,7 +94,7 @@ impl Proxy {
         Ok(response)
     }
 
-    async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: SocketAddr) -> Handled {
+    async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: Downstream) -> Handled {
         if !self.policy.methods.contains(request.method()) {
             return self.passthrough(request, peer).await;
         }
@@ -129,7 +130,7 @@ impl Proxy {
         parts: request::Parts,
         key: String,
         body: Bytes,
-        peer: SocketAddr,
+        peer: Downstream,
         head: Answer,
     ) {
         let claim = self.claim_request(&parts, key, &body);
@@ -191,7 +192,7 @@ impl Proxy {
         }
     }
 
-    async fn passthrough(&self, request: Request<Incoming>, peer: SocketAddr) -> Handled {
+    async fn passthrough(&self, request: Request<Incoming>, peer: Downstream) -> Handled {
         let (parts, body) = request.into_parts();
         let request = self
             .upstream
@@ -209,7 +210,7 @@ impl Proxy {
         &self,
         parts: &request::Parts,
         body: Bytes,
-        peer: SocketAddr,
+        peer: Downstream,
         error: StoreError,
     ) -> Handled {
         if self.on_store_error == OnStoreError::FailClosed {

@@ -1,8 +1,8 @@
 //! The accept loops of the proxy and admin listeners, and the drain at shutdown. Serves HTTP/1.1 and
-//! HTTP/2 (h2c prior knowledge) on each connection through hyper-util's auto builder.
+//! HTTP/2 on each connection through hyper-util's auto builder: h2c with prior knowledge in cleartext, or
+//! negotiated by ALPN when the proxy listener has TLS.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,14 +11,20 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
 use crate::proxy::Proxy;
 use crate::proxy::body::ProxyBody;
+use crate::proxy::forward::Downstream;
+
+/// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves both listeners until `shutdown`, then stops accepting, lets open requests and their
 /// forwarding tasks finish within `grace`, and returns.
@@ -31,16 +37,29 @@ pub async fn serve(
     grace: Duration,
 ) {
     let tracker = proxy.tracker.clone();
+    let tls = proxy.tls.clone().map(TlsAcceptor::from);
     let connections = GracefulShutdown::new();
     let admin_stop = CancellationToken::new();
-    let admin_loop = tokio::spawn(accept_loop(admin_listener, admin_stop.clone(), None, move |_| {
-        let admin = admin.clone();
-        move |request| admin.clone().handle(request)
-    }));
-    accept_loop(proxy_listener, shutdown, Some(&connections), move |peer| {
-        let proxy = proxy.clone();
-        move |request| proxy.clone().handle(request, peer)
-    })
+    let admin_loop = tokio::spawn(accept_loop(
+        admin_listener,
+        None,
+        admin_stop.clone(),
+        None,
+        move |_| {
+            let admin = admin.clone();
+            move |request| admin.clone().handle(request)
+        },
+    ));
+    accept_loop(
+        proxy_listener,
+        tls,
+        shutdown,
+        Some(&connections),
+        move |downstream| {
+            let proxy = proxy.clone();
+            move |request| proxy.clone().handle(request, downstream)
+        },
+    )
     .await;
     drain(connections, &tracker, grace).await;
     admin_stop.cancel();
@@ -60,20 +79,22 @@ async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Dura
     }
 }
 
-/// Accepts connections until `stop`, serving each with the handler `make(peer)` builds.
+/// Accepts connections until `stop`, serving each (after its TLS handshake, if `tls`) with the handler
+/// `make(downstream)` builds.
 async fn accept_loop<M, H, F>(
     listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     stop: CancellationToken,
     graceful: Option<&GracefulShutdown>,
     make: M,
 ) where
-    M: Fn(SocketAddr) -> H,
+    M: Fn(Downstream) -> H,
     H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
     let builder = auto::Builder::new(TokioExecutor::new());
     loop {
-        let (stream, peer) = tokio::select! {
+        let (stream, addr) = tokio::select! {
             _ = stop.cancelled() => return,
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -85,22 +106,57 @@ async fn accept_loop<M, H, F>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service_fn(make(peer)))
-            .into_owned();
-        match graceful {
-            Some(graceful) => {
-                tokio::spawn(log_connection_end(graceful.watch(connection)));
-            }
-            None => {
-                tokio::spawn(log_connection_end(connection));
-            }
-        }
+        let handler = make(Downstream {
+            addr,
+            tls: tls.is_some(),
+        });
+        let connection = Connection {
+            builder: builder.clone(),
+            tls: tls.clone(),
+            watcher: graceful.map(GracefulShutdown::watcher),
+        };
+        tokio::spawn(connection.serve(stream, handler));
     }
 }
 
-async fn log_connection_end<E: std::fmt::Display>(connection: impl Future<Output = Result<(), E>>) {
-    if let Err(error) = connection.await {
-        tracing::debug!(%error, "connection ended with an error");
+/// Bytes in both directions, in clear or through TLS.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// One accepted connection, to be served on its own task.
+struct Connection {
+    builder: auto::Builder<TokioExecutor>,
+    tls: Option<TlsAcceptor>,
+    watcher: Option<Watcher>,
+}
+
+impl Connection {
+    async fn serve<H, F>(self, stream: TcpStream, handler: H)
+    where
+        H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
+    {
+        let io: Box<dyn Io> = match &self.tls {
+            None => Box::new(stream),
+            Some(acceptor) => {
+                match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => Box::new(stream),
+                    Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
+                    Err(_) => return tracing::debug!("TLS handshake timed out"),
+                }
+            }
+        };
+        let connection = self
+            .builder
+            .serve_connection(TokioIo::new(io), service_fn(handler))
+            .into_owned();
+        let result = match self.watcher {
+            Some(watcher) => watcher.watch(connection).await,
+            None => connection.await,
+        };
+        if let Err(error) = result {
+            tracing::debug!(%error, "connection ended with an error");
+        }
     }
 }

@@ -35,6 +35,15 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// The client side of a connection, as far as the upstream is told about it.
+#[derive(Debug, Clone, Copy)]
+pub struct Downstream {
+    /// The client's address.
+    pub addr: SocketAddr,
+    /// Whether the client connected over TLS.
+    pub tls: bool,
+}
+
 /// Why the upstream did not give us a response head.
 #[derive(Debug)]
 pub enum UpstreamFailure {
@@ -93,7 +102,7 @@ impl Upstream {
 
     /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
     /// `X-Forwarded-*` set; the client's `Host` kept.
-    pub fn request(&self, parts: &request::Parts, body: ProxyBody, peer: SocketAddr) -> Request<ProxyBody> {
+    pub fn request(&self, parts: &request::Parts, body: ProxyBody, peer: Downstream) -> Request<ProxyBody> {
         let mut headers = parts.headers.clone();
         strip_hop_by_hop(&mut headers);
         // The proxy has answered any 100-continue itself by reading the body.
@@ -175,8 +184,8 @@ fn original_host(parts: &request::Parts) -> Option<HeaderValue> {
     })
 }
 
-fn set_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: Option<HeaderValue>) {
-    let client_ip = peer.ip().to_string();
+fn set_forwarded(headers: &mut HeaderMap, peer: Downstream, host: Option<HeaderValue>) {
+    let client_ip = peer.addr.ip().to_string();
     let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
         Some(prior) => format!("{prior}, {client_ip}"),
         None => client_ip,
@@ -184,7 +193,8 @@ fn set_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: Option<HeaderV
     if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
         headers.insert(X_FORWARDED_FOR, value);
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    let proto = if peer.tls { "https" } else { "http" };
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
         headers.insert(X_FORWARDED_HOST, host);
     }
@@ -269,14 +279,16 @@ mod tests {
     fn forwarded_for_appends_the_peer() {
         let mut headers = HeaderMap::new();
         headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        set_forwarded(
-            &mut headers,
-            "127.0.0.1:5000".parse().unwrap(),
-            Some(HeaderValue::from_static("api")),
-        );
+        let peer = Downstream {
+            addr: "127.0.0.1:5000".parse().unwrap(),
+            tls: false,
+        };
+        set_forwarded(&mut headers, peer, Some(HeaderValue::from_static("api")));
         assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
         assert_eq!(headers[&X_FORWARDED_HOST], "api");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
+        set_forwarded(&mut headers, Downstream { tls: true, ..peer }, None);
+        assert_eq!(headers[&X_FORWARDED_PROTO], "https");
     }
 }
 

@@ -3,13 +3,10 @@
 //! once per pooled connection; every operation is bounded by `store.timeout`, and a connection that timed
 //! out is dropped instead of going back to the pool. The database clock (`now()`) is the only clock.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
 use tokio::time::{error::Elapsed, timeout};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
@@ -247,31 +244,8 @@ fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsConnect>, Stor
     if !config.tls {
         return Ok(None);
     }
-    let tls_error = |what: String| StoreError::Backend(format!("store TLS: {what}"));
-    let mut roots = rustls::RootCertStore::empty();
-    let native = rustls_native_certs::load_native_certs();
-    roots.add_parsable_certificates(native.certs);
-    if let Some(path) = &config.tls_ca_file {
-        let certs = CertificateDer::pem_file_iter(path)
-            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| tls_error(format!("cannot read {}: {e}", path.display())))?;
-        for cert in certs {
-            roots
-                .add(cert)
-                .map_err(|e| tls_error(format!("bad CA certificate in {}: {e}", path.display())))?;
-        }
-    }
-    if roots.is_empty() {
-        return Err(tls_error(
-            "no trusted CA certificates; set store.tls_ca_file".into(),
-        ));
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let client = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| tls_error(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let client = crate::tls::client_config(config.tls_ca_file.as_deref())
+        .map_err(|e| StoreError::Backend(format!("store TLS: {e}")))?;
     Ok(Some(MakeRustlsConnect::new(client)))
 }
 
