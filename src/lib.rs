@@ -88,10 +88,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let admin = Admin::new(metrics, store);
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
-    server::serve(
-        listeners.proxy,
-        listeners.admin,
+    let proxy = server::ProxyListener {
+        listener: listeners.proxy,
+        tls: config.server.tls.clone(),
         proxy,
+    };
+    server::serve(
+        proxy,
+        listeners.admin,
         admin,
         shutdown,
         config.server.shutdown_grace,

@@ -31,13 +31,12 @@ use crate::store::{ClaimRequest, RecordId, StoreError, StoreHandle};
 
 /// Everything a request needs; shared behind an `Arc` by every connection and forwarding task.
 pub struct Proxy {
-    pub(crate) policy: Arc<IdempotencyConfig>,
+    pub(crate) policy: IdempotencyConfig,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
     pub(crate) tracker: TaskTracker,
-    pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
@@ -46,13 +45,12 @@ impl Proxy {
     /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them.
     pub fn new(config: &Config, store: StoreHandle, metrics: Metrics, tracker: TaskTracker) -> Proxy {
         Proxy {
-            policy: Arc::new(config.idempotency.clone()),
+            policy: config.idempotency.clone(),
             on_store_error: config.store.on_error,
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
             metrics,
             tracker,
-            tls: config.server.tls.clone(),
         }
     }
 

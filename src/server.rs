@@ -26,18 +26,28 @@ use crate::proxy::forward::Downstream;
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The proxy listener and what it needs to serve.
+pub struct ProxyListener {
+    /// The bound socket.
+    pub listener: TcpListener,
+    /// TLS for its connections, if on.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// The request path.
+    pub proxy: Arc<Proxy>,
+}
+
 /// Serves both listeners until `shutdown`, then stops accepting, lets open requests and their
 /// forwarding tasks finish within `grace`, and returns.
 pub async fn serve(
-    proxy_listener: TcpListener,
+    proxy: ProxyListener,
     admin_listener: TcpListener,
-    proxy: Arc<Proxy>,
     admin: Admin,
     shutdown: CancellationToken,
     grace: Duration,
 ) {
+    let ProxyListener { listener, tls, proxy } = proxy;
     let tracker = proxy.tracker.clone();
-    let tls = proxy.tls.clone().map(TlsAcceptor::from);
+    let tls = tls.map(TlsAcceptor::from);
     let connections = GracefulShutdown::new();
     let admin_stop = CancellationToken::new();
     let admin_loop = tokio::spawn(accept_loop(
@@ -50,16 +60,10 @@ pub async fn serve(
             move |request| admin.clone().handle(request)
         },
     ));
-    accept_loop(
-        proxy_listener,
-        tls,
-        shutdown,
-        Some(&connections),
-        move |downstream| {
-            let proxy = proxy.clone();
-            move |request| proxy.clone().handle(request, downstream)
-        },
-    )
+    accept_loop(listener, tls, shutdown, Some(&connections), move |downstream| {
+        let proxy = proxy.clone();
+        move |request| proxy.clone().handle(request, downstream)
+    })
     .await;
     drain(connections, &tracker, grace).await;
     admin_stop.cancel();
