@@ -1,10 +1,12 @@
 //! The admin listener's three endpoints: `/metrics` (Prometheus text), `/healthz` (the process runs) and
-//! `/readyz` (the store answers). Reads metrics and pings the store; never touches the request path.
+//! `/readyz` (the store answers and no shutdown has begun). Reads metrics and pings the store; never
+//! touches the request path.
 
 use std::convert::Infallible;
 
 use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::proxy::body::{self, ProxyBody};
@@ -15,12 +17,17 @@ use crate::store::StoreHandle;
 pub struct Admin {
     metrics: Metrics,
     store: StoreHandle,
+    shutdown: CancellationToken,
 }
 
 impl Admin {
-    /// The admin endpoints over these metrics and this store.
-    pub fn new(metrics: Metrics, store: StoreHandle) -> Admin {
-        Admin { metrics, store }
+    /// The admin endpoints over these metrics and this store; `/readyz` fails once `shutdown` is cancelled.
+    pub fn new(metrics: Metrics, store: StoreHandle, shutdown: CancellationToken) -> Admin {
+        Admin {
+            metrics,
+            store,
+            shutdown,
+        }
     }
 
     /// Answers one admin request.
@@ -38,6 +45,9 @@ impl Admin {
                 response
             }
             "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" if self.shutdown.is_cancelled() => {
+                text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+            }
             "/readyz" => match self.store.ping().await {
                 Ok(()) => text(StatusCode::OK, "ready\n"),
                 Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n"),

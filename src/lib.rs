@@ -85,7 +85,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         metrics.clone(),
         TaskTracker::new(),
     ));
-    let admin = Admin::new(metrics, store);
+    let admin = Admin::new(metrics, store, shutdown.clone());
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
     let proxy = server::ProxyListener {

@@ -83,6 +83,12 @@ async fn cancelled_run_drains_an_in_flight_request() {
     env.upstream.wait_for_key("k", 1).await;
     proxy.shutdown.cancel();
     stops_accepting(&proxy.url).await;
+    let readiness = crate::support::http::client()
+        .get(format!("{}/readyz", proxy.admin_url))
+        .send()
+        .await
+        .expect("the admin listener serves while draining");
+    assert_eq!(readiness.status(), 503, "not ready once shutdown has begun");
     // Draining: while the request is held upstream, `run` must not return.
     let run = proxy.task.as_mut().expect("run task");
     let early = tokio::time::timeout(Duration::from_millis(500), run).await;
