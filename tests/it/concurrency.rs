@@ -5,6 +5,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
+use crate::support::upstream::{FIRST_CHUNK, REST_CHUNK};
 use crate::support::{
     InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches, settled,
 };
@@ -79,6 +80,28 @@ async fn client_disconnect_does_not_cancel_the_execution() {
     assert_eq!(env.upstream.executions(), 1);
     let executed = [("outcome", "executed")];
     metric_reaches(&proxy.admin_url, "idemproxy_requests_total", &executed, 1.0).await;
+}
+
+/// The client reads the response head and the first chunk, then hangs up while the upstream is still
+/// sending: the relay reads the rest and stores the whole response.
+#[tokio::test]
+async fn client_disconnect_after_the_head_still_stores_the_whole_response() {
+    let env = TestEnv::new().await;
+    let proxy = env.proxy().await;
+
+    let mut response = keyed_post(&proxy.url, "/stream", "k", "{}")
+        .send()
+        .await
+        .expect("send");
+    let first = response.chunk().await.expect("read").expect("a first chunk");
+    assert_eq!(&first[..], FIRST_CHUNK);
+    drop(response);
+    env.upstream.release("stream");
+
+    let replay = settled(|| keyed_post(&proxy.url, "/stream", "k", "{}")).await;
+    assert!(replay.is_replay(), "{}", replay.text());
+    assert_eq!(replay.body, [FIRST_CHUNK, REST_CHUNK].concat());
+    assert_eq!(env.upstream.executions_for_key("k"), 1);
 }
 
 /// The client hangs up while its claim statement is waiting in the database (queued behind a

@@ -164,4 +164,6 @@ async fn store_unreachable_fail_open_forwards_keyed_requests() {
     assert_eq!(reply.status, 201, "{}", reply.text());
     assert!(!reply.is_replay());
     assert_eq!(env.upstream.executions_for_key("k"), 1);
+    let unprotected = metric(&proxy.admin_url, "idemproxy_unprotected_requests_total", &[]).await;
+    assert_eq!(unprotected, 1.0, "every unprotected forward is counted");
 }
