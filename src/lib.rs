@@ -3,8 +3,10 @@
 //!
 //! The request's path, by file:
 //!
-//! - `server.rs` accepts connections (HTTP/1.1 and h2c) and drains them at shutdown;
-//! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `store.rs` claim →
+//! - `server.rs` accepts connections (HTTP/1.1 and HTTP/2, cleartext or TLS from `tls.rs`) and drains
+//!   them at shutdown;
+//! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `store.rs` claim, on the
+//!   request's own task from here on →
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
 //!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
 //! - `store/postgres.rs` holds the key table; `error.rs` turns failures into problem+json;
