@@ -5,6 +5,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
+use crate::support::http::stream_until_first_chunk;
 use crate::support::upstream::{FIRST_CHUNK, REST_CHUNK};
 use crate::support::{
     InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches, settled,
@@ -89,13 +90,7 @@ async fn client_disconnect_after_the_head_still_stores_the_whole_response() {
     let env = TestEnv::new().await;
     let proxy = env.proxy().await;
 
-    let mut response = keyed_post(&proxy.url, "/stream", "k", "{}")
-        .send()
-        .await
-        .expect("send");
-    let first = response.chunk().await.expect("read").expect("a first chunk");
-    assert_eq!(&first[..], FIRST_CHUNK);
-    drop(response);
+    drop(stream_until_first_chunk(&proxy.url, "k").await);
     env.upstream.release("stream");
 
     let replay = settled(|| keyed_post(&proxy.url, "/stream", "k", "{}")).await;

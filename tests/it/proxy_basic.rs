@@ -1,9 +1,8 @@
 //! One proxy, one client: execute once, replay, refuse what must be refused, pass the rest through.
 
-use std::time::Duration;
-
 use reqwest::header::HeaderMap;
 
+use crate::support::http::stream_until_first_chunk;
 use crate::support::{
     Reply, TestEnv,
     http::client,
@@ -158,17 +157,7 @@ async fn first_chunk_reaches_client_before_upstream_finishes() {
     let env = TestEnv::new().await;
     let proxy = env.proxy().await;
 
-    let mut response = keyed_post(&proxy.url, "/stream", "k", "{}")
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(response.status(), 200);
-    let first = tokio::time::timeout(Duration::from_secs(30), response.chunk())
-        .await
-        .expect("first chunk must arrive while the upstream is still held")
-        .expect("read first chunk")
-        .expect("a first chunk");
-    assert_eq!(&first[..], FIRST_CHUNK);
+    let mut response = stream_until_first_chunk(&proxy.url, "k").await;
 
     env.upstream.release("stream");
     let mut rest = Vec::new();

@@ -109,6 +109,20 @@ pub fn keyed_post(base: &str, path: &str, key: &str, body: &str) -> RequestBuild
         .body(body.to_string())
 }
 
+/// Starts a keyed `POST /stream` and reads its first chunk, which the stub sends before waiting on its
+/// gate; returns the response with the rest still to come.
+pub async fn stream_until_first_chunk(base: &str, key: &str) -> reqwest::Response {
+    let mut response = keyed_post(base, "/stream", key, "{}").send().await.expect("send");
+    assert_eq!(response.status(), 200);
+    let first = tokio::time::timeout(REQUEST_BOUND, response.chunk())
+        .await
+        .expect("first chunk must arrive while the upstream is still held")
+        .expect("read first chunk")
+        .expect("a first chunk");
+    assert_eq!(&first[..], crate::support::upstream::FIRST_CHUNK);
+    response
+}
+
 /// Writes `POST {path}` with `key` and `body` on a fresh connection to the proxy and returns the
 /// connection without reading anything, so the test decides when the client goes away.
 pub async fn raw_keyed_post(base: &str, path: &str, key: &str, body: &str) -> TcpStream {
