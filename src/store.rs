@@ -105,6 +105,9 @@ pub enum Existing {
         same_fingerprint: bool,
         /// The stored response.
         response: StoredResponse,
+        /// Time until the record expires, by the store's clock. A completed record changes only by
+        /// expiry, so this bounds how long a copy of it stays true.
+        expires_in: Duration,
     },
     /// Claimed by a live request (or by one whose outcome is not known yet).
     Processing {

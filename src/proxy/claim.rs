@@ -37,6 +37,7 @@ fn held(existing: Existing) -> Result<Decision, ProxyError> {
         Existing::Completed {
             same_fingerprint: true,
             response,
+            ..
         } => Ok(Decision::Replay(response)),
         Existing::Processing {
             same_fingerprint: true,
@@ -78,6 +79,7 @@ mod tests {
         let result = ClaimResult::Held(Existing::Completed {
             same_fingerprint: true,
             response: stored(),
+            expires_in: Duration::from_secs(60),
         });
         assert!(matches!(
             decide(result, "k", &Metrics::new()),
@@ -91,6 +93,7 @@ mod tests {
             Existing::Completed {
                 same_fingerprint: false,
                 response: stored(),
+                expires_in: Duration::from_secs(60),
             },
             Existing::Processing {
                 same_fingerprint: false,

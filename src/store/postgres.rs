@@ -33,7 +33,8 @@ macro_rules! view_columns {
     () => {
         "r.status, r.fingerprint = $3 AS same_fingerprint, \
          ceil(extract(epoch FROM (r.locked_until - now())) * 1000)::bigint AS lease_ms, \
-         r.expires_at <= now() AS expired, r.response_status, r.response_header_names, \
+         r.expires_at <= now() AS expired, \
+         ceil(extract(epoch FROM (r.expires_at - now())) * 1000)::bigint AS ttl_ms, r.response_status, r.response_header_names, \
          r.response_header_values, r.response_body, r.body_retained"
     };
 }
@@ -45,7 +46,7 @@ macro_rules! won_or_record {
         concat!(
             "SELECT true AS won, w.attempt, w.claim_kind, NULL::text AS status, \
                     NULL::boolean AS same_fingerprint, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
-                    NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
+                    NULL::bigint AS ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
                     NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
                     NULL::boolean AS body_retained
              FROM won w
@@ -325,6 +326,7 @@ struct View {
     same_fingerprint: bool,
     lease_ms: i64,
     expired: bool,
+    ttl_ms: i64,
     response: Option<StoredResponse>,
 }
 
@@ -342,6 +344,7 @@ impl View {
             ("completed", Some(response)) => Existing::Completed {
                 same_fingerprint: self.same_fingerprint,
                 response,
+                expires_in: Duration::from_millis(self.ttl_ms.max(0) as u64),
             },
             ("failed", _) => Existing::Failed,
             _ => Existing::Processing {
@@ -364,6 +367,7 @@ fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
         same_fingerprint: row.try_get("same_fingerprint")?,
         lease_ms: row.try_get("lease_ms")?,
         expired: row.try_get("expired")?,
+        ttl_ms: row.try_get("ttl_ms")?,
         response: decode_response(row)?,
     }))
 }

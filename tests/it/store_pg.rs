@@ -126,7 +126,14 @@ async fn completed_record_replays_for_the_same_fingerprint_only() {
         Existing::Completed {
             same_fingerprint: true,
             response: stored,
-        } => assert_eq!(stored, response(b"{\"id\":1}")),
+            expires_in,
+        } => {
+            assert_eq!(stored, response(b"{\"id\":1}"));
+            assert!(
+                expires_in > DAY - Duration::from_secs(60) && expires_in <= DAY,
+                "{expires_in:?}"
+            );
+        }
         other => panic!("expected a replayable record, got {other:?}"),
     }
     assert!(matches!(
@@ -296,6 +303,7 @@ async fn row_committed_after_the_claims_snapshot_is_still_seen() {
         ClaimResult::Held(Existing::Completed {
             same_fingerprint: true,
             response,
+            ..
         }) => assert_eq!(response.body.as_deref(), Some(&b"late body"[..])),
         other => panic!("expected the concurrently committed record, got {other:?}"),
     }
