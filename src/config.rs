@@ -62,6 +62,8 @@ pub struct RawConfig {
     pub store: RawStore,
     /// Which requests are protected and how.
     pub idempotency: RawIdempotency,
+    /// Deleting expired records.
+    pub sweeper: RawSweeper,
     /// Log output.
     pub log: RawLog,
 }
@@ -127,10 +129,14 @@ impl Default for RawUpstream {
     }
 }
 
+/// The embedded store in the working directory: zero setup for a single instance.
+pub const DEFAULT_STORE_URL: &str = "sqlite://idemproxy.db";
+
 /// `[store]`
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawStore {
+    /// `sqlite://path/to/file.db` (embedded, single instance) or
     /// `postgres://user:password@host:port/database`.
     pub url: String,
     /// Maximum connections in the pool.
@@ -151,12 +157,35 @@ pub struct RawStore {
 impl Default for RawStore {
     fn default() -> Self {
         RawStore {
-            url: "postgres://postgres@127.0.0.1:5432/idemproxy".into(),
+            url: DEFAULT_STORE_URL.into(),
             pool_size: 16,
             timeout: Duration::from_secs(5),
             on_error: OnStoreError::FailClosed,
             migrate: true,
             tls_ca_file: None,
+        }
+    }
+}
+
+/// `[sweeper]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSweeper {
+    /// Run the background sweeper in `serve`.
+    pub enabled: bool,
+    /// Pause between sweeps.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Most records deleted by one statement (one short transaction).
+    pub batch_size: u32,
+}
+
+impl Default for RawSweeper {
+    fn default() -> Self {
+        RawSweeper {
+            enabled: true,
+            interval: Duration::from_secs(60),
+            batch_size: 1000,
         }
     }
 }
@@ -263,6 +292,8 @@ pub struct Config {
     pub store: StoreConfig,
     /// The idempotency policy.
     pub idempotency: IdempotencyConfig,
+    /// The expiry sweeper.
+    pub sweeper: SweeperConfig,
     /// Logging.
     pub log: RawLog,
     raw: RawConfig,
@@ -292,9 +323,34 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
 }
 
+/// Validated `[sweeper]`.
+#[derive(Debug, Clone)]
+pub struct SweeperConfig {
+    /// Whether `serve` runs the sweeper.
+    pub enabled: bool,
+    /// Pause between sweeps.
+    pub interval: Duration,
+    /// Most records deleted per statement.
+    pub batch_size: u32,
+}
+
+/// Which database backs the key table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// A PostgreSQL server (`url`), shared by any number of replicas.
+    Postgres,
+    /// An embedded SQLite file, for a single instance.
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+    },
+}
+
 /// Validated `[store]`.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
+    /// Which database, from the URL's scheme.
+    pub backend: StoreBackend,
     /// Connection settings parsed from the URL.
     pub url: String,
     /// Maximum pooled connections.
@@ -434,6 +490,7 @@ impl RawConfig {
             upstream: self.upstream.validate()?,
             store: self.store.validate()?,
             idempotency: self.idempotency.validate()?,
+            sweeper: self.sweeper.validate()?,
             log: self.log.clone(),
             raw: self,
         })
@@ -498,15 +555,33 @@ impl RawUpstream {
     }
 }
 
+impl RawSweeper {
+    fn validate(&self) -> Result<SweeperConfig, ConfigError> {
+        positive("sweeper.interval", self.interval)?;
+        if self.batch_size == 0 {
+            return Err(ConfigError::new("sweeper.batch_size", "must be at least 1"));
+        }
+        Ok(SweeperConfig {
+            enabled: self.enabled,
+            interval: self.interval,
+            batch_size: self.batch_size,
+        })
+    }
+}
+
 impl RawStore {
     fn validate(&self) -> Result<StoreConfig, ConfigError> {
+        if let Some(path) = self.url.strip_prefix("sqlite://") {
+            return self.validate_sqlite(path);
+        }
         let key = "store.url";
         let url = url::Url::parse(&self.url).map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
         if !matches!(url.scheme(), "postgres" | "postgresql") {
             return Err(ConfigError::new(
                 key,
                 format!(
-                    "unsupported scheme {:?}; use postgres://user@host:port/database",
+                    "unsupported scheme {:?}; use sqlite://path/to/file.db or \
+                     postgres://user@host:port/database",
                     url.scheme()
                 ),
             ));
@@ -535,6 +610,7 @@ impl RawStore {
         }
         positive("store.timeout", self.timeout)?;
         Ok(StoreConfig {
+            backend: StoreBackend::Postgres,
             url: self.url.clone(),
             pool_size: self.pool_size,
             timeout: self.timeout,
@@ -542,6 +618,44 @@ impl RawStore {
             migrate: self.migrate,
             tls,
             tls_ca_file: self.tls_ca_file.clone(),
+        })
+    }
+}
+
+impl RawStore {
+    /// `sqlite://idemproxy.db` is relative to the working directory, `sqlite:///var/lib/x.db` absolute.
+    fn validate_sqlite(&self, path: &str) -> Result<StoreConfig, ConfigError> {
+        let key = "store.url";
+        if path.is_empty() || path.ends_with('/') {
+            return Err(ConfigError::new(
+                key,
+                "sqlite:// needs a file path, e.g. sqlite://idemproxy.db or sqlite:///var/lib/idemproxy/keys.db",
+            ));
+        }
+        if path.contains('?') || path.contains('#') {
+            return Err(ConfigError::new(
+                key,
+                "sqlite:// takes a plain file path, without query or fragment",
+            ));
+        }
+        if self.tls_ca_file.is_some() {
+            return Err(ConfigError::new(
+                "store.tls_ca_file",
+                "only used with a PostgreSQL store over TLS",
+            ));
+        }
+        positive("store.timeout", self.timeout)?;
+        Ok(StoreConfig {
+            backend: StoreBackend::Sqlite {
+                path: PathBuf::from(path),
+            },
+            url: self.url.clone(),
+            pool_size: 1,
+            timeout: self.timeout,
+            on_error: self.on_error,
+            migrate: self.migrate,
+            tls: false,
+            tls_ca_file: None,
         })
     }
 }

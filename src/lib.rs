@@ -9,9 +9,12 @@
 //!   request's own task from here on →
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
 //!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
-//! - `store/postgres.rs` holds the key table; `error.rs` turns failures into problem+json;
+//! - `store/postgres.rs` (replicas) or `store/sqlite.rs` (embedded, the default) holds the key table,
+//!   and `store/sweeper.rs` deletes expired records in the background; `error.rs` turns failures into
+//!   problem+json;
 //! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
-//! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation.
+//! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation;
+//!   `keys.rs` is the operator's runbook on the command line (`idemproxy keys ...`).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -21,6 +24,7 @@ pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod keys;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
@@ -39,8 +43,7 @@ pub use config::Config;
 use crate::admin::Admin;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::postgres::PostgresStore;
-use crate::store::{StoreError, StoreHandle};
+use crate::store::{Purpose, StoreError, StoreHandle};
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
 pub struct Listeners {
@@ -74,19 +77,20 @@ pub enum RunError {
 /// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
 /// Applies pending migrations first unless `store.migrate` is off.
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
-    if config.store.migrate {
-        let applied = PostgresStore::migrate(&config.store).await?;
-        tracing::info!(applied, "store schema is up to date");
-    }
     let metrics = Metrics::new();
-    let backend = PostgresStore::connect(&config.store)?;
-    let store = StoreHandle::new(Arc::new(backend), metrics.clone());
-    let proxy = Arc::new(Proxy::new(
-        &config,
-        store.clone(),
-        metrics.clone(),
-        TaskTracker::new(),
-    ));
+    let backend = store::open(&config.store, Purpose::Serve).await?;
+    let store = StoreHandle::new(backend, metrics.clone());
+    let tracker = TaskTracker::new();
+    if config.sweeper.enabled {
+        let sweeper = store::sweeper::run(
+            store.clone(),
+            config.sweeper.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        );
+        tracker.spawn(sweeper);
+    }
+    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), tracker));
     let admin = Admin::new(metrics, store, shutdown.clone());
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
@@ -108,5 +112,5 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
 
 /// Applies pending migrations and reports how many were applied.
 pub async fn migrate(config: &Config) -> Result<usize, StoreError> {
-    PostgresStore::migrate(&config.store).await
+    store::migrate(&config.store).await
 }

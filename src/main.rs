@@ -1,10 +1,11 @@
 //! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
-//! the library. Exit codes: 0 done, 1 runtime failure, 64 bad configuration.
+//! the library. Exit codes: 0 done, 1 runtime failure (or a `keys` command that found nothing to act on or
+//! refused), 64 bad configuration.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use idemproxy::cli::{Cli, Command, ConfigArgs};
+use idemproxy::cli::{Cli, Command, KeysArgs};
 use idemproxy::config::{Config, LogFormat};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -14,10 +15,8 @@ const EXIT_CONFIG: u8 = 64;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let args = match &cli.command {
-        Command::Serve(args) | Command::Migrate(args) | Command::CheckConfig(args) => args,
-    };
-    let config = match load(args) {
+    let (file, overrides) = cli.command.overrides();
+    let config = match Config::load(file, &overrides) {
         Ok(config) => config,
         Err(error) => {
             eprintln!("{error}");
@@ -36,6 +35,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Command::Keys(args) = &cli.command {
+        return keys(&runtime, &config, args);
+    }
     let result = runtime.block_on(async {
         match cli.command {
             Command::Migrate(_) => migrate(&config).await,
@@ -51,8 +53,22 @@ fn main() -> ExitCode {
     }
 }
 
-fn load(args: &ConfigArgs) -> Result<Config, idemproxy::config::ConfigError> {
-    Config::load(args.config.as_deref(), &args.overrides())
+/// Prints the runbook command's report; its exit code says whether it did what was asked.
+fn keys(runtime: &tokio::runtime::Runtime, config: &Config, args: &KeysArgs) -> ExitCode {
+    match runtime.block_on(idemproxy::keys::run(config, &args.command, args.json)) {
+        Ok(report) => {
+            print!("{}", report.output);
+            if report.success {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("idemproxy keys: {error}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {

@@ -6,9 +6,11 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
+
+use crate::store::RecordStats;
 
 /// How a request ended, for `idemproxy_requests_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,15 +73,24 @@ pub enum StoreOp {
     Release,
     /// Readiness probe.
     Ping,
+    /// Deleting a batch of expired records.
+    Sweep,
+    /// Looking up records for an operator.
+    Find,
+    /// Counting records by state.
+    Stats,
 }
 
 impl StoreOp {
-    const ALL: [StoreOp; 5] = [
+    const ALL: [StoreOp; 8] = [
         StoreOp::Claim,
         StoreOp::Heartbeat,
         StoreOp::Complete,
         StoreOp::Release,
         StoreOp::Ping,
+        StoreOp::Sweep,
+        StoreOp::Find,
+        StoreOp::Stats,
     ];
 
     /// The label value.
@@ -90,6 +101,9 @@ impl StoreOp {
             StoreOp::Complete => "complete",
             StoreOp::Release => "release",
             StoreOp::Ping => "ping",
+            StoreOp::Sweep => "sweep",
+            StoreOp::Find => "find",
+            StoreOp::Stats => "stats",
         }
     }
 }
@@ -133,6 +147,10 @@ pub struct MetricSet {
     pub upstream_duration: Histogram,
     /// `idemproxy_in_flight_requests`
     pub in_flight: IntGauge,
+    /// `idemproxy_expired_keys_deleted_total`: records deleted by the sweeper.
+    pub expired_deleted: IntCounter,
+    /// `idemproxy_records{status}`: records in the table by state, as of the sweeper's last count.
+    pub records: IntGaugeVec,
 }
 
 impl Metrics {
@@ -199,6 +217,19 @@ impl Metrics {
             .expect("valid metric"),
             in_flight: IntGauge::new("idemproxy_in_flight_requests", "Requests being handled now.")
                 .expect("valid metric"),
+            expired_deleted: counter(
+                "idemproxy_expired_keys_deleted_total",
+                "Expired records deleted by the sweeper.",
+            ),
+            records: IntGaugeVec::new(
+                Opts::new(
+                    "idemproxy_records",
+                    "Records in the key table by state (processing, completed, failed, expired), \
+                     as of the sweeper's last count.",
+                ),
+                &["status"],
+            )
+            .expect("valid metric"),
             registry,
         };
         set.register_all();
@@ -209,7 +240,7 @@ impl Metrics {
 
 impl MetricSet {
     fn register_all(&self) {
-        let collectors: [Box<dyn prometheus::core::Collector>; 12] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 14] = [
             Box::new(self.requests.clone()),
             Box::new(self.replays.clone()),
             Box::new(self.conflicts.clone()),
@@ -222,6 +253,8 @@ impl MetricSet {
             Box::new(self.store_duration.clone()),
             Box::new(self.upstream_duration.clone()),
             Box::new(self.in_flight.clone()),
+            Box::new(self.expired_deleted.clone()),
+            Box::new(self.records.clone()),
         ];
         for collector in collectors {
             self.registry
@@ -258,6 +291,20 @@ impl MetricSet {
             .observe(seconds);
         if !ok {
             self.store_errors.with_label_values(&[op.as_str()]).inc();
+        }
+    }
+
+    /// Publishes a count of the records by state.
+    pub fn set_records(&self, stats: &RecordStats) {
+        let by_status = [
+            ("processing", stats.processing),
+            ("completed", stats.completed),
+            ("failed", stats.failed),
+            ("expired", stats.expired),
+        ];
+        for (status, count) in by_status {
+            let count = i64::try_from(count).unwrap_or(i64::MAX);
+            self.records.with_label_values(&[status]).set(count);
         }
     }
 

@@ -3,14 +3,20 @@
 //! database and never by a read followed by a write.
 
 pub mod postgres;
+pub mod sqlite;
+pub mod sweeper;
 
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use uuid::Uuid;
 
+use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::{Metrics, StoreOp};
+use postgres::PostgresStore;
+use sqlite::SqliteStore;
 
 /// A store failure. Whatever the cause, the request path treats it as "the store is unavailable".
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +30,68 @@ pub enum StoreError {
     /// Migrations could not be applied.
     #[error("migration failed: {0}")]
     Migration(String),
+    /// The embedded store's file is being served by another running proxy.
+    #[error(
+        "the SQLite store {} is in use by another running idemproxy; the embedded store serves a single \
+         instance, so several replicas need PostgreSQL (store.url = \"postgres://...\")",
+        .0.display()
+    )]
+    InUse(PathBuf),
+}
+
+/// What a store is opened for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The proxy; applies pending migrations first when `store.migrate` is on.
+    Serve,
+    /// Operator tools: the schema must exist already.
+    Tool,
+}
+
+/// Opens the configured store.
+pub async fn open(config: &StoreConfig, purpose: Purpose) -> Result<Arc<dyn Store>, StoreError> {
+    let migrate = purpose == Purpose::Serve && config.migrate;
+    match &config.backend {
+        StoreBackend::Postgres => {
+            if migrate {
+                let applied = PostgresStore::migrate(config).await?;
+                tracing::info!(applied, "store schema is up to date");
+            }
+            Ok(Arc::new(PostgresStore::connect(config)?))
+        }
+        StoreBackend::Sqlite { path } => {
+            let access = match purpose {
+                Purpose::Serve => sqlite::Access::Serve,
+                Purpose::Tool => sqlite::Access::Tool,
+            };
+            let store = SqliteStore::open(path, config.timeout, access).await?;
+            if migrate {
+                let applied = store.migrate().await?;
+                tracing::info!(applied, "store schema is up to date");
+            }
+            if purpose == Purpose::Serve {
+                tracing::warn!(
+                    path = %path.display(),
+                    "using the embedded SQLite store: it serves this single instance only; \
+                     run several replicas on PostgreSQL (store.url = postgres://...)"
+                );
+            }
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+/// Applies the configured store's pending migrations and reports how many were applied.
+pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
+    match &config.backend {
+        StoreBackend::Postgres => PostgresStore::migrate(config).await,
+        StoreBackend::Sqlite { path } => {
+            SqliteStore::open(path, config.timeout, sqlite::Access::Migrate)
+                .await?
+                .migrate()
+                .await
+        }
+    }
 }
 
 /// Everything the claim statement needs.
@@ -51,7 +119,8 @@ pub struct RecordId {
 }
 
 /// How a winning claim came about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ClaimKind {
     /// No record, or the old one had expired.
     New,
@@ -131,6 +200,109 @@ pub struct StoredResponse {
     pub body: Option<Bytes>,
 }
 
+/// A record's state as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecordStatus {
+    /// Claimed; the request is executing (or its outcome is not known yet).
+    Processing,
+    /// The response is stored and replayed to retries.
+    Completed,
+    /// Released: the next retry executes.
+    Failed,
+}
+
+impl RecordStatus {
+    /// The value stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordStatus::Processing => "processing",
+            RecordStatus::Completed => "completed",
+            RecordStatus::Failed => "failed",
+        }
+    }
+
+    /// Parses a stored `status`.
+    pub fn parse(value: &str) -> Option<RecordStatus> {
+        match value {
+            "processing" => Some(RecordStatus::Processing),
+            "completed" => Some(RecordStatus::Completed),
+            "failed" => Some(RecordStatus::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// A record as an operator sees it (`idemproxy keys show`). Holds no request data: credentials only
+/// ever reach the store hashed into the scope, and the stored body is described by its size.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RecordInfo {
+    /// Route scope name plus a hash of the client's credentials.
+    pub scope: String,
+    /// The client's idempotency key.
+    pub key: String,
+    /// Where the record is in its lifecycle.
+    pub status: RecordStatus,
+    /// 1 for a new record, +1 for each retry or takeover.
+    pub attempt: i32,
+    /// How the current claim came about.
+    pub claim_kind: ClaimKind,
+    /// Fencing token of the current claim.
+    pub token: Uuid,
+    /// When the record was created.
+    #[serde(with = "humantime_serde")]
+    pub created_at: SystemTime,
+    /// When the record was last written.
+    #[serde(with = "humantime_serde")]
+    pub updated_at: SystemTime,
+    /// When the record expires and becomes claimable as new.
+    #[serde(with = "humantime_serde")]
+    pub expires_at: SystemTime,
+    /// When the current claim's lease ends (for a processing record).
+    #[serde(with = "humantime_serde")]
+    pub locked_until: SystemTime,
+    /// The store's clock when the record was read; compare the times above with this.
+    #[serde(with = "humantime_serde")]
+    pub observed_at: SystemTime,
+    /// The stored response's status code, once completed.
+    pub response_status: Option<u16>,
+    /// The stored response body's size in bytes, when it was retained.
+    pub response_bytes: Option<u64>,
+    /// Whether the response body was kept (false: it was over `max_stored_response`).
+    pub body_retained: Option<bool>,
+}
+
+impl RecordInfo {
+    /// Whether the record has expired (it is claimable as new and the sweeper may delete it).
+    pub fn expired(&self) -> bool {
+        self.expires_at <= self.observed_at
+    }
+
+    /// Time left on the current claim's lease, if it is a processing record whose lease is live.
+    pub fn lease_remaining(&self) -> Option<Duration> {
+        if self.status != RecordStatus::Processing {
+            return None;
+        }
+        self.locked_until
+            .duration_since(self.observed_at)
+            .ok()
+            .filter(|left| !left.is_zero())
+    }
+}
+
+/// How many records the table holds, by state. Expired records are counted apart from the others.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RecordStats {
+    /// Unexpired records being executed.
+    pub processing: u64,
+    /// Unexpired records with a stored response.
+    pub completed: u64,
+    /// Unexpired released records.
+    pub failed: u64,
+    /// Records past their expiry, waiting for the sweeper.
+    pub expired: u64,
+}
+
 /// A database-backed key table.
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
@@ -144,6 +316,17 @@ pub trait Store: Send + Sync + 'static {
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError>;
     /// Succeeds while the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+    /// Releases a processing claim whose lease has run out, fenced by its token: `false` when the
+    /// record was completed, taken over, or its lease was extended meanwhile.
+    async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError>;
+    /// Deletes at most `batch` expired records (processing ones only once their lease has run out too)
+    /// in one short transaction and returns how many this call deleted. Safe to run from many replicas at
+    /// once: each record is deleted and counted by exactly one of them.
+    async fn sweep(&self, batch: u32) -> Result<u64, StoreError>;
+    /// The records holding `key`, in every scope or in the given one.
+    async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError>;
+    /// Counts the records by state.
+    async fn stats(&self) -> Result<RecordStats, StoreError>;
 }
 
 /// The store as the request path uses it: every call timed and counted by operation.
@@ -186,6 +369,27 @@ impl StoreHandle {
         self.measured(StoreOp::Ping, self.inner.ping()).await
     }
 
+    /// See [`Store::release_stale`].
+    pub async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.measured(StoreOp::Release, self.inner.release_stale(id))
+            .await
+    }
+
+    /// See [`Store::sweep`].
+    pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        self.measured(StoreOp::Sweep, self.inner.sweep(batch)).await
+    }
+
+    /// See [`Store::find`].
+    pub async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
+        self.measured(StoreOp::Find, self.inner.find(key, scope)).await
+    }
+
+    /// See [`Store::stats`].
+    pub async fn stats(&self) -> Result<RecordStats, StoreError> {
+        self.measured(StoreOp::Stats, self.inner.stats()).await
+    }
+
     async fn measured<T>(
         &self,
         op: StoreOp,
@@ -199,5 +403,15 @@ impl StoreHandle {
             tracing::warn!(op = op.as_str(), %error, "store operation failed");
         }
         result
+    }
+}
+
+/// Milliseconds since the Unix epoch as a point in time, as stores report their clock.
+pub(crate) fn epoch_ms(ms: i64) -> SystemTime {
+    let offset = Duration::from_millis(ms.unsigned_abs());
+    if ms >= 0 {
+        SystemTime::UNIX_EPOCH + offset
+    } else {
+        SystemTime::UNIX_EPOCH - offset
     }
 }

@@ -298,7 +298,9 @@ mod heartbeat_tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     use super::*;
-    use crate::store::{ClaimRequest, ClaimResult, Store, StoreError, StoredResponse};
+    use crate::store::{
+        ClaimRequest, ClaimResult, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
+    };
 
     /// Counts heartbeats; answers "still yours" until `taken_over` is set.
     #[derive(Default)]
@@ -324,6 +326,18 @@ mod heartbeat_tests {
         }
         async fn ping(&self) -> Result<(), StoreError> {
             Ok(())
+        }
+        async fn release_stale(&self, _: &RecordId) -> Result<bool, StoreError> {
+            unreachable!("heartbeats never release")
+        }
+        async fn sweep(&self, _: u32) -> Result<u64, StoreError> {
+            unreachable!("heartbeats never sweep")
+        }
+        async fn find(&self, _: &str, _: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
+            unreachable!("heartbeats never look records up")
+        }
+        async fn stats(&self) -> Result<RecordStats, StoreError> {
+            unreachable!("heartbeats never count records")
         }
     }
 

@@ -3,7 +3,7 @@
 //! once per pooled connection; every operation is bounded by `store.timeout`, and a connection that timed
 //! out is dropped instead of going back to the pool. The database clock (`now()`) is the only clock.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
@@ -13,7 +13,10 @@ use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{NoTls, Row, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, Store, StoreError, StoredResponse};
+use super::{
+    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, Store,
+    StoreError, StoredResponse, epoch_ms,
+};
 use crate::config::StoreConfig;
 use crate::error::error_chain;
 
@@ -135,6 +138,46 @@ const COMPLETE: &str = "UPDATE idemproxy.records
 const RELEASE: &str = "UPDATE idemproxy.records
     SET status = 'failed', locked_until = now(), updated_at = now()
     WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
+
+/// An operator's release of a stuck claim (`idemproxy keys release`): fenced by the token the operator
+/// inspected, and only once the lease has run out, so it cannot race a live holder's completion.
+const RELEASE_STALE: &str = "UPDATE idemproxy.records
+    SET status = 'failed', locked_until = now(), updated_at = now()
+    WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing' AND locked_until <= now()";
+
+/// Deletes one bounded batch of expired records. SKIP LOCKED lets sweepers on many replicas split the
+/// work instead of queueing on each other's rows, and leaves alone a row a claim is taking right now;
+/// the outer WHERE re-checks each row under its lock, so a record re-claimed since the inner read stays.
+/// A processing record goes only once its lease has run out too: its holder may still complete it.
+const SWEEP: &str = "DELETE FROM idemproxy.records AS r
+    WHERE (r.scope, r.key) IN (
+        SELECT scope, key FROM idemproxy.records
+        WHERE expires_at <= now() AND (status <> 'processing' OR locked_until <= now())
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED)
+      AND r.expires_at <= now() AND (r.status <> 'processing' OR r.locked_until <= now())";
+
+/// An operator's view of the records holding a key. Without a scope this scans the table: it serves the
+/// runbook, never the request path.
+const FIND: &str = "SELECT scope, key, status, attempt, claim_kind, token,
+        (extract(epoch FROM created_at) * 1000)::bigint AS created_ms,
+        (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms,
+        (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms,
+        (extract(epoch FROM locked_until) * 1000)::bigint AS locked_ms,
+        (extract(epoch FROM now()) * 1000)::bigint AS now_ms,
+        response_status, octet_length(response_body)::bigint AS body_bytes, body_retained
+    FROM idemproxy.records
+    WHERE key = $1 AND ($2::text IS NULL OR scope = $2)
+    ORDER BY scope";
+
+/// Records by state, expired ones apart. Portable aggregate (no FILTER clause).
+const STATS: &str = "SELECT
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'processing' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'completed' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'failed' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at <= now() THEN 1 ELSE 0 END), 0)::bigint
+    FROM idemproxy.records";
 
 /// How many claim rounds to try before answering "in flight" to a key that changes under every read.
 const CLAIM_ROUNDS: usize = 3;
@@ -454,4 +497,84 @@ impl Store for PostgresStore {
         let result = timeout(self.timeout, client.simple_query("SELECT 1")).await;
         self.finish(client, result).map(drop)
     }
+
+    async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.execute_fenced(RELEASE_STALE, id, &[]).await
+    }
+
+    async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let limit = i64::from(batch);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(SWEEP).await?;
+            retry_serialization(|| client.execute(&statement, &params)).await
+        })
+        .await;
+        self.finish(client, result)
+    }
+
+    async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(FIND).await?;
+            client.query(&statement, &[&key, &scope]).await
+        })
+        .await;
+        let rows = self.finish(client, result)?;
+        rows.iter()
+            .map(|row| record_info(row).map_err(backend)?.ok_or_else(corrupt))
+            .collect()
+    }
+
+    async fn stats(&self) -> Result<RecordStats, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, client.query_one(STATS, &[])).await;
+        let row = self.finish(client, result)?;
+        let count = |i: usize| -> Result<u64, StoreError> {
+            let n: i64 = row.try_get(i).map_err(backend)?;
+            Ok(n.max(0) as u64)
+        };
+        Ok(RecordStats {
+            processing: count(0)?,
+            completed: count(1)?,
+            failed: count(2)?,
+            expired: count(3)?,
+        })
+    }
+}
+
+fn corrupt() -> StoreError {
+    StoreError::Backend("a record holds a status or claim kind this version does not know".into())
+}
+
+/// One row of FIND, or `None` when a column holds a value this version does not know.
+fn record_info(row: &Row) -> Result<Option<RecordInfo>, tokio_postgres::Error> {
+    let status = RecordStatus::parse(row.try_get("status")?);
+    let claim_kind = ClaimKind::parse(row.try_get("claim_kind")?);
+    let (Some(status), Some(claim_kind)) = (status, claim_kind) else {
+        return Ok(None);
+    };
+    let at =
+        |column: &str| -> Result<SystemTime, tokio_postgres::Error> { Ok(epoch_ms(row.try_get(column)?)) };
+    Ok(Some(RecordInfo {
+        scope: row.try_get("scope")?,
+        key: row.try_get("key")?,
+        status,
+        attempt: row.try_get("attempt")?,
+        claim_kind,
+        token: row.try_get("token")?,
+        created_at: at("created_ms")?,
+        updated_at: at("updated_ms")?,
+        expires_at: at("expires_ms")?,
+        locked_until: at("locked_ms")?,
+        observed_at: at("now_ms")?,
+        response_status: row
+            .try_get::<_, Option<i16>>("response_status")?
+            .map(|s| s as u16),
+        response_bytes: row
+            .try_get::<_, Option<i64>>("body_bytes")?
+            .map(|n| n.max(0) as u64),
+        body_retained: row.try_get("body_retained")?,
+    }))
 }

@@ -46,8 +46,8 @@ async fn metrics_count_replays_conflicts_and_mismatches() {
 #[tokio::test]
 async fn healthz_is_200_and_readyz_follows_the_store() {
     let env = TestEnv::new().await;
-    let relay = Relay::start(&env.db.server_addr()).await;
-    let config = env.config().set("store.url", env.db.url_via(relay.addr()));
+    let relay = Relay::start(&env.db().server_addr()).await;
+    let config = env.config().set("store.url", env.db().url_via(relay.addr()));
     let proxy = InProcessProxy::start(&config).await;
     let get = |path: &str| Reply::of(client().get(format!("{}{path}", proxy.admin_url)));
 

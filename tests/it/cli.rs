@@ -4,7 +4,7 @@ use std::process::Output;
 
 use tokio::process::Command;
 
-async fn idemproxy(args: &[&str], env: &[(&str, &str)]) -> Output {
+pub async fn idemproxy(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
     command.args(args).env_remove("RUST_LOG");
     for (name, value) in env {

@@ -107,7 +107,7 @@ async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
     let env = TestEnv::new().await;
     let proxy = env.proxy().await;
     let scope = idemproxy::proxy::key::scope(&http::HeaderMap::new(), &[http::header::AUTHORIZATION]);
-    let mut holder = env.db.client().await;
+    let mut holder = env.db().client().await;
     let blocking = holder.transaction().await.unwrap();
     blocking
         .execute(
@@ -121,7 +121,7 @@ async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
         .unwrap();
 
     let connection = raw_keyed_post(&proxy.url, "/orders", "k", "{}").await;
-    env.db.wait_for_a_lock_waiter().await;
+    env.db().wait_for_a_lock_waiter().await;
     drop(connection);
     blocking.rollback().await.unwrap();
 

@@ -5,8 +5,8 @@ use crate::support::{Relay, Reply, TestEnv, http, upstream};
 #[tokio::test]
 async fn relay_cut_closes_connections_and_restore_reopens() {
     let env = TestEnv::new().await;
-    let relay = Relay::start(&env.db.server_addr()).await;
-    let url = env.db.url_via(relay.addr());
+    let relay = Relay::start(&env.db().server_addr()).await;
+    let url = env.db().url_via(relay.addr());
     let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
         .unwrap();

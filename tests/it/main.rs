@@ -12,5 +12,7 @@ mod protocols;
 mod proxy_basic;
 mod store_faults;
 mod store_pg;
+mod store_sqlite;
+mod store_suite;
 mod store_tls;
 mod upstream_faults;

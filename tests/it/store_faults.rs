@@ -11,8 +11,8 @@ use crate::support::{
 #[tokio::test]
 async fn store_unreachable_fails_closed_for_keyed_requests_only() {
     let env = TestEnv::new().await;
-    let relay = Relay::start(&env.db.server_addr()).await;
-    let config = env.config().set("store.url", env.db.url_via(relay.addr()));
+    let relay = Relay::start(&env.db().server_addr()).await;
+    let config = env.config().set("store.url", env.db().url_via(relay.addr()));
     let proxy = InProcessProxy::start(&config).await;
     let before = Reply::of(keyed_post(&proxy.url, "/orders", "before", "{}")).await;
     assert_eq!(before.status, 201);
@@ -53,9 +53,9 @@ struct TwoProxies {
 impl TwoProxies {
     async fn start() -> TwoProxies {
         let env = TestEnv::new().await;
-        let relay = Relay::start(&env.db.server_addr()).await;
+        let relay = Relay::start(&env.db().server_addr()).await;
         let config = env.config().set("idempotency.lock_timeout", "2s");
-        let a_config = config.clone().set("store.url", env.db.url_via(relay.addr()));
+        let a_config = config.clone().set("store.url", env.db().url_via(relay.addr()));
         let a = InProcessProxy::start(&a_config).await;
         let b = InProcessProxy::start(&config).await;
         TwoProxies { env, relay, a, b }
@@ -152,10 +152,10 @@ async fn completion_during_takeover_is_fenced_off() {
 #[tokio::test]
 async fn store_unreachable_fail_open_forwards_keyed_requests() {
     let env = TestEnv::new().await;
-    let relay = Relay::start(&env.db.server_addr()).await;
+    let relay = Relay::start(&env.db().server_addr()).await;
     let config = env
         .config()
-        .set("store.url", env.db.url_via(relay.addr()))
+        .set("store.url", env.db().url_via(relay.addr()))
         .set("store.on_error", "fail_open");
     let proxy = InProcessProxy::start(&config).await;
 

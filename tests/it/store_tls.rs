@@ -6,7 +6,7 @@ use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, settled};
 
 /// The server's certificate as PEM, when TLS is on; read through SQL so no path is assumed.
 async fn server_certificate(env: &TestEnv) -> Option<String> {
-    let client = env.db.client().await;
+    let client = env.db().client().await;
     let ssl: String = client.query_one("SHOW ssl", &[]).await.unwrap().get(0);
     if ssl != "on" {
         eprintln!("skipped: the PostgreSQL server under test has ssl = off");
@@ -20,7 +20,7 @@ async fn server_certificate(env: &TestEnv) -> Option<String> {
 }
 
 fn tls_url(env: &TestEnv, host: &str) -> String {
-    let mut url = url::Url::parse(&env.db.url()).unwrap();
+    let mut url = url::Url::parse(&env.db().url()).unwrap();
     url.set_host(Some(host)).unwrap();
     url.set_query(Some("sslmode=require"));
     url.to_string()
@@ -45,7 +45,7 @@ async fn store_over_tls_serves_keyed_requests_on_encrypted_connections() {
     let replay = settled(|| keyed_post(&proxy.url, "/orders", "tls", "{}")).await;
     assert!(replay.is_replay());
 
-    let observer = env.db.client().await;
+    let observer = env.db().client().await;
     let row = observer
         .query_one(
             "SELECT count(*), count(*) FILTER (WHERE s.ssl) FROM pg_stat_activity a

@@ -4,31 +4,44 @@ pub mod http;
 pub mod pg;
 pub mod proxy;
 pub mod relay;
+pub mod store;
 pub mod upstream;
 
 pub use http::{Reply, keyed_post, metric, settled};
 pub use pg::TestDb;
 pub use proxy::{InProcessProxy, ProxyConfig, ProxyProcess};
 pub use relay::Relay;
+pub use store::{Backend, TestStore};
 pub use upstream::Upstream;
 
-/// One test's world: its own database and its own stub upstream.
+/// One test's world: its own store and its own stub upstream.
 pub struct TestEnv {
-    pub db: TestDb,
+    pub store: TestStore,
     pub upstream: Upstream,
 }
 
 impl TestEnv {
+    /// A world on PostgreSQL, for tests that reach into the database or the connection to it.
     pub async fn new() -> TestEnv {
+        TestEnv::on(Backend::Postgres).await
+    }
+
+    /// A world on the given backend.
+    pub async fn on(backend: Backend) -> TestEnv {
         TestEnv {
-            db: TestDb::create().await,
+            store: TestStore::create(backend).await,
             upstream: Upstream::start().await,
         }
     }
 
-    /// Test defaults pointing at this env's database and upstream.
+    /// This world's PostgreSQL database.
+    pub fn db(&self) -> &TestDb {
+        self.store.pg()
+    }
+
+    /// Test defaults pointing at this env's store and upstream.
     pub fn config(&self) -> ProxyConfig {
-        ProxyConfig::new(&self.db.url(), &self.upstream.url())
+        ProxyConfig::new(&self.store.url(), &self.upstream.url())
     }
 
     /// An in-process proxy with the test defaults.

@@ -1,0 +1,331 @@
+//! `idemproxy keys`: the operator's runbook for single records, run from the command line against the
+//! configured store while proxies keep serving. Opens the store as a tool (no migrations, no instance
+//! lock) and touches only the records it is asked about. Every command reports in text for people or in
+//! JSON for scripts; nothing here prints request data, which the store never holds in the clear.
+
+use std::fmt::Write as _;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::KeysCommand;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::store::{self, Purpose, RecordId, RecordInfo, RecordStatus, StoreError, StoreHandle, sweeper};
+
+/// Records deleted per statement by `keys purge`, as by the sweeper's default.
+const PURGE_BATCH: u32 = 1000;
+
+/// What a command has to say, and whether it did what was asked (the exit status).
+#[derive(Debug)]
+pub struct Report {
+    /// Text or JSON, ending with a newline.
+    pub output: String,
+    /// False when the key was not found or the command refused to act.
+    pub success: bool,
+}
+
+/// Runs one `keys` command against the configured store.
+pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<Report, StoreError> {
+    let backend = store::open(&config.store, Purpose::Tool).await?;
+    let store = StoreHandle::new(backend, Metrics::new());
+    let out = Output { json };
+    match command {
+        KeysCommand::Show { key, scope } => show(&store, &out, key, scope.as_deref()).await,
+        KeysCommand::Release { key, scope, force } => {
+            release(&store, &out, key, scope.as_deref(), *force).await
+        }
+        KeysCommand::Purge { .. } => purge(&store, &out).await,
+        KeysCommand::Stats => Ok(out.report(&store.stats().await?, true, |stats, text| {
+            let _ = writeln!(text, "processing  {}", stats.processing);
+            let _ = writeln!(text, "completed   {}", stats.completed);
+            let _ = writeln!(text, "failed      {}", stats.failed);
+            let _ = writeln!(text, "expired     {}  (waiting for the sweeper)", stats.expired);
+        })),
+    }
+}
+
+async fn show(
+    store: &StoreHandle,
+    out: &Output,
+    key: &str,
+    scope: Option<&str>,
+) -> Result<Report, StoreError> {
+    let records = store.find(key, scope).await?;
+    if records.is_empty() {
+        return Ok(out.not_found(key));
+    }
+    Ok(out.report(&records, true, |records, text| {
+        for (i, record) in records.iter().enumerate() {
+            if i > 0 {
+                text.push('\n');
+            }
+            describe(record, text);
+        }
+    }))
+}
+
+/// What `keys release` did, for JSON output.
+#[derive(Serialize)]
+struct Released<'a> {
+    released: bool,
+    reason: &'a str,
+    record: Option<RecordInfo>,
+}
+
+async fn release(
+    store: &StoreHandle,
+    out: &Output,
+    key: &str,
+    scope: Option<&str>,
+    force: bool,
+) -> Result<Report, StoreError> {
+    let mut records = store.find(key, scope).await?;
+    let record = match records.len() {
+        0 => return Ok(out.not_found(key)),
+        1 => records.remove(0),
+        _ => {
+            let scopes: Vec<&str> = records.iter().map(|r| r.scope.as_str()).collect();
+            let reason = format!(
+                "key {key:?} exists in {} scopes; pass --scope with one of: {}",
+                records.len(),
+                scopes.join(", ")
+            );
+            return Ok(out.refused(&reason, None));
+        }
+    };
+    if let Some(refusal) = refusal(&record, force) {
+        return Ok(out.refused(&refusal, Some(record)));
+    }
+    if record.status == RecordStatus::Failed {
+        return Ok(out.released(false, "already released: the next retry executes", Some(record)));
+    }
+    let id = RecordId {
+        scope: record.scope.clone(),
+        key: record.key.clone(),
+        token: record.token,
+    };
+    // Fenced by the token just read: a completion, takeover or heartbeat since then makes this a no-op.
+    let released = if force {
+        store.release(&id).await?
+    } else {
+        store.release_stale(&id).await?
+    };
+    let now = store.find(key, Some(&record.scope)).await?.into_iter().next();
+    if released {
+        Ok(out.released(
+            true,
+            "released: the next retry with the same payload executes",
+            now,
+        ))
+    } else {
+        let reason =
+            "the claim changed while releasing (completed, taken over or heartbeated); nothing was released";
+        Ok(out.refused(reason, now))
+    }
+}
+
+/// Why a record must not be released, if it must not.
+fn refusal(record: &RecordInfo, force: bool) -> Option<String> {
+    match record.status {
+        RecordStatus::Completed => Some(
+            "the key is completed: retries replay its stored response; there is no claim to release".into(),
+        ),
+        RecordStatus::Processing if record.expired() => None,
+        RecordStatus::Processing => match record.lease_remaining() {
+            Some(left) if !force => Some(format!(
+                "the claim's lease is live for {}: a running proxy is executing it and extending the lease; \
+                 releasing it now could execute the request twice. Wait for the lease to run out, or pass \
+                 --force if its proxy is known to be stuck",
+                human(left)
+            )),
+            _ => None,
+        },
+        RecordStatus::Failed => None,
+    }
+}
+
+async fn purge(store: &StoreHandle, out: &Output) -> Result<Report, StoreError> {
+    #[derive(Serialize)]
+    struct Purged {
+        deleted: u64,
+    }
+    let metrics = Metrics::new();
+    let deleted = sweeper::sweep_expired(store, PURGE_BATCH, &metrics, &CancellationToken::new()).await?;
+    Ok(out.report(&Purged { deleted }, true, |purged, text| {
+        let _ = writeln!(text, "deleted {} expired records", purged.deleted);
+    }))
+}
+
+/// One record, one line per fact.
+fn describe(record: &RecordInfo, text: &mut String) {
+    let now = record.observed_at;
+    let mut line = |label: &str, value: String| {
+        let _ = writeln!(text, "{label:<10}{value}");
+    };
+    line("key", record.key.clone());
+    line("scope", record.scope.clone());
+    line("status", status_line(record));
+    line(
+        "attempt",
+        format!("{} ({})", record.attempt, record.claim_kind.as_str()),
+    );
+    line("token", record.token.to_string());
+    line("created", timestamp(record.created_at, now));
+    line("updated", timestamp(record.updated_at, now));
+    line("expires", timestamp(record.expires_at, now));
+    line("response", response_line(record));
+}
+
+fn status_line(record: &RecordInfo) -> String {
+    let status = record.status.as_str();
+    if record.expired() {
+        return format!("{status}, expired (claimable as new; the sweeper deletes it)");
+    }
+    match (record.status, record.lease_remaining()) {
+        (RecordStatus::Processing, Some(left)) => {
+            format!("{status}, lease live for {} (a proxy holds it)", human(left))
+        }
+        (RecordStatus::Processing, None) => {
+            format!("{status}, lease ran out (stale: the next retry takes it over, or release it)")
+        }
+        (RecordStatus::Failed, _) => format!("{status} (released: the next retry executes)"),
+        (RecordStatus::Completed, _) => format!("{status} (retries replay the stored response)"),
+    }
+}
+
+fn response_line(record: &RecordInfo) -> String {
+    match (
+        record.response_status,
+        record.body_retained,
+        record.response_bytes,
+    ) {
+        (None, _, _) => "none".into(),
+        (Some(status), Some(true), bytes) => format!("{status}, {} bytes stored", bytes.unwrap_or(0)),
+        (Some(status), _, _) => {
+            format!("{status}, body not retained (over max_stored_response; retries get 410)")
+        }
+    }
+}
+
+fn timestamp(at: SystemTime, now: SystemTime) -> String {
+    let stamp = humantime::format_rfc3339_seconds(at);
+    match at.duration_since(now) {
+        Ok(ahead) => format!("{stamp} (in {})", human(ahead)),
+        Err(behind) => format!("{stamp} ({} ago)", human(behind.duration())),
+    }
+}
+
+/// A duration to the second, as people read it ("1h 2m 3s").
+fn human(duration: Duration) -> String {
+    let seconds = Duration::from_secs(duration.as_secs().max(u64::from(!duration.is_zero())));
+    humantime::format_duration(seconds).to_string()
+}
+
+/// Renders reports as text or JSON.
+struct Output {
+    json: bool,
+}
+
+impl Output {
+    fn report<T: Serialize>(&self, value: &T, success: bool, text: impl FnOnce(&T, &mut String)) -> Report {
+        let mut output = String::new();
+        if self.json {
+            output = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
+            output.push('\n');
+        } else {
+            text(value, &mut output);
+        }
+        Report { output, success }
+    }
+
+    fn not_found(&self, key: &str) -> Report {
+        let empty: [RecordInfo; 0] = [];
+        self.report(&empty, false, |_, text| {
+            let _ = writeln!(text, "no record for key {key:?}");
+        })
+    }
+
+    fn released(&self, released: bool, reason: &str, record: Option<RecordInfo>) -> Report {
+        self.outcome(released, reason, record, true)
+    }
+
+    fn refused(&self, reason: &str, record: Option<RecordInfo>) -> Report {
+        self.outcome(false, reason, record, false)
+    }
+
+    fn outcome(&self, released: bool, reason: &str, record: Option<RecordInfo>, success: bool) -> Report {
+        let value = Released {
+            released,
+            reason,
+            record,
+        };
+        self.report(&value, success, |value, text| {
+            let _ = writeln!(text, "{}", value.reason);
+            if let Some(record) = &value.record {
+                text.push('\n');
+                describe(record, text);
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ClaimKind;
+
+    fn record(status: RecordStatus, lease: i64, expiry: i64) -> RecordInfo {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let at = |offset: i64| {
+            if offset >= 0 {
+                now + Duration::from_secs(offset as u64)
+            } else {
+                now - Duration::from_secs(offset.unsigned_abs())
+            }
+        };
+        RecordInfo {
+            scope: "default:abc".into(),
+            key: "k".into(),
+            status,
+            attempt: 1,
+            claim_kind: ClaimKind::New,
+            token: uuid::Uuid::nil(),
+            created_at: at(-10),
+            updated_at: at(-5),
+            expires_at: at(expiry),
+            locked_until: at(lease),
+            observed_at: now,
+            response_status: None,
+            response_bytes: None,
+            body_retained: None,
+        }
+    }
+
+    #[test]
+    fn a_live_lease_is_released_only_when_forced() {
+        let live = record(RecordStatus::Processing, 20, 3600);
+        let why = refusal(&live, false).expect("refused without --force");
+        assert!(why.contains("20s"), "{why}");
+        assert!(refusal(&live, true).is_none());
+        assert!(refusal(&record(RecordStatus::Processing, -1, 3600), false).is_none());
+    }
+
+    #[test]
+    fn a_completed_record_is_never_released() {
+        let done = record(RecordStatus::Completed, -1, 3600);
+        assert!(refusal(&done, false).is_some());
+        assert!(refusal(&done, true).is_some());
+    }
+
+    #[test]
+    fn text_report_names_the_state_and_times() {
+        let mut text = String::new();
+        describe(&record(RecordStatus::Processing, 20, 3600), &mut text);
+        assert!(text.contains("lease live for 20s"), "{text}");
+        assert!(text.contains("(in 1h)"), "{text}");
+        assert!(text.contains("(10s ago)"), "{text}");
+        assert!(text.contains("response  none"), "{text}");
+    }
+}

@@ -1,0 +1,95 @@
+//! What only the embedded store has to prove: one file serves one proxy, a proxy that died leaves the
+//! file to its successor, and waiting on SQLite's lock never stalls the async runtime.
+
+use std::time::Duration;
+
+use idemproxy::store::{ClaimResult, StoreError};
+use idemproxy::{Listeners, RunError};
+use rusqlite::Connection;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::store_suite::{DAY, LONG, request};
+use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, settled};
+
+async fn listeners() -> Listeners {
+    Listeners {
+        proxy: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    }
+}
+
+#[tokio::test]
+async fn a_second_proxy_on_the_same_file_is_refused() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let first = InProcessProxy::start(&env.config()).await;
+
+    let config = idemproxy::Config::from_toml_str(&env.config().to_toml()).unwrap();
+    let second = idemproxy::run(config, listeners().await, CancellationToken::new());
+    match tokio::time::timeout(Duration::from_secs(30), second).await {
+        Ok(Err(RunError::Store(StoreError::InUse(path)))) => {
+            assert_eq!(path, env.store.sqlite_path());
+        }
+        other => panic!("expected the second proxy to be refused, got {other:?}"),
+    }
+    let reply = Reply::of(keyed_post(&first.url, "/orders", "k", "{}")).await;
+    assert_eq!(reply.status, 201, "the first proxy keeps serving");
+
+    first.stop().await.expect("clean stop");
+    let successor = InProcessProxy::start(&env.config()).await;
+    let replay = Reply::of(keyed_post(&successor.url, "/orders", "k", "{}")).await;
+    assert!(replay.is_replay(), "the successor serves the same file");
+}
+
+#[tokio::test]
+async fn the_binary_refuses_a_shared_file_and_names_the_way_out() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let _first = ProxyProcess::spawn(&env.config()).await;
+    let mut config = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::io::Write::write_all(&mut config, env.config().to_toml().as_bytes()).unwrap();
+    let output = crate::cli::idemproxy(&["serve", "--config", config.path().to_str().unwrap()], &[]).await;
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("in use by another running idemproxy"), "{stderr}");
+    assert!(stderr.contains("PostgreSQL"), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_killed_proxy_leaves_the_file_to_its_successor() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let mut dying = ProxyProcess::spawn(&env.config()).await;
+    let first = Reply::of(keyed_post(&dying.url, "/orders", "k", "{}")).await;
+    assert_eq!(first.status, 201);
+    let stored = settled(|| keyed_post(&dying.url, "/orders", "k", "{}")).await;
+    assert!(stored.is_replay(), "the record is completed before the kill");
+    dying.kill().await;
+
+    let successor = ProxyProcess::spawn(&env.config()).await;
+    let replay = Reply::of(keyed_post(&successor.url, "/orders", "k", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+}
+
+/// The test runtime has one thread. While another program holds SQLite's write lock, a claim waits for
+/// it; if that wait ran on the runtime's thread, nothing else could run until the claim gave up.
+#[tokio::test(flavor = "current_thread")]
+async fn waiting_on_the_sqlite_lock_does_not_block_the_runtime() {
+    let test_store = TestStore::create(Backend::Sqlite).await;
+    let store = test_store.open().await;
+    let other_program = Connection::open(test_store.sqlite_path()).unwrap();
+    other_program.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    let mut claim = tokio::spawn(async move { store.claim(&request("k", 1, LONG, DAY)).await });
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut claim).await;
+    assert!(
+        early.is_err(),
+        "the claim waits for the lock without holding up the runtime"
+    );
+
+    other_program.execute_batch("COMMIT").unwrap();
+    let claimed = claim
+        .await
+        .unwrap()
+        .expect("the claim completes once the lock is free");
+    assert!(matches!(claimed, ClaimResult::Won { attempt: 1, .. }));
+}

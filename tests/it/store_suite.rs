@@ -1,0 +1,479 @@
+//! One store suite, written once against the `Store` trait and run on both backends (PostgreSQL and the
+//! embedded SQLite file): the claim's decision table, fencing, leases and expiry, the sweeper's batches
+//! and replica safety, and the operator's view. Lease and expiry waits are real time (the store's clock
+//! decides), kept short.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemproxy::store::{
+    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordStats, RecordStatus, Store,
+    StoredResponse,
+};
+use rstest::rstest;
+use uuid::Uuid;
+
+use crate::support::{Backend, TestStore};
+
+pub const LONG: Duration = Duration::from_secs(30);
+pub const DAY: Duration = Duration::from_secs(86_400);
+
+pub async fn store(backend: Backend) -> (TestStore, Arc<dyn Store>) {
+    let test_store = TestStore::create(backend).await;
+    let store = test_store.open().await;
+    (test_store, store)
+}
+
+pub fn request(key: &str, fingerprint: u8, lease: Duration, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        id: RecordId {
+            scope: "default:test".into(),
+            key: key.into(),
+            token: Uuid::new_v4(),
+        },
+        fingerprint: [fingerprint; 32],
+        lease,
+        ttl,
+    }
+}
+
+pub fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: Some(Bytes::from_static(body)),
+    }
+}
+
+pub async fn won(store: &dyn Store, request: &ClaimRequest) -> (i32, ClaimKind) {
+    match store.claim(request).await.expect("claim runs") {
+        ClaimResult::Won { attempt, kind } => (attempt, kind),
+        ClaimResult::Held(existing) => panic!("expected to win the claim, found {existing:?}"),
+    }
+}
+
+pub async fn held(store: &dyn Store, request: &ClaimRequest) -> Existing {
+    match store.claim(request).await.expect("claim runs") {
+        ClaimResult::Held(existing) => existing,
+        won => panic!("expected the key to be held, but the claim won: {won:?}"),
+    }
+}
+
+#[rstest]
+#[tokio::test]
+async fn concurrent_claims_of_one_key_have_exactly_one_winner(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    assert_eq!(
+        concurrent_winners(&store, "race").await,
+        vec![(1, ClaimKind::New)]
+    );
+}
+
+/// The winners among 50 concurrent claims of `key`; every loser must see the winner's live claim with
+/// its real lease (not the contention fallback).
+async fn concurrent_winners(store: &Arc<dyn Store>, key: &'static str) -> Vec<(i32, ClaimKind)> {
+    let claims: Vec<_> = (0..50)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&request(key, 1, LONG, DAY)).await })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for claim in claims {
+        match claim.await.unwrap().expect("claim runs") {
+            ClaimResult::Won { attempt, kind } => winners.push((attempt, kind)),
+            ClaimResult::Held(Existing::Processing {
+                same_fingerprint: true,
+                lease_remaining,
+            }) => assert!(lease_remaining > Duration::from_secs(20), "{lease_remaining:?}"),
+            other => panic!("a loser must see the winner's live claim, saw {other:?}"),
+        }
+    }
+    winners
+}
+
+#[rstest]
+#[tokio::test]
+async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    won(
+        &*store,
+        &request("stale-race", 1, Duration::from_millis(200), DAY),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        concurrent_winners(&store, "stale-race").await,
+        vec![(2, ClaimKind::Takeover)]
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let first = request("retry-race", 1, LONG, DAY);
+    won(&*store, &first).await;
+    assert!(store.release(&first.id).await.unwrap());
+    assert_eq!(
+        concurrent_winners(&store, "retry-race").await,
+        vec![(2, ClaimKind::Retry)]
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn completed_record_replays_for_the_same_fingerprint_only(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let first = request("done", 1, LONG, DAY);
+    won(&*store, &first).await;
+    assert!(store.complete(&first.id, &response(b"{\"id\":1}")).await.unwrap());
+    match held(&*store, &request("done", 1, LONG, DAY)).await {
+        Existing::Completed {
+            same_fingerprint: true,
+            response: stored,
+            expires_in,
+        } => {
+            assert_eq!(stored, response(b"{\"id\":1}"));
+            assert!(
+                expires_in > DAY - Duration::from_secs(60) && expires_in <= DAY,
+                "{expires_in:?}"
+            );
+        }
+        other => panic!("expected a replayable record, got {other:?}"),
+    }
+    assert!(matches!(
+        held(&*store, &request("done", 2, LONG, DAY)).await,
+        Existing::Completed {
+            same_fingerprint: false,
+            ..
+        }
+    ));
+}
+
+#[rstest]
+#[tokio::test]
+async fn live_claim_reports_its_remaining_lease(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    won(&*store, &request("live", 1, LONG, DAY)).await;
+    match held(&*store, &request("live", 1, LONG, DAY)).await {
+        Existing::Processing {
+            same_fingerprint: true,
+            lease_remaining,
+        } => assert!(
+            lease_remaining > Duration::from_secs(20) && lease_remaining <= LONG,
+            "{lease_remaining:?}"
+        ),
+        other => panic!("expected a live claim, got {other:?}"),
+    }
+    assert!(matches!(
+        held(&*store, &request("live", 2, LONG, DAY)).await,
+        Existing::Processing {
+            same_fingerprint: false,
+            ..
+        }
+    ));
+}
+
+#[rstest]
+#[tokio::test]
+async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let original = request("stale", 1, Duration::from_millis(300), DAY);
+    won(&*store, &original).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let taker = request("stale", 1, LONG, DAY);
+    assert_eq!(won(&*store, &taker).await, (2, ClaimKind::Takeover));
+
+    assert!(
+        !store.heartbeat(&original.id, LONG).await.unwrap(),
+        "old heartbeat fenced"
+    );
+    assert!(
+        !store.complete(&original.id, &response(b"old")).await.unwrap(),
+        "old completion fenced"
+    );
+    assert!(!store.release(&original.id).await.unwrap(), "old release fenced");
+    assert!(store.complete(&taker.id, &response(b"new")).await.unwrap());
+    match held(&*store, &request("stale", 1, LONG, DAY)).await {
+        Existing::Completed { response: stored, .. } => assert_eq!(stored.body.as_deref(), Some(&b"new"[..])),
+        other => panic!("expected the taker's response, got {other:?}"),
+    }
+}
+
+#[rstest]
+#[tokio::test]
+async fn heartbeat_extends_the_lease(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let (_store, store) = store(backend).await;
+    let claim = request("beat", 1, Duration::from_millis(500), DAY);
+    won(&*store, &claim).await;
+    assert!(store.heartbeat(&claim.id, LONG).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        matches!(
+            held(&*store, &request("beat", 1, LONG, DAY)).await,
+            Existing::Processing { .. }
+        ),
+        "a renewed claim is not stale"
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn released_key_executes_again_for_the_same_request_only(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let first = request("again", 1, LONG, DAY);
+    won(&*store, &first).await;
+    assert!(store.release(&first.id).await.unwrap());
+    assert!(matches!(
+        held(&*store, &request("again", 2, LONG, DAY)).await,
+        Existing::Failed
+    ));
+    assert_eq!(
+        won(&*store, &request("again", 1, LONG, DAY)).await,
+        (2, ClaimKind::Retry)
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn expired_record_is_a_new_key_whatever_it_held(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let first = request("old", 1, Duration::from_millis(100), Duration::from_millis(300));
+    won(&*store, &first).await;
+    assert!(store.complete(&first.id, &response(b"x")).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        won(&*store, &request("old", 2, LONG, DAY)).await,
+        (1, ClaimKind::New)
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn response_over_the_cap_is_completed_without_a_body(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let claim = request("big", 1, LONG, DAY);
+    won(&*store, &claim).await;
+    let mut stored = response(b"");
+    stored.body = None;
+    assert!(store.complete(&claim.id, &stored).await.unwrap());
+    match held(&*store, &request("big", 1, LONG, DAY)).await {
+        Existing::Completed { response, .. } => {
+            assert_eq!(response.status, 201);
+            assert_eq!(response.body, None);
+        }
+        other => panic!("expected a completed record, got {other:?}"),
+    }
+}
+
+/// Creates `count` completed records under `prefix` that expire after `ttl`.
+async fn completed_records(store: &dyn Store, prefix: &str, count: usize, ttl: Duration) {
+    for i in 0..count {
+        let claim = request(&format!("{prefix}-{i}"), 1, LONG, ttl);
+        won(store, &claim).await;
+        assert!(store.complete(&claim.id, &response(b"done")).await.unwrap());
+    }
+}
+
+const SHORT_TTL: Duration = Duration::from_millis(200);
+
+/// Long enough for a `SHORT_TTL` record to be past its expiry by any clock the store uses.
+async fn until_short_ttl_passed() {
+    tokio::time::sleep(SHORT_TTL * 3).await;
+}
+
+#[rstest]
+#[tokio::test]
+async fn sweep_deletes_expired_records_in_bounded_batches(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    completed_records(&*store, "old", 25, SHORT_TTL).await;
+    completed_records(&*store, "live", 3, DAY).await;
+    until_short_ttl_passed().await;
+
+    let mut batches = Vec::new();
+    loop {
+        let deleted = store.sweep(10).await.unwrap();
+        batches.push(deleted);
+        if deleted == 0 {
+            break;
+        }
+    }
+    assert_eq!(batches, vec![10, 10, 5, 0]);
+    assert!(store.find("old-0", None).await.unwrap().is_empty());
+    assert_eq!(store.find("live-0", None).await.unwrap().len(), 1);
+    assert_eq!(
+        store.stats().await.unwrap(),
+        RecordStats {
+            completed: 3,
+            ..RecordStats::default()
+        }
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn sweep_keeps_an_expired_processing_record_until_its_lease_runs_out(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    won(&*store, &request("held", 1, LONG, SHORT_TTL)).await;
+    won(&*store, &request("stale", 1, SHORT_TTL, SHORT_TTL)).await;
+    until_short_ttl_passed().await;
+
+    assert_eq!(
+        store.sweep(100).await.unwrap(),
+        1,
+        "only the record past both bounds"
+    );
+    assert!(store.find("stale", None).await.unwrap().is_empty());
+    let held = store.find("held", None).await.unwrap();
+    assert_eq!(held.len(), 1, "a live lease keeps its record");
+    assert_eq!(held[0].status, RecordStatus::Processing);
+}
+
+#[rstest]
+#[tokio::test]
+async fn concurrent_sweepers_delete_and_count_each_record_once(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (test_store, store) = store(backend).await;
+    completed_records(&*store, "gone", 120, SHORT_TTL).await;
+    until_short_ttl_passed().await;
+
+    // Each sweeper has its own connections, as replicas do.
+    let mut sweepers = Vec::new();
+    for _ in 0..4 {
+        let replica = test_store.open().await;
+        sweepers.push(tokio::spawn(async move {
+            let mut counted = 0;
+            loop {
+                let deleted = replica.sweep(7).await.expect("sweep runs");
+                counted += deleted;
+                if deleted == 0 {
+                    return counted;
+                }
+            }
+        }));
+    }
+    let mut total = 0;
+    for sweeper in sweepers {
+        total += sweeper.await.unwrap();
+    }
+    assert_eq!(total, 120, "every record deleted and counted exactly once");
+    assert_eq!(store.stats().await.unwrap(), RecordStats::default());
+}
+
+#[rstest]
+#[tokio::test]
+async fn stats_count_records_by_state(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let (_store, store) = store(backend).await;
+    won(&*store, &request("running", 1, LONG, DAY)).await;
+    completed_records(&*store, "done", 2, DAY).await;
+    let released = request("released", 1, LONG, DAY);
+    won(&*store, &released).await;
+    assert!(store.release(&released.id).await.unwrap());
+    completed_records(&*store, "old", 1, SHORT_TTL).await;
+    until_short_ttl_passed().await;
+
+    assert_eq!(
+        store.stats().await.unwrap(),
+        RecordStats {
+            processing: 1,
+            completed: 2,
+            failed: 1,
+            expired: 1,
+        }
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn find_describes_records_in_every_scope_or_one(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let mine = request("shared", 1, LONG, DAY);
+    won(&*store, &mine).await;
+    assert!(store.complete(&mine.id, &response(b"12345")).await.unwrap());
+    let mut theirs = request("shared", 1, LONG, DAY);
+    theirs.id.scope = "default:other".into();
+    won(&*store, &theirs).await;
+
+    let all = store.find("shared", None).await.unwrap();
+    assert_eq!(all.len(), 2);
+    let only = store.find("shared", Some("default:test")).await.unwrap();
+    assert_eq!(only.len(), 1);
+    let record = &only[0];
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.attempt, 1);
+    assert_eq!(record.claim_kind, ClaimKind::New);
+    assert_eq!(record.token, mine.id.token);
+    assert_eq!(record.response_status, Some(201));
+    assert_eq!(record.response_bytes, Some(5));
+    assert_eq!(record.body_retained, Some(true));
+    assert!(!record.expired());
+    let expiry = record.expires_at.duration_since(record.observed_at).unwrap();
+    assert!(expiry > DAY - Duration::from_secs(60), "{expiry:?}");
+    assert!(store.find("absent", None).await.unwrap().is_empty());
+}
+
+#[rstest]
+#[tokio::test]
+async fn operator_release_waits_for_the_lease_and_is_fenced(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let live = request("live", 1, LONG, DAY);
+    won(&*store, &live).await;
+    assert!(
+        !store.release_stale(&live.id).await.unwrap(),
+        "a live lease is not released"
+    );
+
+    let stuck = request("stuck", 1, SHORT_TTL, DAY);
+    won(&*store, &stuck).await;
+    until_short_ttl_passed().await;
+    let mut stale_token = stuck.id.clone();
+    stale_token.token = Uuid::new_v4();
+    assert!(
+        !store.release_stale(&stale_token).await.unwrap(),
+        "another token is fenced out"
+    );
+    assert!(store.release_stale(&stuck.id).await.unwrap());
+    assert_eq!(
+        won(&*store, &request("stuck", 1, LONG, DAY)).await,
+        (2, ClaimKind::Retry),
+        "the next retry executes"
+    );
+
+    let done = request("done", 1, SHORT_TTL, DAY);
+    won(&*store, &done).await;
+    assert!(store.complete(&done.id, &response(b"x")).await.unwrap());
+    until_short_ttl_passed().await;
+    assert!(
+        !store.release_stale(&done.id).await.unwrap(),
+        "a completed record stays completed"
+    );
+}
