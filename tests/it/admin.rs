@@ -1,12 +1,18 @@
 //! The admin port: metrics that move with what happened, liveness and readiness.
 
+use rstest::rstest;
+
 use crate::support::{
-    InProcessProxy, Relay, Reply, TestEnv, http::client, keyed_post, metric, metric_reaches, poll_until,
+    Backend, InProcessProxy, Relay, Reply, TestEnv, http::client, keyed_post, metric, metric_reaches,
+    poll_until,
 };
 
+#[rstest]
 #[tokio::test]
-async fn metrics_count_replays_conflicts_and_mismatches() {
-    let env = TestEnv::new().await;
+async fn metrics_count_replays_conflicts_and_mismatches(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     Reply::of(keyed_post(&proxy.url, "/orders", "r", "{}")).await;

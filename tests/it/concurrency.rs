@@ -1,5 +1,7 @@
 //! Duplicates that overlap: one execution, and everyone else told to wait or given the replay.
 
+use rstest::rstest;
+
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -8,7 +10,8 @@ use tokio::time::Instant;
 use crate::support::http::stream_until_first_chunk;
 use crate::support::upstream::{FIRST_CHUNK, REST_CHUNK};
 use crate::support::{
-    InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches, settled,
+    Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches,
+    settled,
 };
 
 /// Asserts every reply is the one execution (201), its replay, or a 409 conflict, and that exactly
@@ -28,9 +31,12 @@ fn assert_one_execution_among(replies: &[Reply]) {
     assert_eq!(originals, 1, "exactly one client gets the execution itself");
 }
 
+#[rstest]
 #[tokio::test]
-async fn fifty_concurrent_duplicates_execute_once() {
-    let env = TestEnv::new().await;
+async fn fifty_concurrent_duplicates_execute_once(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let config = env.config().set("store.timeout", "10s");
     let proxy = InProcessProxy::start(&config).await;
 
@@ -41,9 +47,12 @@ async fn fifty_concurrent_duplicates_execute_once() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn in_flight_duplicate_is_409_with_retry_after() {
-    let env = TestEnv::new().await;
+async fn in_flight_duplicate_is_409_with_retry_after(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let original = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/slow", "k", "{}")));
@@ -61,9 +70,12 @@ async fn in_flight_duplicate_is_409_with_retry_after() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn client_disconnect_does_not_cancel_the_execution() {
-    let env = TestEnv::new().await;
+async fn client_disconnect_does_not_cancel_the_execution(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let connection = raw_keyed_post(&proxy.url, "/slow", "k", "{}").await;
@@ -85,9 +97,12 @@ async fn client_disconnect_does_not_cancel_the_execution() {
 
 /// The client reads the response head and the first chunk, then hangs up while the upstream is still
 /// sending: the relay reads the rest and stores the whole response.
+#[rstest]
 #[tokio::test]
-async fn client_disconnect_after_the_head_still_stores_the_whole_response() {
-    let env = TestEnv::new().await;
+async fn client_disconnect_after_the_head_still_stores_the_whole_response(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     drop(stream_until_first_chunk(&proxy.url, "k").await);
@@ -134,6 +149,7 @@ async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
     metric_reaches(&proxy.admin_url, "idemproxy_requests_total", &executed, 1.0).await;
 }
 
+/// Replicas share PostgreSQL; the embedded store refuses a second proxy (see `store_sqlite`).
 #[tokio::test]
 async fn two_proxy_processes_on_one_database_execute_once() {
     let env = TestEnv::new().await;
@@ -150,9 +166,12 @@ async fn two_proxy_processes_on_one_database_execute_once() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn heartbeat_keeps_a_live_claim_past_its_lease() {
-    let env = TestEnv::new().await;
+async fn heartbeat_keeps_a_live_claim_past_its_lease(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.lock_timeout", "1s");
     let proxy = InProcessProxy::start(&config).await;
 

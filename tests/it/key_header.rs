@@ -1,8 +1,10 @@
 //! The `Idempotency-Key` header: which forms are keys, which are refused, and which are the same key.
 
+use rstest::rstest;
+
 use reqwest::header::HeaderValue;
 
-use crate::support::{Reply, TestEnv, http::client, keyed_post, settled};
+use crate::support::{Backend, Reply, TestEnv, http::client, keyed_post, settled};
 
 async fn post_with_key_values(proxy_url: &str, values: &[HeaderValue]) -> Reply {
     let mut request = client()
@@ -15,9 +17,12 @@ async fn post_with_key_values(proxy_url: &str, values: &[HeaderValue]) -> Reply 
     Reply::of(request).await
 }
 
+#[rstest]
 #[tokio::test]
-async fn every_malformed_key_is_400_invalid_key() {
-    let env = TestEnv::new().await;
+async fn every_malformed_key_is_400_invalid_key(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let too_long = "a".repeat(256);
@@ -65,9 +70,10 @@ async fn every_malformed_key_is_400_invalid_key() {
     assert_eq!(env.upstream.executions(), 0, "a refused request was forwarded");
 }
 
+#[rstest]
 #[tokio::test]
-async fn longest_allowed_key_is_accepted() {
-    let env = TestEnv::new().await;
+async fn longest_allowed_key_is_accepted(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let longest = "a".repeat(255);
@@ -83,9 +89,12 @@ async fn longest_allowed_key_is_accepted() {
     );
 }
 
+#[rstest]
 #[tokio::test]
-async fn bare_and_quoted_forms_are_the_same_key() {
-    let env = TestEnv::new().await;
+async fn bare_and_quoted_forms_are_the_same_key(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let bare = Reply::of(keyed_post(&proxy.url, "/orders", "abc", "{}")).await;
@@ -100,9 +109,10 @@ async fn bare_and_quoted_forms_are_the_same_key() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn bare_uuid_is_a_key() {
-    let env = TestEnv::new().await;
+async fn bare_uuid_is_a_key(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let key = "8e03978e-40d5-43e8-bc93-6894a57f9324";

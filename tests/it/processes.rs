@@ -1,10 +1,12 @@
 //! The real binary: a proxy that dies mid-request, and one that is asked to stop.
 
+use rstest::rstest;
+
 use std::time::Duration;
 
 use tokio::net::TcpStream;
 
-use crate::support::{InProcessProxy, ProxyProcess, Reply, TestEnv, keyed_post, metric, poll_until};
+use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, keyed_post, metric, poll_until};
 
 #[tokio::test]
 async fn killed_proxy_claim_is_taken_over_after_its_lease() {
@@ -40,9 +42,10 @@ async fn killed_proxy_claim_is_taken_over_after_its_lease() {
     assert_eq!(takeovers, 1.0);
 }
 
+#[rstest]
 #[tokio::test]
-async fn sigterm_drains_an_in_flight_request() {
-    let env = TestEnv::new().await;
+async fn sigterm_drains_an_in_flight_request(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let mut proxy = ProxyProcess::spawn(&env.config()).await;
 
     let in_flight = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/slow", "k", "{}")));
@@ -74,9 +77,12 @@ async fn sigterm_drains_an_in_flight_request() {
     assert_eq!(replay.text(), "slow done 1");
 }
 
+#[rstest]
 #[tokio::test]
-async fn cancelled_run_drains_an_in_flight_request() {
-    let env = TestEnv::new().await;
+async fn cancelled_run_drains_an_in_flight_request(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let mut proxy = env.proxy().await;
 
     let in_flight = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/slow", "k", "{}")));

@@ -1,16 +1,22 @@
 //! The listener speaks HTTP/2 as well as HTTP/1.1: h2c with prior knowledge reaches the same lifecycle.
 
+use rstest::rstest;
+
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+use crate::support::Backend;
 use crate::support::TestEnv;
 
+#[rstest]
 #[tokio::test]
-async fn h2c_prior_knowledge_executes_then_replays() {
-    let env = TestEnv::new().await;
+async fn h2c_prior_knowledge_executes_then_replays(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
     let client = Client::builder(TokioExecutor::new())
         .http2_only(true)

@@ -1,10 +1,12 @@
 //! One proxy, one client: execute once, replay, refuse what must be refused, pass the rest through.
 
+use rstest::rstest;
+
 use reqwest::header::HeaderMap;
 
 use crate::support::http::stream_until_first_chunk;
 use crate::support::{
-    Reply, TestEnv,
+    Backend, Reply, TestEnv,
     http::client,
     keyed_post, poll_until, settled,
     upstream::{FIRST_CHUNK, REST_CHUNK, big_body},
@@ -30,9 +32,12 @@ fn end_to_end(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     kept
 }
 
+#[rstest]
 #[tokio::test]
-async fn new_key_executes_once_and_retry_replays_identically() {
-    let env = TestEnv::new().await;
+async fn new_key_executes_once_and_retry_replays_identically(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let first = Reply::of(keyed_post(&proxy.url, "/orders", "order-1", r#"{"amount":1}"#)).await;
@@ -49,9 +54,10 @@ async fn new_key_executes_once_and_retry_replays_identically() {
     assert_eq!(env.upstream.executions_for_key("order-1"), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn same_key_with_another_body_is_422() {
-    let env = TestEnv::new().await;
+async fn same_key_with_another_body_is_422(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let first = Reply::of(keyed_post(&proxy.url, "/orders", "k", r#"{"amount":1}"#)).await;
@@ -61,9 +67,12 @@ async fn same_key_with_another_body_is_422() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn server_errors_and_try_later_statuses_are_not_stored() {
-    let env = TestEnv::new().await;
+async fn server_errors_and_try_later_statuses_are_not_stored(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     for status in [500, 503, 429] {
@@ -78,9 +87,10 @@ async fn server_errors_and_try_later_statuses_are_not_stored() {
     }
 }
 
+#[rstest]
 #[tokio::test]
-async fn required_key_missing_is_400() {
-    let env = TestEnv::new().await;
+async fn required_key_missing_is_400(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.required", true);
     let proxy = crate::support::InProcessProxy::start(&config).await;
 
@@ -93,9 +103,12 @@ async fn required_key_missing_is_400() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn another_authorization_is_another_scope() {
-    let env = TestEnv::new().await;
+async fn another_authorization_is_another_scope(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
     let post = |who: &str| keyed_post(&proxy.url, "/orders", "shared", "{}").header("authorization", who);
 
@@ -112,9 +125,12 @@ async fn another_authorization_is_another_scope() {
     assert_eq!(alice_again.body, alice.body);
 }
 
+#[rstest]
 #[tokio::test]
-async fn body_over_max_request_body_is_413_and_claims_nothing() {
-    let env = TestEnv::new().await;
+async fn body_over_max_request_body_is_413_and_claims_nothing(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.max_request_body", "1KiB");
     let proxy = crate::support::InProcessProxy::start(&config).await;
 
@@ -128,9 +144,10 @@ async fn body_over_max_request_body_is_413_and_claims_nothing() {
     assert!(!small.is_replay());
 }
 
+#[rstest]
 #[tokio::test]
-async fn expired_key_executes_again() {
-    let env = TestEnv::new().await;
+async fn expired_key_executes_again(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let config = env
         .config()
         .set("idempotency.ttl", "2s")
@@ -152,9 +169,12 @@ async fn expired_key_executes_again() {
     assert_eq!(env.upstream.executions_for_key("k"), 2);
 }
 
+#[rstest]
 #[tokio::test]
-async fn first_chunk_reaches_client_before_upstream_finishes() {
-    let env = TestEnv::new().await;
+async fn first_chunk_reaches_client_before_upstream_finishes(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let mut response = stream_until_first_chunk(&proxy.url, "k").await;
@@ -171,9 +191,12 @@ async fn first_chunk_reaches_client_before_upstream_finishes() {
     assert_eq!(replay.body, [FIRST_CHUNK, REST_CHUNK].concat());
 }
 
+#[rstest]
 #[tokio::test]
-async fn response_over_max_stored_response_is_delivered_then_not_retained() {
-    let env = TestEnv::new().await;
+async fn response_over_max_stored_response_is_delivered_then_not_retained(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.max_stored_response", "64KiB");
     let proxy = crate::support::InProcessProxy::start(&config).await;
 
@@ -186,9 +209,12 @@ async fn response_over_max_stored_response_is_delivered_then_not_retained() {
     assert_eq!(env.upstream.executions(), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn passthrough_forwards_and_strips_hop_by_hop_headers() {
-    let env = TestEnv::new().await;
+async fn passthrough_forwards_and_strips_hop_by_hop_headers(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let reply = Reply::of(
@@ -217,9 +243,12 @@ async fn passthrough_forwards_and_strips_hop_by_hop_headers() {
     assert_eq!(header("x-forwarded-host"), Some(proxy_host));
 }
 
+#[rstest]
 #[tokio::test]
-async fn hop_by_hop_response_headers_are_neither_forwarded_nor_stored() {
-    let env = TestEnv::new().await;
+async fn hop_by_hop_response_headers_are_neither_forwarded_nor_stored(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let first = Reply::of(keyed_post(&proxy.url, "/hop-by-hop", "k", "{}")).await;
@@ -233,9 +262,10 @@ async fn hop_by_hop_response_headers_are_neither_forwarded_nor_stored() {
     }
 }
 
+#[rstest]
 #[tokio::test]
-async fn keyed_get_is_not_protected() {
-    let env = TestEnv::new().await;
+async fn keyed_get_is_not_protected(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     for _ in 0..2 {

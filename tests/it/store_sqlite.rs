@@ -10,7 +10,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::store_suite::{DAY, LONG, request};
-use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, settled};
+use crate::support::{
+    Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, metric, poll_until, settled,
+};
 
 async fn listeners() -> Listeners {
     Listeners {
@@ -92,4 +94,30 @@ async fn waiting_on_the_sqlite_lock_does_not_block_the_runtime() {
         .unwrap()
         .expect("the claim completes once the lock is free");
     assert!(matches!(claimed, ClaimResult::Won { attempt: 1, .. }));
+}
+
+#[tokio::test]
+async fn a_killed_proxys_claim_is_taken_over_by_its_successor_after_the_lease() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env.config().set("idempotency.lock_timeout", "2s");
+    let mut dying = ProxyProcess::spawn(&config).await;
+    let original = tokio::spawn(Reply::try_of(keyed_post(&dying.url, "/slow", "k", "{}")));
+    env.upstream.wait_for_key("k", 1).await;
+    dying.kill().await;
+    assert!(
+        original.await.unwrap().is_err(),
+        "the killed proxy cannot have answered"
+    );
+
+    let successor = ProxyProcess::spawn(&config).await;
+    env.upstream.release("slow");
+    let taken_over = poll_until("the dead proxy's lease to run out", || async {
+        let reply = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
+        (reply.status != 409).then_some(reply)
+    })
+    .await;
+    assert_eq!(taken_over.status, 201, "{}", taken_over.text());
+    assert_eq!(taken_over.text(), "slow done 2");
+    let takeovers = metric(&successor.admin_url, "idemproxy_stale_takeovers_total", &[]).await;
+    assert_eq!(takeovers, 1.0);
 }

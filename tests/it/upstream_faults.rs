@@ -1,14 +1,19 @@
 //! The upstream fails: never reached (safe to run again), or maybe reached (ambiguous: hold the key).
 
-use crate::support::{InProcessProxy, ProxyConfig, Reply, TestEnv, keyed_post, metric};
+use rstest::rstest;
 
+use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, keyed_post, metric};
+
+#[rstest]
 #[tokio::test]
-async fn unreachable_upstream_is_502_and_releases_the_key() {
-    let env = TestEnv::new().await;
+async fn unreachable_upstream_is_502_and_releases_the_key(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let closed_url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
-    let config = ProxyConfig::new(&env.db().url(), &closed_url);
+    let config = ProxyConfig::new(&env.store.url(), &closed_url);
     let proxy = InProcessProxy::start(&config).await;
 
     for attempt in 1..=2 {
@@ -25,9 +30,12 @@ async fn unreachable_upstream_is_502_and_releases_the_key() {
     assert_eq!(errors, 2.0);
 }
 
+#[rstest]
 #[tokio::test]
-async fn upstream_timeout_is_504_and_holds_the_key() {
-    let env = TestEnv::new().await;
+async fn upstream_timeout_is_504_and_holds_the_key(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let config = env.config().set("upstream.timeout", "1s");
     let proxy = InProcessProxy::start(&config).await;
 
@@ -40,9 +48,12 @@ async fn upstream_timeout_is_504_and_holds_the_key() {
     assert_eq!(env.upstream.executions_for_key("k"), 1);
 }
 
+#[rstest]
 #[tokio::test]
-async fn upstream_reset_mid_body_is_ambiguous_and_not_executed_again() {
-    let env = TestEnv::new().await;
+async fn upstream_reset_mid_body_is_ambiguous_and_not_executed_again(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
     let response = keyed_post(&proxy.url, "/reset-mid-body", "k", "{}").send().await;
