@@ -272,6 +272,12 @@ fn open_blocking(path: &Path, timeout: Duration, access: Access) -> Result<Sqlit
         Access::Serve => Some(lock_instance(path)?),
         Access::Migrate | Access::Tool => None,
     };
+    if access == Access::Tool && !path.exists() {
+        return Err(StoreError::Backend(format!(
+            "no SQLite store at {}: check store.url (or --store), or start the proxy once to create it",
+            path.display()
+        )));
+    }
     let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     if access != Access::Tool {
         flags |= OpenFlags::SQLITE_OPEN_CREATE;

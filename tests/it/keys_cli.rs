@@ -198,3 +198,13 @@ async fn purge_requires_saying_expired() {
     assert_eq!(output.status.code(), Some(2), "clap's usage error");
     assert!(String::from_utf8_lossy(&output.stderr).contains("--expired"));
 }
+
+#[tokio::test]
+async fn a_missing_sqlite_file_is_named_not_created() {
+    let store = TestStore::create(Backend::Sqlite).await;
+    let output = keys(&store, &["stats"]).await;
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no SQLite store at"), "{stderr}");
+    assert!(!store.sqlite_path().exists(), "a tool never creates the store");
+}
