@@ -64,6 +64,8 @@ pub struct RawConfig {
     pub idempotency: RawIdempotency,
     /// Log output.
     pub log: RawLog,
+    /// In-process copies of completed records, for replays without a store round trip.
+    pub replay_cache: RawReplayCache,
 }
 
 /// `[server]`
@@ -157,6 +159,26 @@ impl Default for RawStore {
             on_error: OnStoreError::FailClosed,
             migrate: true,
             tls_ca_file: None,
+        }
+    }
+}
+
+/// `[replay_cache]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawReplayCache {
+    /// Bytes of stored responses (plus per-entry overhead) kept in memory; 0 turns the cache off.
+    pub max_size: ByteSize,
+    /// Longest time an entry is served without asking the store again; 0 turns the cache off.
+    #[serde(with = "humantime_serde")]
+    pub max_age: Duration,
+}
+
+impl Default for RawReplayCache {
+    fn default() -> Self {
+        RawReplayCache {
+            max_size: ByteSize::mib(32),
+            max_age: Duration::from_secs(60),
         }
     }
 }
@@ -265,6 +287,8 @@ pub struct Config {
     pub idempotency: IdempotencyConfig,
     /// Logging.
     pub log: RawLog,
+    /// The replay cache.
+    pub replay_cache: ReplayCacheConfig,
     raw: RawConfig,
 }
 
@@ -336,6 +360,15 @@ pub struct IdempotencyConfig {
     pub fingerprint_headers: Vec<HeaderName>,
     /// Statuses that release the claim.
     pub release: ReleasePolicy,
+}
+
+/// Validated `[replay_cache]`.
+#[derive(Debug, Clone)]
+pub struct ReplayCacheConfig {
+    /// Byte bound; 0 is off.
+    pub max_size: u64,
+    /// Age bound of one entry; zero is off.
+    pub max_age: Duration,
 }
 
 /// Which upstream statuses mean "not processed, run it again" and so release the claim.
@@ -435,6 +468,10 @@ impl RawConfig {
             store: self.store.validate()?,
             idempotency: self.idempotency.validate()?,
             log: self.log.clone(),
+            replay_cache: ReplayCacheConfig {
+                max_size: self.replay_cache.max_size.as_u64(),
+                max_age: self.replay_cache.max_age,
+            },
             raw: self,
         })
     }

@@ -133,6 +133,8 @@ pub struct MetricSet {
     pub upstream_duration: Histogram,
     /// `idemproxy_in_flight_requests`
     pub in_flight: IntGauge,
+    /// `idemproxy_replay_cache_hits_total`: keyed requests answered from the replay cache.
+    pub replay_cache_hits: IntCounter,
 }
 
 impl Metrics {
@@ -199,6 +201,10 @@ impl Metrics {
             .expect("valid metric"),
             in_flight: IntGauge::new("idemproxy_in_flight_requests", "Requests being handled now.")
                 .expect("valid metric"),
+            replay_cache_hits: counter(
+                "idemproxy_replay_cache_hits_total",
+                "Keyed requests answered from the in-process replay cache (replays and mismatches), without the store.",
+            ),
             registry,
         };
         set.register_all();
@@ -209,7 +215,7 @@ impl Metrics {
 
 impl MetricSet {
     fn register_all(&self) {
-        let collectors: [Box<dyn prometheus::core::Collector>; 12] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 13] = [
             Box::new(self.requests.clone()),
             Box::new(self.replays.clone()),
             Box::new(self.conflicts.clone()),
@@ -222,6 +228,7 @@ impl MetricSet {
             Box::new(self.store_duration.clone()),
             Box::new(self.upstream_duration.clone()),
             Box::new(self.in_flight.clone()),
+            Box::new(self.replay_cache_hits.clone()),
         ];
         for collector in collectors {
             self.registry

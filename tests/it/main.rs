@@ -10,6 +10,7 @@ mod key_header;
 mod processes;
 mod protocols;
 mod proxy_basic;
+mod replay_cache;
 mod store_faults;
 mod store_pg;
 mod store_tls;
