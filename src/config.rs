@@ -177,7 +177,7 @@ pub struct RawReplayCache {
 impl Default for RawReplayCache {
     fn default() -> Self {
         RawReplayCache {
-            max_size: ByteSize::mib(32),
+            max_size: ByteSize::mib(8),
             max_age: Duration::from_secs(60),
         }
     }

@@ -8,6 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::store::StoredResponse;
@@ -109,10 +110,16 @@ impl ReplayCache {
         if !self.enabled() {
             return;
         }
-        let deadline = deadline.min(Instant::now() + self.max_age);
+        let now = Instant::now();
+        let deadline = deadline.min(now + self.max_age);
         let name: Arc<str> = entry_name(scope, key).into();
+        // The body may be a slice of a much larger receive buffer; keep only its own bytes.
+        let response = StoredResponse {
+            body: response.body.map(|body| Bytes::copy_from_slice(&body)),
+            ..response
+        };
         let weight = name.len() + response_weight(&response) + ENTRY_OVERHEAD;
-        if deadline <= Instant::now() || weight > self.max_bytes {
+        if deadline <= now || weight > self.max_bytes {
             return;
         }
         let mut inner = self.lock();
@@ -128,6 +135,7 @@ impl ReplayCache {
         inner.bytes += weight;
         inner.order.push_back((name.clone(), entry.generation));
         inner.entries.insert(name, entry);
+        inner.evict_expired(now);
         inner.evict_down_to(self.max_bytes);
         inner.compact();
     }
@@ -157,6 +165,22 @@ impl Inner {
     fn remove(&mut self, name: &str) {
         if let Some(old) = self.entries.remove(name) {
             self.bytes -= old.weight;
+        }
+    }
+
+    /// Drops the oldest entries while they are past their deadline, so entries nobody asks for again do
+    /// not sit in memory until the byte bound pushes them out.
+    fn evict_expired(&mut self, now: Instant) {
+        while let Some((name, generation)) = self.order.front() {
+            match self.entries.get(name) {
+                Some(entry) if entry.generation == *generation && entry.deadline > now => return,
+                Some(entry) if entry.generation == *generation => {
+                    let name = name.clone();
+                    self.remove(&name);
+                }
+                _ => {}
+            }
+            self.order.pop_front();
         }
     }
 
@@ -206,8 +230,6 @@ fn response_weight(response: &StoredResponse) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use bytes::Bytes;
-
     use super::*;
 
     const FP: [u8; 32] = [7; 32];
@@ -287,6 +309,35 @@ mod tests {
         assert!(matches!(cache.lookup("s", "k0", &FP), Lookup::Miss));
         assert!(matches!(cache.lookup("s", "k1", &FP), Lookup::Miss));
         assert!(matches!(cache.lookup("s", "k4", &FP), Lookup::Replay(_)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_entries_leave_when_newer_ones_arrive() {
+        let cache = cache();
+        cache.insert("s", "old", FP, response(b"x"), in_secs(10));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        cache.insert("s", "new", FP, response(b"y"), in_secs(10));
+        assert_eq!(cache.len(), 1, "the expired entry is gone without a lookup");
+        assert!(matches!(cache.lookup("s", "new", &FP), Lookup::Replay(_)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cached_body_does_not_keep_its_receive_buffer_alive() {
+        let cache = cache();
+        let buffer = Bytes::from(vec![b'x'; 64 * 1024]);
+        let mut stored = response(b"");
+        stored.body = Some(buffer.slice(0..10));
+        cache.insert("s", "k", FP, stored, in_secs(60));
+        let Lookup::Replay(cached) = cache.lookup("s", "k", &FP) else {
+            panic!("expected a replay");
+        };
+        let body = cached.body.as_ref().expect("a body");
+        assert_eq!(&body[..], &[b'x'; 10]);
+        let within = buffer.as_ptr_range();
+        assert!(
+            !within.contains(&body.as_ptr()),
+            "the body still points into the receive buffer"
+        );
     }
 
     #[tokio::test(start_paused = true)]
