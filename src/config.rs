@@ -66,6 +66,8 @@ pub struct RawConfig {
     pub sweeper: RawSweeper,
     /// Log output.
     pub log: RawLog,
+    /// In-process copies of completed records, for replays without a store round trip.
+    pub replay_cache: RawReplayCache,
 }
 
 /// `[server]`
@@ -190,6 +192,26 @@ impl Default for RawSweeper {
     }
 }
 
+/// `[replay_cache]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawReplayCache {
+    /// Bytes of stored responses (plus per-entry overhead) kept in memory; 0 turns the cache off.
+    pub max_size: ByteSize,
+    /// Longest time an entry is served without asking the store again; 0 turns the cache off.
+    #[serde(with = "humantime_serde")]
+    pub max_age: Duration,
+}
+
+impl Default for RawReplayCache {
+    fn default() -> Self {
+        RawReplayCache {
+            max_size: ByteSize::mib(8),
+            max_age: Duration::from_secs(60),
+        }
+    }
+}
+
 /// Behaviour of keyed requests while the store is down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -296,6 +318,8 @@ pub struct Config {
     pub sweeper: SweeperConfig,
     /// Logging.
     pub log: RawLog,
+    /// The replay cache.
+    pub replay_cache: ReplayCacheConfig,
     raw: RawConfig,
 }
 
@@ -392,6 +416,15 @@ pub struct IdempotencyConfig {
     pub fingerprint_headers: Vec<HeaderName>,
     /// Statuses that release the claim.
     pub release: ReleasePolicy,
+}
+
+/// Validated `[replay_cache]`.
+#[derive(Debug, Clone)]
+pub struct ReplayCacheConfig {
+    /// Byte bound; 0 is off.
+    pub max_size: u64,
+    /// Age bound of one entry; zero is off.
+    pub max_age: Duration,
 }
 
 /// Which upstream statuses mean "not processed, run it again" and so release the claim.
@@ -492,6 +525,10 @@ impl RawConfig {
             idempotency: self.idempotency.validate()?,
             sweeper: self.sweeper.validate()?,
             log: self.log.clone(),
+            replay_cache: ReplayCacheConfig {
+                max_size: self.replay_cache.max_size.as_u64(),
+                max_age: self.replay_cache.max_age,
+            },
             raw: self,
         })
     }

@@ -5,7 +5,8 @@
 //!
 //! - `server.rs` accepts connections (HTTP/1.1 and HTTP/2, cleartext or TLS from `tls.rs`) and drains
 //!   them at shutdown;
-//! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `store.rs` claim, on the
+//! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `proxy/cache.rs` (retries of
+//!   completed records answered from memory) → `store.rs` claim, on the
 //!   request's own task from here on →
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
 //!   (upstream call, heartbeat, streaming relay with capture, fenced completion);

@@ -151,6 +151,8 @@ pub struct MetricSet {
     pub expired_deleted: IntCounter,
     /// `idemproxy_records{status}`: records in the table by state, as of the sweeper's last count.
     pub records: IntGaugeVec,
+    /// `idemproxy_replay_cache_hits_total`: keyed requests answered from the replay cache.
+    pub replay_cache_hits: IntCounter,
 }
 
 impl Metrics {
@@ -230,6 +232,10 @@ impl Metrics {
                 &["status"],
             )
             .expect("valid metric"),
+            replay_cache_hits: counter(
+                "idemproxy_replay_cache_hits_total",
+                "Keyed requests answered from the in-process replay cache (replays and mismatches), without the store.",
+            ),
             registry,
         };
         set.register_all();
@@ -240,7 +246,7 @@ impl Metrics {
 
 impl MetricSet {
     fn register_all(&self) {
-        let collectors: [Box<dyn prometheus::core::Collector>; 14] = [
+        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
             Box::new(self.requests.clone()),
             Box::new(self.replays.clone()),
             Box::new(self.conflicts.clone()),
@@ -255,6 +261,7 @@ impl MetricSet {
             Box::new(self.in_flight.clone()),
             Box::new(self.expired_deleted.clone()),
             Box::new(self.records.clone()),
+            Box::new(self.replay_cache_hits.clone()),
         ];
         for collector in collectors {
             self.registry

@@ -3,6 +3,7 @@
 //! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute.
 
 pub mod body;
+pub mod cache;
 pub mod claim;
 pub mod forward;
 pub mod key;
@@ -11,23 +12,26 @@ pub mod tee;
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 use uuid::Uuid;
 
 use self::body::{BoxError, ProxyBody};
+use self::cache::{Fill, Lookup, ReplayCache};
 use self::claim::Decision;
 use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
 use crate::config::{Config, IdempotencyConfig, OnStoreError};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
-use crate::store::{ClaimRequest, RecordId, StoreError, StoreHandle};
+use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle};
 
 /// Everything a request needs; shared behind an `Arc` by every connection and forwarding task.
 pub struct Proxy {
@@ -37,6 +41,7 @@ pub struct Proxy {
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
     pub(crate) tracker: TaskTracker,
+    pub(crate) cache: ReplayCache,
 }
 
 type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
@@ -51,6 +56,7 @@ impl Proxy {
             upstream: Upstream::new(&config.upstream, metrics.clone()),
             metrics,
             tracker,
+            cache: ReplayCache::new(config.replay_cache.max_size, config.replay_cache.max_age),
         }
     }
 
@@ -106,12 +112,16 @@ impl Proxy {
         };
         let (parts, body) = request.into_parts();
         let body = self.read_body(&parts.headers, body).await?;
+        let claim = self.claim_request(&parts, key, &body);
+        if let Some(answer) = self.answer_from_cache(&claim) {
+            return answer;
+        }
         let (head, response) = oneshot::channel();
         let head = Answer {
             head,
             metrics: self.metrics.clone(),
         };
-        let keyed = self.clone().keyed(parts, key, body, peer, head);
+        let keyed = self.clone().keyed(parts, claim, body, peer, head);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
             Err(ProxyError::UpstreamUnreachable(
@@ -126,28 +136,71 @@ impl Proxy {
     async fn keyed(
         self: Arc<Self>,
         parts: request::Parts,
-        key: String,
+        claim: ClaimRequest,
         body: Bytes,
         peer: Downstream,
         head: Answer,
     ) {
-        let claim = self.claim_request(&parts, key, &body);
-        let decision = match self.store.claim(&claim).await {
-            Ok(result) => claim::decide(result, &claim.id.key, &self.metrics),
+        let started = Instant::now();
+        let result = match self.store.claim(&claim).await {
+            Ok(result) => result,
             Err(error) => {
                 head.send(self.store_down(&parts, body, peer, error).await);
                 return;
             }
         };
-        let answer = match decision {
+        let fill = self.remember(&claim, &result, started);
+        let answer = match claim::decide(result, &claim.id.key, &self.metrics) {
             Ok(Decision::Execute) => {
                 let request = self.upstream.request(&parts, body::full(body), peer);
-                return tee::execute(self, claim.id, request, head).await;
+                return tee::execute(self, claim.id, request, head, fill).await;
             }
-            Ok(Decision::Replay(stored)) => replay::response(stored).map(|r| (r, Outcome::Replayed)),
+            Ok(Decision::Replay(stored)) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
             Err(refusal) => Err(refusal),
         };
         head.send(answer);
+    }
+
+    /// A retry of a record this process has seen completed, answered without the store.
+    fn answer_from_cache(&self, claim: &ClaimRequest) -> Option<Handled> {
+        let answer = match self
+            .cache
+            .lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint)
+        {
+            Lookup::Replay(stored) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
+            Lookup::Mismatch => Err(ProxyError::KeyReused),
+            Lookup::Miss => return None,
+        };
+        self.metrics.replay_cache_hits.inc();
+        Some(answer)
+    }
+
+    /// Feeds the replay cache from what the claim statement found, with deadlines measured from `started`,
+    /// an instant before the statement ran. A completed record reported by the store enters now. A new
+    /// record (expiring `ttl` after the statement) can enter once it is completed: that is the returned
+    /// [`Fill`]. A retry or takeover keeps an expiry this process never saw, so it does not enter.
+    fn remember(&self, claim: &ClaimRequest, result: &ClaimResult, started: Instant) -> Option<Fill> {
+        match result {
+            ClaimResult::Won {
+                kind: ClaimKind::New, ..
+            } => Some(Fill {
+                fingerprint: claim.fingerprint,
+                deadline: started + claim.ttl,
+            }),
+            ClaimResult::Held(Existing::Completed {
+                same_fingerprint: true,
+                response,
+                expires_in,
+            }) => {
+                // The store rounds its time to expiry up to the millisecond.
+                let deadline = started + expires_in.saturating_sub(Duration::from_millis(1));
+                let id = &claim.id;
+                self.cache
+                    .insert(&id.scope, &id.key, claim.fingerprint, response.clone(), deadline);
+                None
+            }
+            _ => None,
+        }
     }
 
     fn claim_request(&self, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {

@@ -12,8 +12,8 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 
 /// The stored response as the client first saw it, plus `Idempotent-Replayed: true`. A record kept
 /// without its body (over `max_stored_response`) answers 410: the operation happened and must not run again.
-pub fn response(stored: StoredResponse) -> Result<Response<ProxyBody>, ProxyError> {
-    let Some(body) = stored.body else {
+pub fn response(stored: &StoredResponse) -> Result<Response<ProxyBody>, ProxyError> {
+    let Some(body) = stored.body.clone() else {
         return Err(ProxyError::ResponseNotRetained {
             status: stored.status,
         });
@@ -21,10 +21,10 @@ pub fn response(stored: StoredResponse) -> Result<Response<ProxyBody>, ProxyErro
     let mut response = Response::new(body::full(body));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
-    for (name, value) in stored.headers {
+    for (name, value) in &stored.headers {
         match (
             HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(&value),
+            HeaderValue::from_bytes(value),
         ) {
             (Ok(name), Ok(value)) => {
                 headers.append(name, value);
@@ -56,7 +56,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"{\"id\":7}")),
         };
-        let response = response(stored).unwrap();
+        let response = response(&stored).unwrap();
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()["content-type"], "application/json");
         assert_eq!(response.headers().get_all("set-cookie").iter().count(), 2);
@@ -73,7 +73,7 @@ mod tests {
             body: None,
         };
         assert!(matches!(
-            response(stored),
+            response(&stored),
             Err(ProxyError::ResponseNotRetained { status: 200 })
         ));
     }

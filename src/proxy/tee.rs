@@ -13,6 +13,7 @@ use http_body_util::channel::{Channel, Sender};
 use hyper::body::Incoming;
 
 use super::body::{BoxError, ProxyBody};
+use super::cache::Fill;
 use super::forward::{Heartbeat, UpstreamFailure, stream_response, strip_hop_by_hop};
 use super::{Answer, Proxy};
 use crate::metrics::Outcome;
@@ -27,7 +28,13 @@ const COMPLETE_BACKOFF: Duration = Duration::from_millis(200);
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
 /// error) goes to `head`.
-pub(crate) async fn execute(proxy: Arc<Proxy>, id: RecordId, request: Request<ProxyBody>, head: Answer) {
+pub(crate) async fn execute(
+    proxy: Arc<Proxy>,
+    id: RecordId,
+    request: Request<ProxyBody>,
+    head: Answer,
+    fill: Option<Fill>,
+) {
     let heartbeat = Heartbeat::start(
         proxy.store.clone(),
         id.clone(),
@@ -54,7 +61,7 @@ pub(crate) async fn execute(proxy: Arc<Proxy>, id: RecordId, request: Request<Pr
         head.send(Ok((stream_response(response), Outcome::Executed)));
         return;
     }
-    relay(proxy, id, response, head, heartbeat).await;
+    relay(proxy, id, response, head, heartbeat, fill).await;
 }
 
 async fn relay(
@@ -63,6 +70,7 @@ async fn relay(
     response: Response<Incoming>,
     head: Answer,
     heartbeat: Heartbeat,
+    fill: Option<Fill>,
 ) {
     let (mut parts, mut upstream) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
@@ -106,8 +114,13 @@ async fn relay(
     if stored.body.is_none() {
         proxy.metrics.not_retained.inc();
     }
-    complete(&proxy, &id, &stored).await;
+    let completed = complete(&proxy, &id, &stored).await;
     heartbeat.stop();
+    if let (true, Some(fill)) = (completed, fill) {
+        proxy
+            .cache
+            .insert(&id.scope, &id.key, fill.fingerprint, stored, fill.deadline);
+    }
 }
 
 /// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), nothing is
@@ -135,12 +148,16 @@ fn storable_headers(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-async fn complete(proxy: &Proxy, id: &RecordId, stored: &StoredResponse) {
+/// Stores the response under the claim's fence; `true` once it is stored.
+async fn complete(proxy: &Proxy, id: &RecordId, stored: &StoredResponse) -> bool {
     let mut backoff = COMPLETE_BACKOFF;
     for attempt in 1..=COMPLETE_ATTEMPTS {
         match proxy.store.complete(id, stored).await {
-            Ok(true) => return,
-            Ok(false) => return lost_claim(proxy, id, "completion"),
+            Ok(true) => return true,
+            Ok(false) => {
+                lost_claim(proxy, id, "completion");
+                return false;
+            }
             Err(error) if attempt < COMPLETE_ATTEMPTS => {
                 tracing::warn!(key = %id.key, %error, attempt, "completion failed; retrying");
                 tokio::time::sleep(backoff).await;
@@ -151,6 +168,7 @@ async fn complete(proxy: &Proxy, id: &RecordId, stored: &StoredResponse) {
             }
         }
     }
+    false
 }
 
 async fn release(proxy: &Proxy, id: &RecordId) {

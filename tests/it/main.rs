@@ -11,6 +11,7 @@ mod keys_cli;
 mod processes;
 mod protocols;
 mod proxy_basic;
+mod replay_cache;
 mod store_faults;
 mod store_pg;
 mod store_sqlite;
