@@ -54,6 +54,12 @@ pub enum ProxyError {
     /// The upstream did not answer in time.
     #[error("upstream timed out after {0:?}")]
     UpstreamTimeout(Duration),
+    /// The client did not send its request body within `server.body_read_timeout`.
+    #[error("the request body did not arrive within {0:?}")]
+    RequestTimeout(Duration),
+    /// The key's stored response cannot be decrypted; it is never replayed as is.
+    #[error("the stored response for this key cannot be read")]
+    RecordUnreadable,
 }
 
 impl ProxyError {
@@ -70,6 +76,8 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -86,6 +94,8 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_) => "store-unavailable",
             ProxyError::UpstreamUnreachable(_) => "upstream-unreachable",
             ProxyError::UpstreamTimeout(_) => "upstream-timeout",
+            ProxyError::RequestTimeout(_) => "request-timeout",
+            ProxyError::RecordUnreadable => "record-unreadable",
         }
     }
 
@@ -101,6 +111,8 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_) => "Idempotency store unavailable",
             ProxyError::UpstreamUnreachable(_) => "Upstream unreachable",
             ProxyError::UpstreamTimeout(_) => "Upstream timeout",
+            ProxyError::RequestTimeout(_) => "Request body timeout",
+            ProxyError::RecordUnreadable => "Stored response unreadable",
         }
     }
 
@@ -110,11 +122,12 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::RequestTooLarge { .. }
-            | ProxyError::ClientBody(_) => Outcome::Rejected,
+            | ProxyError::ClientBody(_)
+            | ProxyError::RequestTimeout(_) => Outcome::Rejected,
             ProxyError::KeyInFlight { .. } => Outcome::Conflict,
             ProxyError::KeyReused => Outcome::Mismatch,
             ProxyError::ResponseNotRetained { .. } => Outcome::Replayed,
-            ProxyError::StoreUnavailable(_) => Outcome::StoreUnavailable,
+            ProxyError::StoreUnavailable(_) | ProxyError::RecordUnreadable => Outcome::StoreUnavailable,
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => Outcome::UpstreamError,
         }
     }

@@ -9,7 +9,8 @@
 //!   request's own task from here on →
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
 //!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
-//! - `store/postgres.rs` holds the key table; `error.rs` turns failures into problem+json;
+//! - `store/postgres.rs` holds the key table, `store/encrypted.rs` seals stored responses around any
+//!   backend; `error.rs` turns failures into problem+json;
 //! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
 //! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation.
 
@@ -39,6 +40,7 @@ pub use config::Config;
 use crate::admin::Admin;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
+use crate::store::encrypted::EncryptedStore;
 use crate::store::postgres::PostgresStore;
 use crate::store::{StoreError, StoreHandle};
 
@@ -79,8 +81,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         tracing::info!(applied, "store schema is up to date");
     }
     let metrics = Metrics::new();
-    let backend = PostgresStore::connect(&config.store)?;
-    let store = StoreHandle::new(Arc::new(backend), metrics.clone());
+    let backend = Arc::new(PostgresStore::connect(&config.store)?);
+    let backend = EncryptedStore::wrap(backend, config.encryption.clone(), &metrics);
+    let store = StoreHandle::new(backend, metrics.clone());
     let proxy = Arc::new(Proxy::new(
         &config,
         store.clone(),
@@ -93,6 +96,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let proxy = server::ProxyListener {
         listener: listeners.proxy,
         tls: config.server.tls.clone(),
+        limits: server::Limits::from(&config.server),
         proxy,
     };
     server::serve(

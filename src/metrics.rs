@@ -133,6 +133,13 @@ pub struct MetricSet {
     pub upstream_duration: Histogram,
     /// `idemproxy_in_flight_requests`
     pub in_flight: IntGauge,
+    /// `idemproxy_undecryptable_records_total`: stored responses refused because they did not decrypt.
+    pub undecryptable: IntCounter,
+    /// `idemproxy_open_connections`: client connections open on the proxy listener.
+    pub open_connections: IntGauge,
+    /// `idemproxy_connection_cap_reached_total`: times the proxy listener stopped accepting because
+    /// `server.max_connections` were open.
+    pub connection_cap_reached: IntCounter,
 }
 
 impl Metrics {
@@ -199,6 +206,19 @@ impl Metrics {
             .expect("valid metric"),
             in_flight: IntGauge::new("idemproxy_in_flight_requests", "Requests being handled now.")
                 .expect("valid metric"),
+            undecryptable: counter(
+                "idemproxy_undecryptable_records_total",
+                "Stored responses refused because they could not be decrypted.",
+            ),
+            open_connections: IntGauge::new(
+                "idemproxy_open_connections",
+                "Client connections open on the proxy listener.",
+            )
+            .expect("valid metric"),
+            connection_cap_reached: counter(
+                "idemproxy_connection_cap_reached_total",
+                "Times the proxy listener stopped accepting because server.max_connections were open.",
+            ),
             registry,
         };
         set.register_all();
@@ -209,7 +229,7 @@ impl Metrics {
 
 impl MetricSet {
     fn register_all(&self) {
-        let collectors: [Box<dyn prometheus::core::Collector>; 12] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 15] = [
             Box::new(self.requests.clone()),
             Box::new(self.replays.clone()),
             Box::new(self.conflicts.clone()),
@@ -222,6 +242,9 @@ impl MetricSet {
             Box::new(self.store_duration.clone()),
             Box::new(self.upstream_duration.clone()),
             Box::new(self.in_flight.clone()),
+            Box::new(self.undecryptable.clone()),
+            Box::new(self.open_connections.clone()),
+            Box::new(self.connection_cap_reached.clone()),
         ];
         for collector in collectors {
             self.registry

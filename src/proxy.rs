@@ -4,6 +4,7 @@
 
 pub mod body;
 pub mod claim;
+pub mod client_body;
 pub mod forward;
 pub mod key;
 pub mod replay;
@@ -11,6 +12,7 @@ pub mod tee;
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, header, request};
@@ -21,8 +23,9 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use self::body::{BoxError, ProxyBody};
+use self::body::ProxyBody;
 use self::claim::Decision;
+use self::client_body::GuardedBody;
 use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
 use crate::config::{Config, IdempotencyConfig, OnStoreError};
 use crate::error::ProxyError;
@@ -33,6 +36,7 @@ use crate::store::{ClaimRequest, RecordId, StoreError, StoreHandle};
 pub struct Proxy {
     pub(crate) policy: IdempotencyConfig,
     pub(crate) on_store_error: OnStoreError,
+    pub(crate) body_read_timeout: Duration,
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
@@ -47,6 +51,7 @@ impl Proxy {
         Proxy {
             policy: config.idempotency.clone(),
             on_store_error: config.store.on_error,
+            body_read_timeout: config.server.body_read_timeout,
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
             metrics,
@@ -134,6 +139,8 @@ impl Proxy {
         let claim = self.claim_request(&parts, key, &body);
         let decision = match self.store.claim(&claim).await {
             Ok(result) => claim::decide(result, &claim.id.key, &self.metrics),
+            // The store answered, but with a record that must not be replayed; never forward either.
+            Err(StoreError::Undecryptable(_)) => Err(ProxyError::RecordUnreadable),
             Err(error) => {
                 head.send(self.store_down(&parts, body, peer, error).await);
                 return;
@@ -171,7 +178,8 @@ impl Proxy {
     }
 
     /// Reads a keyed request's body whole (its fingerprint must be known before the claim), refusing
-    /// anything over `max_request_body` as early as its declared length allows.
+    /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
+    /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive.
     async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<Bytes, ProxyError> {
         let limit = self.policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
@@ -183,23 +191,24 @@ impl Proxy {
             return Err(too_large);
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        match Limited::new(body, limit).collect().await {
-            Ok(collected) => Ok(collected.to_bytes()),
-            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large),
-            Err(e) => Err(ProxyError::ClientBody(e.to_string())),
+        let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(body, limit).collect());
+        match reading.await {
+            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large),
+            Ok(Err(e)) => Err(ProxyError::ClientBody(e.to_string())),
+            Err(_) => Err(ProxyError::RequestTimeout(self.body_read_timeout)),
         }
     }
 
     async fn passthrough(&self, request: Request<Incoming>, peer: Downstream) -> Handled {
         let (parts, body) = request.into_parts();
-        let request = self
-            .upstream
-            .request(&parts, body.map_err(BoxError::from).boxed(), peer);
+        let (body, client) = GuardedBody::new(body, self.body_read_timeout);
+        let request = self.upstream.request(&parts, body.boxed(), peer);
         let response = self
             .upstream
             .send(request)
             .await
-            .map_err(UpstreamFailure::into_error)?;
+            .map_err(|failure| client.error().unwrap_or_else(|| failure.into_error()))?;
         Ok((stream_response(response), Outcome::Passthrough))
     }
 

@@ -6,6 +6,7 @@ mod admin;
 mod cli;
 mod concurrency;
 mod harness;
+mod hostile;
 mod key_header;
 mod processes;
 mod protocols;
