@@ -5,6 +5,7 @@ mod support;
 mod admin;
 mod cli;
 mod concurrency;
+mod encryption;
 mod harness;
 mod hostile;
 mod key_header;
