@@ -421,3 +421,20 @@ async fn connections_beyond_max_connections_wait_until_one_closes() {
     assert_eq!(reply.status, Some(201), "served once a slot freed: {reply:?}");
     assert_eq!(env.upstream.executions(), 3);
 }
+
+#[tokio::test]
+async fn idle_keep_alive_connection_is_closed_after_header_read_timeout() {
+    let env = TestEnv::new().await;
+    let proxy = strict_proxy(&env).await;
+    let mut stream = raw::connect(&proxy.url).await;
+    let request = head("GET /first", addr_of(&proxy.url), &[]);
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let reply = raw::read_reply(&mut stream).await;
+    assert_eq!(reply.status, Some(201));
+    assert!(reply.header("connection").is_none(), "kept alive: {reply:?}");
+    // No next request: the proxy closes the idle connection by itself, freeing its slot.
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the idle connection stays open");
+    assert!(rest.is_empty(), "{rest:?}");
+}
