@@ -199,7 +199,7 @@ impl StoreHandle {
         let started = Instant::now();
         let result = call.await;
         // An undecryptable record is an answer from a working store, counted where it is found.
-        let ok = !matches!(&result, Err(e) if !matches!(e, StoreError::Undecryptable(_)));
+        let ok = matches!(&result, Ok(_) | Err(StoreError::Undecryptable(_)));
         self.metrics.store_op(op, started.elapsed().as_secs_f64(), ok);
         if let Err(error) = &result {
             tracing::warn!(op = op.as_str(), %error, "store operation failed");
