@@ -116,11 +116,12 @@ async fn a_tampered_or_moved_record_is_refused_never_replayed_and_never_re_execu
     execute_and_settle(&proxy, "other").await;
     let client = env.db.client().await;
 
-    // One flipped bit in the ciphertext.
+    // One changed byte in the ciphertext (the last one, part of the tag).
     client
         .execute(
             "UPDATE idemproxy.records
-             SET response_body = overlay(response_body placing '\\x00'::bytea from length(response_body))
+             SET response_body = set_byte(response_body, length(response_body) - 1,
+                 (get_byte(response_body, length(response_body) - 1) + 1) % 256)
              WHERE key = 'victim'",
             &[],
         )

@@ -90,7 +90,11 @@ async fn stalled_passthrough_body_gets_408_and_the_upstream_executes_nothing() {
 #[tokio::test]
 async fn keyed_body_trickled_past_the_limit_gets_413_before_it_ends() {
     let env = TestEnv::new().await;
-    let proxy = strict_proxy(&env).await;
+    let config = env
+        .config()
+        .set("server.body_read_timeout", "60s")
+        .set("idempotency.max_request_body", "1KiB");
+    let proxy = InProcessProxy::start(&config).await;
     let stream = raw::connect(&proxy.url).await;
     let (mut reader, mut writer) = stream.into_split();
     let head = head(
