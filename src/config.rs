@@ -823,6 +823,32 @@ mod tests {
     }
 
     #[test]
+    fn client_bounds_parse_and_bad_ones_name_the_key() {
+        let config = Config::from_toml_str(
+            "[server]\nheader_read_timeout = \"2s\"\nbody_read_timeout = \"5s\"\n\
+             max_header_size = \"32KiB\"\nmax_headers = 20\nmax_connections = 10\n",
+        )
+        .unwrap();
+        assert_eq!(config.server.header_read_timeout, Duration::from_secs(2));
+        assert_eq!(config.server.body_read_timeout, Duration::from_secs(5));
+        assert_eq!(config.server.max_header_size, 32 * 1024);
+        assert_eq!(
+            (config.server.max_headers, config.server.max_connections),
+            (20, 10)
+        );
+        for (text, key) in [
+            ("header_read_timeout = \"0s\"", "server.header_read_timeout"),
+            ("body_read_timeout = \"0s\"", "server.body_read_timeout"),
+            ("max_header_size = \"1KiB\"", "server.max_header_size"),
+            ("max_headers = 0", "server.max_headers"),
+            ("max_connections = 0", "server.max_connections"),
+        ] {
+            let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
     fn password_is_masked() {
         assert_eq!(
             mask_url_password("postgres://app:s3cret@db:5432/idem"),

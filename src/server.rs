@@ -33,6 +33,8 @@ const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often an HTTP/2 connection is pinged, and how long its answer may take before it is closed.
 const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
 const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
+/// Requests one HTTP/2 connection may have open at once (RFC 9113 asks for at least 100).
+const H2_MAX_STREAMS: u32 = 100;
 
 /// The proxy listener and what it needs to serve.
 pub struct ProxyListener {
@@ -88,6 +90,7 @@ impl Limits {
             .timer(TokioTimer::new())
             .keep_alive_interval(H2_PING_INTERVAL)
             .keep_alive_timeout(H2_PING_TIMEOUT)
+            .max_concurrent_streams(H2_MAX_STREAMS)
             .max_header_list_size(u32::try_from(self.max_header_size).unwrap_or(u32::MAX));
         builder
     }
