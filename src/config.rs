@@ -98,6 +98,9 @@ pub struct RawServer {
     pub max_headers: usize,
     /// Most client connections open at once on the proxy listener; further ones wait to be accepted.
     pub max_connections: usize,
+    /// Memory for keyed request bodies held at once, in all; a body that does not fit waits for room, then
+    /// gets 503.
+    pub max_buffered_bodies: ByteSize,
 }
 
 impl Default for RawServer {
@@ -112,6 +115,7 @@ impl Default for RawServer {
             max_header_size: ByteSize::kib(64),
             max_headers: 100,
             max_connections: 1024,
+            max_buffered_bodies: ByteSize::mib(256),
         }
     }
 }
@@ -338,6 +342,8 @@ pub struct ServerConfig {
     pub max_headers: usize,
     /// Most open client connections.
     pub max_connections: usize,
+    /// Bytes of keyed request bodies held at once, in all.
+    pub max_buffered_bodies: usize,
 }
 
 /// Validated `[upstream]`.
@@ -491,6 +497,12 @@ impl Overrides {
 impl RawConfig {
     /// Checks every value and converts it to its typed form; the first problem found is returned.
     pub fn validate(self) -> Result<Config, ConfigError> {
+        if self.server.max_buffered_bodies < self.idempotency.max_request_body {
+            return Err(ConfigError::new(
+                "server.max_buffered_bodies",
+                "must be at least idempotency.max_request_body",
+            ));
+        }
         Ok(Config {
             server: self.server.validate()?,
             upstream: self.upstream.validate()?,
@@ -515,6 +527,7 @@ impl RawServer {
             max_header_size: self.max_header_size()?,
             max_headers: within("server.max_headers", self.max_headers, 1..=10_000)?,
             max_connections: within("server.max_connections", self.max_connections, 1..=1_000_000)?,
+            max_buffered_bodies: usize::try_from(self.max_buffered_bodies.as_u64()).unwrap_or(usize::MAX),
         })
     }
 
@@ -842,6 +855,7 @@ mod tests {
             ("max_header_size = \"1KiB\"", "server.max_header_size"),
             ("max_headers = 0", "server.max_headers"),
             ("max_connections = 0", "server.max_connections"),
+            ("max_buffered_bodies = \"1MiB\"", "server.max_buffered_bodies"),
         ] {
             let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");

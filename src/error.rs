@@ -60,6 +60,9 @@ pub enum ProxyError {
     /// The key's stored response cannot be decrypted; it is never replayed as is.
     #[error("the stored response for this key cannot be read")]
     RecordUnreadable,
+    /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
+    #[error("too many request bodies are being buffered; try again")]
+    Busy,
 }
 
 impl ProxyError {
@@ -78,6 +81,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -96,6 +100,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => "upstream-timeout",
             ProxyError::RequestTimeout(_) => "request-timeout",
             ProxyError::RecordUnreadable => "record-unreadable",
+            ProxyError::Busy => "busy",
         }
     }
 
@@ -113,6 +118,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => "Upstream timeout",
             ProxyError::RequestTimeout(_) => "Request body timeout",
             ProxyError::RecordUnreadable => "Stored response unreadable",
+            ProxyError::Busy => "Proxy busy",
         }
     }
 
@@ -123,7 +129,8 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)
-            | ProxyError::RequestTimeout(_) => Outcome::Rejected,
+            | ProxyError::RequestTimeout(_)
+            | ProxyError::Busy => Outcome::Rejected,
             ProxyError::KeyInFlight { .. } => Outcome::Conflict,
             ProxyError::KeyReused => Outcome::Mismatch,
             ProxyError::ResponseNotRetained { .. } => Outcome::Replayed,
@@ -137,7 +144,7 @@ impl ProxyError {
             ProxyError::KeyInFlight { retry_after } => {
                 Some(retry_after.as_millis().div_ceil(1000).max(1) as u64)
             }
-            ProxyError::StoreUnavailable(_) => Some(1),
+            ProxyError::StoreUnavailable(_) | ProxyError::Busy => Some(1),
             _ => None,
         }
     }

@@ -140,6 +140,9 @@ pub struct MetricSet {
     /// `idemproxy_connection_cap_reached_total`: times the proxy listener stopped accepting because
     /// `server.max_connections` were open.
     pub connection_cap_reached: IntCounter,
+    /// `idemproxy_body_budget_waits_total`: keyed request bodies that waited for room in
+    /// `server.max_buffered_bodies`.
+    pub body_budget_waits: IntCounter,
 }
 
 impl Metrics {
@@ -219,6 +222,10 @@ impl Metrics {
                 "idemproxy_connection_cap_reached_total",
                 "Times the proxy listener stopped accepting because server.max_connections were open.",
             ),
+            body_budget_waits: counter(
+                "idemproxy_body_budget_waits_total",
+                "Keyed request bodies that waited for room in server.max_buffered_bodies.",
+            ),
             registry,
         };
         set.register_all();
@@ -229,7 +236,7 @@ impl Metrics {
 
 impl MetricSet {
     fn register_all(&self) {
-        let collectors: [Box<dyn prometheus::core::Collector>; 15] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 16] = [
             Box::new(self.requests.clone()),
             Box::new(self.replays.clone()),
             Box::new(self.conflicts.clone()),
@@ -245,6 +252,7 @@ impl MetricSet {
             Box::new(self.undecryptable.clone()),
             Box::new(self.open_connections.clone()),
             Box::new(self.connection_cap_reached.clone()),
+            Box::new(self.body_budget_waits.clone()),
         ];
         for collector in collectors {
             self.registry

@@ -3,6 +3,7 @@
 //! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute.
 
 pub mod body;
+pub mod budget;
 pub mod claim;
 pub mod client_body;
 pub mod forward;
@@ -14,7 +15,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderMap, Request, Response, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
@@ -24,6 +24,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use self::body::ProxyBody;
+use self::budget::{BodyBudget, ReservedBody};
 use self::claim::Decision;
 use self::client_body::GuardedBody;
 use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
@@ -37,6 +38,7 @@ pub struct Proxy {
     pub(crate) policy: IdempotencyConfig,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) body_read_timeout: Duration,
+    pub(crate) budget: BodyBudget,
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
@@ -52,6 +54,7 @@ impl Proxy {
             policy: config.idempotency.clone(),
             on_store_error: config.store.on_error,
             body_read_timeout: config.server.body_read_timeout,
+            budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
             metrics,
@@ -132,11 +135,11 @@ impl Proxy {
         self: Arc<Self>,
         parts: request::Parts,
         key: String,
-        body: Bytes,
+        body: ReservedBody,
         peer: Downstream,
         head: Answer,
     ) {
-        let claim = self.claim_request(&parts, key, &body);
+        let claim = self.claim_request(&parts, key, &body.bytes);
         let decision = match self.store.claim(&claim).await {
             Ok(result) => claim::decide(result, &claim.id.key, &self.metrics),
             // The store answered, but with a record that must not be replayed; never forward either.
@@ -148,7 +151,7 @@ impl Proxy {
         };
         let answer = match decision {
             Ok(Decision::Execute) => {
-                let request = self.upstream.request(&parts, body::full(body), peer);
+                let request = self.upstream.request(&parts, body.into_body(), peer);
                 return tee::execute(self, claim.id, request, head).await;
             }
             Ok(Decision::Replay(stored)) => replay::response(stored).map(|r| (r, Outcome::Replayed)),
@@ -179,8 +182,9 @@ impl Proxy {
 
     /// Reads a keyed request's body whole (its fingerprint must be known before the claim), refusing
     /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
-    /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive.
-    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<Bytes, ProxyError> {
+    /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive. Room
+    /// for the body is reserved from the shared body budget first; 503 when none comes in that time.
+    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<ReservedBody, ProxyError> {
         let limit = self.policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
         let declared = headers
@@ -191,13 +195,19 @@ impl Proxy {
             return Err(too_large);
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let need = declared.map_or(limit, |len| usize::try_from(len).unwrap_or(limit));
+        let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
+            return Err(ProxyError::Busy);
+        };
         let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(body, limit).collect());
-        match reading.await {
-            Ok(Ok(collected)) => Ok(collected.to_bytes()),
-            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large),
-            Ok(Err(e)) => Err(ProxyError::ClientBody(e.to_string())),
-            Err(_) => Err(ProxyError::RequestTimeout(self.body_read_timeout)),
-        }
+        let bytes = match reading.await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(too_large),
+            Ok(Err(e)) => return Err(ProxyError::ClientBody(e.to_string())),
+            Err(_) => return Err(ProxyError::RequestTimeout(self.body_read_timeout)),
+        };
+        reservation.shrink_to(bytes.len());
+        Ok(ReservedBody::new(bytes, reservation))
     }
 
     async fn passthrough(&self, request: Request<Incoming>, peer: Downstream) -> Handled {
@@ -216,7 +226,7 @@ impl Proxy {
     async fn store_down(
         &self,
         parts: &request::Parts,
-        body: Bytes,
+        body: ReservedBody,
         peer: Downstream,
         error: StoreError,
     ) -> Handled {
@@ -225,7 +235,7 @@ impl Proxy {
         }
         self.metrics.unprotected.inc();
         tracing::warn!(%error, "store unavailable; forwarding without idempotency (fail_open)");
-        let request = self.upstream.request(parts, body::full(body), peer);
+        let request = self.upstream.request(parts, body.into_body(), peer);
         let response = self
             .upstream
             .send(request)

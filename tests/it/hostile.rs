@@ -442,3 +442,58 @@ async fn idle_keep_alive_connection_is_closed_after_header_read_timeout() {
     assert!(closed.is_ok(), "the idle connection stays open");
     assert!(rest.is_empty(), "{rest:?}");
 }
+
+/// Sends a keyed head declaring 16 KiB and the first 100 bytes, then stalls.
+async fn stalled_body(proxy: &InProcessProxy, key: &str) -> tokio::net::TcpStream {
+    let mut stream = raw::connect(&proxy.url).await;
+    let key = format!("idempotency-key: {key}");
+    let request = head(
+        "POST /orders",
+        addr_of(&proxy.url),
+        &[&key, "content-length: 16384"],
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream.write_all(&[b'h'; 100]).await.unwrap();
+    stream
+}
+
+#[tokio::test]
+async fn keyed_bodies_beyond_max_buffered_bodies_wait_then_get_503() {
+    let env = TestEnv::new().await;
+    let config = env
+        .config()
+        .set("server.body_read_timeout", "3s")
+        .set("server.max_buffered_bodies", "16KiB")
+        .set("idempotency.max_request_body", "16KiB");
+    let proxy = InProcessProxy::start(&config).await;
+    let waits = |at_least| {
+        metric_reaches(
+            &proxy.admin_url,
+            "idemproxy_body_budget_waits_total",
+            &[],
+            at_least,
+        )
+    };
+
+    // The first stalled body holds the whole budget; the second waits for it (first in line), so the
+    // small body behind them finds no room within its patience.
+    let mut first = stalled_body(&proxy, "first").await;
+    metric_reaches(&proxy.admin_url, "idemproxy_in_flight_requests", &[], 1.0).await;
+    let mut second = stalled_body(&proxy, "second").await;
+    waits(1.0).await;
+    let small = Reply::of(keyed_post(&proxy.url, "/orders", "small", "{}")).await;
+    small.assert_problem(503, "busy");
+    assert_eq!(small.retry_after(), 1);
+    assert!(waits(2.0).await >= 2.0);
+    raw::read_reply(&mut first)
+        .await
+        .assert_problem(408, "request-timeout");
+    raw::read_reply(&mut second)
+        .await
+        .assert_problem(408, "request-timeout");
+
+    // Their room came back with their 408s.
+    let reply = Reply::of(keyed_post(&proxy.url, "/orders", "after", "{}")).await;
+    assert_eq!(reply.status, 201, "{}", reply.text());
+    assert_eq!(env.upstream.executions(), 1);
+}
