@@ -2,6 +2,7 @@
 //! into the raw serde structs, then `validate()` turns them into the typed [`Config`] the proxy runs with.
 //! Nothing here is read again after start; the typed config is passed down, never global.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +13,8 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use http::{HeaderName, Method, Uri};
 use serde::{Deserialize, Serialize};
+
+pub use crate::store::encrypted::Keyring;
 
 /// A configuration error: one line naming the key and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +27,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(key: &str, message: impl std::fmt::Display) -> Self {
+    pub(crate) fn new(key: &str, message: impl std::fmt::Display) -> Self {
         ConfigError {
             key: key.to_owned(),
             message: message.to_string().replace('\n', " "),
@@ -68,6 +71,8 @@ pub struct RawConfig {
     pub log: RawLog,
     /// In-process copies of completed records, for replays without a store round trip.
     pub replay_cache: RawReplayCache,
+    /// Encryption at rest of stored responses.
+    pub encryption: RawEncryption,
 }
 
 /// `[server]`
@@ -84,6 +89,22 @@ pub struct RawServer {
     /// TLS on the proxy listener; absent means cleartext (HTTP/1.1 and h2c).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<RawServerTls>,
+    /// Bound on receiving a request's head (HTTP/1.1); the connection is closed when it runs out.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// Bound on receiving a keyed request's whole body, and on the silence between two chunks of a
+    /// passthrough request's body; 408 when it runs out.
+    #[serde(with = "humantime_serde")]
+    pub body_read_timeout: Duration,
+    /// Largest request head (request line and headers; the header list on HTTP/2); larger gets 431.
+    pub max_header_size: ByteSize,
+    /// Most header lines in one HTTP/1.1 request head; more gets 431.
+    pub max_headers: usize,
+    /// Most client connections open at once on the proxy listener; further ones wait to be accepted.
+    pub max_connections: usize,
+    /// Memory for keyed request bodies held at once, in all; a body that does not fit waits for room, then
+    /// gets 503.
+    pub max_buffered_bodies: ByteSize,
 }
 
 impl Default for RawServer {
@@ -93,6 +114,12 @@ impl Default for RawServer {
             admin_listen: "127.0.0.1:9090".into(),
             shutdown_grace: Duration::from_secs(30),
             tls: None,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            max_header_size: ByteSize::kib(64),
+            max_headers: 100,
+            max_connections: 1024,
+            max_buffered_bodies: ByteSize::mib(256),
         }
     }
 }
@@ -289,6 +316,30 @@ impl Default for RawLog {
     }
 }
 
+/// `[encryption]`: AES-256-GCM of stored response bodies and header values.
+#[derive(Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawEncryption {
+    /// Id (in `keys`) of the key new records are encrypted with; unset means new records are stored in
+    /// clear.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_key: Option<String>,
+    /// Key id → base64 of 32 random bytes. Every key that encrypted a record still alive must stay here.
+    pub keys: BTreeMap<String, String>,
+    /// Replay records stored in clear (from before encryption was turned on) while a key is active.
+    pub accept_plaintext: bool,
+}
+
+impl std::fmt::Debug for RawEncryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawEncryption")
+            .field("active_key", &self.active_key)
+            .field("keys", &self.keys.keys().collect::<Vec<_>>())
+            .field("accept_plaintext", &self.accept_plaintext)
+            .finish()
+    }
+}
+
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -320,6 +371,8 @@ pub struct Config {
     pub log: RawLog,
     /// The replay cache.
     pub replay_cache: ReplayCacheConfig,
+    /// Encryption at rest; `None` when no keys are configured.
+    pub encryption: Option<Arc<Keyring>>,
     raw: RawConfig,
 }
 
@@ -334,6 +387,18 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// The listener's TLS settings, when TLS is on.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Request head bound (HTTP/1.1).
+    pub header_read_timeout: Duration,
+    /// Request body bound.
+    pub body_read_timeout: Duration,
+    /// Largest request head, bytes.
+    pub max_header_size: usize,
+    /// Most header lines in an HTTP/1.1 request head.
+    pub max_headers: usize,
+    /// Most open client connections.
+    pub max_connections: usize,
+    /// Bytes of keyed request bodies held at once, in all.
+    pub max_buffered_bodies: usize,
 }
 
 /// Validated `[upstream]`.
@@ -492,6 +557,9 @@ impl Config {
     pub fn to_masked_toml(&self) -> String {
         let mut raw = self.raw.clone();
         raw.store.url = mask_url_password(&raw.store.url);
+        for secret in raw.encryption.keys.values_mut() {
+            *secret = "***".into();
+        }
         toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
 }
@@ -518,6 +586,12 @@ impl Overrides {
 impl RawConfig {
     /// Checks every value and converts it to its typed form; the first problem found is returned.
     pub fn validate(self) -> Result<Config, ConfigError> {
+        if self.server.max_buffered_bodies < self.idempotency.max_request_body {
+            return Err(ConfigError::new(
+                "server.max_buffered_bodies",
+                "must be at least idempotency.max_request_body",
+            ));
+        }
         Ok(Config {
             server: self.server.validate()?,
             upstream: self.upstream.validate()?,
@@ -529,6 +603,7 @@ impl RawConfig {
                 max_size: self.replay_cache.max_size.as_u64(),
                 max_age: self.replay_cache.max_age,
             },
+            encryption: Keyring::from_config(&self.encryption)?.map(Arc::new),
             raw: self,
         })
     }
@@ -541,7 +616,24 @@ impl RawServer {
             admin_listen: parse_addr("server.admin_listen", &self.admin_listen)?,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
+            header_read_timeout: positive("server.header_read_timeout", self.header_read_timeout)?,
+            body_read_timeout: positive("server.body_read_timeout", self.body_read_timeout)?,
+            max_header_size: self.max_header_size()?,
+            max_headers: within("server.max_headers", self.max_headers, 1..=10_000)?,
+            max_connections: within("server.max_connections", self.max_connections, 1..=1_000_000)?,
+            max_buffered_bodies: usize::try_from(self.max_buffered_bodies.as_u64()).unwrap_or(usize::MAX),
         })
+    }
+
+    fn max_header_size(&self) -> Result<usize, ConfigError> {
+        let bytes = self.max_header_size.as_u64();
+        if !(8 * 1024..=16 * 1024 * 1024).contains(&bytes) {
+            return Err(ConfigError::new(
+                "server.max_header_size",
+                "must be between 8KiB and 16MiB",
+            ));
+        }
+        Ok(bytes as usize)
     }
 }
 
@@ -778,11 +870,21 @@ fn parse_headers(key: &str, values: &[String]) -> Result<Vec<HeaderName>, Config
     values.iter().map(|v| parse_header(key, v)).collect()
 }
 
-fn positive(key: &str, value: Duration) -> Result<(), ConfigError> {
+fn positive(key: &str, value: Duration) -> Result<Duration, ConfigError> {
     if value.is_zero() {
         return Err(ConfigError::new(key, "must be greater than zero"));
     }
-    Ok(())
+    Ok(value)
+}
+
+fn within(key: &str, value: usize, range: std::ops::RangeInclusive<usize>) -> Result<usize, ConfigError> {
+    if !range.contains(&value) {
+        return Err(ConfigError::new(
+            key,
+            format!("must be between {} and {}", range.start(), range.end()),
+        ));
+    }
+    Ok(value)
 }
 
 /// Replaces the password of a URL with `***`; leaves anything unparsable alone.
@@ -882,6 +984,33 @@ mod tests {
         assert_eq!(err.key, "server.tls", "{err}");
         let err = Config::from_toml_str("[server.tls]\ncert_file = \"/etc/hostname\"\n").unwrap_err();
         assert!(err.to_string().contains("key_file"), "{err}");
+    }
+
+    #[test]
+    fn client_bounds_parse_and_bad_ones_name_the_key() {
+        let config = Config::from_toml_str(
+            "[server]\nheader_read_timeout = \"2s\"\nbody_read_timeout = \"5s\"\n\
+             max_header_size = \"32KiB\"\nmax_headers = 20\nmax_connections = 10\n",
+        )
+        .unwrap();
+        assert_eq!(config.server.header_read_timeout, Duration::from_secs(2));
+        assert_eq!(config.server.body_read_timeout, Duration::from_secs(5));
+        assert_eq!(config.server.max_header_size, 32 * 1024);
+        assert_eq!(
+            (config.server.max_headers, config.server.max_connections),
+            (20, 10)
+        );
+        for (text, key) in [
+            ("header_read_timeout = \"0s\"", "server.header_read_timeout"),
+            ("body_read_timeout = \"0s\"", "server.body_read_timeout"),
+            ("max_header_size = \"1KiB\"", "server.max_header_size"),
+            ("max_headers = 0", "server.max_headers"),
+            ("max_connections = 0", "server.max_connections"),
+            ("max_buffered_bodies = \"1MiB\"", "server.max_buffered_bodies"),
+        ] {
+            let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
     }
 
     #[test]

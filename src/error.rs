@@ -54,6 +54,15 @@ pub enum ProxyError {
     /// The upstream did not answer in time.
     #[error("upstream timed out after {0:?}")]
     UpstreamTimeout(Duration),
+    /// The client did not send its request body within `server.body_read_timeout`.
+    #[error("the request body did not arrive within {0:?}")]
+    RequestTimeout(Duration),
+    /// The key's stored response cannot be decrypted; it is never replayed as is.
+    #[error("the stored response for this key cannot be read")]
+    RecordUnreadable,
+    /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
+    #[error("too many request bodies are being buffered; try again")]
+    Busy,
 }
 
 impl ProxyError {
@@ -70,6 +79,9 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -86,6 +98,9 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_) => "store-unavailable",
             ProxyError::UpstreamUnreachable(_) => "upstream-unreachable",
             ProxyError::UpstreamTimeout(_) => "upstream-timeout",
+            ProxyError::RequestTimeout(_) => "request-timeout",
+            ProxyError::RecordUnreadable => "record-unreadable",
+            ProxyError::Busy => "busy",
         }
     }
 
@@ -101,6 +116,9 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_) => "Idempotency store unavailable",
             ProxyError::UpstreamUnreachable(_) => "Upstream unreachable",
             ProxyError::UpstreamTimeout(_) => "Upstream timeout",
+            ProxyError::RequestTimeout(_) => "Request body timeout",
+            ProxyError::RecordUnreadable => "Stored response unreadable",
+            ProxyError::Busy => "Proxy busy",
         }
     }
 
@@ -110,11 +128,13 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::RequestTooLarge { .. }
-            | ProxyError::ClientBody(_) => Outcome::Rejected,
+            | ProxyError::ClientBody(_)
+            | ProxyError::RequestTimeout(_)
+            | ProxyError::Busy => Outcome::Rejected,
             ProxyError::KeyInFlight { .. } => Outcome::Conflict,
             ProxyError::KeyReused => Outcome::Mismatch,
             ProxyError::ResponseNotRetained { .. } => Outcome::Replayed,
-            ProxyError::StoreUnavailable(_) => Outcome::StoreUnavailable,
+            ProxyError::StoreUnavailable(_) | ProxyError::RecordUnreadable => Outcome::StoreUnavailable,
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => Outcome::UpstreamError,
         }
     }
@@ -124,7 +144,7 @@ impl ProxyError {
             ProxyError::KeyInFlight { retry_after } => {
                 Some(retry_after.as_millis().div_ceil(1000).max(1) as u64)
             }
-            ProxyError::StoreUnavailable(_) => Some(1),
+            ProxyError::StoreUnavailable(_) | ProxyError::Busy => Some(1),
             _ => None,
         }
     }

@@ -11,8 +11,8 @@
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
 //!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
 //! - `store/postgres.rs` (replicas) or `store/sqlite.rs` (embedded, the default) holds the key table,
-//!   and `store/sweeper.rs` deletes expired records in the background; `error.rs` turns failures into
-//!   problem+json;
+//!   `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
+//!   expired records in the background; `error.rs` turns failures into problem+json;
 //! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
 //! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation;
 //!   `keys.rs` is the operator's runbook on the command line (`idemproxy keys ...`).
@@ -44,6 +44,7 @@ pub use config::Config;
 use crate::admin::Admin;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
+use crate::store::encrypted::EncryptedStore;
 use crate::store::{Purpose, StoreError, StoreHandle};
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
@@ -80,6 +81,7 @@ pub enum RunError {
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     let metrics = Metrics::new();
     let backend = store::open(&config.store, Purpose::Serve).await?;
+    let backend = EncryptedStore::wrap(backend, config.encryption.clone(), &metrics);
     let store = StoreHandle::new(backend, metrics.clone());
     let tracker = TaskTracker::new();
     if config.sweeper.enabled {
@@ -98,6 +100,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let proxy = server::ProxyListener {
         listener: listeners.proxy,
         tls: config.server.tls.clone(),
+        limits: server::Limits::from(&config.server),
         proxy,
     };
     server::serve(

@@ -153,6 +153,16 @@ pub struct MetricSet {
     pub records: IntGaugeVec,
     /// `idemproxy_replay_cache_hits_total`: keyed requests answered from the replay cache.
     pub replay_cache_hits: IntCounter,
+    /// `idemproxy_undecryptable_records_total`: stored responses refused because they did not decrypt.
+    pub undecryptable: IntCounter,
+    /// `idemproxy_open_connections`: client connections open on the proxy listener.
+    pub open_connections: IntGauge,
+    /// `idemproxy_connection_cap_reached_total`: times the proxy listener stopped accepting because
+    /// `server.max_connections` were open.
+    pub connection_cap_reached: IntCounter,
+    /// `idemproxy_body_budget_waits_total`: keyed request bodies that waited for room in
+    /// `server.max_buffered_bodies`.
+    pub body_budget_waits: IntCounter,
 }
 
 impl Metrics {
@@ -236,6 +246,23 @@ impl Metrics {
                 "idemproxy_replay_cache_hits_total",
                 "Keyed requests answered from the in-process replay cache (replays and mismatches), without the store.",
             ),
+            undecryptable: counter(
+                "idemproxy_undecryptable_records_total",
+                "Stored responses refused because they could not be decrypted.",
+            ),
+            open_connections: IntGauge::new(
+                "idemproxy_open_connections",
+                "Client connections open on the proxy listener.",
+            )
+            .expect("valid metric"),
+            connection_cap_reached: counter(
+                "idemproxy_connection_cap_reached_total",
+                "Times the proxy listener stopped accepting because server.max_connections were open.",
+            ),
+            body_budget_waits: counter(
+                "idemproxy_body_budget_waits_total",
+                "Keyed request bodies that waited for room in server.max_buffered_bodies.",
+            ),
             registry,
         };
         set.register_all();
@@ -262,6 +289,10 @@ impl MetricSet {
             Box::new(self.expired_deleted.clone()),
             Box::new(self.records.clone()),
             Box::new(self.replay_cache_hits.clone()),
+            Box::new(self.undecryptable.clone()),
+            Box::new(self.open_connections.clone()),
+            Box::new(self.connection_cap_reached.clone()),
+            Box::new(self.body_budget_waits.clone()),
         ];
         for collector in collectors {
             self.registry

@@ -3,8 +3,10 @@
 //! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute.
 
 pub mod body;
+pub mod budget;
 pub mod cache;
 pub mod claim;
+pub mod client_body;
 pub mod forward;
 pub mod key;
 pub mod replay;
@@ -14,7 +16,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderMap, Request, Response, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
@@ -24,9 +25,11 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use self::body::{BoxError, ProxyBody};
+use self::body::ProxyBody;
+use self::budget::{BodyBudget, ReservedBody};
 use self::cache::{Fill, Lookup, ReplayCache};
 use self::claim::Decision;
+use self::client_body::GuardedBody;
 use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
 use crate::config::{Config, IdempotencyConfig, OnStoreError};
 use crate::error::ProxyError;
@@ -42,6 +45,8 @@ pub struct Proxy {
     pub(crate) metrics: Metrics,
     pub(crate) tracker: TaskTracker,
     pub(crate) cache: ReplayCache,
+    pub(crate) body_read_timeout: Duration,
+    pub(crate) budget: BodyBudget,
 }
 
 type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
@@ -54,9 +59,11 @@ impl Proxy {
             on_store_error: config.store.on_error,
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
+            budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             metrics,
             tracker,
             cache: ReplayCache::new(config.replay_cache.max_size, config.replay_cache.max_age),
+            body_read_timeout: config.server.body_read_timeout,
         }
     }
 
@@ -112,7 +119,7 @@ impl Proxy {
         };
         let (parts, body) = request.into_parts();
         let body = self.read_body(&parts.headers, body).await?;
-        let claim = self.claim_request(&parts, key, &body);
+        let claim = self.claim_request(&parts, key, &body.bytes);
         if let Some(answer) = self.answer_from_cache(&claim) {
             return answer;
         }
@@ -137,13 +144,18 @@ impl Proxy {
         self: Arc<Self>,
         parts: request::Parts,
         claim: ClaimRequest,
-        body: Bytes,
+        body: ReservedBody,
         peer: Downstream,
         head: Answer,
     ) {
         let started = Instant::now();
         let result = match self.store.claim(&claim).await {
             Ok(result) => result,
+            // The store answered, but with a record that must not be replayed; never forward either.
+            Err(StoreError::Undecryptable(_)) => {
+                head.send(Err(ProxyError::RecordUnreadable));
+                return;
+            }
             Err(error) => {
                 head.send(self.store_down(&parts, body, peer, error).await);
                 return;
@@ -152,7 +164,7 @@ impl Proxy {
         let fill = self.remember(&claim, &result, started);
         let answer = match claim::decide(result, &claim.id.key, &self.metrics) {
             Ok(Decision::Execute) => {
-                let request = self.upstream.request(&parts, body::full(body), peer);
+                let request = self.upstream.request(&parts, body.into_body(), peer);
                 return tee::execute(self, claim.id, request, head, fill).await;
             }
             Ok(Decision::Replay(stored)) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
@@ -224,8 +236,10 @@ impl Proxy {
     }
 
     /// Reads a keyed request's body whole (its fingerprint must be known before the claim), refusing
-    /// anything over `max_request_body` as early as its declared length allows.
-    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<Bytes, ProxyError> {
+    /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
+    /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive. Room
+    /// for the body is reserved from the shared body budget first; 503 when none comes in that time.
+    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<ReservedBody, ProxyError> {
         let limit = self.policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
         let declared = headers
@@ -236,23 +250,30 @@ impl Proxy {
             return Err(too_large);
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        match Limited::new(body, limit).collect().await {
-            Ok(collected) => Ok(collected.to_bytes()),
-            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large),
-            Err(e) => Err(ProxyError::ClientBody(e.to_string())),
-        }
+        let need = declared.map_or(limit, |len| usize::try_from(len).unwrap_or(limit));
+        let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
+            return Err(ProxyError::Busy);
+        };
+        let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(body, limit).collect());
+        let bytes = match reading.await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(too_large),
+            Ok(Err(e)) => return Err(ProxyError::ClientBody(e.to_string())),
+            Err(_) => return Err(ProxyError::RequestTimeout(self.body_read_timeout)),
+        };
+        reservation.shrink_to(bytes.len());
+        Ok(ReservedBody::new(bytes, reservation))
     }
 
     async fn passthrough(&self, request: Request<Incoming>, peer: Downstream) -> Handled {
         let (parts, body) = request.into_parts();
-        let request = self
-            .upstream
-            .request(&parts, body.map_err(BoxError::from).boxed(), peer);
+        let (body, client) = GuardedBody::new(body, self.body_read_timeout);
+        let request = self.upstream.request(&parts, body.boxed(), peer);
         let response = self
             .upstream
             .send(request)
             .await
-            .map_err(UpstreamFailure::into_error)?;
+            .map_err(|failure| client.error().unwrap_or_else(|| failure.into_error()))?;
         Ok((stream_response(response), Outcome::Passthrough))
     }
 
@@ -260,7 +281,7 @@ impl Proxy {
     async fn store_down(
         &self,
         parts: &request::Parts,
-        body: Bytes,
+        body: ReservedBody,
         peer: Downstream,
         error: StoreError,
     ) -> Handled {
@@ -269,7 +290,7 @@ impl Proxy {
         }
         self.metrics.unprotected.inc();
         tracing::warn!(%error, "store unavailable; forwarding without idempotency (fail_open)");
-        let request = self.upstream.request(parts, body::full(body), peer);
+        let request = self.upstream.request(parts, body.into_body(), peer);
         let response = self
             .upstream
             .send(request)

@@ -1,6 +1,7 @@
 //! The accept loops of the proxy and admin listeners, and the drain at shutdown. Serves HTTP/1.1 and
 //! HTTP/2 on each connection through hyper-util's auto builder: h2c with prior knowledge in cleartext, or
-//! negotiated by ALPN when the proxy listener has TLS.
+//! negotiated by ALPN when the proxy listener has TLS. The proxy listener's [`Limits`] bound what one
+//! client can hold: open connections, time to send a request head, and the head's size.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -9,16 +10,19 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
+use crate::config::ServerConfig;
+use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::proxy::body::ProxyBody;
 use crate::proxy::forward::Downstream;
@@ -26,14 +30,118 @@ use crate::proxy::forward::Downstream;
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How often an HTTP/2 connection is pinged, and how long its answer may take before it is closed.
+const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
+/// Requests one HTTP/2 connection may have open at once (RFC 9113 asks for at least 100).
+const H2_MAX_STREAMS: u32 = 100;
+
 /// The proxy listener and what it needs to serve.
 pub struct ProxyListener {
     /// The bound socket.
     pub listener: TcpListener,
     /// TLS for its connections, if on.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// What one client may hold.
+    pub limits: Limits,
     /// The request path.
     pub proxy: Arc<Proxy>,
+}
+
+/// Bounds on the proxy listener's connections, from `[server]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Most connections open at once; the listener stops accepting at this many.
+    pub max_connections: usize,
+    /// Bound on receiving an HTTP/1.1 request head; the connection is closed when it runs out.
+    pub header_read_timeout: Duration,
+    /// Largest request head (HTTP/1.1) or header list (HTTP/2), bytes; larger gets 431.
+    pub max_header_size: usize,
+    /// Most header lines in an HTTP/1.1 request head; more gets 431.
+    pub max_headers: usize,
+}
+
+impl From<&ServerConfig> for Limits {
+    fn from(server: &ServerConfig) -> Limits {
+        Limits {
+            max_connections: server.max_connections,
+            header_read_timeout: server.header_read_timeout,
+            max_header_size: server.max_header_size,
+            max_headers: server.max_headers,
+        }
+    }
+}
+
+impl Limits {
+    /// The connection builder enforcing these limits. hyper answers a head over the size or header count
+    /// with 431 and closes the connection; a head that does not arrive in time closes it without an answer.
+    fn builder(&self) -> auto::Builder<TokioExecutor> {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_read_timeout)
+            // hyper refuses a head once its read buffer is full, so the buffer bound is the head bound.
+            .max_buf_size(self.max_header_size.max(8 * 1024))
+            .max_headers(self.max_headers);
+        // HTTP/2 has no head timeout; pings find peers that vanished, so their slots come back.
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(H2_PING_INTERVAL)
+            .keep_alive_timeout(H2_PING_TIMEOUT)
+            .max_concurrent_streams(H2_MAX_STREAMS)
+            .max_header_list_size(u32::try_from(self.max_header_size).unwrap_or(u32::MAX));
+        builder
+    }
+}
+
+/// The proxy listener's connection slots: one per open connection, counted in the metrics.
+#[derive(Clone)]
+struct Slots {
+    free: Arc<Semaphore>,
+    metrics: Metrics,
+}
+
+/// An open connection's slot; frees it when the connection ends.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    metrics: Metrics,
+}
+
+impl Slots {
+    fn new(max: usize, metrics: Metrics) -> Slots {
+        Slots {
+            free: Arc::new(Semaphore::new(max)),
+            metrics,
+        }
+    }
+
+    /// A free slot, waiting for one while every slot is taken; `None` once `stop` is cancelled.
+    async fn take(&self, stop: &CancellationToken) -> Option<Slot> {
+        let permit = match self.free.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                self.metrics.connection_cap_reached.inc();
+                tracing::debug!("server.max_connections are open; new connections wait to be accepted");
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    permit = self.free.clone().acquire_owned() => permit.ok()?,
+                }
+            }
+        };
+        self.metrics.open_connections.inc();
+        Some(Slot {
+            _permit: permit,
+            metrics: self.metrics.clone(),
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.metrics.open_connections.dec();
+    }
 }
 
 /// Serves both listeners until `shutdown`, then stops accepting, lets open requests and their
@@ -45,14 +153,24 @@ pub async fn serve(
     shutdown: CancellationToken,
     grace: Duration,
 ) {
-    let ProxyListener { listener, tls, proxy } = proxy;
+    let ProxyListener {
+        listener,
+        tls,
+        limits,
+        proxy,
+    } = proxy;
     let tracker = proxy.tracker.clone();
+    let slots = Slots::new(limits.max_connections, proxy.metrics.clone());
     let tls = tls.map(TlsAcceptor::from);
     let connections = GracefulShutdown::new();
     let admin_stop = CancellationToken::new();
     let admin_loop = tokio::spawn(accept_loop(
-        admin_listener,
-        None,
+        Listener {
+            socket: admin_listener,
+            builder: limits.builder(),
+            tls: None,
+            slots: None,
+        },
         admin_stop.clone(),
         None,
         move |_| {
@@ -60,7 +178,13 @@ pub async fn serve(
             move |request| admin.clone().handle(request)
         },
     ));
-    accept_loop(listener, tls, shutdown, Some(&connections), move |downstream| {
+    let listener = Listener {
+        socket: listener,
+        builder: limits.builder(),
+        tls,
+        slots: Some(slots),
+    };
+    accept_loop(listener, shutdown, Some(&connections), move |downstream| {
         let proxy = proxy.clone();
         move |request| proxy.clone().handle(request, downstream)
     })
@@ -83,11 +207,20 @@ async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Dura
     }
 }
 
-/// Accepts connections until `stop`, serving each (after its TLS handshake, if `tls`) with the handler
-/// `make(downstream)` builds.
-async fn accept_loop<M, H, F>(
-    listener: TcpListener,
+/// A bound socket and how its connections are served.
+struct Listener {
+    socket: TcpListener,
+    builder: auto::Builder<TokioExecutor>,
     tls: Option<TlsAcceptor>,
+    /// Connection slots; `None` accepts without bound.
+    slots: Option<Slots>,
+}
+
+/// Accepts connections until `stop`, serving each (after its TLS handshake, if `tls`) with the handler
+/// `make(downstream)` builds. With slots, accepts only while one is free: further clients wait in the
+/// socket's backlog, holding no memory or descriptor of the process.
+async fn accept_loop<M, H, F>(
+    listener: Listener,
     stop: CancellationToken,
     graceful: Option<&GracefulShutdown>,
     make: M,
@@ -96,11 +229,23 @@ async fn accept_loop<M, H, F>(
     H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let Listener {
+        socket,
+        builder,
+        tls,
+        slots,
+    } = listener;
     loop {
+        let slot = match &slots {
+            Some(slots) => match slots.take(&stop).await {
+                Some(slot) => Some(slot),
+                None => return,
+            },
+            None => None,
+        };
         let (stream, addr) = tokio::select! {
             _ = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
+            accepted = socket.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
                     tracing::warn!(%error, "accept failed");
@@ -119,7 +264,10 @@ async fn accept_loop<M, H, F>(
             tls: tls.clone(),
             watcher: graceful.map(GracefulShutdown::watcher),
         };
-        tokio::spawn(connection.serve(stream, handler));
+        tokio::spawn(async move {
+            connection.serve(stream, handler).await;
+            drop(slot);
+        });
     }
 }
 

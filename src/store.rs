@@ -2,6 +2,7 @@
 //! which times and counts every operation. Backends live in `store/`; they decide claims atomically in the
 //! database and never by a read followed by a write.
 
+pub mod encrypted;
 pub mod postgres;
 pub mod sqlite;
 pub mod sweeper;
@@ -30,6 +31,10 @@ pub enum StoreError {
     /// Migrations could not be applied.
     #[error("migration failed: {0}")]
     Migration(String),
+    /// The store answered, but a stored response cannot be decrypted (unknown key id, tampered, or moved
+    /// from another record). The reason names no stored bytes.
+    #[error("stored response cannot be decrypted: {0}")]
+    Undecryptable(String),
     /// The embedded store's file is being served by another running proxy.
     #[error(
         "the SQLite store {} is in use by another running idemproxy; the embedded store serves a single \
@@ -397,8 +402,9 @@ impl StoreHandle {
     ) -> Result<T, StoreError> {
         let started = Instant::now();
         let result = call.await;
-        self.metrics
-            .store_op(op, started.elapsed().as_secs_f64(), result.is_ok());
+        // An undecryptable record is an answer from a working store, counted where it is found.
+        let ok = matches!(&result, Ok(_) | Err(StoreError::Undecryptable(_)));
+        self.metrics.store_op(op, started.elapsed().as_secs_f64(), ok);
         if let Err(error) = &result {
             tracing::warn!(op = op.as_str(), %error, "store operation failed");
         }

@@ -141,3 +141,66 @@ async fn example_config_is_valid() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+const KEY_32: &str = "ERERERERERERERERERERERERERERERERERERERERERE=";
+
+#[tokio::test]
+async fn check_config_masks_encryption_keys_from_file_and_environment() {
+    let file = config_file(&format!(
+        "[encryption]\nactive_key = \"k1\"\nkeys = {{ k1 = \"{KEY_32}\" }}\n"
+    ));
+    let output = idemproxy(
+        &["check-config", "--config", path(&file)],
+        &[("IDEMPROXY_ENCRYPTION__KEYS__K2", KEY_32)],
+    )
+    .await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let printed = String::from_utf8(output.stdout).unwrap();
+    assert!(!printed.contains(KEY_32), "{printed}");
+    let effective: toml::Table = printed.parse().expect("prints TOML");
+    let keys = effective["encryption"]["keys"].as_table().expect("keys table");
+    assert_eq!(keys["k1"].as_str(), Some("***"));
+    assert_eq!(keys["k2"].as_str(), Some("***"), "the environment adds a key");
+    assert_eq!(effective["encryption"]["active_key"].as_str(), Some("k1"));
+}
+
+#[tokio::test]
+async fn an_encryption_key_of_the_wrong_length_exits_64_naming_it() {
+    let file = config_file("[encryption]\nactive_key = \"k1\"\nkeys = { k1 = \"c2hvcnQ=\" }\n");
+    let output = idemproxy(&["check-config", "--config", path(&file)], &[]).await;
+    assert_one_line_naming(&output, "encryption.keys.k1");
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("c2hvcnQ="));
+    let output = idemproxy(&["check-config"], &[("IDEMPROXY_ENCRYPTION__ACTIVE_KEY", "k9")]).await;
+    assert_one_line_naming(&output, "encryption.active_key");
+}
+
+#[tokio::test]
+async fn a_config_file_that_is_not_utf8_exits_64_on_one_line() {
+    let mut file = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+    std::io::Write::write_all(&mut file, b"[server]\nlisten = \"\xff\xfe\"\n").unwrap();
+    let output = idemproxy(&["check-config", "--config", path(&file)], &[]).await;
+    assert_one_line_naming(&output, "config");
+    let file = config_file("[idempotency]\nheader = \"Idem\\u0001Key\"\n");
+    let output = idemproxy(&["check-config", "--config", path(&file)], &[]).await;
+    assert_one_line_naming(&output, "idempotency.header");
+}
+
+#[tokio::test]
+async fn an_environment_value_that_is_not_utf8_exits_64_naming_the_key() {
+    use std::os::unix::ffi::OsStrExt;
+    let output = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .arg("check-config")
+        .env_remove("RUST_LOG")
+        .env(
+            "IDEMPROXY_SERVER__LISTEN",
+            std::ffi::OsStr::from_bytes(b"127.0.0.1:\xff"),
+        )
+        .output()
+        .await
+        .expect("the binary runs");
+    assert_one_line_naming(&output, "server.listen");
+}

@@ -3,6 +3,7 @@
 pub mod http;
 pub mod pg;
 pub mod proxy;
+pub mod raw;
 pub mod relay;
 pub mod store;
 pub mod upstream;

@@ -1,0 +1,159 @@
+//! Runs before a keyed request's body is read whole (to fingerprint it), and until it has been sent
+//! upstream: one budget of bytes, `server.max_buffered_bodies`, shared by every such body in the process.
+//! Each body reserves its declared length (or `max_request_body` when the length is not declared) in one
+//! piece before a byte is read, so no body holds part of the budget while waiting for more; what a body of
+//! undeclared length did not use is returned once it has been read. A flood of large bodies waits, then
+//! gets 503 — it never costs more memory than the budget.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::body::ProxyBody;
+use crate::metrics::Metrics;
+
+/// The process's budget for buffered keyed request bodies, in bytes.
+#[derive(Clone)]
+pub struct BodyBudget {
+    free: Arc<Semaphore>,
+    metrics: Metrics,
+}
+
+/// Bytes of the budget held by one body; returned when dropped.
+pub struct Reservation {
+    held: Option<OwnedSemaphorePermit>,
+}
+
+impl BodyBudget {
+    /// A budget of `bytes`.
+    pub fn new(bytes: usize, metrics: Metrics) -> BodyBudget {
+        BodyBudget {
+            free: Arc::new(Semaphore::new(bytes.min(Semaphore::MAX_PERMITS))),
+            metrics,
+        }
+    }
+
+    /// Reserves `bytes` in one piece, waiting up to `patience` while the budget is spent; `None` when it
+    /// stays spent that long.
+    pub async fn reserve(&self, bytes: usize, patience: Duration) -> Option<Reservation> {
+        if bytes == 0 {
+            return Some(Reservation { held: None });
+        }
+        let bytes = u32::try_from(bytes).ok()?;
+        let permit = match self.free.clone().try_acquire_many_owned(bytes) {
+            Ok(permit) => permit,
+            Err(_) => {
+                self.metrics.body_budget_waits.inc();
+                let waiting = self.free.clone().acquire_many_owned(bytes);
+                tokio::time::timeout(patience, waiting).await.ok()?.ok()?
+            }
+        };
+        Some(Reservation { held: Some(permit) })
+    }
+}
+
+impl Reservation {
+    /// Returns everything beyond `bytes` to the budget.
+    pub fn shrink_to(&mut self, bytes: usize) {
+        if let Some(held) = &mut self.held
+            && held.num_permits() > bytes
+        {
+            drop(held.split(held.num_permits() - bytes));
+        }
+    }
+}
+
+/// A keyed request's body, holding its share of the budget until it is dropped (sent upstream, or
+/// answered without forwarding).
+pub struct ReservedBody {
+    /// The body's bytes.
+    pub bytes: Bytes,
+    reservation: Reservation,
+}
+
+impl ReservedBody {
+    /// Bytes and the reservation that pays for them.
+    pub fn new(bytes: Bytes, reservation: Reservation) -> ReservedBody {
+        ReservedBody { bytes, reservation }
+    }
+
+    /// The body for the upstream request; the reservation goes with it.
+    pub fn into_body(self) -> ProxyBody {
+        Held {
+            inner: Full::new(self.bytes),
+            _reservation: self.reservation,
+        }
+        .map_err(|never| match never {})
+        .boxed()
+    }
+}
+
+struct Held {
+    inner: Full<Bytes>,
+    _reservation: Reservation,
+}
+
+impl Body for Held {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PATIENCE: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn a_body_that_does_not_fit_waits_until_another_is_sent() {
+        let metrics = Metrics::new();
+        let budget = BodyBudget::new(100, metrics.clone());
+        let first = budget.reserve(90, PATIENCE).await.unwrap();
+        let held = ReservedBody::new(Bytes::from(vec![0; 90]), first);
+
+        let waiting = budget.clone();
+        let second = tokio::spawn(async move { waiting.reserve(20, PATIENCE).await.is_some() });
+        while metrics.body_budget_waits.get() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!second.is_finished(), "20 bytes do not fit beside 90 of 100");
+        let body = held.into_body();
+        assert_eq!(
+            body.size_hint().exact(),
+            Some(90),
+            "the upstream learns the length"
+        );
+        drop(body);
+        assert!(second.await.unwrap(), "room once the first body is gone");
+    }
+
+    #[tokio::test]
+    async fn unused_bytes_are_returned_and_a_spent_budget_gives_up_after_patience() {
+        let budget = BodyBudget::new(100, Metrics::new());
+        let mut undeclared = budget.reserve(100, PATIENCE).await.unwrap();
+        assert!(budget.reserve(1, Duration::from_millis(10)).await.is_none());
+        undeclared.shrink_to(30);
+        assert!(budget.reserve(70, Duration::from_millis(10)).await.is_some());
+    }
+}
