@@ -1,8 +1,11 @@
 //! Test harness: a database, a stub upstream and the proxy, wired together per test.
 
+pub mod cluster;
+pub mod history;
 pub mod http;
 pub mod pg;
 pub mod proxy;
+pub mod recorder;
 pub mod relay;
 pub mod upstream;
 
