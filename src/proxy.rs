@@ -4,6 +4,7 @@
 
 pub mod body;
 pub mod claim;
+pub mod downstream;
 pub mod forward;
 pub mod key;
 pub mod replay;

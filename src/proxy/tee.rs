@@ -9,11 +9,11 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response, header};
 use http_body_util::BodyExt;
-use http_body_util::channel::{Channel, Sender};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::body::{BoxError, ProxyBody};
+use super::downstream::{self, Sender};
 use super::forward::{Heartbeat, UpstreamFailure, stream_response, strip_hop_by_hop};
 use super::{Answer, Proxy};
 use crate::metrics::Outcome;
@@ -68,7 +68,7 @@ async fn relay(
     strip_hop_by_hop(&mut parts.headers);
     let stored_headers = storable_headers(&parts.headers);
     let status = parts.status;
-    let (sender, channel) = Channel::<Bytes, BoxError>::new(DOWNSTREAM_FRAMES);
+    let (sender, channel) = downstream::channel(DOWNSTREAM_FRAMES);
     let mut downstream = Some(sender);
     let response = Response::from_parts(parts, channel.boxed());
     if !head.send(Ok((response, Outcome::Executed))) {
@@ -112,12 +112,7 @@ async fn relay(
 
 /// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), nothing is
 /// stored, and the claim is left to its lease because the upstream may have acted.
-fn broken_body(
-    id: &RecordId,
-    downstream: Option<Sender<Bytes, BoxError>>,
-    heartbeat: Heartbeat,
-    error: BoxError,
-) {
+fn broken_body(id: &RecordId, downstream: Option<Sender>, heartbeat: Heartbeat, error: BoxError) {
     heartbeat.stop();
     tracing::warn!(key = %id.key, %error, "upstream body broke off; claim left to its lease");
     if let Some(sender) = downstream {
