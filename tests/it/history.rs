@@ -73,6 +73,13 @@ async fn soak() {
 }
 
 const LOCK_TIMEOUT: &str = "2s";
+const STORE_TIMEOUT: &str = "500ms";
+/// The least time between two executions of a key: the lease (2 s), less the store timeout (a claim's
+/// answer can reach its proxy that late after the lease started), less 300 ms to reach the upstream.
+const SPACING: Duration = Duration::from_millis(2000 - 500 - 300);
+/// Store faults last up to twice the lease, so some claims lapse while their proxy is cut off and are
+/// taken over through the other proxy, and the original's late writes must be fenced off.
+const STORE_FAULT_MAX_MS: u64 = 4000;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Bound on one op getting its final answer once the faults have ended (a stale lease runs out in 2 s).
 const SETTLE_BOUND: Duration = Duration::from_secs(30);
@@ -93,8 +100,13 @@ impl Shared {
         (!live.is_empty()).then(|| live[rng.below(live.len() as u64) as usize].clone())
     }
 
-    fn log(&self, op: &Op, seen: Seen) {
-        let observation = Observation { op: op.clone(), seen };
+    fn log(&self, op: &Op, seen: Seen, url: &str) {
+        let via = format!("{url} at {} ms", self.started.elapsed().as_millis());
+        let observation = Observation {
+            op: op.clone(),
+            seen,
+            via,
+        };
         self.observations.lock().unwrap().push(observation);
     }
 }
@@ -124,6 +136,7 @@ impl World {
             let config = ProxyConfig::new(&store_url, &recorder.url())
                 .set("store.pool_size", 8)
                 .set("idempotency.lock_timeout", LOCK_TIMEOUT)
+                .set("store.timeout", STORE_TIMEOUT)
                 .set("upstream.timeout", "1500ms");
             relays.push(relay);
             configs.push(config);
@@ -165,13 +178,13 @@ impl World {
         let kind = match which {
             0 => {
                 self.relays[i].cut();
-                tokio::time::sleep(rng.millis(200, 2500)).await;
+                tokio::time::sleep(rng.millis(200, STORE_FAULT_MAX_MS)).await;
                 self.relays[i].restore();
                 "store connection cut"
             }
             1 => {
                 self.relays[i].stall();
-                tokio::time::sleep(rng.millis(200, 2500)).await;
+                tokio::time::sleep(rng.millis(200, STORE_FAULT_MAX_MS)).await;
                 self.relays[i].resume();
                 "store connection stalled"
             }
@@ -214,11 +227,19 @@ impl World {
         self.proxies[i] = Some(proxy);
     }
 
-    /// Stale takeovers the proxies logged, from every process that ran, dead or alive.
-    fn logged_takeovers(&self) -> usize {
-        let logs = self.dead.iter().chain(self.proxies.iter().flatten());
-        logs.map(|p| p.stderr().matches("stale claim taken over").count())
-            .sum()
+    /// Every log line of every process that ran, dead or alive.
+    fn logs(&self) -> Vec<String> {
+        let processes = self.dead.iter().chain(self.proxies.iter().flatten());
+        processes
+            .flat_map(|p| {
+                let url = p.url.clone();
+                let stderr = p.stderr();
+                stderr
+                    .lines()
+                    .map(|line| format!("{url} {line}"))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 }
 
@@ -255,27 +276,43 @@ async fn run(params: Params) {
         client.expect("client task");
     }
     world.sample_memory();
-    settle(&shared).await;
+    // The faults have ended and the clients are gone: every claim must complete, be released, or go
+    // stale within the bound, with nobody retrying it.
     let db = world.cluster.client().await;
-    poll_until("every claim to finish or go stale", || async {
+    poll_until(
+        "every claim to finish or go stale once the faults ended",
+        || async { (history::live_claims(&db).await == 0).then_some(()) },
+    )
+    .await;
+    let stale = history::stale_claims(&db).await;
+    settle(&shared).await;
+    world.sample_memory();
+    // A client has its answer before the record is written: let the last completions land.
+    poll_until("the settling requests' completions", || async {
         (history::live_claims(&db).await == 0).then_some(())
     })
     .await;
-    world.sample_memory();
     let records = history::load_records(&db).await;
     let observations = shared.observations.lock().unwrap().clone();
-    let report = history::check(&observations, &world.recorder.executions(), &records);
+    let report = history::check(&observations, &world.recorder.executions(), &records, SPACING);
+    let logs = world.logs();
     eprintln!(
         "history seed {} over {:?} with {} clients and {} proxies\nfaults injected: {:?}\n{report}\
+         claims left stale when the faults ended (then taken over): {stale}\n\
          stale takeovers logged by the proxies: {}\npeak proxy memory (VmHWM): {} KiB",
         params.seed,
         params.traffic,
         params.clients,
         params.proxies,
         world.faults,
-        world.logged_takeovers(),
+        logs.iter()
+            .filter(|l| l.contains("stale claim taken over"))
+            .count(),
         world.peak_rss_kib,
     );
+    if !report.violations.is_empty() {
+        timelines(&report.violations, &observations, &world.recorder, &logs, started);
+    }
     assert!(
         report.violations.is_empty(),
         "the history has violations (see above)"
@@ -286,6 +323,49 @@ async fn run(params: Params) {
         FAULT_KINDS as usize,
         "every kind of fault acts"
     );
+}
+
+/// For each key with a violation: what every client saw, every execution, and the proxies' log lines.
+fn timelines(
+    violations: &[String],
+    observations: &[Observation],
+    recorder: &Recorder,
+    logs: &[String],
+    started: Instant,
+) {
+    let keys: BTreeSet<&str> = violations
+        .iter()
+        .filter_map(|v| {
+            v.split(['"', ' ', ',', '('])
+                .find(|word| word.starts_with('e') && word.contains("-k"))
+        })
+        .collect();
+    for key in keys {
+        eprintln!("timeline of {key}:");
+        for o in observations.iter().filter(|o| o.op.key == key) {
+            let seen = match &o.seen {
+                Seen::Response {
+                    status,
+                    replayed,
+                    body,
+                    ..
+                } => format!("{status} replayed={replayed} {} bytes", body.len()),
+                Seen::Broken => "broken".to_string(),
+            };
+            eprintln!("  {} {} via {}: {seen}", o.op.authorization, o.op.payload, o.via);
+        }
+        for e in recorder.executions().iter().filter(|e| e.key == key) {
+            let at = e.at.saturating_duration_since(started.into_std()).as_millis();
+            let len = e.body.len();
+            eprintln!(
+                "  exec {} at {at} ms for {}: {len} bytes",
+                e.exec, e.authorization
+            );
+        }
+        for line in logs.iter().filter(|l| l.contains(&format!("\"{key}\""))) {
+            eprintln!("  {line}");
+        }
+    }
 }
 
 /// How many kinds of fault [`World::fault`] knows; the schedule acts each once per round, in random order.
@@ -322,7 +402,7 @@ async fn client(shared: Arc<Shared>, mut rng: Rng) {
                 attempt(&http, &shared, &op, &mut rng, impatient).await;
             }
             _ => {
-                patient(&http, &shared, &op, &mut rng, 6).await;
+                patient(&http, &shared, &op, &mut rng, 12).await;
             }
         }
     }
@@ -346,7 +426,7 @@ async fn patient(http: &reqwest::Client, shared: &Shared, op: &Op, rng: &mut Rng
         if attempt(http, shared, op, rng, None).await {
             return true;
         }
-        tokio::time::sleep(rng.millis(50, 400)).await;
+        tokio::time::sleep(rng.millis(100, 500)).await;
     }
     false
 }
@@ -373,7 +453,10 @@ async fn attempt(
         .header("idempotency-key", &op.key)
         .header("content-type", "text/plain")
         .header("x-want-status", if digest % 5 == 0 { "404" } else { "201" })
-        .header("x-delay-ms", (digest % 150).to_string())
+        .header(
+            "x-delay-ms",
+            if digest % 10 == 1 { 1000 } else { digest % 150 }.to_string(),
+        )
         .body(op.payload.clone());
     if let Some(timeout) = timeout {
         request = request.timeout(timeout);
@@ -383,7 +466,7 @@ async fn attempt(
         Err(_) => Seen::Broken,
     };
     let last = matches!(&seen, Seen::Response { status, .. } if ![409, 502, 503, 504].contains(status));
-    shared.log(op, seen);
+    shared.log(op, seen, &url);
     last
 }
 
@@ -437,8 +520,9 @@ async fn settle(shared: &Arc<Shared>) {
     settled.await;
 }
 
-/// The checker itself: a history with a double execution, a crossed response and a replay that differs
-/// from the stored one is judged to have exactly those three violations.
+/// The checker itself: a history with a double execution (whose first is stored), a crossed response and
+/// a replay that differs from the stored one is judged to have exactly those violations; and the second
+/// execution, coming at once, is a takeover before the lease ran out.
 #[test]
 fn checker_finds_each_kind_of_violation() {
     use crate::support::recorder::Execution;
@@ -459,6 +543,7 @@ fn checker_finds_each_kind_of_violation() {
             payload: op.payload.clone(),
             status: 201,
             body: body.to_string().into(),
+            at: std::time::Instant::now(),
         }
     };
     let answer = |execution: &Execution, replayed: bool| Seen::Response {
@@ -482,27 +567,22 @@ fn checker_finds_each_kind_of_violation() {
         ((history::scope_of("Bearer b"), "k1".to_string()), record(&b1)),
     ]
     .into();
+    let seen = |op: &Op, seen: Seen| Observation {
+        op: op.clone(),
+        seen,
+        via: "a proxy".into(),
+    };
     let observations = [
-        Observation {
-            op: a.clone(),
-            seen: answer(&a1, false),
-        },
-        Observation {
-            op: a.clone(),
-            seen: answer(&a2, true),
-        },
-        Observation {
-            op: b.clone(),
-            seen: answer(&a1, true),
-        },
-        Observation {
-            op: b.clone(),
-            seen: answer(&b1, true),
-        },
+        seen(&a, answer(&a1, false)),
+        seen(&a, answer(&a2, true)),
+        seen(&b, answer(&a1, true)),
+        seen(&b, answer(&b1, true)),
     ];
-    let report = history::check(&observations, &[a1, a2, b1], &records);
+    let executions = [a1, a2, b1];
+    let report = history::check(&observations, &executions, &records, Duration::ZERO);
     let violations = report.violations.join("\n");
-    assert_eq!(report.violations.len(), 3, "{violations}");
+    assert_eq!(report.violations.len(), 4, "{violations}");
+    assert!(violations.contains("is not its latest execution"), "{violations}");
     assert!(
         violations.contains("2 executions, but only 1 + 0 stale takeovers"),
         "{violations}"

@@ -2,6 +2,8 @@
 //! came back; the recording upstream logs every execution; the key table is read at the end. [`check`]
 //! then judges the history against the model, per key:
 //!
+//! - executions after the first are stale takeovers: each reaches the upstream at least a lease after
+//!   the one before (less the longest a won claim can take to reach the upstream);
 //! - at most one execution per winning claim: executions <= 1 + stale takeovers, where the takeovers
 //!   of a key are read from its record (`attempt` counts the winning claims of the record's life; the
 //!   workload never lets a claim be released, and the checker verifies no record was ever re-claimed
@@ -9,12 +11,14 @@
 //! - every upstream answer (2xx or 4xx) a client received is byte-identical to the stored response,
 //!   except the live answer of an execution that a stale takeover superseded (counted, not hidden);
 //! - no response crossed scopes or keys: the upstream echoes credentials, key and payload in the body;
-//! - the stored response is one of that key's own executions;
+//! - the stored response is that key's latest execution (the one of the claim that holds the key);
 //! - 422 only for a payload other than the stored one; otherwise only the refusals a fault explains;
-//! - no claim stays stuck: after the faults end every record is completed, released or stale.
+//! - no claim stays stuck: once the faults end, every record is completed, released or stale within a
+//!   bound, and after one more request per key (which takes every stale claim over) all are completed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -44,8 +48,8 @@ impl Rng {
     }
 
     /// Uniform in `low..high` milliseconds.
-    pub fn millis(&mut self, low: u64, high: u64) -> std::time::Duration {
-        std::time::Duration::from_millis(low + self.below(high - low))
+    pub fn millis(&mut self, low: u64, high: u64) -> Duration {
+        Duration::from_millis(low + self.below(high - low))
     }
 
     /// True with probability `percent` / 100.
@@ -81,6 +85,8 @@ pub enum Seen {
 pub struct Observation {
     pub op: Op,
     pub seen: Seen,
+    /// Which proxy, when and how it was sent, for the report.
+    pub via: String,
 }
 
 /// A record of the key table as the checker needs it.
@@ -132,6 +138,18 @@ pub async fn live_claims(client: &tokio_postgres::Client) -> i64 {
         )
         .await
         .expect("count live claims")
+        .get(0)
+}
+
+/// Claims whose lease ran out with nobody to take them over yet.
+pub async fn stale_claims(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM idemproxy.records WHERE status = 'processing' AND locked_until <= now()",
+            &[],
+        )
+        .await
+        .expect("count stale claims")
         .get(0)
 }
 
@@ -187,8 +205,14 @@ impl fmt::Display for Report {
     }
 }
 
-/// Judges the history; see the module documentation for the rules.
-pub fn check(observations: &[Observation], executions: &[Execution], records: &Records) -> Report {
+/// Judges the history; see the module documentation for the rules. A key's executions must come at
+/// least `spacing` apart: the lease less the longest a won claim may take to reach the upstream.
+pub fn check(
+    observations: &[Observation],
+    executions: &[Execution],
+    records: &Records,
+    spacing: Duration,
+) -> Report {
     let mut report = Report {
         requests: observations.len(),
         executions: executions.len(),
@@ -203,6 +227,7 @@ pub fn check(observations: &[Observation], executions: &[Execution], records: &R
         check_observation(observation, &by_key, records, &mut report);
     }
     check_keys(&by_key, records, &mut report);
+    check_spacing(&by_key, spacing, &mut report);
     for ((_, key), record) in records {
         check_record_state(key, record, &mut report);
     }
@@ -216,6 +241,7 @@ fn check_observation(
     report: &mut Report,
 ) {
     let op = &observation.op;
+    let via = &observation.via;
     let Seen::Response {
         status,
         content_type,
@@ -243,7 +269,7 @@ fn check_observation(
     }
     report.count(if *replayed { "replayed" } else { "executed" });
     if let Err(why) = echoes(op, body) {
-        return report.violation(format!("{op:?}: crossed: {why}"));
+        return report.violation(format!("{op:?} via {via}: crossed: {why}"));
     }
     let stored = record.and_then(|r| Some((r.response_status?, r.response_body.as_deref()?)));
     if stored == Some((*status as i16, &body[..])) {
@@ -258,7 +284,7 @@ fn check_observation(
         return;
     }
     report.violation(format!(
-        "{op:?}: got {status} (replayed: {replayed}) {}, stored {:?}",
+        "{op:?} via {via}: got {status} (replayed: {replayed}) {}, stored {:?}",
         exec_of(body),
         stored.map(|(s, b)| (s, exec_of(b)))
     ));
@@ -337,18 +363,37 @@ fn check_keys(by_key: &HashMap<(String, String), Vec<&Execution>>, records: &Rec
     }
 }
 
-/// The stored response must be one of this key's own executions, byte for byte.
+/// A claim is taken over only once its lease has run out, and the lease runs from the claim statement,
+/// after which the request is forwarded at once: so a key's next execution reaches the upstream at least
+/// a lease after the one before, less the time from claim statement to upstream (at most the store's
+/// operation bound plus the trip to the upstream).
+fn check_spacing(by_key: &HashMap<(String, String), Vec<&Execution>>, floor: Duration, report: &mut Report) {
+    for (id, runs) in by_key {
+        for pair in runs.windows(2) {
+            let gap = pair[1].at.saturating_duration_since(pair[0].at);
+            if gap < floor {
+                report.violation(format!(
+                    "{id:?}: exec {} only {gap:?} after exec {}: taken over before its lease ran out",
+                    pair[1].exec, pair[0].exec
+                ));
+            }
+        }
+    }
+}
+
+/// The stored response must be this key's latest execution, byte for byte. A later claim is only won
+/// once the earlier one's lease has run out, and a claim forwards as soon as it is won, so the last
+/// claim's execution is the last to reach the upstream; every earlier claim's write is fenced off.
 fn check_stored(id: &(String, String), record: &Record, runs: &[&Execution], report: &mut Report) {
     let (Some(status), Some(body)) = (record.response_status, record.response_body.as_deref()) else {
         return;
     };
-    let own = runs
-        .iter()
-        .any(|e| e.status as i16 == status && e.body == body && e.key == id.1);
-    if !own {
+    let latest = runs.iter().max_by_key(|e| e.exec);
+    if !latest.is_some_and(|e| e.status as i16 == status && e.body == body && e.key == id.1) {
         report.violation(format!(
-            "{id:?}: stored {status} {} is none of its executions",
-            exec_of(body)
+            "{id:?}: stored {status} {} is not its latest execution ({:?})",
+            exec_of(body),
+            latest.map(|e| e.exec)
         ));
     }
 }
@@ -360,8 +405,9 @@ fn check_record_state(key: &str, record: &Record, report: &mut Report) {
         (other, _) => other,
     };
     *report.records_by_state.entry(state.to_string()).or_default() += 1;
-    if state == "processing (live)" {
-        report.violation(format!("{key}: claim still live after the faults ended"));
+    // Every op was sent once more after the faults, and nothing in the workload releases a claim.
+    if state != "completed" {
+        report.violation(format!("{key}: {state} after every op was sent again"));
     }
 }
 

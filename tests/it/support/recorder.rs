@@ -39,6 +39,8 @@ pub struct Execution {
     pub payload: String,
     pub status: u16,
     pub body: Bytes,
+    /// When the request arrived.
+    pub at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -153,6 +155,7 @@ fn record(state: &State, authorization: String, key: String, payload: String, st
         payload,
         status,
         body: Bytes::from(body.to_string()),
+        at: std::time::Instant::now(),
     };
     executions.push(execution.clone());
     let id = (execution.authorization.clone(), execution.key.clone());
