@@ -72,16 +72,18 @@ async fn soak() {
     run(Params::soak()).await;
 }
 
-const LOCK_TIMEOUT: &str = "2s";
+const LOCK_TIMEOUT: &str = "4s";
 const STORE_TIMEOUT: &str = "500ms";
-/// The least time between two executions of a key: the lease (2 s), less the store timeout (a claim's
-/// answer can reach its proxy that late after the lease started), less 300 ms to reach the upstream.
-const SPACING: Duration = Duration::from_millis(2000 - 500 - 300);
+const UPSTREAM_TIMEOUT: Duration = Duration::from_millis(1500);
+/// The least time between two executions of a key. A takeover is won at least a lease (4 s) after the
+/// claim it takes over, and that claim's request reached the upstream at most the store timeout (its
+/// answer can come that late) plus the upstream timeout (the proxy gives up then) after the claim, plus
+/// 300 ms for the upstream to read it.
+const SPACING: Duration = Duration::from_millis(4000 - 500 - 1500 - 300);
 /// Store faults last up to twice the lease, so some claims lapse while their proxy is cut off and are
 /// taken over through the other proxy, and the original's late writes must be fenced off.
-const STORE_FAULT_MAX_MS: u64 = 4000;
-const UPSTREAM_TIMEOUT: Duration = Duration::from_millis(1500);
-/// Bound on one op getting its final answer once the faults have ended (a stale lease runs out in 2 s).
+const STORE_FAULT_MAX_MS: u64 = 8000;
+/// Bound on one op getting its final answer once the faults have ended (a stale lease runs out in 4 s).
 const SETTLE_BOUND: Duration = Duration::from_secs(30);
 
 /// What the clients share: where the proxies are right now, and the history.
@@ -402,7 +404,7 @@ async fn client(shared: Arc<Shared>, mut rng: Rng) {
                 attempt(&http, &shared, &op, &mut rng, impatient).await;
             }
             _ => {
-                patient(&http, &shared, &op, &mut rng, 12).await;
+                patient(&http, &shared, &op, &mut rng, 20).await;
             }
         }
     }

@@ -366,7 +366,7 @@ fn check_keys(by_key: &HashMap<(String, String), Vec<&Execution>>, records: &Rec
 /// A claim is taken over only once its lease has run out, and the lease runs from the claim statement,
 /// after which the request is forwarded at once: so a key's next execution reaches the upstream at least
 /// a lease after the one before, less the time from claim statement to upstream (at most the store's
-/// operation bound plus the trip to the upstream).
+/// operation bound, plus the upstream timeout after which the proxy gives up, plus the upstream's read).
 fn check_spacing(by_key: &HashMap<(String, String), Vec<&Execution>>, floor: Duration, report: &mut Report) {
     for (id, runs) in by_key {
         for pair in runs.windows(2) {
@@ -382,8 +382,9 @@ fn check_spacing(by_key: &HashMap<(String, String), Vec<&Execution>>, floor: Dur
 }
 
 /// The stored response must be this key's latest execution, byte for byte. A later claim is only won
-/// once the earlier one's lease has run out, and a claim forwards as soon as it is won, so the last
-/// claim's execution is the last to reach the upstream; every earlier claim's write is fenced off.
+/// once the earlier one's lease has run out, and a claim's request reaches the upstream well within a
+/// lease (see `check_spacing`), so the last claim's execution is the last to reach the upstream; every
+/// earlier claim's write is fenced off.
 fn check_stored(id: &(String, String), record: &Record, runs: &[&Execution], report: &mut Report) {
     let (Some(status), Some(body)) = (record.response_status, record.response_body.as_deref()) else {
         return;
