@@ -7,6 +7,7 @@ pub mod budget;
 pub mod cache;
 pub mod claim;
 pub mod client_body;
+pub mod downstream;
 pub mod forward;
 pub mod key;
 pub mod replay;

@@ -9,22 +9,24 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response, header};
 use http_body_util::BodyExt;
-use http_body_util::channel::{Channel, Sender};
 use hyper::body::Incoming;
+use tokio::time::Instant;
 
 use super::body::{BoxError, ProxyBody};
 use super::cache::Fill;
+use super::downstream::{self, Sender};
 use super::forward::{Heartbeat, UpstreamFailure, stream_response, strip_hop_by_hop};
 use super::{Answer, Proxy};
 use crate::metrics::Outcome;
-use crate::store::{RecordId, StoredResponse};
+use crate::store::{RecordId, StoreError, StoredResponse};
 
 /// Frames buffered between the relay and a slow client before the relay waits.
 const DOWNSTREAM_FRAMES: usize = 8;
 
-/// How often a completion that failed because the store blipped is tried again, and the first backoff.
-const COMPLETE_ATTEMPTS: u32 = 4;
-const COMPLETE_BACKOFF: Duration = Duration::from_millis(200);
+/// The first wait before a completion or release that failed because the store blipped is tried again;
+/// each wait doubles, up to [`WRITE_BACKOFF_MAX`].
+const WRITE_BACKOFF: Duration = Duration::from_millis(100);
+const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
 /// error) goes to `head`.
@@ -47,19 +49,17 @@ pub(crate) async fn execute(
         Err(failure) => {
             heartbeat.stop();
             if let UpstreamFailure::NotDelivered(_) = &failure {
-                release(&proxy, &id).await;
-            } else {
-                tracing::warn!(key = %id.key, "upstream outcome unknown; claim left to its lease");
+                return release_then_answer(&proxy, &id, head, Err(failure.into_error())).await;
             }
+            tracing::warn!(key = %id.key, "upstream outcome unknown; claim left to its lease");
             head.send(Err(failure.into_error()));
             return;
         }
     };
     if proxy.policy.release.releases(response.status()) {
         heartbeat.stop();
-        release(&proxy, &id).await;
-        head.send(Ok((stream_response(response), Outcome::Executed)));
-        return;
+        let answer = Ok((stream_response(response), Outcome::Executed));
+        return release_then_answer(&proxy, &id, head, answer).await;
     }
     relay(proxy, id, response, head, heartbeat, fill).await;
 }
@@ -76,7 +76,7 @@ async fn relay(
     strip_hop_by_hop(&mut parts.headers);
     let stored_headers = storable_headers(&parts.headers);
     let status = parts.status;
-    let (sender, channel) = Channel::<Bytes, BoxError>::new(DOWNSTREAM_FRAMES);
+    let (sender, channel) = downstream::channel(DOWNSTREAM_FRAMES);
     let mut downstream = Some(sender);
     let response = Response::from_parts(parts, channel.boxed());
     if !head.send(Ok((response, Outcome::Executed))) {
@@ -125,12 +125,7 @@ async fn relay(
 
 /// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), nothing is
 /// stored, and the claim is left to its lease because the upstream may have acted.
-fn broken_body(
-    id: &RecordId,
-    downstream: Option<Sender<Bytes, BoxError>>,
-    heartbeat: Heartbeat,
-    error: BoxError,
-) {
+fn broken_body(id: &RecordId, downstream: Option<Sender>, heartbeat: Heartbeat, error: BoxError) {
     heartbeat.stop();
     tracing::warn!(key = %id.key, %error, "upstream body broke off; claim left to its lease");
     if let Some(sender) = downstream {
@@ -148,35 +143,71 @@ fn storable_headers(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-/// Stores the response under the claim's fence; `true` once it is stored.
+/// Stores the response under the claim's fence, retrying a store that does not answer for up to the lease
+/// (see [`until_answered`]); `true` once it is stored.
 async fn complete(proxy: &Proxy, id: &RecordId, stored: &StoredResponse) -> bool {
-    let mut backoff = COMPLETE_BACKOFF;
-    for attempt in 1..=COMPLETE_ATTEMPTS {
-        match proxy.store.complete(id, stored).await {
-            Ok(true) => return true,
-            Ok(false) => {
-                lost_claim(proxy, id, "completion");
-                return false;
-            }
-            Err(error) if attempt < COMPLETE_ATTEMPTS => {
-                tracing::warn!(key = %id.key, %error, attempt, "completion failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff *= 2;
-            }
-            Err(error) => {
-                tracing::error!(key = %id.key, %error, "completion failed; claim left to its lease");
-            }
+    let window = proxy.policy.lock_timeout;
+    match until_answered(window, || proxy.store.complete(id, stored)).await {
+        Ok(true) => true,
+        Ok(false) => {
+            lost_claim(proxy, id, "completion");
+            false
+        }
+        Err(error) => {
+            tracing::error!(key = %id.key, %error, "completion failed; claim left to its lease");
+            false
         }
     }
-    false
 }
 
-async fn release(proxy: &Proxy, id: &RecordId) {
+/// Releases the claim before answering, so that a retry sent right after the answer finds the key free.
+/// When the store is away the client is not kept waiting on it: it is answered at once, and the release
+/// is tried again afterwards (see [`until_answered`]).
+async fn release_then_answer(proxy: &Proxy, id: &RecordId, head: Answer, answer: super::Handled) {
     match proxy.store.release(id).await {
         Ok(true) => {}
         Ok(false) => lost_claim(proxy, id, "release"),
         Err(error) => {
+            tracing::warn!(key = %id.key, %error, "release failed; answering, then retrying");
+            head.send(answer);
+            return release(proxy, id).await;
+        }
+    }
+    head.send(answer);
+}
+
+async fn release(proxy: &Proxy, id: &RecordId) {
+    let window = proxy.policy.lock_timeout;
+    match until_answered(window, || proxy.store.release(id)).await {
+        Ok(true) => {}
+        Ok(false) => lost_claim(proxy, id, "release"),
+        Err(error) => {
             tracing::warn!(key = %id.key, %error, "release failed; claim left to its lease")
+        }
+    }
+}
+
+/// Runs a fenced write until the store answers it, backing off between tries, for at most `window`
+/// (the lease): past the lease the claim is stale and the next retry may take it over anyway, so the
+/// claim is left to its lease instead of waiting on the store without end. Every failed try is counted
+/// by the store handle. The store's answer, or its last error once the window has closed.
+async fn until_answered<F, Fut>(window: Duration, mut write: F) -> Result<bool, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, StoreError>>,
+{
+    let deadline = Instant::now() + window;
+    let mut backoff = WRITE_BACKOFF;
+    let mut tries = 1u32;
+    loop {
+        match write().await {
+            Err(error) if Instant::now() + backoff < deadline => {
+                tracing::warn!(%error, tries, "store write failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(WRITE_BACKOFF_MAX);
+                tries += 1;
+            }
+            answer => return answer,
         }
     }
 }
@@ -257,5 +288,39 @@ mod tests {
     #[test]
     fn empty_body_is_retained_as_empty() {
         assert_eq!(Capture::new(0).finish().as_deref(), Some(&b""[..]));
+    }
+
+    /// A write that fails `failures` times, then answers `true`; counts its tries.
+    fn flaky(failures: u32, tries: &std::cell::Cell<u32>) -> impl Future<Output = Result<bool, StoreError>> {
+        tries.set(tries.get() + 1);
+        let failed = tries.get() <= failures;
+        async move {
+            if failed {
+                Err(StoreError::Backend("connection closed".into()))
+            } else {
+                Ok(true)
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_is_retried_until_the_store_answers() {
+        let tries = std::cell::Cell::new(0);
+        let started = Instant::now();
+        let answer = until_answered(Duration::from_secs(30), || flaky(3, &tries)).await;
+        assert!(matches!(answer, Ok(true)), "{answer:?}");
+        assert_eq!(tries.get(), 4);
+        assert_eq!(started.elapsed(), Duration::from_millis(100 + 200 + 400));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_gives_up_when_the_window_closes() {
+        let tries = std::cell::Cell::new(0);
+        let started = Instant::now();
+        let answer = until_answered(Duration::from_secs(5), || flaky(u32::MAX, &tries)).await;
+        assert!(matches!(answer, Err(StoreError::Backend(_))), "{answer:?}");
+        // Waits of 0.1, 0.2, 0.4, 0.8, 1.6 s; the next (2 s, capped) would end past the window.
+        assert_eq!(tries.get(), 6);
+        assert_eq!(started.elapsed(), Duration::from_millis(3_100));
     }
 }

@@ -1,9 +1,12 @@
 //! Test harness: a database, a stub upstream and the proxy, wired together per test.
 
+pub mod cluster;
+pub mod history;
 pub mod http;
 pub mod pg;
 pub mod proxy;
 pub mod raw;
+pub mod recorder;
 pub mod relay;
 pub mod store;
 pub mod upstream;

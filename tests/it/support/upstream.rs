@@ -1,7 +1,8 @@
 //! A stub upstream on 127.0.0.1:0 that records every request it executes.
 //!
 //! The path picks the behaviour:
-//! - `/status/<code>`: answers `<code>` with a short text body.
+//! - `/status/<code>`: answers `<code>` with a short text body; first waits for its gate when the
+//!   request names one in `x-gate`.
 //! - `/slow`: answers 201 (head and body) once the test opens the request's gate.
 //! - `/stream`: sends the head and `FIRST_CHUNK`, then `REST_CHUNK` once the request's gate is open.
 //!
@@ -204,6 +205,10 @@ async fn respond(recorded: &Recorded, state: &State) -> Response<Body> {
         "/hop-by-hop" => hop_by_hop(),
         "/big" => big(param("bytes").and_then(|n| n.parse().ok()).unwrap_or(0)),
         _ => match path.strip_prefix("/status/").and_then(|c| c.parse().ok()) {
+            Some(code) if recorded.headers.contains_key("x-gate") => {
+                wait_open(state.gate(&gate_name(recorded, "status"))).await;
+                status(code)
+            }
             Some(code) => status(code),
             None => created(recorded),
         },
