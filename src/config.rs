@@ -749,9 +749,7 @@ impl RawStore {
             tls_ca_file: self.tls_ca_file.clone(),
         })
     }
-}
 
-impl RawStore {
     /// `sqlite://idemproxy.db` is relative to the working directory, `sqlite:///var/lib/x.db` absolute.
     fn validate_sqlite(&self, path: &str) -> Result<StoreConfig, ConfigError> {
         let key = "store.url";
@@ -953,6 +951,32 @@ mod tests {
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
         let err = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
         assert_eq!(err.key, "idempotency.release_statuses");
+    }
+
+    #[test]
+    fn the_embedded_store_is_the_default_and_its_url_is_a_file_path() {
+        let default = Config::from_toml_str("").unwrap();
+        assert_eq!(
+            default.store.backend,
+            StoreBackend::Sqlite {
+                path: PathBuf::from("idemproxy.db")
+            }
+        );
+        let absolute = Config::from_toml_str("[store]\nurl = \"sqlite:///var/lib/k.db\"\n").unwrap();
+        assert_eq!(
+            absolute.store.backend,
+            StoreBackend::Sqlite {
+                path: PathBuf::from("/var/lib/k.db")
+            }
+        );
+        for bad in ["sqlite://", "sqlite://dir/", "sqlite://k.db?mode=ro"] {
+            let err = Config::from_toml_str(&format!("[store]\nurl = \"{bad}\"\n")).unwrap_err();
+            assert_eq!(err.key, "store.url", "{bad}");
+        }
+        let err = Config::from_toml_str("[store]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err();
+        assert_eq!(err.key, "store.tls_ca_file");
+        let err = Config::from_toml_str("[sweeper]\nbatch_size = 0\n").unwrap_err();
+        assert_eq!(err.key, "sweeper.batch_size");
     }
 
     #[test]

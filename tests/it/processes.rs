@@ -16,6 +16,19 @@ async fn killed_proxy_claim_is_taken_over_after_its_lease() {
     // The successor starts first so it can probe while the dead proxy's lease still holds.
     let successor = ProxyProcess::spawn(&config).await;
 
+    kill_mid_request(&env, &mut dying).await;
+
+    let blocked = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
+    blocked.assert_problem(409, "key-in-flight");
+    assert!(blocked.retry_after() >= 1);
+
+    env.upstream.release("slow");
+    assert_taken_over(&env, &successor).await;
+}
+
+/// Sends a keyed request through `dying` and kills it with SIGKILL while the upstream holds the request,
+/// so its claim is left live with nobody to complete it.
+pub async fn kill_mid_request(env: &TestEnv, dying: &mut ProxyProcess) {
     let original = tokio::spawn(Reply::try_of(keyed_post(&dying.url, "/slow", "k", "{}")));
     env.upstream.wait_for_key("k", 1).await;
     dying.kill().await;
@@ -23,12 +36,10 @@ async fn killed_proxy_claim_is_taken_over_after_its_lease() {
         original.await.unwrap().is_err(),
         "the killed proxy cannot have answered"
     );
+}
 
-    let blocked = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
-    blocked.assert_problem(409, "key-in-flight");
-    assert!(blocked.retry_after() >= 1);
-
-    env.upstream.release("slow");
+/// Once the dead proxy's lease runs out, `successor` executes the key again and counts a takeover.
+pub async fn assert_taken_over(env: &TestEnv, successor: &ProxyProcess) {
     let taken_over = poll_until("the dead proxy's lease to run out", || async {
         let reply = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
         (reply.status != 409).then_some(reply)

@@ -9,10 +9,9 @@ use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::processes::{assert_taken_over, kill_mid_request};
 use crate::store_suite::{DAY, LONG, request};
-use crate::support::{
-    Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, metric, poll_until, settled,
-};
+use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, settled};
 
 async fn listeners() -> Listeners {
     Listeners {
@@ -67,6 +66,11 @@ async fn a_killed_proxy_leaves_the_file_to_its_successor() {
     dying.kill().await;
 
     let successor = ProxyProcess::spawn(&env.config()).await;
+    let log = successor.stderr();
+    assert!(
+        log.contains("serves this single instance only"),
+        "start log: {log}"
+    );
     let replay = Reply::of(keyed_post(&successor.url, "/orders", "k", "{}")).await;
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
@@ -101,23 +105,9 @@ async fn a_killed_proxys_claim_is_taken_over_by_its_successor_after_the_lease() 
     let env = TestEnv::on(Backend::Sqlite).await;
     let config = env.config().set("idempotency.lock_timeout", "2s");
     let mut dying = ProxyProcess::spawn(&config).await;
-    let original = tokio::spawn(Reply::try_of(keyed_post(&dying.url, "/slow", "k", "{}")));
-    env.upstream.wait_for_key("k", 1).await;
-    dying.kill().await;
-    assert!(
-        original.await.unwrap().is_err(),
-        "the killed proxy cannot have answered"
-    );
+    kill_mid_request(&env, &mut dying).await;
 
     let successor = ProxyProcess::spawn(&config).await;
     env.upstream.release("slow");
-    let taken_over = poll_until("the dead proxy's lease to run out", || async {
-        let reply = Reply::of(keyed_post(&successor.url, "/slow", "k", "{}")).await;
-        (reply.status != 409).then_some(reply)
-    })
-    .await;
-    assert_eq!(taken_over.status, 201, "{}", taken_over.text());
-    assert_eq!(taken_over.text(), "slow done 2");
-    let takeovers = metric(&successor.admin_url, "idemproxy_stale_takeovers_total", &[]).await;
-    assert_eq!(takeovers, 1.0);
+    assert_taken_over(&env, &successor).await;
 }
