@@ -161,6 +161,9 @@ impl Default for RawUpstream {
 /// The embedded store in the working directory: zero setup for a single instance.
 pub const DEFAULT_STORE_URL: &str = "sqlite://idemproxy.db";
 
+/// The largest `store.max_batch`: past a few hundred, a batch only adds latency.
+const MAX_BATCH_LIMIT: usize = 1000;
+
 /// `[store]`
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -170,6 +173,9 @@ pub struct RawStore {
     pub url: String,
     /// Maximum connections in the pool.
     pub pool_size: usize,
+    /// Most claims (and, apart, completions) sent to PostgreSQL in one statement when they arrive
+    /// together; 1 sends each on its own.
+    pub max_batch: usize,
     /// Bound on any one store operation, including waiting for a pooled connection.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
@@ -188,6 +194,7 @@ impl Default for RawStore {
         RawStore {
             url: DEFAULT_STORE_URL.into(),
             pool_size: 16,
+            max_batch: 64,
             timeout: Duration::from_secs(5),
             on_error: OnStoreError::FailClosed,
             migrate: true,
@@ -444,6 +451,8 @@ pub struct StoreConfig {
     pub url: String,
     /// Maximum pooled connections.
     pub pool_size: usize,
+    /// Most operations of one kind coalesced into one statement (PostgreSQL); 1 turns coalescing off.
+    pub max_batch: usize,
     /// Bound on one store operation.
     pub timeout: Duration,
     /// Behaviour while the store is down.
@@ -737,11 +746,18 @@ impl RawStore {
         if self.pool_size == 0 {
             return Err(ConfigError::new("store.pool_size", "must be at least 1"));
         }
+        if !(1..=MAX_BATCH_LIMIT).contains(&self.max_batch) {
+            return Err(ConfigError::new(
+                "store.max_batch",
+                format!("must be from 1 (no coalescing) to {MAX_BATCH_LIMIT}"),
+            ));
+        }
         positive("store.timeout", self.timeout)?;
         Ok(StoreConfig {
             backend: StoreBackend::Postgres,
             url: self.url.clone(),
             pool_size: self.pool_size,
+            max_batch: self.max_batch,
             timeout: self.timeout,
             on_error: self.on_error,
             migrate: self.migrate,
@@ -778,6 +794,7 @@ impl RawStore {
             },
             url: self.url.clone(),
             pool_size: 1,
+            max_batch: self.max_batch,
             timeout: self.timeout,
             on_error: self.on_error,
             migrate: self.migrate,

@@ -2,6 +2,7 @@
 //! which times and counts every operation. Backends live in `store/`; they decide claims atomically in the
 //! database and never by a read followed by a write.
 
+mod coalesce;
 pub mod encrypted;
 pub mod postgres;
 pub mod sqlite;
@@ -20,7 +21,7 @@ use postgres::PostgresStore;
 use sqlite::SqliteStore;
 
 /// A store failure. Whatever the cause, the request path treats it as "the store is unavailable".
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// No connection could be had in time, or an operation took longer than `store.timeout`.
     #[error("store operation timed out after {0:?}")]

@@ -172,6 +172,7 @@ fn toml_line() -> impl Strategy<Value = String> {
         "connect_timeout",
         "timeout",
         "pool_size",
+        "max_batch",
         "on_error",
         "migrate",
         "tls_ca_file",

@@ -3,6 +3,8 @@
 //! once per pooled connection; every operation is bounded by `store.timeout`, and a connection that timed
 //! out is dropped instead of going back to the pool. The database clock (`now()`) is the only clock.
 
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -10,9 +12,12 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio::time::{error::Elapsed, timeout};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
+use uuid::Uuid;
 
+use super::coalesce::{BatchFuture, Coalescer};
 use super::{
     ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, Store,
     StoreError, StoredResponse, epoch_ms,
@@ -31,14 +36,14 @@ const MIGRATION_TABLE: &str = "idemproxy.schema_history";
 /// never on the request path.
 const MIGRATION_LOCK_ID: i64 = 0x1de3_7072_6f78_7901;
 
-/// Columns describing a record as seen by the statement; `$3` is the request's fingerprint.
+/// Columns describing a record `r` as seen by the statement (with `same_fingerprint`, which each
+/// statement words for its own parameters).
 macro_rules! view_columns {
     () => {
-        "r.status, r.fingerprint = $3 AS same_fingerprint, \
-         ceil(extract(epoch FROM (r.locked_until - now())) * 1000)::bigint AS lease_ms, \
+        "r.status, ceil(extract(epoch FROM (r.locked_until - now())) * 1000)::bigint AS lease_ms, \
          r.expires_at <= now() AS expired, \
-         ceil(extract(epoch FROM (r.expires_at - now())) * 1000)::bigint AS ttl_ms, r.response_status, r.response_header_names, \
-         r.response_header_values, r.response_body, r.body_retained"
+         ceil(extract(epoch FROM (r.expires_at - now())) * 1000)::bigint AS ttl_ms, r.response_status, \
+         r.response_header_names, r.response_header_values, r.response_body, r.body_retained"
     };
 }
 
@@ -47,14 +52,14 @@ macro_rules! view_columns {
 macro_rules! won_or_record {
     () => {
         concat!(
-            "SELECT true AS won, w.attempt, w.claim_kind, NULL::text AS status, \
-                    NULL::boolean AS same_fingerprint, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
+            "SELECT true AS won, w.attempt, w.claim_kind, NULL::boolean AS same_fingerprint, \
+                    NULL::text AS status, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
                     NULL::bigint AS ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
                     NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
                     NULL::boolean AS body_retained
              FROM won w
              UNION ALL
-             SELECT false, r.attempt, r.claim_kind, ",
+             SELECT false, r.attempt, r.claim_kind, r.fingerprint = $3 AS same_fingerprint, ",
             view_columns!(),
             " FROM idemproxy.records r
              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM won)"
@@ -122,6 +127,36 @@ const TAKE: &str = concat!(
     won_or_record!()
 );
 
+/// CLAIM's first round for many requests at once (coalesced): one statement and one commit for all of
+/// them. Each new key is won by the INSERT, as in CLAIM; every other request gets its record as of the
+/// statement's snapshot. The inputs come sorted by (scope, key), so concurrent batches insert in one
+/// order and never deadlock each other. Of two requests for one key in the same batch, one wins and the
+/// other sees no record (the snapshot predates the statement's own insert); like a request whose CLAIM
+/// saw no record, it goes on to claim alone. One row per input; `n` is its 1-based position.
+const CLAIM_BATCH: &str = concat!(
+    "WITH input AS (
+        SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $5::float8[], $6::float8[])
+            WITH ORDINALITY AS u(scope, key, fingerprint, token, lease, ttl, n)
+    ), won AS (
+        INSERT INTO idemproxy.records AS r
+            (scope, key, fingerprint, status, token, attempt, claim_kind,
+             locked_until, created_at, expires_at, updated_at)
+        SELECT scope, key, fingerprint, 'processing', token, 1, 'new',
+               now() + make_interval(secs => lease), now(), now() + make_interval(secs => ttl), now()
+        FROM input ORDER BY n
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING r.token, r.attempt, r.claim_kind
+    )
+    SELECT i.n, w.token IS NOT NULL AS won, r.scope IS NOT NULL AS seen,
+           coalesce(w.attempt, r.attempt) AS attempt, coalesce(w.claim_kind, r.claim_kind) AS claim_kind,
+           r.fingerprint = i.fingerprint AS same_fingerprint, ",
+    view_columns!(),
+    " FROM input i
+    LEFT JOIN won w ON w.token = i.token
+    LEFT JOIN idemproxy.records r ON w.token IS NULL AND r.scope = i.scope AND r.key = i.key
+    ORDER BY i.n"
+);
+
 /// Extends the lease of a live claim. Fenced: only the holder of the current token can.
 const HEARTBEAT: &str = "UPDATE idemproxy.records
     SET locked_until = now() + make_interval(secs => $4), updated_at = now()
@@ -133,6 +168,20 @@ const COMPLETE: &str = "UPDATE idemproxy.records
         response_status = $4, response_header_names = $5, response_header_values = $6,
         response_body = $7, body_retained = $8
     WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
+
+/// COMPLETE for many records at once (coalesced), fenced per record exactly like COMPLETE. Header lists
+/// travel flattened in `$5`/`$6`; each record's are the slice `first_header..=last_header` (1-based, empty
+/// when `first_header > last_header`). Returns the token of every record it completed.
+const COMPLETE_BATCH: &str = "UPDATE idemproxy.records AS r
+    SET status = 'completed', locked_until = now(), updated_at = now(),
+        response_status = c.status,
+        response_header_names = ($5::text[])[c.first_header:c.last_header],
+        response_header_values = ($6::bytea[])[c.first_header:c.last_header],
+        response_body = c.body, body_retained = c.retained
+    FROM unnest($1::text[], $2::text[], $3::uuid[], $4::int2[], $7::int4[], $8::int4[], $9::bytea[],
+                $10::bool[]) AS c(scope, key, token, status, first_header, last_header, body, retained)
+    WHERE r.scope = c.scope AND r.key = c.key AND r.token = c.token AND r.status = 'processing'
+    RETURNING r.token";
 
 /// Gives the key back so the next retry executes. Fenced like COMPLETE.
 const RELEASE: &str = "UPDATE idemproxy.records
@@ -185,10 +234,27 @@ const CLAIM_ROUNDS: usize = 3;
 /// How often a statement hit by a serialization failure or deadlock is retried.
 const SERIALIZATION_RETRIES: usize = 3;
 
-/// The PostgreSQL-backed [`Store`].
+/// The PostgreSQL-backed [`Store`]. Claims and completions that arrive together are coalesced into one
+/// statement each (`store.max_batch`); everything else runs one statement per operation.
 pub struct PostgresStore {
+    db: Arc<Db>,
+    claims: Option<Coalescer<ClaimRequest, FirstRound>>,
+    completions: Option<Coalescer<Completion, Result<bool, StoreError>>>,
+}
+
+/// The pool and the bound on every operation, shared with the batch tasks.
+struct Db {
     pool: Pool,
     timeout: Duration,
+}
+
+/// A coalesced claim's answer: decided, or `None` when the request must go on to claim alone.
+type FirstRound = Result<Option<ClaimResult>, StoreError>;
+
+/// A completion waiting for its batch.
+struct Completion {
+    id: RecordId,
+    response: StoredResponse,
 }
 
 impl PostgresStore {
@@ -206,12 +272,53 @@ impl PostgresStore {
             .max_size(config.pool_size)
             .build()
             .map_err(|e| StoreError::Backend(e.to_string()))?;
-        Ok(PostgresStore {
+        let db = Arc::new(Db {
             pool,
             timeout: config.timeout,
+        });
+        let (claims, completions) = if config.max_batch > 1 {
+            let in_flight = batches_in_flight(config.pool_size);
+            let claims = Coalescer::new(config.max_batch, in_flight, {
+                let db = Arc::clone(&db);
+                move |requests| Box::pin(Arc::clone(&db).claim_batch(requests)) as BatchFuture<_>
+            });
+            let completions = Coalescer::new(config.max_batch, in_flight, {
+                let db = Arc::clone(&db);
+                move |items| Box::pin(Arc::clone(&db).complete_batch(items)) as BatchFuture<_>
+            });
+            (Some(claims), Some(completions))
+        } else {
+            (None, None)
+        };
+        Ok(PostgresStore {
+            db,
+            claims,
+            completions,
         })
     }
 
+    /// Applies pending migrations. Several replicas may call this at once: a session advisory lock on a
+    /// dedicated connection serialises them, and each applies only what is still missing.
+    pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
+        let pg = pg_config(config)?;
+        match tls_connector(config)? {
+            Some(tls) => migrate_over(pg, tls).await,
+            None => migrate_over(pg, NoTls).await,
+        }
+    }
+}
+
+/// Batches of each kind (claims, completions) running at once: a quarter of the pool, so coalesced
+/// statements leave connections for everything else (heartbeats, requests that claim alone).
+fn batches_in_flight(pool_size: usize) -> usize {
+    (pool_size / 4).max(1)
+}
+
+/// Completions with a body over this size are stored alone, so one statement never carries many large
+/// bodies at once.
+const BATCHED_BODY_LIMIT: usize = 64 * 1024;
+
+impl Db {
     async fn client(&self) -> Result<Object, StoreError> {
         match timeout(self.timeout, self.pool.get()).await {
             Ok(Ok(client)) => Ok(client),
@@ -237,31 +344,134 @@ impl PostgresStore {
         }
     }
 
+    /// Runs one statement within `store.timeout` and returns its rows.
+    async fn query(&self, sql: &'static str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(sql).await?;
+            retry_serialization(|| client.query(&statement, params)).await
+        })
+        .await;
+        self.finish(client, result)
+    }
+
+    /// Runs one statement within `store.timeout` and returns how many rows it changed.
+    async fn execute(&self, sql: &'static str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(sql).await?;
+            retry_serialization(|| client.execute(&statement, params)).await
+        })
+        .await;
+        self.finish(client, result)
+    }
+
     async fn execute_fenced(
         &self,
         sql: &'static str,
         id: &RecordId,
-        extra: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        extra: &[&(dyn ToSql + Sync)],
     ) -> Result<bool, StoreError> {
-        let client = self.client().await?;
-        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&id.scope, &id.key, &id.token];
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&id.scope, &id.key, &id.token];
         params.extend_from_slice(extra);
-        let result = timeout(self.timeout, async {
-            let statement = client.prepare_cached(sql).await?;
-            retry_serialization(|| client.execute(&statement, &params)).await
-        })
-        .await;
-        self.finish(client, result).map(|rows| rows == 1)
+        Ok(self.execute(sql, &params).await? == 1)
     }
 
-    /// Applies pending migrations. Several replicas may call this at once: a session advisory lock on a
-    /// dedicated connection serialises them, and each applies only what is still missing.
-    pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
-        let pg = pg_config(config)?;
-        match tls_connector(config)? {
-            Some(tls) => migrate_over(pg, tls).await,
-            None => migrate_over(pg, NoTls).await,
+    /// The claim with rounds of CLAIM and TAKE on one connection.
+    async fn claim_alone(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, claim_on(&client, request)).await;
+        self.finish(client, result)
+    }
+
+    async fn complete_alone(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
+        let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
+        let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| v.as_slice()).collect();
+        let status = response.status as i16;
+        let retained = response.body.is_some();
+        let body: Option<&[u8]> = response.body.as_deref();
+        self.execute_fenced(COMPLETE, id, &[&status, &names, &values, &body, &retained])
+            .await
+    }
+
+    /// A batch of claims: one alone runs the whole claim; more run CLAIM_BATCH.
+    async fn claim_batch(self: Arc<Self>, requests: Vec<ClaimRequest>) -> Vec<FirstRound> {
+        if let [request] = requests.as_slice() {
+            return vec![self.claim_alone(request).await.map(Some)];
         }
+        match self.claim_together(&requests).await {
+            Ok(decided) => decided.into_iter().map(Ok).collect(),
+            Err(error) => requests.iter().map(|_| Err(error.clone())).collect(),
+        }
+    }
+
+    async fn claim_together(
+        &self,
+        requests: &[ClaimRequest],
+    ) -> Result<Vec<Option<ClaimResult>>, StoreError> {
+        let mut order: Vec<&ClaimRequest> = requests.iter().collect();
+        order.sort_by(|a, b| (&a.id.scope, &a.id.key).cmp(&(&b.id.scope, &b.id.key)));
+        let scopes: Vec<&str> = order.iter().map(|r| r.id.scope.as_str()).collect();
+        let keys: Vec<&str> = order.iter().map(|r| r.id.key.as_str()).collect();
+        let fingerprints: Vec<&[u8]> = order.iter().map(|r| r.fingerprint.as_slice()).collect();
+        let tokens: Vec<Uuid> = order.iter().map(|r| r.id.token).collect();
+        let leases: Vec<f64> = order.iter().map(|r| r.lease.as_secs_f64()).collect();
+        let ttls: Vec<f64> = order.iter().map(|r| r.ttl.as_secs_f64()).collect();
+        let params: [&(dyn ToSql + Sync); 6] = [&scopes, &keys, &fingerprints, &tokens, &leases, &ttls];
+        let rows = self.query(CLAIM_BATCH, &params).await?;
+        let mut decided: HashMap<Uuid, ClaimResult> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let (n, seen) = decode_batched(row).map_err(backend)?;
+            let request = usize::try_from(n - 1)
+                .ok()
+                .and_then(|i| order.get(i))
+                .ok_or_else(corrupt)?;
+            if let Some(result) = settle(seen) {
+                decided.insert(request.id.token, result);
+            }
+        }
+        Ok(requests.iter().map(|r| decided.remove(&r.id.token)).collect())
+    }
+
+    /// A batch of completions: one alone runs COMPLETE; more run COMPLETE_BATCH.
+    async fn complete_batch(self: Arc<Self>, items: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
+        if let [item] = items.as_slice() {
+            return vec![self.complete_alone(&item.id, &item.response).await];
+        }
+        match self.complete_together(&items).await {
+            Ok(completed) => items
+                .iter()
+                .map(|c| Ok(completed.contains(&c.id.token)))
+                .collect(),
+            Err(error) => items.iter().map(|_| Err(error.clone())).collect(),
+        }
+    }
+
+    async fn complete_together(&self, items: &[Completion]) -> Result<HashSet<Uuid>, StoreError> {
+        let scopes: Vec<&str> = items.iter().map(|c| c.id.scope.as_str()).collect();
+        let keys: Vec<&str> = items.iter().map(|c| c.id.key.as_str()).collect();
+        let tokens: Vec<Uuid> = items.iter().map(|c| c.id.token).collect();
+        let statuses: Vec<i16> = items.iter().map(|c| c.response.status as i16).collect();
+        let headers = items.iter().flat_map(|c| &c.response.headers);
+        let names: Vec<&str> = headers.clone().map(|(n, _)| n.as_str()).collect();
+        let values: Vec<&[u8]> = headers.map(|(_, v)| v.as_slice()).collect();
+        let (mut firsts, mut lasts) = (Vec::with_capacity(items.len()), Vec::with_capacity(items.len()));
+        let mut next = 1i32;
+        for item in items {
+            let count = i32::try_from(item.response.headers.len()).map_err(|_| corrupt())?;
+            firsts.push(next);
+            lasts.push(next + count - 1);
+            next += count;
+        }
+        let bodies: Vec<Option<&[u8]>> = items.iter().map(|c| c.response.body.as_deref()).collect();
+        let retained: Vec<bool> = items.iter().map(|c| c.response.body.is_some()).collect();
+        let params: [&(dyn ToSql + Sync); 10] = [
+            &scopes, &keys, &tokens, &statuses, &names, &values, &firsts, &lasts, &bodies, &retained,
+        ];
+        let rows = self.query(COMPLETE_BATCH, &params).await?;
+        rows.iter()
+            .map(|row| row.try_get::<_, Uuid>(0).map_err(backend))
+            .collect()
     }
 }
 
@@ -399,10 +609,9 @@ impl View {
 }
 
 fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
-    let attempt: i32 = row.try_get("attempt")?;
-    let kind: String = row.try_get("claim_kind")?;
     if row.try_get::<_, bool>("won")? {
-        let kind = ClaimKind::parse(&kind).unwrap_or(ClaimKind::New);
+        let kind = ClaimKind::parse(row.try_get("claim_kind")?).unwrap_or(ClaimKind::New);
+        let attempt = row.try_get("attempt")?;
         return Ok(Seen::Won { attempt, kind });
     }
     Ok(Seen::Record(View {
@@ -413,6 +622,25 @@ fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
         ttl_ms: row.try_get("ttl_ms")?,
         response: decode_response(row)?,
     }))
+}
+
+/// One row of CLAIM_BATCH: the input's position, and what its request saw (`None`: no record).
+fn decode_batched(row: &Row) -> Result<(i64, Option<Seen>), tokio_postgres::Error> {
+    let n = row.try_get("n")?;
+    if !row.try_get::<_, bool>("won")? && !row.try_get::<_, bool>("seen")? {
+        return Ok((n, None));
+    }
+    Ok((n, Some(decode(row)?)))
+}
+
+/// What a claim round's row decides: the claim's result, or `None` when the record was not seen or looked
+/// claimable, so the next round must decide.
+fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
+    match seen? {
+        Seen::Won { attempt, kind } => Some(ClaimResult::Won { attempt, kind }),
+        Seen::Record(view) if !view.claimable() => Some(ClaimResult::Held(view.into_existing())),
+        Seen::Record(_) => None,
+    }
 }
 
 fn decode_response(row: &Row) -> Result<Option<StoredResponse>, tokio_postgres::Error> {
@@ -445,17 +673,12 @@ async fn claim_on(client: &Object, request: &ClaimRequest) -> Result<ClaimResult
     let fingerprint: &[u8] = &request.fingerprint;
     let lease = request.lease.as_secs_f64();
     let ttl = request.ttl.as_secs_f64();
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-        [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
+    let params: [&(dyn ToSql + Sync); 6] = [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
     for _ in 0..CLAIM_ROUNDS {
         for statement in [&claim, &take] {
             let row = retry_serialization(|| client.query_opt(statement, &params)).await?;
-            match row.as_ref().map(decode).transpose()? {
-                Some(Seen::Won { attempt, kind }) => return Ok(ClaimResult::Won { attempt, kind }),
-                Some(Seen::Record(view)) if !view.claimable() => {
-                    return Ok(ClaimResult::Held(view.into_existing()));
-                }
-                _ => {}
+            if let Some(decided) = settle(row.as_ref().map(decode).transpose()?) {
+                return Ok(decided);
             }
         }
     }
@@ -469,68 +692,73 @@ async fn claim_on(client: &Object, request: &ClaimRequest) -> Result<ClaimResult
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        let client = self.client().await?;
-        let result = timeout(self.timeout, claim_on(&client, request)).await;
-        self.finish(client, result)
+        let Some(claims) = &self.claims else {
+            return self.db.claim_alone(request).await;
+        };
+        match timeout(self.db.timeout, claims.submit(request.clone())).await {
+            Ok(Some(Ok(Some(decided)))) => Ok(decided),
+            Ok(Some(Ok(None))) => self.db.claim_alone(request).await,
+            Ok(Some(Err(error))) => Err(error),
+            Ok(None) => Err(unanswered()),
+            Err(_) => Err(StoreError::Timeout(self.db.timeout)),
+        }
     }
 
     async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
-        self.execute_fenced(HEARTBEAT, id, &[&lease.as_secs_f64()]).await
-    }
-
-    async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
-        let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
-        let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| v.as_slice()).collect();
-        let status = response.status as i16;
-        let retained = response.body.is_some();
-        let body: Option<&[u8]> = response.body.as_deref();
-        self.execute_fenced(COMPLETE, id, &[&status, &names, &values, &body, &retained])
+        self.db
+            .execute_fenced(HEARTBEAT, id, &[&lease.as_secs_f64()])
             .await
     }
 
+    async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
+        let Some(completions) = self.completions.as_ref().filter(|_| {
+            response
+                .body
+                .as_ref()
+                .is_none_or(|b| b.len() <= BATCHED_BODY_LIMIT)
+        }) else {
+            return self.db.complete_alone(id, response).await;
+        };
+        let completion = Completion {
+            id: id.clone(),
+            response: response.clone(),
+        };
+        match timeout(self.db.timeout, completions.submit(completion)).await {
+            Ok(Some(stored)) => stored,
+            Ok(None) => Err(unanswered()),
+            Err(_) => Err(StoreError::Timeout(self.db.timeout)),
+        }
+    }
+
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
-        self.execute_fenced(RELEASE, id, &[]).await
+        self.db.execute_fenced(RELEASE, id, &[]).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let result = timeout(self.timeout, client.simple_query("SELECT 1")).await;
-        self.finish(client, result).map(drop)
+        let client = self.db.client().await?;
+        let result = timeout(self.db.timeout, client.simple_query("SELECT 1")).await;
+        self.db.finish(client, result).map(drop)
     }
 
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
-        self.execute_fenced(RELEASE_STALE, id, &[]).await
+        self.db.execute_fenced(RELEASE_STALE, id, &[]).await
     }
 
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-        let client = self.client().await?;
         let limit = i64::from(batch);
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
-        let result = timeout(self.timeout, async {
-            let statement = client.prepare_cached(SWEEP).await?;
-            retry_serialization(|| client.execute(&statement, &params)).await
-        })
-        .await;
-        self.finish(client, result)
+        self.db.execute(SWEEP, &[&limit]).await
     }
 
     async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
-        let client = self.client().await?;
-        let result = timeout(self.timeout, async {
-            let statement = client.prepare_cached(FIND).await?;
-            client.query(&statement, &[&key, &scope]).await
-        })
-        .await;
-        let rows = self.finish(client, result)?;
+        let rows = self.db.query(FIND, &[&key, &scope]).await?;
         rows.iter()
             .map(|row| record_info(row).map_err(backend)?.ok_or_else(corrupt))
             .collect()
     }
 
     async fn stats(&self) -> Result<RecordStats, StoreError> {
-        let client = self.client().await?;
-        let result = timeout(self.timeout, client.query_one(STATS, &[])).await;
-        let row = self.finish(client, result)?;
+        let rows = self.db.query(STATS, &[]).await?;
+        let row = rows.first().ok_or_else(corrupt)?;
         let count = |i: usize| -> Result<u64, StoreError> {
             let n: i64 = row.try_get(i).map_err(backend)?;
             Ok(n.max(0) as u64)
@@ -542,6 +770,10 @@ impl Store for PostgresStore {
             expired: count(3)?,
         })
     }
+}
+
+fn unanswered() -> StoreError {
+    StoreError::Backend("the operation's batch ended without an answer".into())
 }
 
 fn corrupt() -> StoreError {

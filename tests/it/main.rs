@@ -15,6 +15,7 @@ mod processes;
 mod protocols;
 mod proxy_basic;
 mod replay_cache;
+mod store_coalesce;
 mod store_faults;
 mod store_pg;
 mod store_recovery;

@@ -1,0 +1,226 @@
+//! Coalescing of concurrent store operations of one kind (claims, completions) into batches, so that many
+//! keys cost one statement and one commit instead of one each. Natural batching, no timer: an operation
+//! that finds fewer than `max_in_flight` batches running starts one at once, alone, and pays no wait;
+//! operations that arrive while every batch slot is busy queue, and the next batch to finish takes them
+//! all (up to `max_batch`) in one go. So batches grow exactly as fast as the store falls behind.
+//! Runs wherever a store operation runs; touches nothing but its queue and the batch function it is given.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+/// A batch function's future: one output per input, in the same order.
+pub(crate) type BatchFuture<O> = Pin<Box<dyn Future<Output = Vec<O>> + Send>>;
+
+type BatchFn<I, O> = Box<dyn Fn(Vec<I>) -> BatchFuture<O> + Send + Sync>;
+
+/// Queues operations of one kind and runs them in batches through a batch function.
+pub(crate) struct Coalescer<I, O> {
+    inner: Arc<Inner<I, O>>,
+}
+
+struct Inner<I, O> {
+    queue: Mutex<Queue<I, O>>,
+    max_batch: usize,
+    max_in_flight: usize,
+    run: BatchFn<I, O>,
+}
+
+struct Queue<I, O> {
+    waiting: Vec<(I, oneshot::Sender<O>)>,
+    in_flight: usize,
+}
+
+impl<I: Send + 'static, O: Send + 'static> Coalescer<I, O> {
+    /// At most `max_in_flight` batches run at once, each of at most `max_batch` operations (both at
+    /// least 1). `run` must return exactly one output per input, in order.
+    pub(crate) fn new<F>(max_batch: usize, max_in_flight: usize, run: F) -> Coalescer<I, O>
+    where
+        F: Fn(Vec<I>) -> BatchFuture<O> + Send + Sync + 'static,
+    {
+        Coalescer {
+            inner: Arc::new(Inner {
+                queue: Mutex::new(Queue {
+                    waiting: Vec::new(),
+                    in_flight: 0,
+                }),
+                max_batch: max_batch.max(1),
+                max_in_flight: max_in_flight.max(1),
+                run: Box::new(run),
+            }),
+        }
+    }
+
+    /// Runs `item` in the next batch and returns its output; `None` if its batch never answered (its
+    /// task panicked or the runtime is shutting down). Once submitted, the operation runs even if the
+    /// caller stops waiting for it.
+    pub(crate) async fn submit(&self, item: I) -> Option<O> {
+        let (answer, output) = oneshot::channel();
+        let batch = {
+            let mut queue = self.inner.lock();
+            queue.waiting.push((item, answer));
+            if queue.in_flight >= self.inner.max_in_flight {
+                None
+            } else {
+                queue.in_flight += 1;
+                Some(self.inner.take(&mut queue))
+            }
+        };
+        if let Some(batch) = batch {
+            tokio::spawn(Arc::clone(&self.inner).drive(batch));
+        }
+        output.await.ok()
+    }
+}
+
+impl<I: Send + 'static, O: Send + 'static> Inner<I, O> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<I, O>> {
+        // The lock is only held to move items in and out of the queue, never across a panic-prone call.
+        self.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn take(&self, queue: &mut Queue<I, O>) -> Vec<(I, oneshot::Sender<O>)> {
+        let n = queue.waiting.len().min(self.max_batch);
+        queue.waiting.drain(..n).collect()
+    }
+
+    /// Runs batches until the queue is empty, then gives its slot back. The queue is checked under the
+    /// same lock that `submit` pushes under, so no operation is left waiting without a batch to take it.
+    async fn drive(self: Arc<Self>, mut batch: Vec<(I, oneshot::Sender<O>)>) {
+        let _slot = Slot(&self);
+        loop {
+            let (items, answers): (Vec<I>, Vec<oneshot::Sender<O>>) = batch.into_iter().unzip();
+            let outputs = (self.run)(items).await;
+            debug_assert_eq!(
+                outputs.len(),
+                answers.len(),
+                "a batch function must answer every input"
+            );
+            for (answer, output) in answers.into_iter().zip(outputs) {
+                let _ = answer.send(output);
+            }
+            let mut queue = self.lock();
+            if queue.waiting.is_empty() {
+                return;
+            }
+            batch = self.take(&mut queue);
+        }
+    }
+}
+
+/// Gives a batch slot back when its driver ends, by returning or by unwinding; an unwinding driver also
+/// starts a new one for anything still queued, so a panic in one batch never strands the others.
+struct Slot<'a, I: Send + 'static, O: Send + 'static>(&'a Arc<Inner<I, O>>);
+
+impl<I: Send + 'static, O: Send + 'static> Drop for Slot<'_, I, O> {
+    fn drop(&mut self) {
+        let mut queue = self.0.lock();
+        if std::thread::panicking() && !queue.waiting.is_empty() {
+            let batch = self.0.take(&mut queue);
+            drop(queue);
+            tokio::spawn(Arc::clone(self.0).drive(batch));
+            return;
+        }
+        queue.in_flight -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    /// A batch function that doubles its inputs once `gate` lets it, and records every batch's size.
+    fn doubling(gate: Arc<Semaphore>, sizes: Arc<Mutex<Vec<usize>>>) -> Coalescer<u32, u32> {
+        Coalescer::new(8, 1, move |items: Vec<u32>| {
+            let gate = Arc::clone(&gate);
+            let sizes = Arc::clone(&sizes);
+            Box::pin(async move {
+                gate.acquire().await.expect("gate open").forget();
+                sizes.lock().unwrap().push(items.len());
+                items.into_iter().map(|n| n * 2).collect()
+            }) as BatchFuture<u32>
+        })
+    }
+
+    #[tokio::test]
+    async fn a_lone_operation_runs_at_once_in_a_batch_of_one() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let coalescer = doubling(Arc::new(Semaphore::new(100)), Arc::clone(&sizes));
+        assert_eq!(coalescer.submit(21).await, Some(42));
+        assert_eq!(*sizes.lock().unwrap(), vec![1]);
+    }
+
+    #[tokio::test]
+    async fn operations_arriving_while_a_batch_runs_share_the_next_one_and_each_gets_its_own_answer() {
+        let gate = Arc::new(Semaphore::new(0));
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let coalescer = Arc::new(doubling(Arc::clone(&gate), Arc::clone(&sizes)));
+        let first = tokio::spawn({
+            let coalescer = Arc::clone(&coalescer);
+            async move { coalescer.submit(1).await }
+        });
+        // The first batch holds the only slot until the gate opens; 20 more queue behind it.
+        while coalescer.inner.lock().in_flight == 0 {
+            tokio::task::yield_now().await;
+        }
+        let rest: Vec<_> = (2..=21)
+            .map(|n| {
+                let coalescer = Arc::clone(&coalescer);
+                tokio::spawn(async move { (n, coalescer.submit(n).await) })
+            })
+            .collect();
+        while coalescer.inner.lock().waiting.len() < 20 {
+            tokio::task::yield_now().await;
+        }
+        gate.add_permits(100);
+        assert_eq!(first.await.unwrap(), Some(2));
+        for task in rest {
+            let (n, answer) = task.await.unwrap();
+            assert_eq!(answer, Some(n * 2));
+        }
+        // 1 alone, then the 20 queued in batches of at most 8.
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 8, 8, 4]);
+        assert_eq!(coalescer.inner.lock().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_stops_waiting_does_not_stop_its_operation_or_the_others() {
+        let gate = Arc::new(Semaphore::new(0));
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let coalescer = Arc::new(doubling(Arc::clone(&gate), Arc::clone(&sizes)));
+        let abandoned = tokio::time::timeout(Duration::from_millis(10), coalescer.submit(1)).await;
+        assert!(abandoned.is_err());
+        let waiting = tokio::spawn({
+            let coalescer = Arc::clone(&coalescer);
+            async move { coalescer.submit(2).await }
+        });
+        gate.add_permits(100);
+        assert_eq!(waiting.await.unwrap(), Some(4));
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_panicking_batch_answers_none_and_later_operations_still_run() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let coalescer: Arc<Coalescer<u32, u32>> = Arc::new(Coalescer::new(8, 1, {
+            let calls = Arc::clone(&calls);
+            move |items: Vec<u32>| {
+                let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+                Box::pin(async move {
+                    assert!(!first, "the first batch fails");
+                    items
+                }) as BatchFuture<u32>
+            }
+        }));
+        assert_eq!(coalescer.submit(1).await, None);
+        assert_eq!(coalescer.submit(2).await, Some(2));
+        assert_eq!(coalescer.inner.lock().in_flight, 0);
+    }
+}

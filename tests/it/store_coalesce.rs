@@ -1,0 +1,385 @@
+//! Coalesced claims and completions on PostgreSQL (`store.max_batch`). Each test holds the store's one
+//! batch slot with a statement that waits on a lock the test holds, queues its operations behind it, and
+//! only then lets the slot go, so the queued operations run as one batch whatever the machine's speed.
+//! Rows written by one batch share a transaction id (`xmin`), which is how the tests see the batching.
+
+use std::pin::pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use idemproxy::Config;
+use idemproxy::store::{
+    self, ClaimKind, ClaimRequest, ClaimResult, Existing, Purpose, Store, StoredResponse,
+};
+use uuid::Uuid;
+
+use crate::store_suite::{DAY, LONG, request, response, won};
+use crate::support::pg::TestDb;
+
+/// A store whose pool of 4 allows one batch of each kind at a time, each of up to 64 operations.
+async fn coalescing_store(db: &TestDb) -> Arc<dyn Store> {
+    let config = Config::from_toml_str(&format!(
+        "[store]\nurl = \"{}\"\ntimeout = \"10s\"\npool_size = 4\nmax_batch = 64\n",
+        db.url()
+    ))
+    .expect("valid test config");
+    store::migrate(&config.store).await.expect("migrations apply");
+    store::open(&config.store, Purpose::Tool)
+        .await
+        .expect("store opens")
+}
+
+/// How many transactions wrote the current versions of these keys' records.
+async fn writing_transactions(db: &TestDb, keys: &[String]) -> i64 {
+    db.client()
+        .await
+        .query_one(
+            "SELECT count(DISTINCT xmin::text) FROM idemproxy.records WHERE key = ANY($1)",
+            &[&keys],
+        )
+        .await
+        .expect("count writers")
+        .get(0)
+}
+
+fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+/// Holds a lock that the store's statement for `gate` waits on, until `open` is called.
+struct Gate {
+    _connection: tokio::task::JoinHandle<()>,
+    transaction: tokio_postgres::Client,
+}
+
+impl Gate {
+    /// An uncommitted record for `key`: a claim of `key` waits until the gate opens.
+    async fn uncommitted_record(db: &TestDb, key: &str) -> Gate {
+        let gate = Gate::begin(db).await;
+        gate.transaction
+            .execute(
+                "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                     locked_until, created_at, expires_at, updated_at)
+                 VALUES ('default:test', $1, $2, 'processing', $3, 1, 'new', now() + interval '1 hour',
+                     now(), now() + interval '1 day', now())",
+                &[&key, &vec![9u8; 32], &Uuid::new_v4()],
+            )
+            .await
+            .expect("insert the gate record");
+        gate
+    }
+
+    /// A row lock on `key`'s record: a completion of `key` waits until the gate opens.
+    async fn row_lock(db: &TestDb, key: &str) -> Gate {
+        let gate = Gate::begin(db).await;
+        let locked = gate
+            .transaction
+            .execute(
+                "SELECT 1 FROM idemproxy.records WHERE key = $1 FOR UPDATE",
+                &[&key],
+            )
+            .await
+            .expect("lock the gate record");
+        assert_eq!(locked, 1);
+        gate
+    }
+
+    async fn begin(db: &TestDb) -> Gate {
+        let url = db.url();
+        let (transaction, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        let connection = tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        transaction.batch_execute("BEGIN").await.expect("begin");
+        Gate {
+            _connection: connection,
+            transaction,
+        }
+    }
+
+    async fn open(self) {
+        self.transaction.batch_execute("COMMIT").await.expect("commit");
+    }
+}
+
+/// Runs `operations` as one queue behind a slot held shut by `gate`: every operation is submitted (one
+/// poll queues them all) before the gate opens.
+async fn behind<T>(gate: Gate, operations: impl IntoIterator<Item = impl Future<Output = T>>) -> Vec<T> {
+    let mut all = pin!(join_all(operations));
+    assert!(
+        futures_util::poll!(&mut all).is_pending(),
+        "the slot is held, so nothing can finish yet"
+    );
+    gate.open().await;
+    all.await
+}
+
+/// Starts `key`'s claim (alone, in the batch slot) and waits until it is blocked on the gate.
+async fn hold_the_claim_slot(
+    db: &TestDb,
+    store: &Arc<dyn Store>,
+    key: &str,
+) -> (Gate, tokio::task::JoinHandle<()>) {
+    let gate = Gate::uncommitted_record(db, key).await;
+    let holder = tokio::spawn({
+        let store = Arc::clone(store);
+        let claim = request(key, 1, LONG, DAY);
+        async move {
+            store.claim(&claim).await.expect("the gate's claim runs");
+        }
+    });
+    db.wait_for_a_lock_waiter().await;
+    (gate, holder)
+}
+
+#[tokio::test]
+async fn claims_that_arrive_together_commit_together_and_each_key_has_one_winner() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "gate").await;
+
+    // 50 keys, each claimed twice: the second request for a key lands in the same batch as the first
+    // (keys 0..13) or in the next one (keys 14..49).
+    let keys = keys("key", 50);
+    let claims: Vec<ClaimRequest> = keys
+        .iter()
+        .chain(&keys)
+        .map(|k| request(k, 1, LONG, DAY))
+        .collect();
+    let results = behind(gate, claims.iter().map(|c| store.claim(c))).await;
+    holder.await.unwrap();
+
+    for key in &keys {
+        let answers: Vec<&ClaimResult> = claims
+            .iter()
+            .zip(&results)
+            .filter(|(c, _)| &c.id.key == key)
+            .map(|(_, r)| r.as_ref().expect("claim runs"))
+            .collect();
+        let winners = answers
+            .iter()
+            .filter(|r| matches!(r, ClaimResult::Won { .. }))
+            .count();
+        assert_eq!(winners, 1, "{key}: {answers:?}");
+        assert!(
+            answers.iter().any(|r| matches!(
+                r,
+                ClaimResult::Held(Existing::Processing {
+                    same_fingerprint: true,
+                    ..
+                })
+            )),
+            "{key}: the other request sees the winner's live claim: {answers:?}"
+        );
+    }
+    // Every key was won in the first batch: one transaction for the 50 new records.
+    assert_eq!(writing_transactions(&db, &keys).await, 1);
+}
+
+#[tokio::test]
+async fn a_batch_answers_each_request_as_it_would_be_answered_alone() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    // Records in every state a claim can meet, made one at a time.
+    for key in ["replay", "other-payload", "expired", "released"] {
+        let claim = request(key, 1, LONG, DAY);
+        won(&*store, &claim).await;
+        if key == "released" {
+            assert!(store.release(&claim.id).await.unwrap());
+        } else {
+            assert!(store.complete(&claim.id, &response(b"stored")).await.unwrap());
+        }
+    }
+    won(&*store, &request("in-flight", 1, LONG, DAY)).await;
+    db.client()
+        .await
+        .execute(
+            "UPDATE idemproxy.records SET expires_at = now() - interval '1 second' WHERE key = 'expired'",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "gate").await;
+    let claims = [
+        request("replay", 1, LONG, DAY),
+        request("other-payload", 2, LONG, DAY),
+        request("in-flight", 1, LONG, DAY),
+        request("expired", 2, LONG, DAY),
+        request("released", 1, LONG, DAY),
+        request("new", 1, LONG, DAY),
+    ];
+    let results = behind(gate, claims.iter().map(|c| store.claim(c))).await;
+    holder.await.unwrap();
+
+    let mut results = results.into_iter().map(|r| r.expect("claim runs"));
+    let mut next = || results.next().unwrap();
+    match next() {
+        ClaimResult::Held(Existing::Completed {
+            same_fingerprint: true,
+            response: stored,
+            expires_in,
+        }) => {
+            assert_eq!(stored, response(b"stored"));
+            assert!(expires_in > DAY / 2);
+        }
+        other => panic!("replay: {other:?}"),
+    }
+    assert!(
+        matches!(
+            next(),
+            ClaimResult::Held(Existing::Completed {
+                same_fingerprint: false,
+                ..
+            })
+        ),
+        "another payload"
+    );
+    match next() {
+        ClaimResult::Held(Existing::Processing {
+            same_fingerprint: true,
+            lease_remaining,
+        }) => assert!(lease_remaining > LONG / 2),
+        other => panic!("in flight: {other:?}"),
+    }
+    assert!(
+        matches!(
+            next(),
+            ClaimResult::Won {
+                attempt: 1,
+                kind: ClaimKind::New
+            }
+        ),
+        "expired"
+    );
+    assert!(
+        matches!(
+            next(),
+            ClaimResult::Won {
+                attempt: 2,
+                kind: ClaimKind::Retry
+            }
+        ),
+        "released"
+    );
+    assert!(
+        matches!(
+            next(),
+            ClaimResult::Won {
+                attempt: 1,
+                kind: ClaimKind::New
+            }
+        ),
+        "new"
+    );
+}
+
+#[tokio::test]
+async fn completions_that_arrive_together_store_each_response_fenced_by_its_token() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let keys = keys("done", 30);
+    let mut claims = Vec::new();
+    for key in keys.iter().map(String::as_str).chain(["gate", "taken-over"]) {
+        let claim = request(key, 1, LONG, DAY);
+        won(&*store, &claim).await;
+        claims.push(claim);
+    }
+    // Responses of every shape: no headers, several, a body not retained, an empty body, binary.
+    let responses: Vec<StoredResponse> = (0..keys.len())
+        .map(|i| StoredResponse {
+            status: 200 + i as u16,
+            headers: (0..i % 4)
+                .map(|h| (format!("x-header-{h}"), format!("{i}/{h}").into_bytes()))
+                .collect(),
+            body: match i % 3 {
+                0 => None,
+                1 => Some(Bytes::new()),
+                _ => Some(Bytes::from(vec![i as u8; 100 + i])),
+            },
+        })
+        .collect();
+    // A completion by a claim that is no longer the holder's: fenced out even inside a batch.
+    let stale = claims.pop().unwrap();
+    db.client()
+        .await
+        .execute(
+            "UPDATE idemproxy.records SET token = $1 WHERE key = 'taken-over'",
+            &[&Uuid::new_v4()],
+        )
+        .await
+        .unwrap();
+
+    let gate = Gate::row_lock(&db, "gate").await;
+    let gate_claim = claims.pop().unwrap();
+    let holder = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move { store.complete(&gate_claim.id, &response(b"gate")).await }
+    });
+    db.wait_for_a_lock_waiter().await;
+    let stale_response = response(b"stale");
+    let completions = claims
+        .iter()
+        .zip(&responses)
+        .map(|(c, r)| (&c.id, r))
+        .chain([(&stale.id, &stale_response)]);
+    let stored = behind(gate, completions.map(|(id, r)| store.complete(id, r))).await;
+    assert!(holder.await.unwrap().unwrap(), "the gate's own completion");
+
+    let (fenced, completed) = stored.split_last().unwrap();
+    assert!(
+        !fenced.as_ref().unwrap(),
+        "the stale holder's completion matches no record"
+    );
+    assert!(completed.iter().all(|r| *r.as_ref().unwrap()), "{completed:?}");
+    for (key, expected) in keys.iter().zip(&responses) {
+        match store.claim(&request(key, 1, LONG, DAY)).await.unwrap() {
+            ClaimResult::Held(Existing::Completed { response, .. }) => {
+                assert_eq!(&response, expected, "{key}")
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        store.claim(&request("taken-over", 1, LONG, DAY)).await.unwrap(),
+        ClaimResult::Held(Existing::Processing { .. })
+    ));
+    assert_eq!(
+        writing_transactions(&db, &keys).await,
+        1,
+        "30 completions, one transaction"
+    );
+}
+
+#[tokio::test]
+async fn a_response_too_large_to_batch_is_stored_whole() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let claims: Vec<ClaimRequest> = ["large", "small-1", "small-2"]
+        .iter()
+        .map(|k| request(k, 1, LONG, DAY))
+        .collect();
+    for claim in &claims {
+        won(&*store, claim).await;
+    }
+    let mut large = response(b"");
+    large.body = Some(Bytes::from(vec![7u8; 300 * 1024]));
+    let responses = [large, response(b"one"), response(b"two")];
+    let stored = join_all(
+        claims
+            .iter()
+            .zip(&responses)
+            .map(|(c, r)| store.complete(&c.id, r)),
+    )
+    .await;
+    assert!(stored.iter().all(|r| *r.as_ref().unwrap()));
+    for (claim, expected) in claims.iter().zip(&responses) {
+        match store.claim(&request(&claim.id.key, 1, LONG, DAY)).await.unwrap() {
+            ClaimResult::Held(Existing::Completed { response, .. }) => assert_eq!(&response, expected),
+            other => panic!("{other:?}"),
+        }
+    }
+}
