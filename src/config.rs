@@ -746,24 +746,28 @@ impl RawStore {
         if self.pool_size == 0 {
             return Err(ConfigError::new("store.pool_size", "must be at least 1"));
         }
-        if !(1..=MAX_BATCH_LIMIT).contains(&self.max_batch) {
-            return Err(ConfigError::new(
-                "store.max_batch",
-                format!("must be from 1 (no coalescing) to {MAX_BATCH_LIMIT}"),
-            ));
-        }
         positive("store.timeout", self.timeout)?;
         Ok(StoreConfig {
             backend: StoreBackend::Postgres,
             url: self.url.clone(),
             pool_size: self.pool_size,
-            max_batch: self.max_batch,
+            max_batch: self.max_batch()?,
             timeout: self.timeout,
             on_error: self.on_error,
             migrate: self.migrate,
             tls,
             tls_ca_file: self.tls_ca_file.clone(),
         })
+    }
+
+    fn max_batch(&self) -> Result<usize, ConfigError> {
+        if !(1..=MAX_BATCH_LIMIT).contains(&self.max_batch) {
+            return Err(ConfigError::new(
+                "store.max_batch",
+                format!("must be from 1 (no coalescing) to {MAX_BATCH_LIMIT}"),
+            ));
+        }
+        Ok(self.max_batch)
     }
 
     /// `sqlite://idemproxy.db` is relative to the working directory, `sqlite:///var/lib/x.db` absolute.
@@ -794,7 +798,7 @@ impl RawStore {
             },
             url: self.url.clone(),
             pool_size: 1,
-            max_batch: self.max_batch,
+            max_batch: self.max_batch()?,
             timeout: self.timeout,
             on_error: self.on_error,
             migrate: self.migrate,

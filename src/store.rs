@@ -70,7 +70,7 @@ pub async fn open(config: &StoreConfig, purpose: Purpose) -> Result<Arc<dyn Stor
                 Purpose::Serve => sqlite::Access::Serve,
                 Purpose::Tool => sqlite::Access::Tool,
             };
-            let store = SqliteStore::open(path, config.timeout, access).await?;
+            let store = SqliteStore::open(path, config.timeout, config.max_batch, access).await?;
             if migrate {
                 let applied = store.migrate().await?;
                 tracing::info!(applied, "store schema is up to date");
@@ -92,7 +92,7 @@ pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
     match &config.backend {
         StoreBackend::Postgres => PostgresStore::migrate(config).await,
         StoreBackend::Sqlite { path } => {
-            SqliteStore::open(path, config.timeout, sqlite::Access::Migrate)
+            SqliteStore::open(path, config.timeout, config.max_batch, sqlite::Access::Migrate)
                 .await?
                 .migrate()
                 .await

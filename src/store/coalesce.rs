@@ -11,6 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
+use super::StoreError;
+
 /// A batch function's future: one output per input, in the same order.
 pub(crate) type BatchFuture<O> = Pin<Box<dyn Future<Output = Vec<O>> + Send>>;
 
@@ -125,6 +127,11 @@ impl<I: Send + 'static, O: Send + 'static> Drop for Slot<'_, I, O> {
         }
         queue.in_flight -= 1;
     }
+}
+
+/// The error for an operation whose batch never answered.
+pub(crate) fn unanswered() -> StoreError {
+    StoreError::Backend("the operation's batch ended without an answer".into())
 }
 
 #[cfg(test)]

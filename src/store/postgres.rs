@@ -17,7 +17,7 @@ use tokio_postgres::{NoTls, Row, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use uuid::Uuid;
 
-use super::coalesce::{BatchFuture, Coalescer};
+use super::coalesce::{BatchFuture, Coalescer, unanswered};
 use super::{
     ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, Store,
     StoreError, StoredResponse, epoch_ms,
@@ -770,10 +770,6 @@ impl Store for PostgresStore {
             expired: count(3)?,
         })
     }
-}
-
-fn unanswered() -> StoreError {
-    StoreError::Backend("the operation's batch ended without an answer".into())
 }
 
 fn corrupt() -> StoreError {

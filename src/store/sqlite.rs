@@ -3,7 +3,9 @@
 //! sweep in the sweeper), but every call goes to a blocking thread, never to the async runtime's workers.
 //! One connection behind a mutex serves the process. A claim is one `BEGIN IMMEDIATE` transaction, which
 //! holds SQLite's single write lock, so it is atomic against this process and against any other program
-//! on the same file (such as `idemproxy keys`). The clock is the host's, read once per operation.
+//! on the same file (such as `idemproxy keys`). Claims that arrive while the connection is busy share the
+//! next transaction, one after another inside it, and so share its commit (completions likewise): the
+//! commit's fsync is what a claim costs. The clock is the host's, read once per operation.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
@@ -15,6 +17,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavio
 use tokio::time::timeout;
 use uuid::Uuid;
 
+use super::coalesce::{BatchFuture, Coalescer, unanswered};
 use super::{
     ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, Store,
     StoreError, StoredResponse, epoch_ms,
@@ -111,18 +114,100 @@ pub enum Access {
 
 /// The SQLite-backed [`Store`].
 pub struct SqliteStore {
-    db: Arc<Mutex<Connection>>,
-    timeout: Duration,
+    conn: Arc<Shared>,
+    claims: Coalescer<ClaimRequest, Result<ClaimResult, StoreError>>,
+    completions: Coalescer<(RecordId, EncodedResponse), Result<bool, StoreError>>,
     /// Held while serving: a second proxy on the same file is refused instead of sharing it.
     _instance: Option<File>,
+}
+
+/// The connection and the bound on every operation, shared with the batch tasks.
+struct Shared {
+    db: Mutex<Connection>,
+    timeout: Duration,
+}
+
+impl Shared {
+    /// Runs `op` with the connection and the current time (ms since the epoch) on a blocking thread.
+    async fn call<T, F>(self: &Arc<Self>, op: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection, i64) -> Result<T, StoreError> + Send + 'static,
+    {
+        let shared = Arc::clone(self);
+        let task = blocking(move || {
+            let mut db = shared.db.lock().unwrap_or_else(PoisonError::into_inner);
+            op(&mut db, now_ms())
+        });
+        match timeout(self.timeout, task).await {
+            Ok(result) => result?,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+}
+
+/// Operations of one kind coalesced into one transaction each time the connection comes free: `run`
+/// does every item's work in order inside the transaction that the batch commits.
+fn batched<I, O, F>(conn: &Arc<Shared>, max_batch: usize, run: F) -> Coalescer<I, Result<O, StoreError>>
+where
+    I: Send + 'static,
+    O: Send + 'static,
+    F: Fn(&Connection, i64, &I) -> rusqlite::Result<O> + Copy + Send + Sync + 'static,
+{
+    let conn = Arc::clone(conn);
+    Coalescer::new(max_batch, 1, move |items: Vec<I>| {
+        let conn = Arc::clone(&conn);
+        Box::pin(async move {
+            let n = items.len();
+            let done = conn
+                .call(move |db, now| in_one_transaction(db, now, &items, run).map_err(backend))
+                .await;
+            match done {
+                Ok(outputs) => outputs.into_iter().map(Ok).collect(),
+                Err(error) => (0..n).map(|_| Err(error.clone())).collect(),
+            }
+        }) as BatchFuture<_>
+    })
+}
+
+fn in_one_transaction<I, O>(
+    db: &mut Connection,
+    now: i64,
+    items: &[I],
+    run: impl Fn(&Connection, i64, &I) -> rusqlite::Result<O>,
+) -> rusqlite::Result<Vec<O>> {
+    let tx = db.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let outputs = items
+        .iter()
+        .map(|item| run(&tx, now, item))
+        .collect::<rusqlite::Result<_>>()?;
+    tx.commit()?;
+    Ok(outputs)
 }
 
 impl SqliteStore {
     /// Opens (and for `Serve` and `Migrate`, creates) the database file. `timeout` bounds every operation,
     /// including waiting for another program's write lock on the file.
-    pub async fn open(path: &Path, timeout: Duration, access: Access) -> Result<SqliteStore, StoreError> {
+    /// Claims (and, apart, completions) that queue for the connection are committed together, up to
+    /// `max_batch` at a time.
+    pub async fn open(
+        path: &Path,
+        timeout: Duration,
+        max_batch: usize,
+        access: Access,
+    ) -> Result<SqliteStore, StoreError> {
         let path = path.to_path_buf();
-        blocking(move || open_blocking(&path, timeout, access)).await?
+        let (db, instance) = blocking(move || open_blocking(&path, timeout, access)).await??;
+        let conn = Arc::new(Shared {
+            db: Mutex::new(db),
+            timeout,
+        });
+        Ok(SqliteStore {
+            claims: batched(&conn, max_batch, claim_in),
+            completions: batched(&conn, max_batch, complete_in),
+            conn,
+            _instance: instance,
+        })
     }
 
     /// Applies pending migrations and reports how many were applied.
@@ -137,21 +222,12 @@ impl SqliteStore {
         .await
     }
 
-    /// Runs `op` with the connection and the current time (ms since the epoch) on a blocking thread.
     async fn call<T, F>(&self, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection, i64) -> Result<T, StoreError> + Send + 'static,
     {
-        let db = Arc::clone(&self.db);
-        let task = blocking(move || {
-            let mut db = db.lock().unwrap_or_else(PoisonError::into_inner);
-            op(&mut db, now_ms())
-        });
-        match timeout(self.timeout, task).await {
-            Ok(result) => result?,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        }
+        self.conn.call(op).await
     }
 
     /// A fenced single-row update: `?1..?3` identify the claim, `?4` is now, then `extra`.
@@ -165,9 +241,6 @@ impl SqliteStore {
                 Extra::Lease(lease) => {
                     statement.execute(params![scope, key, token, now.saturating_add(lease), now])
                 }
-                Extra::Response(r) => statement.execute(params![
-                    scope, key, token, now, r.status, r.headers, r.body, r.retained
-                ]),
             };
             Ok(changed.map_err(backend)? == 1)
         })
@@ -180,7 +253,6 @@ enum Extra {
     None,
     /// A lease, in milliseconds.
     Lease(i64),
-    Response(EncodedResponse),
 }
 
 /// A response in the columns' form.
@@ -194,9 +266,10 @@ struct EncodedResponse {
 #[async_trait::async_trait]
 impl Store for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        let request = request.clone();
-        self.call(move |db, now| claim_in(db, now, &request).map_err(backend))
+        self.claims
+            .submit(request.clone())
             .await
+            .unwrap_or_else(|| Err(unanswered()))
     }
 
     async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
@@ -210,7 +283,10 @@ impl Store for SqliteStore {
             body: response.body.as_ref().map(|body| body.to_vec()),
             retained: response.body.is_some(),
         };
-        self.fenced(COMPLETE, id, Extra::Response(encoded)).await
+        self.completions
+            .submit((id.clone(), encoded))
+            .await
+            .unwrap_or_else(|| Err(unanswered()))
     }
 
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
@@ -267,7 +343,11 @@ impl Store for SqliteStore {
     }
 }
 
-fn open_blocking(path: &Path, timeout: Duration, access: Access) -> Result<SqliteStore, StoreError> {
+fn open_blocking(
+    path: &Path,
+    timeout: Duration,
+    access: Access,
+) -> Result<(Connection, Option<File>), StoreError> {
     let instance = match access {
         Access::Serve => Some(lock_instance(path)?),
         Access::Migrate | Access::Tool => None,
@@ -285,11 +365,7 @@ fn open_blocking(path: &Path, timeout: Duration, access: Access) -> Result<Sqlit
     let db = Connection::open_with_flags(path, flags)
         .map_err(|e| StoreError::Backend(format!("cannot open SQLite store {}: {e}", path.display())))?;
     configure(&db, timeout).map_err(backend)?;
-    Ok(SqliteStore {
-        db: Arc::new(Mutex::new(db)),
-        timeout,
-        _instance: instance,
-    })
+    Ok((db, instance))
 }
 
 /// WAL lets operator tools read while the proxy writes; `synchronous = FULL` makes every committed claim
@@ -327,8 +403,8 @@ fn lock_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-fn claim_in(db: &mut Connection, now: i64, request: &ClaimRequest) -> rusqlite::Result<ClaimResult> {
-    let tx = db.transaction_with_behavior(TransactionBehavior::Immediate)?;
+/// One claim, inside the batch's transaction.
+fn claim_in(tx: &Connection, now: i64, request: &ClaimRequest) -> rusqlite::Result<ClaimResult> {
     let id = &request.id;
     let won = tx
         .prepare_cached(CLAIM)?
@@ -350,10 +426,18 @@ fn claim_in(db: &mut Connection, now: i64, request: &ClaimRequest) -> rusqlite::
             attempt,
             kind: ClaimKind::parse(&kind).unwrap_or(ClaimKind::New),
         },
-        None => ClaimResult::Held(holder(&tx, now, request)?),
+        None => ClaimResult::Held(holder(tx, now, request)?),
     };
-    tx.commit()?;
     Ok(result)
+}
+
+/// One completion, inside the batch's transaction; fenced by the token.
+fn complete_in(tx: &Connection, now: i64, (id, r): &(RecordId, EncodedResponse)) -> rusqlite::Result<bool> {
+    let token = id.token.as_bytes().as_slice();
+    let changed = tx.prepare_cached(COMPLETE)?.execute(params![
+        id.scope, id.key, token, now, r.status, r.headers, r.body, r.retained
+    ])?;
+    Ok(changed == 1)
 }
 
 /// The record that holds the key; it exists, or the claim would have inserted it.

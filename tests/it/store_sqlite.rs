@@ -111,3 +111,51 @@ async fn a_killed_proxys_claim_is_taken_over_by_its_successor_after_the_lease() 
     env.upstream.release("slow");
     assert_taken_over(&env, &successor).await;
 }
+
+/// Claims that queue for the connection while another program holds SQLite's write lock are committed
+/// together once it lets go. Every commit appends at least one frame to the write-ahead log, so a commit
+/// per claim would leave at least 100 frames for 100 new keys.
+#[tokio::test]
+async fn claims_queued_for_the_connection_share_their_commits() {
+    let test_store = TestStore::create(Backend::Sqlite).await;
+    let store = test_store.open().await;
+    let other_program = Connection::open(test_store.sqlite_path()).unwrap();
+    let wal_frames = |db: &Connection, mode: &str| -> i64 {
+        db.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |row| row.get(1))
+            .unwrap()
+    };
+    wal_frames(&other_program, "TRUNCATE");
+    other_program.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    // 100 new keys, and the first 10 of them asked for twice.
+    let keys: Vec<String> = (0..100).map(|i| format!("key-{i}")).collect();
+    let claims: Vec<_> = keys
+        .iter()
+        .chain(&keys[..10])
+        .map(|k| request(k, 1, LONG, DAY))
+        .collect();
+    let mut all = std::pin::pin!(futures_util::future::join_all(
+        claims.iter().map(|c| store.claim(c))
+    ));
+    assert!(
+        futures_util::poll!(&mut all).is_pending(),
+        "the write lock is held"
+    );
+    other_program.execute_batch("COMMIT").unwrap();
+    let results = all.await;
+
+    for key in &keys {
+        let winners = claims
+            .iter()
+            .zip(&results)
+            .filter(|(c, r)| &c.id.key == key && matches!(r, Ok(ClaimResult::Won { .. })))
+            .count();
+        assert_eq!(winners, 1, "{key}");
+    }
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let frames = wal_frames(&other_program, "PASSIVE");
+    assert!(
+        frames < 100,
+        "{frames} WAL frames for 100 new keys: a commit per claim"
+    );
+}
