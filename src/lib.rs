@@ -11,7 +11,7 @@
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
 //!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
 //! - `store/postgres.rs` (replicas) or `store/sqlite.rs` (embedded, the default) holds the key table,
-//!   `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
+//!   `store/coalesce.rs` batches the claims and completions that arrive together, `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
 //!   expired records in the background; `error.rs` turns failures into problem+json;
 //! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
 //! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation;
