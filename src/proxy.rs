@@ -10,6 +10,7 @@ pub mod client_body;
 pub mod downstream;
 pub mod forward;
 pub mod key;
+pub mod pool;
 pub mod replay;
 pub mod tee;
 
