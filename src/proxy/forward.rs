@@ -90,6 +90,15 @@ impl Upstream {
         }
     }
 
+    /// The same client over a pool of its own, for a worker whose requests should not share
+    /// connections with other threads.
+    pub fn with_own_pool(&self) -> Upstream {
+        Upstream {
+            pool: self.pool.empty_copy(),
+            ..self.clone()
+        }
+    }
+
     /// The bound on waiting for a response head and between body chunks.
     pub fn timeout(&self) -> Duration {
         self.timeout

@@ -69,6 +69,12 @@ impl Pool {
         }
     }
 
+    /// A new, empty pool with the same settings.
+    pub fn empty_copy(&self) -> Pool {
+        let inner = &self.inner;
+        Pool::new(inner.authority.clone(), inner.connect_timeout, inner.idle_timeout)
+    }
+
     /// Idle connections held now.
     pub fn idle(&self) -> usize {
         self.inner.lock().len()

@@ -19,7 +19,10 @@ use std::{
     collections::HashMap,
     convert::Infallible,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -59,6 +62,7 @@ pub struct Recorded {
 
 #[derive(Default)]
 struct State {
+    connections: AtomicUsize,
     requests: Mutex<Vec<Recorded>>,
     gates: Mutex<HashMap<String, watch::Sender<bool>>>,
 }
@@ -105,6 +109,11 @@ impl Upstream {
         self.state.requests.lock().unwrap().clone()
     }
 
+    /// Connections the proxy has opened to the stub so far.
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
+    }
+
     pub fn executions(&self) -> usize {
         self.state.requests.lock().unwrap().len()
     }
@@ -143,6 +152,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, executed: watch::
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
+        state.connections.fetch_add(1, Ordering::SeqCst);
         let state = state.clone();
         let executed = executed.clone();
         tokio::spawn(async move {
