@@ -173,6 +173,8 @@ pub async fn serve(
         builder: limits.builder(),
         tls: tls.map(TlsAcceptor::from),
     };
+    // The workers stop when this function ends however it ends: an error, or its future dropped.
+    let _stop_workers = finished.clone().drop_guard();
     let mut workers = Workers::start(workers, &proxy, &serving, &finished)?;
     let admin_stop = CancellationToken::new();
     let admin_loop = tokio::spawn(serve_admin(

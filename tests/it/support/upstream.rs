@@ -63,6 +63,7 @@ pub struct Recorded {
 #[derive(Default)]
 struct State {
     connections: AtomicUsize,
+    closed: AtomicUsize,
     requests: Mutex<Vec<Recorded>>,
     gates: Mutex<HashMap<String, watch::Sender<bool>>>,
 }
@@ -114,6 +115,11 @@ impl Upstream {
         self.state.connections.load(Ordering::SeqCst)
     }
 
+    /// Connections from the proxy still open.
+    pub fn open_connections(&self) -> usize {
+        self.connections() - self.state.closed.load(Ordering::SeqCst)
+    }
+
     pub fn executions(&self) -> usize {
         self.state.requests.lock().unwrap().len()
     }
@@ -156,10 +162,12 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, executed: watch::
         let state = state.clone();
         let executed = executed.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |request| handle(request, state.clone(), executed.clone()));
+            let serving = state.clone();
+            let service = service_fn(move |request| handle(request, serving.clone(), executed.clone()));
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
+            state.closed.fetch_add(1, Ordering::SeqCst);
         });
     }
 }
