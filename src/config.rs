@@ -105,6 +105,10 @@ pub struct RawServer {
     /// Memory for keyed request bodies held at once, in all; a body that does not fit waits for room, then
     /// gets 503.
     pub max_buffered_bodies: ByteSize,
+    /// Threads serving client connections, each with its own runtime and upstream connections; absent
+    /// means one per available core.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<usize>,
 }
 
 impl Default for RawServer {
@@ -120,6 +124,7 @@ impl Default for RawServer {
             max_headers: 100,
             max_connections: 1024,
             max_buffered_bodies: ByteSize::mib(256),
+            workers: None,
         }
     }
 }
@@ -406,6 +411,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Bytes of keyed request bodies held at once, in all.
     pub max_buffered_bodies: usize,
+    /// Threads serving client connections.
+    pub workers: usize,
 }
 
 /// Validated `[upstream]`.
@@ -631,7 +638,15 @@ impl RawServer {
             max_headers: within("server.max_headers", self.max_headers, 1..=10_000)?,
             max_connections: within("server.max_connections", self.max_connections, 1..=1_000_000)?,
             max_buffered_bodies: usize::try_from(self.max_buffered_bodies.as_u64()).unwrap_or(usize::MAX),
+            workers: self.workers()?,
         })
+    }
+
+    fn workers(&self) -> Result<usize, ConfigError> {
+        match self.workers {
+            Some(workers) => within("server.workers", workers, 1..=1024),
+            None => Ok(std::thread::available_parallelism().map_or(1, usize::from)),
+        }
     }
 
     fn max_header_size(&self) -> Result<usize, ConfigError> {
@@ -1052,10 +1067,20 @@ mod tests {
             ("max_headers = 0", "server.max_headers"),
             ("max_connections = 0", "server.max_connections"),
             ("max_buffered_bodies = \"1MiB\"", "server.max_buffered_bodies"),
+            ("workers = 0", "server.workers"),
+            ("workers = 1025", "server.workers"),
         ] {
             let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");
         }
+    }
+
+    #[test]
+    fn workers_default_to_the_available_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        assert_eq!(Config::from_toml_str("").unwrap().server.workers, cores);
+        let config = Config::from_toml_str("[server]\nworkers = 3\n").unwrap();
+        assert_eq!(config.server.workers, 3);
     }
 
     #[test]

@@ -3,13 +3,15 @@
 //!
 //! The request's path, by file:
 //!
-//! - `server.rs` accepts connections (HTTP/1.1 and HTTP/2, cleartext or TLS from `tls.rs`) and drains
-//!   them at shutdown;
+//! - `server.rs` accepts connections and hands each to a worker thread (one runtime per worker, as
+//!   `server.workers` says) that serves it (HTTP/1.1 and HTTP/2, cleartext or TLS from `tls.rs`), and
+//!   drains them at shutdown;
 //! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `proxy/cache.rs` (retries of
 //!   completed records answered from memory) → `store.rs` claim, on the
 //!   request's own task from here on →
 //!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
-//!   (upstream call, heartbeat, streaming relay with capture, fenced completion);
+//!   (upstream call over `proxy/pool.rs`, the worker's own upstream connections; heartbeat, streaming
+//!   relay with capture, fenced completion);
 //! - `store/postgres.rs` (replicas) or `store/sqlite.rs` (embedded, the default) holds the key table,
 //!   `store/coalesce.rs` batches the claims and completions that arrive together, `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
 //!   expired records in the background; `error.rs` turns failures into problem+json;
@@ -32,8 +34,6 @@ pub mod server;
 pub mod shutdown;
 pub mod store;
 pub mod tls;
-
-use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -74,6 +74,9 @@ pub enum RunError {
     /// A listener's address could not be read.
     #[error("listener: {0}")]
     Listener(#[from] std::io::Error),
+    /// The worker threads could not be started.
+    #[error("cannot start the worker threads: {0}")]
+    Workers(std::io::Error),
 }
 
 /// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
@@ -93,7 +96,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         );
         tracker.spawn(sweeper);
     }
-    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), tracker));
+    let proxy = Proxy::new(&config, store.clone(), metrics.clone(), tracker);
     let admin = Admin::new(metrics, store, shutdown.clone());
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
@@ -101,6 +104,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         listener: listeners.proxy,
         tls: config.server.tls.clone(),
         limits: server::Limits::from(&config.server),
+        workers: config.server.workers,
         proxy,
     };
     server::serve(
@@ -110,8 +114,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         shutdown,
         config.server.shutdown_grace,
     )
-    .await;
-    Ok(())
+    .await
+    .map_err(RunError::Workers)
 }
 
 /// Applies pending migrations and reports how many were applied.

@@ -10,6 +10,7 @@ pub mod client_body;
 pub mod downstream;
 pub mod forward;
 pub mod key;
+pub mod pool;
 pub mod replay;
 pub mod tee;
 
@@ -37,7 +38,8 @@ use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle};
 
-/// Everything a request needs; shared behind an `Arc` by every connection and forwarding task.
+/// Everything a request needs; shared behind an `Arc` by every connection and forwarding task of a worker.
+#[derive(Clone)]
 pub struct Proxy {
     pub(crate) policy: IdempotencyConfig,
     pub(crate) on_store_error: OnStoreError,
@@ -45,7 +47,7 @@ pub struct Proxy {
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
     pub(crate) tracker: TaskTracker,
-    pub(crate) cache: ReplayCache,
+    pub(crate) cache: Arc<ReplayCache>,
     pub(crate) body_read_timeout: Duration,
     pub(crate) budget: BodyBudget,
 }
@@ -63,8 +65,20 @@ impl Proxy {
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             metrics,
             tracker,
-            cache: ReplayCache::new(config.replay_cache.max_size, config.replay_cache.max_age),
+            cache: Arc::new(ReplayCache::new(
+                config.replay_cache.max_size,
+                config.replay_cache.max_age,
+            )),
             body_read_timeout: config.server.body_read_timeout,
+        }
+    }
+
+    /// The same request path for another worker thread: everything shared but the pool of upstream
+    /// connections, which stays with the thread that uses it.
+    pub fn for_worker(&self) -> Proxy {
+        Proxy {
+            upstream: self.upstream.with_own_pool(),
+            ..self.clone()
         }
     }
 

@@ -1,9 +1,11 @@
-//! The accept loops of the proxy and admin listeners, and the drain at shutdown. Serves HTTP/1.1 and
-//! HTTP/2 on each connection through hyper-util's auto builder: h2c with prior knowledge in cleartext, or
-//! negotiated by ALPN when the proxy listener has TLS. The proxy listener's [`Limits`] bound what one
-//! client can hold: open connections, time to send a request head, and the head's size.
+//! The accept loops of the proxy and admin listeners, the worker threads that serve proxy connections,
+//! and the drain at shutdown. Serves HTTP/1.1 and HTTP/2 on each connection through hyper-util's auto
+//! builder: h2c with prior knowledge in cleartext, or negotiated by ALPN when the proxy listener has TLS.
+//! The proxy listener's [`Limits`] bound what one client can hold: open connections, time to send a
+//! request head, and the head's size.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +17,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -44,8 +46,10 @@ pub struct ProxyListener {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// What one client may hold.
     pub limits: Limits,
-    /// The request path.
-    pub proxy: Arc<Proxy>,
+    /// Threads serving its connections.
+    pub workers: usize,
+    /// The request path; each worker gets its own copy, with its own upstream connections.
+    pub proxy: Proxy,
 }
 
 /// Bounds on the proxy listener's connections, from `[server]`.
@@ -145,53 +149,72 @@ impl Drop for Slot {
 }
 
 /// Serves both listeners until `shutdown`, then stops accepting, lets open requests and their
-/// forwarding tasks finish within `grace`, and returns.
+/// forwarding tasks finish within `grace`, and returns. Proxy connections are accepted here and served
+/// by the worker threads; the admin listener is served on the caller's runtime. Fails only when the
+/// worker threads cannot be started.
 pub async fn serve(
     proxy: ProxyListener,
     admin_listener: TcpListener,
     admin: Admin,
     shutdown: CancellationToken,
     grace: Duration,
-) {
+) -> std::io::Result<()> {
     let ProxyListener {
         listener,
         tls,
         limits,
+        workers,
         proxy,
     } = proxy;
     let tracker = proxy.tracker.clone();
     let slots = Slots::new(limits.max_connections, proxy.metrics.clone());
-    let tls = tls.map(TlsAcceptor::from);
-    let connections = GracefulShutdown::new();
-    let admin_stop = CancellationToken::new();
-    let admin_loop = tokio::spawn(accept_loop(
-        Listener {
-            socket: admin_listener,
-            builder: limits.builder(),
-            tls: None,
-            slots: None,
-        },
-        admin_stop.clone(),
-        None,
-        move |_| {
-            let admin = admin.clone();
-            move |request| admin.clone().handle(request)
-        },
-    ));
-    let listener = Listener {
-        socket: listener,
+    let finished = CancellationToken::new();
+    let serving = Serving {
         builder: limits.builder(),
-        tls,
-        slots: Some(slots),
+        tls: tls.map(TlsAcceptor::from),
     };
-    accept_loop(listener, shutdown, Some(&connections), move |downstream| {
-        let proxy = proxy.clone();
-        move |request| proxy.clone().handle(request, downstream)
+    // The workers stop when this function ends however it ends: an error, or its future dropped.
+    let _stop_workers = finished.clone().drop_guard();
+    let mut workers = Workers::start(workers, &proxy, &serving, &finished)?;
+    let admin_stop = CancellationToken::new();
+    let admin_loop = tokio::spawn(serve_admin(
+        admin_listener,
+        admin,
+        limits.builder(),
+        admin_stop.clone(),
+    ));
+    let connections = GracefulShutdown::new();
+    accept_loop(&listener, Some(&slots), &shutdown, |stream, addr, slot| {
+        workers.hand_over(stream, addr, slot, connections.watcher());
     })
     .await;
+    // Closed now, so that new clients are refused rather than left in the backlog while draining.
+    drop(listener);
+    workers.stop_handing_over();
     drain(connections, &tracker, grace).await;
+    finished.cancel();
+    workers.join().await;
     admin_stop.cancel();
     let _ = admin_loop.await;
+    Ok(())
+}
+
+async fn serve_admin(
+    listener: TcpListener,
+    admin: Admin,
+    builder: auto::Builder<TokioExecutor>,
+    stop: CancellationToken,
+) {
+    accept_loop(&listener, None, &stop, |stream, _, _| {
+        let admin = admin.clone();
+        let connection = Connection {
+            builder: builder.clone(),
+            tls: None,
+            watcher: None,
+        };
+        tokio::spawn(connection.serve(stream, move |request| admin.clone().handle(request)));
+    })
+    .await;
 }
 
 async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Duration) {
@@ -207,37 +230,17 @@ async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Dura
     }
 }
 
-/// A bound socket and how its connections are served.
-struct Listener {
-    socket: TcpListener,
-    builder: auto::Builder<TokioExecutor>,
-    tls: Option<TlsAcceptor>,
-    /// Connection slots; `None` accepts without bound.
-    slots: Option<Slots>,
-}
-
-/// Accepts connections until `stop`, serving each (after its TLS handshake, if `tls`) with the handler
-/// `make(downstream)` builds. With slots, accepts only while one is free: further clients wait in the
-/// socket's backlog, holding no memory or descriptor of the process.
-async fn accept_loop<M, H, F>(
-    listener: Listener,
-    stop: CancellationToken,
-    graceful: Option<&GracefulShutdown>,
-    make: M,
-) where
-    M: Fn(Downstream) -> H,
-    H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
-    F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
-{
-    let Listener {
-        socket,
-        builder,
-        tls,
-        slots,
-    } = listener;
+/// Accepts connections until `stop` and passes each to `dispatch`. With slots, accepts only while one
+/// is free: further clients wait in the socket's backlog, holding no memory or descriptor of the process.
+async fn accept_loop(
+    listener: &TcpListener,
+    slots: Option<&Slots>,
+    stop: &CancellationToken,
+    mut dispatch: impl FnMut(TcpStream, SocketAddr, Option<Slot>),
+) {
     loop {
-        let slot = match &slots {
-            Some(slots) => match slots.take(&stop).await {
+        let slot = match slots {
+            Some(slots) => match slots.take(stop).await {
                 Some(slot) => Some(slot),
                 None => return,
             },
@@ -245,7 +248,7 @@ async fn accept_loop<M, H, F>(
         };
         let (stream, addr) = tokio::select! {
             _ = stop.cancelled() => return,
-            accepted = socket.accept() => match accepted {
+            accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
                     tracing::warn!(%error, "accept failed");
@@ -255,20 +258,143 @@ async fn accept_loop<M, H, F>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let handler = make(Downstream {
+        dispatch(stream, addr, slot);
+    }
+}
+
+/// How every proxy connection is served.
+#[derive(Clone)]
+struct Serving {
+    builder: auto::Builder<TokioExecutor>,
+    tls: Option<TlsAcceptor>,
+}
+
+/// A connection as it crosses to a worker's runtime: the socket leaves the accepting runtime's reactor.
+struct InTransit {
+    stream: std::net::TcpStream,
+    addr: SocketAddr,
+    slot: Option<Slot>,
+    watcher: Watcher,
+}
+
+/// The worker threads, each a single-threaded runtime serving the connections handed to it with its
+/// own [`Proxy`] (and so its own upstream connections): a request, its upstream exchange and their
+/// wake-ups stay on one thread, as in nginx's worker processes.
+struct Workers {
+    queues: Vec<mpsc::UnboundedSender<InTransit>>,
+    done: Vec<oneshot::Receiver<()>>,
+    next: usize,
+}
+
+impl Workers {
+    fn start(
+        count: usize,
+        proxy: &Proxy,
+        serving: &Serving,
+        finished: &CancellationToken,
+    ) -> std::io::Result<Workers> {
+        let mut workers = Workers {
+            queues: Vec::with_capacity(count),
+            done: Vec::with_capacity(count),
+            next: 0,
+        };
+        for index in 0..count {
+            let (queue, handoffs) = mpsc::unbounded_channel();
+            let (done, done_rx) = oneshot::channel();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let work = work(
+                Arc::new(proxy.for_worker()),
+                serving.clone(),
+                handoffs,
+                finished.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!("idemproxy-worker-{index}"))
+                .spawn(move || {
+                    runtime.block_on(work);
+                    drop(runtime);
+                    let _ = done.send(());
+                })?;
+            workers.queues.push(queue);
+            workers.done.push(done_rx);
+        }
+        Ok(workers)
+    }
+
+    /// Gives the connection to the next worker in turn.
+    fn hand_over(&mut self, stream: TcpStream, addr: SocketAddr, slot: Option<Slot>, watcher: Watcher) {
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(error) => return tracing::debug!(%error, "accepted connection lost before serving"),
+        };
+        let queue = &self.queues[self.next % self.queues.len()];
+        self.next = self.next.wrapping_add(1);
+        let in_transit = InTransit {
+            stream,
             addr,
-            tls: tls.is_some(),
-        });
+            slot,
+            watcher,
+        };
+        if queue.send(in_transit).is_err() {
+            tracing::error!("a worker thread has stopped; connection dropped");
+        }
+    }
+
+    /// No more connections: each worker keeps serving the ones it has until `finished`.
+    fn stop_handing_over(&mut self) {
+        self.queues.clear();
+    }
+
+    /// Waits for every worker thread to end, which it does once `finished` is cancelled.
+    async fn join(self) {
+        for done in self.done {
+            let _ = done.await;
+        }
+    }
+}
+
+/// A worker's life: serve each connection handed over, then keep running (connection tasks, relays,
+/// heartbeats, store connections opened here) until the whole server has `finished`.
+async fn work(
+    proxy: Arc<Proxy>,
+    serving: Serving,
+    mut handoffs: mpsc::UnboundedReceiver<InTransit>,
+    finished: CancellationToken,
+) {
+    while let Some(InTransit {
+        stream,
+        addr,
+        slot,
+        watcher,
+    }) = handoffs.recv().await
+    {
+        let stream = match TcpStream::from_std(stream) {
+            Ok(stream) => stream,
+            Err(error) => {
+                tracing::warn!(%error, "cannot serve an accepted connection");
+                continue;
+            }
+        };
+        let downstream = Downstream {
+            addr,
+            tls: serving.tls.is_some(),
+        };
+        let proxy = proxy.clone();
         let connection = Connection {
-            builder: builder.clone(),
-            tls: tls.clone(),
-            watcher: graceful.map(GracefulShutdown::watcher),
+            builder: serving.builder.clone(),
+            tls: serving.tls.clone(),
+            watcher: Some(watcher),
         };
         tokio::spawn(async move {
-            connection.serve(stream, handler).await;
+            connection
+                .serve(stream, move |request| proxy.clone().handle(request, downstream))
+                .await;
             drop(slot);
         });
     }
+    finished.cancelled().await;
 }
 
 /// Bytes in both directions, in clear or through TLS.

@@ -7,17 +7,14 @@ use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version, request};
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio_util::sync::CancellationToken;
 
 use http_body_util::BodyExt;
 
 use super::body::{BoxError, ProxyBody};
+use super::pool::{Pool, PooledBody, SendError};
 use crate::config::UpstreamConfig;
-use crate::error::{ProxyError, error_chain};
+use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::store::{RecordId, StoreHandle};
 
@@ -67,10 +64,13 @@ impl UpstreamFailure {
     }
 }
 
-/// The pooled HTTP/1.1 client to the upstream.
+/// How long an upstream connection may stay idle in the pool before it is closed.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The HTTP/1.1 client to the upstream, over a pool of keep-alive connections.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, ProxyBody>,
+    pool: Pool,
     base: Uri,
     timeout: Duration,
     metrics: Metrics,
@@ -79,19 +79,23 @@ pub struct Upstream {
 impl Upstream {
     /// A client with keep-alive pooling and the configured connect timeout.
     pub fn new(config: &UpstreamConfig, metrics: Metrics) -> Upstream {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_nodelay(true);
-        connector.set_keepalive(Some(Duration::from_secs(60)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
+        let base = &config.base;
+        let host = base.host().unwrap_or("localhost");
+        let authority = format!("{host}:{}", base.port_u16().unwrap_or(80));
         Upstream {
-            client,
-            base: config.base.clone(),
+            pool: Pool::new(authority, config.connect_timeout, POOL_IDLE_TIMEOUT),
+            base: base.clone(),
             timeout: config.timeout,
             metrics,
+        }
+    }
+
+    /// The same client over a pool of its own, for a worker whose requests should not share
+    /// connections with other threads.
+    pub fn with_own_pool(&self) -> Upstream {
+        Upstream {
+            pool: self.pool.empty_copy(),
+            ..self.clone()
         }
     }
 
@@ -108,8 +112,9 @@ impl Upstream {
         // The proxy has answered any 100-continue itself by reading the body.
         headers.remove(header::EXPECT);
         let host = original_host(parts);
-        if let Some(host) = &host {
-            headers.insert(header::HOST, host.clone());
+        let upstream_host = host.clone().or_else(|| self.base_host());
+        if let Some(upstream_host) = upstream_host {
+            headers.insert(header::HOST, upstream_host);
         }
         set_forwarded(&mut headers, peer, host);
         let mut request = Request::new(body);
@@ -120,34 +125,36 @@ impl Upstream {
         request
     }
 
+    /// The request target in origin form: the client's path and query.
     fn uri_for(&self, uri: &Uri) -> Uri {
-        let mut target = self.base.clone().into_parts();
-        target.path_and_query = Some(
-            uri.path_and_query()
-                .cloned()
-                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
-        );
-        Uri::from_parts(target).unwrap_or_else(|_| self.base.clone())
+        let path = uri.path_and_query().cloned();
+        Uri::from(path.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
+    }
+
+    /// The upstream's own authority, as the `Host` of a request that came without one.
+    fn base_host(&self) -> Option<HeaderValue> {
+        let authority = self.base.authority()?;
+        HeaderValue::from_str(authority.as_str()).ok()
     }
 
     /// Sends the request and waits for the response head within `upstream.timeout`.
-    pub async fn send(&self, request: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamFailure> {
+    pub async fn send(&self, request: Request<ProxyBody>) -> Result<Response<PooledBody>, UpstreamFailure> {
         let started = std::time::Instant::now();
-        let result = tokio::time::timeout(self.timeout, self.client.request(request)).await;
+        let result = tokio::time::timeout(self.timeout, self.pool.send(request)).await;
         self.metrics
             .upstream_duration
             .observe(started.elapsed().as_secs_f64());
         match result {
             Ok(Ok(response)) => Ok(response),
-            Ok(Err(e)) if e.is_connect() => Err(UpstreamFailure::NotDelivered(error_chain(&e))),
-            Ok(Err(e)) => Err(UpstreamFailure::Ambiguous(error_chain(&e))),
+            Ok(Err(SendError::NotSent(why))) => Err(UpstreamFailure::NotDelivered(why)),
+            Ok(Err(SendError::Failed(why))) => Err(UpstreamFailure::Ambiguous(why)),
             Err(_) => Err(UpstreamFailure::Timeout(self.timeout)),
         }
     }
 }
 
 /// An upstream response passed through as it streams, without capture.
-pub fn stream_response(response: Response<Incoming>) -> Response<ProxyBody> {
+pub fn stream_response(response: Response<PooledBody>) -> Response<ProxyBody> {
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     Response::from_parts(parts, body.map_err(BoxError::from).boxed())

@@ -9,13 +9,13 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response, header};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::body::{BoxError, ProxyBody};
 use super::cache::Fill;
 use super::downstream::{self, Sender};
 use super::forward::{Heartbeat, UpstreamFailure, stream_response, strip_hop_by_hop};
+use super::pool::PooledBody;
 use super::{Answer, Proxy};
 use crate::metrics::Outcome;
 use crate::store::{RecordId, StoreError, StoredResponse};
@@ -67,7 +67,7 @@ pub(crate) async fn execute(
 async fn relay(
     proxy: Arc<Proxy>,
     id: RecordId,
-    response: Response<Incoming>,
+    response: Response<PooledBody>,
     head: Answer,
     heartbeat: Heartbeat,
     fill: Option<Fill>,

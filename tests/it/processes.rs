@@ -133,3 +133,20 @@ async fn stops_accepting(proxy_url: &str) {
     })
     .await;
 }
+
+/// `run` dropped without a shutdown (its task aborted) still stops the worker threads, and with them
+/// what they hold: here the upstream connection kept idle in a worker's pool.
+#[tokio::test]
+async fn a_dropped_run_stops_its_workers() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let mut proxy = env.proxy().await;
+    let reply = Reply::of(crate::support::http::client().get(format!("{}/things", proxy.url))).await;
+    assert_eq!(reply.status, 201);
+    assert_eq!(env.upstream.open_connections(), 1, "kept idle in the pool");
+
+    proxy.task.take().expect("run task").abort();
+    poll_until("the workers to close their upstream connections", || async {
+        (env.upstream.open_connections() == 0).then_some(())
+    })
+    .await;
+}

@@ -6,7 +6,7 @@ use reqwest::header::HeaderMap;
 
 use crate::support::http::stream_until_first_chunk;
 use crate::support::{
-    Backend, Reply, TestEnv,
+    Backend, InProcessProxy, Reply, TestEnv,
     http::client,
     keyed_post, poll_until, settled,
     upstream::{FIRST_CHUNK, REST_CHUNK, big_body},
@@ -92,7 +92,7 @@ async fn server_errors_and_try_later_statuses_are_not_stored(
 async fn required_key_missing_is_400(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.required", true);
-    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let proxy = InProcessProxy::start(&config).await;
 
     let reply = Reply::of(client().post(format!("{}/orders", proxy.url)).body("{}")).await;
     reply.assert_problem(400, "missing-key");
@@ -132,7 +132,7 @@ async fn body_over_max_request_body_is_413_and_claims_nothing(
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.max_request_body", "1KiB");
-    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let proxy = InProcessProxy::start(&config).await;
 
     let big = "x".repeat(2000);
     let reply = Reply::of(keyed_post(&proxy.url, "/orders", "k", &big)).await;
@@ -152,7 +152,7 @@ async fn expired_key_executes_again(#[values(Backend::Postgres, Backend::Sqlite)
         .config()
         .set("idempotency.ttl", "2s")
         .set("idempotency.lock_timeout", "1s");
-    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let proxy = InProcessProxy::start(&config).await;
 
     let first = Reply::of(keyed_post(&proxy.url, "/orders", "k", "{}")).await;
     assert_eq!(first.status, 201);
@@ -198,7 +198,7 @@ async fn response_over_max_stored_response_is_delivered_then_not_retained(
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.max_stored_response", "64KiB");
-    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let proxy = InProcessProxy::start(&config).await;
 
     let first = Reply::of(keyed_post(&proxy.url, "/big?bytes=200000", "k", "{}")).await;
     assert_eq!(first.status, 200);
@@ -279,4 +279,40 @@ async fn keyed_get_is_not_protected(#[values(Backend::Postgres, Backend::Sqlite)
         assert!(!reply.is_replay());
     }
     assert_eq!(env.upstream.executions(), 2);
+}
+
+#[rstest]
+#[tokio::test]
+async fn each_worker_reuses_its_own_upstream_connection(#[values(1, 2)] workers: i64) {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env.config().set("server.workers", workers);
+    let proxy = InProcessProxy::start(&config).await;
+
+    // The test client opens a connection per request; the proxy hands connections to its workers in turn.
+    for round in 0..3 {
+        let get = Reply::of(client().get(format!("{}/things", proxy.url))).await;
+        assert_eq!(get.status, 201, "body: {}", get.text());
+        let key = format!("k{round}");
+        let post = Reply::of(keyed_post(&proxy.url, "/orders", &key, "{}")).await;
+        assert_eq!(post.status, 201, "body: {}", post.text());
+    }
+    assert_eq!(env.upstream.executions(), 6);
+    assert_eq!(env.upstream.connections(), workers as usize);
+}
+
+#[tokio::test]
+async fn several_workers_serve_concurrent_clients() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env.config().set("server.workers", 3);
+    let proxy = InProcessProxy::start(&config).await;
+
+    let requests = (0..24).map(|i| Reply::of(keyed_post(&proxy.url, "/orders", &format!("k{i}"), "{}")));
+    let replies = futures_util::future::join_all(requests).await;
+    for reply in &replies {
+        assert_eq!(reply.status, 201, "body: {}", reply.text());
+    }
+    assert_eq!(env.upstream.executions(), 24);
+    for i in 0..24 {
+        assert_eq!(env.upstream.executions_for_key(&format!("k{i}")), 1);
+    }
 }

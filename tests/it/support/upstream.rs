@@ -19,7 +19,10 @@ use std::{
     collections::HashMap,
     convert::Infallible,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -59,6 +62,8 @@ pub struct Recorded {
 
 #[derive(Default)]
 struct State {
+    connections: AtomicUsize,
+    closed: AtomicUsize,
     requests: Mutex<Vec<Recorded>>,
     gates: Mutex<HashMap<String, watch::Sender<bool>>>,
 }
@@ -105,6 +110,16 @@ impl Upstream {
         self.state.requests.lock().unwrap().clone()
     }
 
+    /// Connections the proxy has opened to the stub so far.
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
+    }
+
+    /// Connections from the proxy still open.
+    pub fn open_connections(&self) -> usize {
+        self.connections() - self.state.closed.load(Ordering::SeqCst)
+    }
+
     pub fn executions(&self) -> usize {
         self.state.requests.lock().unwrap().len()
     }
@@ -143,13 +158,16 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, executed: watch::
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
+        state.connections.fetch_add(1, Ordering::SeqCst);
         let state = state.clone();
         let executed = executed.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |request| handle(request, state.clone(), executed.clone()));
+            let serving = state.clone();
+            let service = service_fn(move |request| handle(request, serving.clone(), executed.clone()));
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
+            state.closed.fetch_add(1, Ordering::SeqCst);
         });
     }
 }

@@ -1,0 +1,379 @@
+//! Runs when a request goes upstream: hands it to an idle HTTP/1.1 connection to the upstream, or to a
+//! new one, and takes the connection back once its response body has been read to the end. Each worker
+//! has its own pool, so a request and the connection carrying it run on the same thread. Uses hyper's
+//! connection-level client: one task per connection, no pool-wide bookkeeping per request.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Once, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::body::ProxyBody;
+use crate::error::error_chain;
+
+/// TCP keep-alive probes on upstream connections, so a vanished upstream host is noticed.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+
+/// Why the pool gave no response head.
+#[derive(Debug)]
+pub enum SendError {
+    /// No connection took the request: connecting failed or timed out, or the connection closed before
+    /// the request was written.
+    NotSent(String),
+    /// The request was handed to a connection that then failed; it may have been written.
+    Failed(String),
+}
+
+/// Idle connections to one upstream address.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// `host:port` to connect to.
+    authority: String,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    /// Most recently used last.
+    idle: Mutex<Vec<Idle>>,
+    /// Starts the task that closes connections idle for too long, with the first connection.
+    closer: Once,
+}
+
+struct Idle {
+    sender: SendRequest<ProxyBody>,
+    since: Instant,
+}
+
+impl Pool {
+    /// An empty pool for `authority`; connections left idle for `idle_timeout` are closed.
+    pub fn new(authority: String, connect_timeout: Duration, idle_timeout: Duration) -> Pool {
+        Pool {
+            inner: Arc::new(Inner {
+                authority,
+                connect_timeout,
+                idle_timeout,
+                idle: Mutex::new(Vec::new()),
+                closer: Once::new(),
+            }),
+        }
+    }
+
+    /// A new, empty pool with the same settings.
+    pub fn empty_copy(&self) -> Pool {
+        let inner = &self.inner;
+        Pool::new(inner.authority.clone(), inner.connect_timeout, inner.idle_timeout)
+    }
+
+    /// Idle connections held now.
+    pub fn idle(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    /// Sends `request` (origin-form URI, `Host` set) and waits for the response head. A pooled
+    /// connection that turns out to be closed before the request is written is discarded and the
+    /// request goes to the next one, or to a new connection.
+    pub async fn send(&self, mut request: Request<ProxyBody>) -> Result<Response<PooledBody>, SendError> {
+        loop {
+            let (mut sender, reused) = match self.checkout().await {
+                Some(sender) => (sender, true),
+                None => (self.connect().await?, false),
+            };
+            match sender.try_send_request(request).await {
+                Ok(response) => return Ok(response.map(|body| self.returning(body, sender))),
+                Err(mut failed) => match failed.take_message() {
+                    Some(unsent) if reused => request = unsent,
+                    Some(_) => return Err(SendError::NotSent(error_chain(failed.error()))),
+                    None => return Err(SendError::Failed(error_chain(failed.error()))),
+                },
+            }
+        }
+    }
+
+    /// The most recently used idle connection that is still open and ready for a request.
+    async fn checkout(&self) -> Option<SendRequest<ProxyBody>> {
+        loop {
+            let Idle { mut sender, since } = self.inner.lock().pop()?;
+            if since.elapsed() < self.inner.idle_timeout && sender.ready().await.is_ok() {
+                return Some(sender);
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<ProxyBody>, SendError> {
+        let not_sent =
+            |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.authority));
+        let connecting = tokio::time::timeout(self.inner.connect_timeout, self.handshake());
+        let (sender, connection) = match connecting.await {
+            Ok(Ok(connected)) => connected,
+            Ok(Err(error)) => return Err(not_sent(error)),
+            Err(_) => {
+                return Err(not_sent(format!(
+                    "timed out after {:?}",
+                    self.inner.connect_timeout
+                )));
+            }
+        };
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(error = %error_chain(&error), "upstream connection ended with an error");
+            }
+        });
+        let pool = Arc::downgrade(&self.inner);
+        self.inner
+            .closer
+            .call_once(|| drop(tokio::spawn(close_idle(pool))));
+        Ok(sender)
+    }
+
+    async fn handshake(
+        &self,
+    ) -> Result<
+        (
+            SendRequest<ProxyBody>,
+            http1::Connection<TokioIo<TcpStream>, ProxyBody>,
+        ),
+        String,
+    > {
+        let stream = TcpStream::connect(self.inner.authority.as_str())
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        let keepalive = socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE);
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| error_chain(&e))
+    }
+
+    fn returning(&self, body: Incoming, sender: SendRequest<ProxyBody>) -> PooledBody {
+        PooledBody {
+            body,
+            home: Some((sender, self.inner.clone())),
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn put(&self, sender: SendRequest<ProxyBody>) {
+        self.lock().push(Idle {
+            sender,
+            since: Instant::now(),
+        });
+    }
+}
+
+/// Closes connections idle for longer than the pool's idle timeout, checking twice per timeout, for as
+/// long as the pool lives.
+async fn close_idle(pool: Weak<Inner>) {
+    let Some(period) = pool.upgrade().map(|pool| pool.idle_timeout / 2) else {
+        return;
+    };
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(pool) = pool.upgrade() else { return };
+        pool.lock()
+            .retain(|i| i.since.elapsed() < pool.idle_timeout && !i.sender.is_closed());
+    }
+}
+
+/// An upstream response body; its connection goes back to the pool once the body has ended. A body
+/// dropped before its end takes its connection with it (hyper closes it).
+pub struct PooledBody {
+    body: Incoming,
+    home: Option<(SendRequest<ProxyBody>, Arc<Inner>)>,
+}
+
+impl PooledBody {
+    fn go_home(&mut self) {
+        if let Some((sender, pool)) = self.home.take() {
+            pool.put(sender);
+        }
+    }
+}
+
+impl Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.go_home(),
+            Poll::Ready(Some(Err(_))) => self.home = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        if self.body.is_end_stream() {
+            self.go_home();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::proxy::body;
+
+    const RESPONSE: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    /// What the stub upstream saw happen to its connections.
+    #[derive(Debug, PartialEq)]
+    enum Seen {
+        Accepted,
+        Closed,
+    }
+
+    /// A keep-alive upstream on 127.0.0.1:0 that answers `answers` requests per connection (none: never
+    /// answers, closes after reading the request head), then closes without announcing it.
+    async fn upstream(answers: usize) -> (String, mpsc::UnboundedReceiver<Seen>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority = listener.local_addr().unwrap().to_string();
+        let (seen, events) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let seen = seen.clone();
+                let _ = seen.send(Seen::Accepted);
+                tokio::spawn(async move {
+                    for _ in 0..answers.max(1) {
+                        if !read_head(&mut stream).await {
+                            break;
+                        }
+                        if answers == 0 || stream.write_all(RESPONSE).await.is_err() {
+                            break;
+                        }
+                    }
+                    drop(stream);
+                    let _ = seen.send(Seen::Closed);
+                });
+            }
+        });
+        (authority, events)
+    }
+
+    /// Reads up to the end of a request head; `false` at the end of the stream.
+    async fn read_head(stream: &mut TcpStream) -> bool {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte).await {
+                Ok(1) => head.push(byte[0]),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    fn pool(authority: String, idle_timeout: Duration) -> Pool {
+        Pool::new(authority, Duration::from_secs(2), idle_timeout)
+    }
+
+    fn get() -> Request<ProxyBody> {
+        Request::builder()
+            .uri("/")
+            .header(http::header::HOST, "upstream")
+            .body(body::empty())
+            .unwrap()
+    }
+
+    async fn fetch(pool: &Pool) -> Result<Bytes, SendError> {
+        let response = pool.send(get()).await?;
+        Ok(response.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    #[tokio::test]
+    async fn requests_in_sequence_share_one_connection() {
+        let (authority, mut seen) = upstream(usize::MAX).await;
+        let pool = pool(authority, Duration::from_secs(90));
+        for _ in 0..3 {
+            assert_eq!(fetch(&pool).await.unwrap(), "ok");
+        }
+        assert_eq!(pool.idle(), 1);
+        assert_eq!(seen.recv().await, Some(Seen::Accepted));
+        assert!(seen.try_recv().is_err(), "only one connection was opened");
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_upstream_closed_is_replaced_not_an_error() {
+        let (authority, mut seen) = upstream(1).await;
+        let pool = pool(authority, Duration::from_secs(90));
+        assert_eq!(fetch(&pool).await.unwrap(), "ok");
+        assert_eq!(seen.recv().await, Some(Seen::Accepted));
+        assert_eq!(seen.recv().await, Some(Seen::Closed));
+        assert_eq!(pool.idle(), 1, "the closed connection is still pooled");
+        assert_eq!(fetch(&pool).await.unwrap(), "ok");
+        assert_eq!(seen.recv().await, Some(Seen::Accepted));
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_not_sent() {
+        let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority = closed.local_addr().unwrap().to_string();
+        drop(closed);
+        let failed = fetch(&pool(authority, Duration::from_secs(90))).await;
+        assert!(matches!(failed, Err(SendError::NotSent(_))), "{failed:?}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_breaks_after_the_request_is_written_is_failed() {
+        let (authority, _seen) = upstream(0).await;
+        let failed = fetch(&pool(authority, Duration::from_secs(90))).await;
+        assert!(matches!(failed, Err(SendError::Failed(_))), "{failed:?}");
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_before_its_end_does_not_return_its_connection() {
+        let (authority, _seen) = upstream(usize::MAX).await;
+        let pool = pool(authority, Duration::from_secs(90));
+        drop(pool.send(get()).await.unwrap());
+        assert_eq!(pool.idle(), 0);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_closed_after_the_idle_timeout() {
+        let (authority, mut seen) = upstream(usize::MAX).await;
+        let pool = pool(authority, Duration::from_millis(200));
+        assert_eq!(fetch(&pool).await.unwrap(), "ok");
+        assert_eq!(seen.recv().await, Some(Seen::Accepted));
+        let closed = tokio::time::timeout(Duration::from_secs(5), seen.recv()).await;
+        assert_eq!(closed.unwrap(), Some(Seen::Closed));
+        assert_eq!(pool.idle(), 0);
+    }
+}
