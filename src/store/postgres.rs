@@ -12,7 +12,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod};
 use tokio::time::{error::Elapsed, timeout};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use uuid::Uuid;
@@ -355,6 +355,23 @@ impl Db {
         self.finish(client, result)
     }
 
+    /// Runs a batch statement within `store.timeout`, unprepared: the database plans it for this call's
+    /// own arguments and the table as it is now. A prepared statement's generic plan, once chosen while
+    /// the table was small, would go on scanning the whole table for every batch as the table grows.
+    async fn query_planned(
+        &self,
+        sql: &'static str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(
+            self.timeout,
+            retry_serialization(|| client.query_typed(sql, params)),
+        )
+        .await;
+        self.finish(client, result)
+    }
+
     /// Runs one statement within `store.timeout` and returns how many rows it changed.
     async fn execute(&self, sql: &'static str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
         let client = self.client().await?;
@@ -417,8 +434,15 @@ impl Db {
         let tokens: Vec<Uuid> = order.iter().map(|r| r.id.token).collect();
         let leases: Vec<f64> = order.iter().map(|r| r.lease.as_secs_f64()).collect();
         let ttls: Vec<f64> = order.iter().map(|r| r.ttl.as_secs_f64()).collect();
-        let params: [&(dyn ToSql + Sync); 6] = [&scopes, &keys, &fingerprints, &tokens, &leases, &ttls];
-        let rows = self.query(CLAIM_BATCH, &params).await?;
+        let params: [(&(dyn ToSql + Sync), Type); 6] = [
+            (&scopes, Type::TEXT_ARRAY),
+            (&keys, Type::TEXT_ARRAY),
+            (&fingerprints, Type::BYTEA_ARRAY),
+            (&tokens, Type::UUID_ARRAY),
+            (&leases, Type::FLOAT8_ARRAY),
+            (&ttls, Type::FLOAT8_ARRAY),
+        ];
+        let rows = self.query_planned(CLAIM_BATCH, &params).await?;
         let mut decided: HashMap<Uuid, ClaimResult> = HashMap::with_capacity(rows.len());
         for row in &rows {
             let (n, seen) = decode_batched(row).map_err(backend)?;
@@ -465,10 +489,19 @@ impl Db {
         }
         let bodies: Vec<Option<&[u8]>> = items.iter().map(|c| c.response.body.as_deref()).collect();
         let retained: Vec<bool> = items.iter().map(|c| c.response.body.is_some()).collect();
-        let params: [&(dyn ToSql + Sync); 10] = [
-            &scopes, &keys, &tokens, &statuses, &names, &values, &firsts, &lasts, &bodies, &retained,
+        let params: [(&(dyn ToSql + Sync), Type); 10] = [
+            (&scopes, Type::TEXT_ARRAY),
+            (&keys, Type::TEXT_ARRAY),
+            (&tokens, Type::UUID_ARRAY),
+            (&statuses, Type::INT2_ARRAY),
+            (&names, Type::TEXT_ARRAY),
+            (&values, Type::BYTEA_ARRAY),
+            (&firsts, Type::INT4_ARRAY),
+            (&lasts, Type::INT4_ARRAY),
+            (&bodies, Type::BYTEA_ARRAY),
+            (&retained, Type::BOOL_ARRAY),
         ];
-        let rows = self.query(COMPLETE_BATCH, &params).await?;
+        let rows = self.query_planned(COMPLETE_BATCH, &params).await?;
         rows.iter()
             .map(|row| row.try_get::<_, Uuid>(0).map_err(backend))
             .collect()
