@@ -1,7 +1,8 @@
 //! The PostgreSQL key table. Runs on the request path (claim) and in the forwarding task (heartbeat,
 //! complete, release); touches only the `idemproxy` schema. Every statement is a named constant, prepared
-//! once per pooled connection; every operation is bounded by `store.timeout`, and a connection that timed
-//! out is dropped instead of going back to the pool. The database clock (`now()`) is the only clock.
+//! once per pooled connection, except the coalesced batches, which are planned for each call; every
+//! operation is bounded by `store.timeout`, and a connection that timed out is dropped instead of going
+//! back to the pool. The database clock (`now()`) is the only clock.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
