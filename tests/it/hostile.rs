@@ -479,6 +479,11 @@ async fn keyed_bodies_beyond_max_buffered_bodies_wait_then_get_503() {
     // small body behind them finds no room within its patience.
     let mut first = stalled_body(&proxy, "first").await;
     metric_reaches(&proxy.admin_url, "idemproxy_in_flight_requests", &[], 1.0).await;
+    // The second's patience must end after the first's body deadline, which starts once the first has
+    // reserved its room; nothing reports that moment, so leave a clear margin. (Without it, on two
+    // worker threads the second could start waiting before the first's deadline was set, give up just
+    // before the first's room came back, and leave that room to the small body.)
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let mut second = stalled_body(&proxy, "second").await;
     waits(1.0).await;
     let small = Reply::of(keyed_post(&proxy.url, "/orders", "small", "{}")).await;
