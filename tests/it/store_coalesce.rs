@@ -245,36 +245,13 @@ async fn a_batch_answers_each_request_as_it_would_be_answered_alone() {
         }) => assert!(lease_remaining > LONG / 2),
         other => panic!("in flight: {other:?}"),
     }
-    assert!(
-        matches!(
-            next(),
-            ClaimResult::Won {
-                attempt: 1,
-                kind: ClaimKind::New
-            }
-        ),
-        "expired"
-    );
-    assert!(
-        matches!(
-            next(),
-            ClaimResult::Won {
-                attempt: 2,
-                kind: ClaimKind::Retry
-            }
-        ),
-        "released"
-    );
-    assert!(
-        matches!(
-            next(),
-            ClaimResult::Won {
-                attempt: 1,
-                kind: ClaimKind::New
-            }
-        ),
-        "new"
-    );
+    let mut won = |what: &str| match next() {
+        ClaimResult::Won { attempt, kind } => (attempt, kind),
+        other => panic!("{what}: expected a win, got {other:?}"),
+    };
+    assert_eq!(won("expired"), (1, ClaimKind::New));
+    assert_eq!(won("released"), (2, ClaimKind::Retry));
+    assert_eq!(won("new"), (1, ClaimKind::New));
 }
 
 #[tokio::test]
