@@ -125,6 +125,9 @@ pub struct MetricSet {
     registry: Registry,
     /// `idemproxy_requests_total{outcome}`
     pub requests: IntCounterVec,
+    /// Its series, by [`Outcome`] in declaration order, resolved once: counting a request then costs
+    /// no label lookup.
+    by_outcome: [IntCounter; Outcome::ALL.len()],
     /// `idemproxy_replays_total`
     pub replays: IntCounter,
     /// `idemproxy_conflicts_total`
@@ -143,6 +146,8 @@ pub struct MetricSet {
     pub store_errors: IntCounterVec,
     /// `idemproxy_store_duration_seconds{op}`
     pub store_duration: HistogramVec,
+    /// The series of `store_errors` and `store_duration`, by [`StoreOp`] in declaration order.
+    by_op: [(IntCounter, Histogram); StoreOp::ALL.len()],
     /// `idemproxy_upstream_duration_seconds`: time to the upstream's response head.
     pub upstream_duration: Histogram,
     /// `idemproxy_in_flight_requests`
@@ -171,12 +176,36 @@ impl Metrics {
         let registry = Registry::new();
         let latency =
             prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static bucket layout is valid");
-        let set = MetricSet {
-            requests: IntCounterVec::new(
-                Opts::new("idemproxy_requests_total", "Requests by how they ended."),
-                &["outcome"],
+        let requests = IntCounterVec::new(
+            Opts::new("idemproxy_requests_total", "Requests by how they ended."),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let store_errors = IntCounterVec::new(
+            Opts::new(
+                "idemproxy_store_errors_total",
+                "Failed store operations by operation.",
+            ),
+            &["op"],
+        )
+        .expect("valid metric");
+        let store_duration = HistogramVec::new(
+            HistogramOpts::new("idemproxy_store_duration_seconds", "Store operation latency.")
+                .buckets(latency.clone()),
+            &["op"],
+        )
+        .expect("valid metric");
+        // Every labelled series exists from the start, so rates work before the first event.
+        let by_outcome = Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()]));
+        let by_op = StoreOp::ALL.map(|op| {
+            (
+                store_errors.with_label_values(&[op.as_str()]),
+                store_duration.with_label_values(&[op.as_str()]),
             )
-            .expect("valid metric"),
+        });
+        let set = MetricSet {
+            requests,
+            by_outcome,
             replays: counter(
                 "idemproxy_replays_total",
                 "Requests answered from a stored response.",
@@ -205,20 +234,9 @@ impl Metrics {
                 "idemproxy_responses_not_retained_total",
                 "Completed requests whose response was over max_stored_response and was not kept.",
             ),
-            store_errors: IntCounterVec::new(
-                Opts::new(
-                    "idemproxy_store_errors_total",
-                    "Failed store operations by operation.",
-                ),
-                &["op"],
-            )
-            .expect("valid metric"),
-            store_duration: HistogramVec::new(
-                HistogramOpts::new("idemproxy_store_duration_seconds", "Store operation latency.")
-                    .buckets(latency.clone()),
-                &["op"],
-            )
-            .expect("valid metric"),
+            store_errors,
+            store_duration,
+            by_op,
             upstream_duration: Histogram::with_opts(
                 HistogramOpts::new(
                     "idemproxy_upstream_duration_seconds",
@@ -266,7 +284,6 @@ impl Metrics {
             registry,
         };
         set.register_all();
-        set.touch_label_sets();
         Metrics(Arc::new(set))
     }
 }
@@ -301,19 +318,9 @@ impl MetricSet {
         }
     }
 
-    /// Exports every labelled series at zero from the start, so rates work before the first event.
-    fn touch_label_sets(&self) {
-        for outcome in Outcome::ALL {
-            self.requests.with_label_values(&[outcome.as_str()]);
-        }
-        for op in StoreOp::ALL {
-            self.store_errors.with_label_values(&[op.as_str()]);
-        }
-    }
-
     /// Counts a finished request.
     pub fn record(&self, outcome: Outcome) {
-        self.requests.with_label_values(&[outcome.as_str()]).inc();
+        self.by_outcome[outcome as usize].inc();
         match outcome {
             Outcome::Replayed => self.replays.inc(),
             Outcome::Conflict => self.conflicts.inc(),
@@ -324,11 +331,10 @@ impl MetricSet {
 
     /// Observes one store operation's latency, and counts it if it failed.
     pub fn store_op(&self, op: StoreOp, seconds: f64, ok: bool) {
-        self.store_duration
-            .with_label_values(&[op.as_str()])
-            .observe(seconds);
+        let (errors, duration) = &self.by_op[op as usize];
+        duration.observe(seconds);
         if !ok {
-            self.store_errors.with_label_values(&[op.as_str()]).inc();
+            errors.inc();
         }
     }
 
@@ -369,6 +375,40 @@ fn counter(name: &str, help: &str) -> IntCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_outcome_and_store_op_is_counted_under_its_own_label() {
+        let metrics = Metrics::new();
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.record(outcome);
+            }
+        }
+        for (n, op) in StoreOp::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.store_op(op, 0.001, false);
+            }
+        }
+        let text = String::from_utf8(metrics.render()).unwrap();
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            let line = format!(
+                "idemproxy_requests_total{{outcome=\"{}\"}} {}",
+                outcome.as_str(),
+                n + 1
+            );
+            assert!(text.contains(&line), "{line} missing from {text}");
+        }
+        for (n, op) in StoreOp::ALL.into_iter().enumerate() {
+            let errors = format!("idemproxy_store_errors_total{{op=\"{}\"}} {}", op.as_str(), n + 1);
+            let timed = format!(
+                "idemproxy_store_duration_seconds_count{{op=\"{}\"}} {}",
+                op.as_str(),
+                n + 1
+            );
+            assert!(text.contains(&errors), "{errors} missing from {text}");
+            assert!(text.contains(&timed), "{timed} missing from {text}");
+        }
+    }
 
     #[test]
     fn replay_counts_in_both_series() {

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, Request, Response, header, request};
+use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
@@ -95,7 +96,7 @@ impl Proxy {
             route = key::DEFAULT_SCOPE,
             outcome = tracing::field::Empty,
         );
-        let started = std::time::Instant::now();
+        let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
         let result = self.handle_inner(request, peer).instrument(span.clone()).await;
         let _entered = span.enter();
         let (response, outcome) = match result {
@@ -112,17 +113,19 @@ impl Proxy {
         };
         span.record("outcome", outcome.as_str());
         self.metrics.record(outcome);
-        tracing::debug!(
-            status = response.status().as_u16(),
-            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
-            "answered"
-        );
+        if let Some(started) = started {
+            tracing::debug!(
+                status = response.status().as_u16(),
+                elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+                "answered"
+            );
+        }
         Ok(response)
     }
 
     async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: Downstream) -> Handled {
         if !self.policy.methods.contains(request.method()) {
-            return self.passthrough(request, peer).await;
+            return self.passthrough(request, &peer).await;
         }
         let headers = request.headers();
         let Some(key) = key::parse_key(headers.get_all(&self.policy.header), self.policy.max_key_length)?
@@ -130,8 +133,20 @@ impl Proxy {
             if self.policy.required {
                 return Err(ProxyError::MissingKey(self.policy.header.clone()));
             }
-            return self.passthrough(request, peer).await;
+            return self.passthrough(request, &peer).await;
         };
+        // A keyed request's state is many times a passthrough's; on the heap it stays out of the future
+        // every request carries and moves.
+        Box::pin(self.protected(request, key, peer)).await
+    }
+
+    /// A request with a key: body, fingerprint, then the replay cache or the keyed lifecycle.
+    async fn protected(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        key: String,
+        peer: Downstream,
+    ) -> Handled {
         let (parts, body) = request.into_parts();
         let body = self.read_body(&parts.headers, body).await?;
         let claim = self.claim_request(&parts, key, &body.bytes);
@@ -172,14 +187,14 @@ impl Proxy {
                 return;
             }
             Err(error) => {
-                head.send(self.store_down(&parts, body, peer, error).await);
+                head.send(self.store_down(parts, body, &peer, error).await);
                 return;
             }
         };
         let fill = self.remember(&claim, &result, started);
         let answer = match claim::decide(result, &claim.id.key, &self.metrics) {
             Ok(Decision::Execute) => {
-                let request = self.upstream.request(&parts, body.into_body(), peer);
+                let request = self.upstream.request(parts, body.into_body(), &peer);
                 return tee::execute(self, claim.id, request, head, fill).await;
             }
             Ok(Decision::Replay(stored)) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
@@ -280,24 +295,30 @@ impl Proxy {
         Ok(ReservedBody::new(bytes, reservation))
     }
 
-    async fn passthrough(&self, request: Request<Incoming>, peer: Downstream) -> Handled {
+    async fn passthrough(&self, request: Request<Incoming>, peer: &Downstream) -> Handled {
         let (parts, body) = request.into_parts();
-        let (body, client) = GuardedBody::new(body, self.body_read_timeout);
-        let request = self.upstream.request(&parts, body.boxed(), peer);
-        let response = self
-            .upstream
-            .send(request)
-            .await
-            .map_err(|failure| client.error().unwrap_or_else(|| failure.into_error()))?;
+        // A request without a body, as most are, has no body to guard.
+        let (body, client) = if body.is_end_stream() {
+            (body::empty(), None)
+        } else {
+            let (body, client) = GuardedBody::new(body, self.body_read_timeout);
+            (body.boxed(), Some(client))
+        };
+        let request = self.upstream.request(parts, body, peer);
+        let response = self.upstream.send(request).await.map_err(|failure| {
+            client
+                .and_then(|client| client.error())
+                .unwrap_or_else(|| failure.into_error())
+        })?;
         Ok((stream_response(response), Outcome::Passthrough))
     }
 
     /// The store could not decide the claim: refuse (fail_closed) or forward unprotected (fail_open).
     async fn store_down(
         &self,
-        parts: &request::Parts,
+        parts: request::Parts,
         body: ReservedBody,
-        peer: Downstream,
+        peer: &Downstream,
         error: StoreError,
     ) -> Handled {
         if self.on_store_error == OnStoreError::FailClosed {

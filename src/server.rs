@@ -32,6 +32,9 @@ use crate::proxy::forward::Downstream;
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The header count hyper's HTTP/1.1 server allows when none is set.
+const HYPER_DEFAULT_MAX_HEADERS: usize = 100;
+
 /// How often an HTTP/2 connection is pinged, and how long its answer may take before it is closed.
 const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
 const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
@@ -86,8 +89,12 @@ impl Limits {
             .timer(TokioTimer::new())
             .header_read_timeout(self.header_read_timeout)
             // hyper refuses a head once its read buffer is full, so the buffer bound is the head bound.
-            .max_buf_size(self.max_header_size.max(8 * 1024))
-            .max_headers(self.max_headers);
+            .max_buf_size(self.max_header_size.max(8 * 1024));
+        // hyper parses up to its default count in a buffer on the stack; any other count costs an
+        // allocation per request head, so it is only set when it differs.
+        if self.max_headers != HYPER_DEFAULT_MAX_HEADERS {
+            builder.http1().max_headers(self.max_headers);
+        }
         // HTTP/2 has no head timeout; pings find peers that vanished, so their slots come back.
         builder
             .http2()
@@ -377,10 +384,7 @@ async fn work(
                 continue;
             }
         };
-        let downstream = Downstream {
-            addr,
-            tls: serving.tls.is_some(),
-        };
+        let downstream = Downstream::new(addr, serving.tls.is_some());
         let proxy = proxy.clone();
         let connection = Connection {
             builder: serving.builder.clone(),
@@ -389,7 +393,9 @@ async fn work(
         };
         tokio::spawn(async move {
             connection
-                .serve(stream, move |request| proxy.clone().handle(request, downstream))
+                .serve(stream, move |request| {
+                    proxy.clone().handle(request, downstream.clone())
+                })
                 .await;
             drop(slot);
         });

@@ -32,13 +32,23 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// The client side of a connection, as far as the upstream is told about it.
-#[derive(Debug, Clone, Copy)]
+/// The client side of a connection, as far as the upstream is told about it. Made once per connection and
+/// shared by its requests.
+#[derive(Debug, Clone)]
 pub struct Downstream {
-    /// The client's address.
-    pub addr: SocketAddr,
+    /// The client's IP address, as `X-Forwarded-For` names it.
+    ip: HeaderValue,
     /// Whether the client connected over TLS.
-    pub tls: bool,
+    tls: bool,
+}
+
+impl Downstream {
+    /// The client at `addr`, over TLS or not.
+    pub fn new(addr: SocketAddr, tls: bool) -> Downstream {
+        let ip = HeaderValue::from_str(&addr.ip().to_string())
+            .expect("an IP address in text is a valid header value");
+        Downstream { ip, tls }
+    }
 }
 
 /// Why the upstream did not give us a response head.
@@ -106,20 +116,33 @@ impl Upstream {
 
     /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
     /// `X-Forwarded-*` set; the client's `Host` kept.
-    pub fn request(&self, parts: &request::Parts, body: ProxyBody, peer: Downstream) -> Request<ProxyBody> {
-        let mut headers = parts.headers.clone();
-        strip_hop_by_hop(&mut headers);
+    pub fn request(&self, parts: request::Parts, body: ProxyBody, peer: &Downstream) -> Request<ProxyBody> {
+        let request::Parts {
+            method,
+            uri,
+            mut headers,
+            ..
+        } = parts;
         // The proxy has answered any 100-continue itself by reading the body.
-        headers.remove(header::EXPECT);
-        let host = original_host(parts);
-        let upstream_host = host.clone().or_else(|| self.base_host());
-        if let Some(upstream_host) = upstream_host {
-            headers.insert(header::HOST, upstream_host);
-        }
+        remove_where(&mut headers, |name| is_hop_by_hop(name) || name == header::EXPECT);
+        let host = match headers.get(header::HOST) {
+            Some(host) => Some(host.clone()),
+            None => {
+                // HTTP/2 and absolute-form requests name the host in the target; with neither, the
+                // upstream's own authority.
+                let named = uri
+                    .authority()
+                    .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
+                if let Some(upstream_host) = named.clone().or_else(|| self.base_host()) {
+                    headers.insert(header::HOST, upstream_host);
+                }
+                named
+            }
+        };
         set_forwarded(&mut headers, peer, host);
         let mut request = Request::new(body);
-        *request.method_mut() = parts.method.clone();
-        *request.uri_mut() = self.uri_for(&parts.uri);
+        *request.method_mut() = method;
+        *request.uri_mut() = self.uri_for(&uri);
         *request.version_mut() = Version::HTTP_11;
         *request.headers_mut() = headers;
         request
@@ -160,44 +183,53 @@ pub fn stream_response(response: Response<PooledBody>) -> Response<ProxyBody> {
     Response::from_parts(parts, body.map_err(BoxError::from).boxed())
 }
 
-/// Removes hop-by-hop headers, including every header the `Connection` header names.
+/// Removes hop-by-hop headers, including every header the `Connection` header names. Runs twice per
+/// request, so the usual case (nothing or only `Connection` to remove) costs a scan of the names and
+/// no allocation.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+    remove_where(headers, is_hop_by_hop);
+}
+
+/// Removes the headers the `Connection` header names, then every header `doomed` picks out.
+fn remove_where(headers: &mut HeaderMap, doomed: impl Fn(&HeaderName) -> bool) {
+    let mut named = Vec::new();
+    for value in headers.get_all(header::CONNECTION) {
+        let Ok(value) = value.to_str() else { continue };
+        for option in value.split(',').map(str::trim) {
+            // Names are stored in lowercase; an option no header has needs no removal.
+            if let Some(name) = headers
+                .keys()
+                .find(|name| name.as_str().eq_ignore_ascii_case(option))
+            {
+                named.push(name.clone());
+            }
+        }
+    }
+    for name in named {
         headers.remove(name);
     }
-    let proxy: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| name.as_str().starts_with("proxy-"))
-        .cloned()
-        .collect();
-    for name in proxy {
+    while let Some(name) = headers.keys().find(|name| doomed(name)).cloned() {
         headers.remove(name);
     }
 }
 
-fn original_host(parts: &request::Parts) -> Option<HeaderValue> {
-    parts.headers.get(header::HOST).cloned().or_else(|| {
-        parts
-            .uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    })
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
 
-fn set_forwarded(headers: &mut HeaderMap, peer: Downstream, host: Option<HeaderValue>) {
-    let client_ip = peer.addr.ip().to_string();
-    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(prior) => format!("{prior}, {client_ip}"),
-        None => client_ip,
+fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<HeaderValue>) {
+    let forwarded_for = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
+        Some(prior) => {
+            let ip = peer.ip.as_bytes();
+            let mut chain = Vec::with_capacity(prior.len() + 2 + ip.len());
+            chain.extend_from_slice(prior);
+            chain.extend_from_slice(b", ");
+            chain.extend_from_slice(ip);
+            HeaderValue::from_bytes(&chain).ok()
+        }
+        None => Some(peer.ip.clone()),
     };
-    if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
+    if let Some(value) = forwarded_for {
         headers.insert(X_FORWARDED_FOR, value);
     }
     let proto = if peer.tls { "https" } else { "http" };
@@ -283,18 +315,85 @@ mod tests {
     }
 
     #[test]
+    fn connection_options_match_header_names_in_any_case_and_need_not_exist() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, X-Secret, x-absent"),
+        );
+        headers.append(header::CONNECTION, HeaderValue::from_static("X-Other"));
+        headers.insert("x-secret", HeaderValue::from_static("1"));
+        headers.insert("x-other", HeaderValue::from_static("2"));
+        headers.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        headers.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
+        headers.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["accept"]);
+    }
+
+    fn upstream(base: &str) -> Upstream {
+        let config = UpstreamConfig {
+            base: base.parse().unwrap(),
+            connect_timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        };
+        Upstream::new(&config, Metrics::new())
+    }
+
+    fn parts(request: http::request::Builder) -> request::Parts {
+        request.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn the_upstream_request_keeps_the_client_host_and_drops_expect_and_hop_by_hop_headers() {
+        let client = parts(
+            Request::post("/pay?x=1")
+                .header(header::HOST, "api.example")
+                .header(header::EXPECT, "100-continue")
+                .header(header::TRANSFER_ENCODING, "chunked")
+                .header(header::CONTENT_TYPE, "application/json"),
+        );
+        let peer = Downstream::new("10.1.2.3:5000".parse().unwrap(), false);
+        let request = upstream("http://127.0.0.1:9").request(client, super::super::body::empty(), &peer);
+        assert_eq!(request.method(), http::Method::POST);
+        assert_eq!(request.uri(), "/pay?x=1");
+        let headers = request.headers();
+        assert_eq!(headers[header::HOST], "api.example");
+        assert_eq!(headers[&X_FORWARDED_HOST], "api.example");
+        assert_eq!(headers[&X_FORWARDED_FOR], "10.1.2.3");
+        assert_eq!(headers[header::CONTENT_TYPE], "application/json");
+        assert!(headers.get(header::EXPECT).is_none());
+        assert!(headers.get(header::TRANSFER_ENCODING).is_none());
+    }
+
+    #[test]
+    fn without_a_host_header_the_target_authority_or_else_the_upstream_is_the_host() {
+        let peer = Downstream::new("[::1]:5000".parse().unwrap(), true);
+        let http2 = parts(Request::get("https://api.example:8443/a"));
+        let request = upstream("http://10.0.0.9:8080").request(http2, super::super::body::empty(), &peer);
+        assert_eq!(request.uri(), "/a");
+        assert_eq!(request.headers()[header::HOST], "api.example:8443");
+        assert_eq!(request.headers()[&X_FORWARDED_HOST], "api.example:8443");
+        assert_eq!(request.headers()[&X_FORWARDED_FOR], "::1");
+        assert_eq!(request.headers()[&X_FORWARDED_PROTO], "https");
+        let bare = parts(Request::get("/a"));
+        let request = upstream("http://10.0.0.9:8080").request(bare, super::super::body::empty(), &peer);
+        assert_eq!(request.headers()[header::HOST], "10.0.0.9:8080");
+        assert!(request.headers().get(&X_FORWARDED_HOST).is_none());
+    }
+
+    #[test]
     fn forwarded_for_appends_the_peer() {
         let mut headers = HeaderMap::new();
         headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        let peer = Downstream {
-            addr: "127.0.0.1:5000".parse().unwrap(),
-            tls: false,
-        };
-        set_forwarded(&mut headers, peer, Some(HeaderValue::from_static("api")));
+        let peer = Downstream::new("127.0.0.1:5000".parse().unwrap(), false);
+        set_forwarded(&mut headers, &peer, Some(HeaderValue::from_static("api")));
         assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
         assert_eq!(headers[&X_FORWARDED_HOST], "api");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
-        set_forwarded(&mut headers, Downstream { tls: true, ..peer }, None);
+        let tls = Downstream::new("127.0.0.1:5000".parse().unwrap(), true);
+        set_forwarded(&mut headers, &tls, None);
         assert_eq!(headers[&X_FORWARDED_PROTO], "https");
     }
 }

@@ -87,7 +87,8 @@ impl Pool {
         loop {
             let (mut sender, reused) = match self.checkout().await {
                 Some(sender) => (sender, true),
-                None => (self.connect().await?, false),
+                // Connecting is rare and its state large; boxed, it stays out of every request's future.
+                None => (Box::pin(self.connect()).await?, false),
             };
             match sender.try_send_request(request).await {
                 Ok(response) => return Ok(response.map(|body| self.returning(body, sender))),

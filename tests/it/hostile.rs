@@ -139,6 +139,32 @@ async fn keyed_body_trickled_past_the_limit_gets_413_before_it_ends() {
     assert_eq!(env.upstream.executions(), 0);
 }
 
+/// The default count is hyper's own, so it is not passed to hyper; it must still hold.
+#[tokio::test]
+async fn the_default_header_count_of_100_holds() {
+    let env = TestEnv::new().await;
+    let proxy = InProcessProxy::start(&env.config()).await;
+    let host = addr_of(&proxy.url);
+    let lines = |n: usize| -> Vec<String> { (0..n).map(|i| format!("x-many-{i}: {i}")).collect() };
+
+    // Host plus 90 others; the proxy adds three X-Forwarded-* on the way, and the test upstream has the
+    // same limit.
+    let fine = lines(90);
+    let fine: Vec<&str> = fine.iter().map(String::as_str).collect();
+    let reply = raw::exchange(&proxy.url, head("GET /fine", host, &fine).as_bytes()).await;
+    assert_eq!(reply.status, Some(201), "91 headers are allowed: {reply:?}");
+
+    let flood = lines(100);
+    let flood: Vec<&str> = flood.iter().map(String::as_str).collect();
+    let reply = raw::exchange(&proxy.url, head("GET /flood", host, &flood).as_bytes()).await;
+    assert_eq!(reply.status, Some(431), "101 headers are refused: {reply:?}");
+    assert_eq!(
+        env.upstream.executions(),
+        1,
+        "only the allowed request was forwarded"
+    );
+}
+
 #[tokio::test]
 async fn header_floods_and_oversized_heads_get_431() {
     let env = TestEnv::new().await;
