@@ -97,7 +97,11 @@ impl Proxy {
             outcome = tracing::field::Empty,
         );
         let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
-        let result = self.handle_inner(request, peer).instrument(span.clone()).await;
+        let result = if span.is_disabled() {
+            self.handle_inner(request, peer).await
+        } else {
+            self.handle_inner(request, peer).instrument(span.clone()).await
+        };
         let _entered = span.enter();
         let (response, outcome) = match result {
             Ok(answered) => answered,

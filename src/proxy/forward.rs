@@ -192,6 +192,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Removes the headers the `Connection` header names, then every header `doomed` picks out.
 fn remove_where(headers: &mut HeaderMap, doomed: impl Fn(&HeaderName) -> bool) {
+    // Most heads have nothing to remove; one scan of the names says so without a lookup.
+    if !headers
+        .keys()
+        .any(|name| name == header::CONNECTION || doomed(name))
+    {
+        return;
+    }
     let mut named = Vec::new();
     for value in headers.get_all(header::CONNECTION) {
         let Ok(value) = value.to_str() else { continue };
