@@ -1,8 +1,10 @@
 //! Coalescing of concurrent store operations of one kind (claims, completions) into batches, so that many
 //! keys cost one statement and one commit instead of one each. Natural batching, no timer: an operation
-//! that finds fewer than `max_in_flight` batches running starts one at once, alone, and pays no wait;
-//! operations that arrive while every batch slot is busy queue, and the next batch to finish takes them
-//! all (up to `max_batch`) in one go. So batches grow exactly as fast as the store falls behind.
+//! that finds no batch running starts one at once, alone, and pays no wait; operations that arrive while
+//! a batch runs queue, and the next batch to finish takes them all (up to `max_batch`) in one go. So
+//! batches grow exactly as fast as the store falls behind. A further batch (up to `max_in_flight` at
+//! once) starts only when a full batch is waiting, more than the running ones take in their next round:
+//! batches that run side by side by choice would each be smaller and cost a commit each.
 //! Runs wherever a store operation runs; touches nothing but its queue and the batch function it is given.
 
 use std::future::Future;
@@ -37,7 +39,8 @@ struct Queue<I, O> {
 
 impl<I: Send + 'static, O: Send + 'static> Coalescer<I, O> {
     /// At most `max_in_flight` batches run at once, each of at most `max_batch` operations (both at
-    /// least 1). `run` must return exactly one output per input, in order.
+    /// least 1); more than one only while a full batch waits. `run` must return exactly one output per
+    /// input, in order.
     pub(crate) fn new<F>(max_batch: usize, max_in_flight: usize, run: F) -> Coalescer<I, O>
     where
         F: Fn(Vec<I>) -> BatchFuture<O> + Send + Sync + 'static,
@@ -63,11 +66,13 @@ impl<I: Send + 'static, O: Send + 'static> Coalescer<I, O> {
         let batch = {
             let mut queue = self.inner.lock();
             queue.waiting.push((item, answer));
-            if queue.in_flight >= self.inner.max_in_flight {
-                None
-            } else {
+            let idle = queue.in_flight == 0;
+            let backlog = queue.waiting.len() >= self.inner.max_batch;
+            if idle || (backlog && queue.in_flight < self.inner.max_in_flight) {
                 queue.in_flight += 1;
                 Some(self.inner.take(&mut queue))
+            } else {
+                None
             }
         };
         if let Some(batch) = batch {
@@ -195,6 +200,58 @@ mod tests {
         // 1 alone, then the 20 queued in batches of at most 8.
         assert_eq!(*sizes.lock().unwrap(), vec![1, 8, 8, 4]);
         assert_eq!(coalescer.inner.lock().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn a_second_batch_starts_only_once_a_full_batch_is_waiting() {
+        let gate = Arc::new(Semaphore::new(0));
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let coalescer: Arc<Coalescer<u32, u32>> = Arc::new(Coalescer::new(4, 2, {
+            let gate = Arc::clone(&gate);
+            let sizes = Arc::clone(&sizes);
+            move |items: Vec<u32>| {
+                sizes.lock().unwrap().push(items.len());
+                let gate = Arc::clone(&gate);
+                Box::pin(async move {
+                    gate.acquire().await.expect("gate open").forget();
+                    items
+                }) as BatchFuture<u32>
+            }
+        }));
+        let submit = |n: u32| {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.submit(n).await })
+        };
+        let in_flight = || coalescer.inner.lock().in_flight;
+        let waiting = || coalescer.inner.lock().waiting.len();
+        let mut tasks = vec![submit(0)];
+        while in_flight() == 0 {
+            tokio::task::yield_now().await;
+        }
+        // Three queue behind the running batch: less than a full batch, so no second one.
+        tasks.extend((1..=3).map(submit));
+        while waiting() < 3 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(in_flight(), 1);
+        // The fourth makes a full batch waiting: it starts beside the first, with all four.
+        tasks.push(submit(4));
+        while waiting() > 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(in_flight(), 2);
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 4]);
+        // With both slots taken, a full batch waiting starts nothing more.
+        tasks.extend((5..=8).map(submit));
+        while waiting() < 4 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(in_flight(), 2);
+        gate.add_permits(100);
+        for (n, task) in tasks.into_iter().enumerate() {
+            assert_eq!(task.await.unwrap(), Some(n as u32));
+        }
+        assert_eq!(in_flight(), 0);
     }
 
     #[tokio::test]

@@ -309,8 +309,9 @@ impl PostgresStore {
     }
 }
 
-/// Batches of each kind (claims, completions) running at once: a quarter of the pool, so coalesced
-/// statements leave connections for everything else (heartbeats, requests that claim alone).
+/// Most batches of each kind (claims, completions) running at once: a quarter of the pool, so coalesced
+/// statements leave connections for everything else (heartbeats, requests that claim alone). More than
+/// one runs only while a full batch waits (see `coalesce`).
 fn batches_in_flight(pool_size: usize) -> usize {
     (pool_size / 4).max(1)
 }
