@@ -198,6 +198,12 @@ impl Proxy {
         let fill = self.remember(&claim, &result, started);
         let answer = match claim::decide(result, &claim.id.key, &self.metrics) {
             Ok(Decision::Execute) => {
+                let waited = started.elapsed();
+                if waited > claim.lease / 2 {
+                    let late = self.claimed_too_late(&claim, waited).await;
+                    head.send(self.store_down(parts, body, &peer, late).await);
+                    return;
+                }
                 let request = self.upstream.request(parts, body.into_body(), &peer);
                 return tee::execute(self, claim.id, request, head, fill).await;
             }
@@ -205,6 +211,24 @@ impl Proxy {
             Err(refusal) => Err(refusal),
         };
         head.send(answer);
+    }
+
+    /// A won claim whose answer came after more than half its lease (the lease started no earlier than the
+    /// claim was sent): a starved process, or a store slower than the lease. The heartbeat's first
+    /// extension, a third of a lease after forwarding, might come after the lease ran out, and another
+    /// proxy could take the key over while the upstream works. So the claim is given back (fenced by its
+    /// token) and the request is answered as if the store had not answered in time.
+    async fn claimed_too_late(&self, claim: &ClaimRequest, waited: Duration) -> StoreError {
+        tracing::warn!(
+            key = %claim.id.key,
+            waited_ms = waited.as_millis() as u64,
+            lease_ms = claim.lease.as_millis() as u64,
+            "claim answered after more than half its lease; not forwarded on it"
+        );
+        if let Err(error) = self.store.release(&claim.id).await {
+            tracing::warn!(key = %claim.id.key, %error, "releasing the late claim failed; it expires with its lease");
+        }
+        StoreError::Timeout(waited)
     }
 
     /// A retry of a record this process has seen completed, answered without the store.

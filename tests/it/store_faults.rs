@@ -167,3 +167,48 @@ async fn store_unreachable_fail_open_forwards_keyed_requests() {
     let unprotected = metric(&proxy.admin_url, "idemproxy_unprotected_requests_total", &[]).await;
     assert_eq!(unprotected, 1.0, "every unprotected forward is counted");
 }
+
+/// A claim answered after more than half its lease is not forwarded on: the key table is locked for longer
+/// than that, so the claim statement waits behind the lock. The request gets 503 (as when the store does
+/// not answer in time), nothing reaches the upstream, and the claim is given back: the retry executes at
+/// once instead of meeting a live claim (409) for the rest of the lease.
+#[tokio::test]
+async fn a_claim_answered_after_half_its_lease_is_given_back_not_forwarded() {
+    let env = TestEnv::new().await;
+    let config = env
+        .config()
+        .set("idempotency.lock_timeout", "2s")
+        .set("store.timeout", "10s");
+    let proxy = InProcessProxy::start(&config).await;
+    let warm = Reply::of(keyed_post(&proxy.url, "/orders", "warm", "{}")).await;
+    assert_eq!(warm.status, 201, "{}", warm.text());
+
+    let locker = env.db().client().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE idemproxy.records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock the key table");
+    let slow = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/orders", "slow", "{}")));
+    env.db().wait_for_a_lock_waiter().await;
+    // Past half of the 2 s lease from the moment the claim waits.
+    tokio::time::sleep(std::time::Duration::from_millis(1_200)).await;
+    locker.batch_execute("COMMIT").await.expect("unlock");
+
+    let late = slow.await.expect("request task");
+    late.assert_problem(503, "store-unavailable");
+    assert_eq!(
+        env.upstream.executions_for_key("slow"),
+        0,
+        "forwarded on a late claim"
+    );
+
+    let retry = Reply::of(keyed_post(&proxy.url, "/orders", "slow", "{}")).await;
+    assert_eq!(
+        retry.status,
+        201,
+        "the late claim was given back: {}",
+        retry.text()
+    );
+    assert!(!retry.is_replay());
+    assert_eq!(env.upstream.executions_for_key("slow"), 1);
+}
