@@ -124,7 +124,7 @@ impl Upstream {
             ..
         } = parts;
         // The proxy has answered any 100-continue itself by reading the body.
-        remove_where(&mut headers, |name| is_hop_by_hop(name) || name == header::EXPECT);
+        strip_hop_by_hop_and(&mut headers, |name| name == header::EXPECT);
         let host = match headers.get(header::HOST) {
             Some(host) => Some(host.clone()),
             None => {
@@ -187,16 +187,15 @@ pub fn stream_response(response: Response<PooledBody>) -> Response<ProxyBody> {
 /// request, so the usual case (nothing or only `Connection` to remove) costs a scan of the names and
 /// no allocation.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    remove_where(headers, is_hop_by_hop);
+    strip_hop_by_hop_and(headers, |_| false);
 }
 
-/// Removes the headers the `Connection` header names, then every header `doomed` picks out.
-fn remove_where(headers: &mut HeaderMap, doomed: impl Fn(&HeaderName) -> bool) {
-    // Most heads have nothing to remove; one scan of the names says so without a lookup.
-    if !headers
-        .keys()
-        .any(|name| name == header::CONNECTION || doomed(name))
-    {
+/// [`strip_hop_by_hop`], and every header `also` picks out.
+fn strip_hop_by_hop_and(headers: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
+    let doomed = |name: &HeaderName| is_hop_by_hop(name) || also(name);
+    // Most heads have nothing to remove (`Connection` is itself hop-by-hop); one scan of the names says
+    // so without a lookup.
+    if !headers.keys().any(doomed) {
         return;
     }
     let mut named = Vec::new();

@@ -148,14 +148,19 @@ mod tests {
 
     use super::*;
 
-    /// A batch function that doubles its inputs once `gate` lets it, and records every batch's size.
-    fn doubling(gate: Arc<Semaphore>, sizes: Arc<Mutex<Vec<usize>>>) -> Coalescer<u32, u32> {
-        Coalescer::new(8, 1, move |items: Vec<u32>| {
+    /// A batch function that records every batch's size as it starts, then doubles its inputs once `gate`
+    /// lets it.
+    fn doubling(
+        max_batch: usize,
+        max_in_flight: usize,
+        gate: Arc<Semaphore>,
+        sizes: Arc<Mutex<Vec<usize>>>,
+    ) -> Coalescer<u32, u32> {
+        Coalescer::new(max_batch, max_in_flight, move |items: Vec<u32>| {
+            sizes.lock().unwrap().push(items.len());
             let gate = Arc::clone(&gate);
-            let sizes = Arc::clone(&sizes);
             Box::pin(async move {
                 gate.acquire().await.expect("gate open").forget();
-                sizes.lock().unwrap().push(items.len());
                 items.into_iter().map(|n| n * 2).collect()
             }) as BatchFuture<u32>
         })
@@ -164,7 +169,7 @@ mod tests {
     #[tokio::test]
     async fn a_lone_operation_runs_at_once_in_a_batch_of_one() {
         let sizes = Arc::new(Mutex::new(Vec::new()));
-        let coalescer = doubling(Arc::new(Semaphore::new(100)), Arc::clone(&sizes));
+        let coalescer = doubling(8, 1, Arc::new(Semaphore::new(100)), Arc::clone(&sizes));
         assert_eq!(coalescer.submit(21).await, Some(42));
         assert_eq!(*sizes.lock().unwrap(), vec![1]);
     }
@@ -173,7 +178,7 @@ mod tests {
     async fn operations_arriving_while_a_batch_runs_share_the_next_one_and_each_gets_its_own_answer() {
         let gate = Arc::new(Semaphore::new(0));
         let sizes = Arc::new(Mutex::new(Vec::new()));
-        let coalescer = Arc::new(doubling(Arc::clone(&gate), Arc::clone(&sizes)));
+        let coalescer = Arc::new(doubling(8, 1, Arc::clone(&gate), Arc::clone(&sizes)));
         let first = tokio::spawn({
             let coalescer = Arc::clone(&coalescer);
             async move { coalescer.submit(1).await }
@@ -206,18 +211,7 @@ mod tests {
     async fn a_second_batch_starts_only_once_a_full_batch_is_waiting() {
         let gate = Arc::new(Semaphore::new(0));
         let sizes = Arc::new(Mutex::new(Vec::new()));
-        let coalescer: Arc<Coalescer<u32, u32>> = Arc::new(Coalescer::new(4, 2, {
-            let gate = Arc::clone(&gate);
-            let sizes = Arc::clone(&sizes);
-            move |items: Vec<u32>| {
-                sizes.lock().unwrap().push(items.len());
-                let gate = Arc::clone(&gate);
-                Box::pin(async move {
-                    gate.acquire().await.expect("gate open").forget();
-                    items
-                }) as BatchFuture<u32>
-            }
-        }));
+        let coalescer = Arc::new(doubling(4, 2, Arc::clone(&gate), Arc::clone(&sizes)));
         let submit = |n: u32| {
             let coalescer = Arc::clone(&coalescer);
             tokio::spawn(async move { coalescer.submit(n).await })
@@ -249,7 +243,7 @@ mod tests {
         assert_eq!(in_flight(), 2);
         gate.add_permits(100);
         for (n, task) in tasks.into_iter().enumerate() {
-            assert_eq!(task.await.unwrap(), Some(n as u32));
+            assert_eq!(task.await.unwrap(), Some(n as u32 * 2));
         }
         assert_eq!(in_flight(), 0);
     }
@@ -258,7 +252,7 @@ mod tests {
     async fn a_caller_that_stops_waiting_does_not_stop_its_operation_or_the_others() {
         let gate = Arc::new(Semaphore::new(0));
         let sizes = Arc::new(Mutex::new(Vec::new()));
-        let coalescer = Arc::new(doubling(Arc::clone(&gate), Arc::clone(&sizes)));
+        let coalescer = Arc::new(doubling(8, 1, Arc::clone(&gate), Arc::clone(&sizes)));
         let abandoned = tokio::time::timeout(Duration::from_millis(10), coalescer.submit(1)).await;
         assert!(abandoned.is_err());
         let waiting = tokio::spawn({
