@@ -193,11 +193,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// [`strip_hop_by_hop`], and every header `also` picks out.
 fn strip_hop_by_hop_and(headers: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
     let doomed = |name: &HeaderName| is_hop_by_hop(name) || also(name);
-    // Most heads have nothing to remove (`Connection` is itself hop-by-hop); one scan of the names says
-    // so without a lookup.
-    if !headers.keys().any(doomed) {
-        return;
-    }
+    // Most heads have nothing to remove, or only `Connection` (a keep-alive upstream's responses): one
+    // scan of the names tells which, without a lookup.
+    let mut found = headers.keys().filter(|name| doomed(name));
+    let Some(first) = found.next() else { return };
+    let only_connection = first == header::CONNECTION && found.next().is_none();
     let mut named = Vec::new();
     for value in headers.get_all(header::CONNECTION) {
         let Ok(value) = value.to_str() else { continue };
@@ -213,6 +213,10 @@ fn strip_hop_by_hop_and(headers: &mut HeaderMap, also: impl Fn(&HeaderName) -> b
     }
     for name in named {
         headers.remove(name);
+    }
+    if only_connection {
+        headers.remove(header::CONNECTION);
+        return;
     }
     while let Some(name) = headers.keys().find(|name| doomed(name)).cloned() {
         headers.remove(name);
@@ -336,6 +340,31 @@ mod tests {
         strip_hop_by_hop(&mut headers);
         let left: Vec<&str> = headers.keys().map(|k| k.as_str()).collect();
         assert_eq!(left, vec!["accept"]);
+    }
+
+    #[test]
+    fn a_lone_connection_header_goes_with_the_headers_it_names_and_nothing_else() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::SERVER, HeaderValue::from_static("nginx"));
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, X-Secret"),
+        );
+        headers.insert("x-secret", HeaderValue::from_static("1"));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["server", "content-length"]);
+
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        headers.insert(
+            header::DATE,
+            HeaderValue::from_static("Sat, 21 Nov 2026 12:00:00 GMT"),
+        );
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["date"]);
     }
 
     fn upstream(base: &str) -> Upstream {
