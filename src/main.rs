@@ -10,6 +10,11 @@ use idemproxy::config::{Config, LogFormat};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
+/// The allocator for the whole process (see `Cargo.toml`).
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// sysexits' EX_USAGE, as for any bad configuration.
 const EXIT_CONFIG: u8 = 64;
 
