@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, Entry, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version, request};
 use tokio_util::sync::CancellationToken;
 
@@ -142,16 +142,10 @@ impl Upstream {
         set_forwarded(&mut headers, peer, host);
         let mut request = Request::new(body);
         *request.method_mut() = method;
-        *request.uri_mut() = self.uri_for(&uri);
+        *request.uri_mut() = origin_form(uri);
         *request.version_mut() = Version::HTTP_11;
         *request.headers_mut() = headers;
         request
-    }
-
-    /// The request target in origin form: the client's path and query.
-    fn uri_for(&self, uri: &Uri) -> Uri {
-        let path = uri.path_and_query().cloned();
-        Uri::from(path.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
     }
 
     /// The upstream's own authority, as the `Host` of a request that came without one.
@@ -223,30 +217,46 @@ fn strip_hop_by_hop_and(headers: &mut HeaderMap, also: impl Fn(&HeaderName) -> b
     }
 }
 
+/// The request target in origin form: the client's path and query. A target already in that form (as
+/// HTTP/1.1 requests send it) goes as it came.
+fn origin_form(uri: Uri) -> Uri {
+    if uri.scheme().is_none() && uri.authority().is_none() {
+        return uri;
+    }
+    let path = uri.path_and_query().cloned();
+    Uri::from(path.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
+}
+
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
 
 fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<HeaderValue>) {
-    let forwarded_for = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
-        Some(prior) => {
-            let ip = peer.ip.as_bytes();
-            let mut chain = Vec::with_capacity(prior.len() + 2 + ip.len());
-            chain.extend_from_slice(prior);
-            chain.extend_from_slice(b", ");
-            chain.extend_from_slice(ip);
-            HeaderValue::from_bytes(&chain).ok()
+    // One lookup of the name both reads the chain so far and writes the new one.
+    match headers.entry(X_FORWARDED_FOR) {
+        Entry::Occupied(mut chain) => {
+            if let Some(longer) = forwarded_chain(chain.get().as_bytes(), peer.ip.as_bytes()) {
+                chain.insert(longer);
+            }
         }
-        None => Some(peer.ip.clone()),
-    };
-    if let Some(value) = forwarded_for {
-        headers.insert(X_FORWARDED_FOR, value);
+        Entry::Vacant(none) => {
+            none.insert(peer.ip.clone());
+        }
     }
     let proto = if peer.tls { "https" } else { "http" };
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
         headers.insert(X_FORWARDED_HOST, host);
     }
+}
+
+/// `prior`, then `ip`, as one `X-Forwarded-For` value.
+fn forwarded_chain(prior: &[u8], ip: &[u8]) -> Option<HeaderValue> {
+    let mut chain = Vec::with_capacity(prior.len() + 2 + ip.len());
+    chain.extend_from_slice(prior);
+    chain.extend_from_slice(b", ");
+    chain.extend_from_slice(ip);
+    HeaderValue::from_bytes(&chain).ok()
 }
 
 /// Extends a claim's lease about every third of `lock_timeout` while the upstream works. Stops when
