@@ -1,9 +1,9 @@
 //! The workload a profile-guided build trains idemproxy on (`deploy/pgo-build`).
 //!
 //! `pgo_workload PROXY [POSTGRES_URL]` runs the proxy binary `PROXY` in front of an upstream of its own,
-//! once on an embedded SQLite store and, when `POSTGRES_URL` (a server URL such as
-//! `postgres://postgres@127.0.0.1:5432`) is given, once more on a database it creates there and drops
-//! afterwards. Each run sends the requests a proxy serves in production, in proportions like theirs:
+//! once on an embedded SQLite store and, when `POSTGRES_URL` (such as `postgres://postgres@127.0.0.1:5432`;
+//! a database in it is only where it connects to create its own) is given, once more on a database it
+//! creates on that server and drops afterwards. Each run sends the requests a proxy serves in production, in proportions like theirs:
 //! passthrough GETs over keep-alive connections, keyed POSTs, replays, reused keys with another payload,
 //! duplicates in flight, a response larger than the stored limit, HTTP/2 cleartext and a metrics scrape.
 //! Then it stops the proxy with SIGTERM, so the instrumented binary writes its profile as it exits.
@@ -23,9 +23,9 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
 
@@ -62,8 +62,11 @@ async fn main() -> Result<()> {
             .batch_execute(&format!("CREATE DATABASE {database}"))
             .await
             .with_context(|| format!("creating database {database} on {server}"))?;
-        let url = format!("{}/{database}", server.trim_end_matches('/'));
-        let trained = train(&proxy, upstream, &url).await.context("on PostgreSQL");
+        let mut url = url::Url::parse(&server).with_context(|| format!("{server} is not a URL"))?;
+        url.set_path(&database);
+        let trained = train(&proxy, upstream, url.as_str())
+            .await
+            .context("on PostgreSQL");
         admin
             .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
             .await
@@ -287,14 +290,15 @@ fn free_port() -> Result<SocketAddr> {
     Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-/// The upstream: `/big` answers `BIG` bytes, everything else the JSON answer, after `?delay_ms=N` if given.
+/// The upstream, over HTTP/1.1 as the proxy speaks to it: `/big` answers `BIG` bytes, everything else
+/// the JSON answer, after `?delay_ms=N` if given.
 async fn serve_upstream() -> Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let _ = auto::Builder::new(TokioExecutor::new())
+                let _ = http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service_fn(answer))
                     .await;
             });
@@ -318,10 +322,12 @@ async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Inf
     } else {
         Bytes::from_static(ANSWER.as_bytes())
     };
-    let mut response = Response::new(Full::new(body));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
+    // The head of a typical HTTP/1.1 service (nginx's, say), `Connection` included: the proxy strips it.
+    let response = Response::builder()
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::SERVER, "pgo-upstream")
+        .header(header::CONNECTION, "keep-alive")
+        .body(Full::new(body))
+        .expect("a static response head is valid");
     Ok(response)
 }
