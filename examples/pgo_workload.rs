@@ -39,8 +39,8 @@ const MISMATCHES: usize = 20;
 /// About the JSON an API answers with: the benchmark's upstream body is the same size.
 const ANSWER: &str = r#"{"id":"ord_8f14e45fceea167a5a36dedd4bea2543","status":"accepted","amount":1000,"currency":"EUR","customer":"c_123","created_at":"2026-01-01T00:00:00Z","items":[{"sku":"sku_001","quantity":2}],"note":"b"}"#;
 const ORDER: &str = r#"{"amount":1000,"currency":"EUR","customer":"c_123"}"#;
-/// Larger than the default `max_stored_response` (1 MiB), so the capture stops and the rest streams.
-const BIG: usize = 3 << 20;
+/// Larger than the default `max_stored_response` (4 MiB), so the capture stops and the rest streams.
+const BIG: usize = 6 << 20;
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -184,15 +184,16 @@ async fn one_connection(client: &reqwest::Client, base: &str, tag: &str) -> Resu
 }
 
 /// Paths a proxy takes now and then: a duplicate while the first is in flight, and a response too large
-/// to keep.
+/// to keep, retried.
 async fn rare_paths(client: &reqwest::Client, base: &str, tag: &str) -> Result<()> {
+    // The upstream holds these for 300 ms; a duplicate sent well inside that finds the first in flight.
+    let slow = format!("{base}/orders?delay_ms=300");
     for i in 0..5 {
         let key = format!("{tag}-slow{i}");
-        let slow = keyed(client, base, &key, ORDER);
-        let first = tokio::spawn(async move { slow.send().await });
-        // The upstream holds the first for 300 ms; a duplicate sent well inside that finds it in flight.
+        let first = keyed_to(client, &slow, &key, ORDER);
+        let first = tokio::spawn(async move { first.send().await });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let duplicate = keyed(client, base, &key, ORDER).send().await?;
+        let duplicate = keyed_to(client, &slow, &key, ORDER).send().await?;
         ensure!(
             duplicate.status() == StatusCode::CONFLICT,
             "duplicate answered {}",
@@ -206,10 +207,7 @@ async fn rare_paths(client: &reqwest::Client, base: &str, tag: &str) -> Result<(
         );
     }
     for i in 0..3 {
-        let response = client
-            .post(format!("{base}/big"))
-            .header("idempotency-key", format!("{tag}-big{i}"))
-            .body(ORDER)
+        let response = keyed_to(client, &format!("{base}/big"), &format!("{tag}-big{i}"), ORDER)
             .send()
             .await?;
         ensure!(
@@ -219,6 +217,13 @@ async fn rare_paths(client: &reqwest::Client, base: &str, tag: &str) -> Result<(
         );
         let body = response.bytes().await?;
         ensure!(body.len() == BIG, "big body of {} bytes, not {BIG}", body.len());
+        // Too large to keep: a retry learns the response was not retained.
+        expect(
+            keyed_to(client, &format!("{base}/big"), &format!("{tag}-big{i}"), ORDER),
+            StatusCode::GONE,
+            "big retry",
+        )
+        .await?;
     }
     Ok(())
 }
@@ -245,15 +250,15 @@ async fn http2(base: &str) -> Result<()> {
     Ok(())
 }
 
-/// A keyed POST of `body` under `key`; `/orders` with `slow` in the key is held 300 ms by the upstream.
+/// A keyed POST of `body` under `key` to `{base}/orders`.
 fn keyed(client: &reqwest::Client, base: &str, key: &str, body: &'static str) -> reqwest::RequestBuilder {
-    let path = if key.contains("-slow") {
-        "/orders?delay_ms=300"
-    } else {
-        "/orders"
-    };
+    keyed_to(client, &format!("{base}/orders"), key, body)
+}
+
+/// A keyed POST of `body` under `key` to `url`.
+fn keyed_to(client: &reqwest::Client, url: &str, key: &str, body: &'static str) -> reqwest::RequestBuilder {
     client
-        .post(format!("{base}{path}"))
+        .post(url)
         .header("idempotency-key", key)
         .header(header::CONTENT_TYPE, "application/json")
         .body(body)
