@@ -7,6 +7,8 @@
 local mode = os.getenv("BENCH_MODE") or "get"
 local nonce = os.getenv("BENCH_NONCE") or tostring(os.time())
 local order = '{"amount":1000,"currency":"EUR","customer":"c_123"}'
+-- Keyed requests carry a credential, as real clients do: without one the proxy refuses them (400).
+local credential = "Bearer bench-client"
 
 local threads = 0
 function setup(thread)
@@ -16,7 +18,7 @@ end
 
 if mode == "keyed" then
    local counter = 0
-   local headers = { ["Content-Type"] = "application/json" }
+   local headers = { ["Content-Type"] = "application/json", ["Authorization"] = credential }
    function request()
       counter = counter + 1
       headers["Idempotency-Key"] = nonce .. "-" .. thread_id .. "-" .. counter
@@ -28,6 +30,7 @@ elseif mode == "replay" then
    wrk.body = order
    wrk.headers["Content-Type"] = "application/json"
    wrk.headers["Idempotency-Key"] = os.getenv("BENCH_KEY")
+   wrk.headers["Authorization"] = credential
 end
 
 function done(summary, latency, requests)

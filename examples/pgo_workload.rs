@@ -260,6 +260,7 @@ fn keyed_to(client: &reqwest::Client, url: &str, key: &str, body: &'static str) 
     client
         .post(url)
         .header("idempotency-key", key)
+        .header(header::AUTHORIZATION, "Bearer pgo-client")
         .header(header::CONTENT_TYPE, "application/json")
         .body(body)
 }

@@ -109,6 +109,17 @@ pub struct RawServer {
     /// means one per available core.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<usize>,
+    /// How long a client may accept no bytes of its response before the proxy lets it go (a keyed
+    /// response is still read to the end and stored).
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: Duration,
+    /// Most keyed requests being executed at once (their work outlives their clients); more get 503.
+    /// Absent means `max_connections`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keyed_in_flight: Option<usize>,
+    /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room is
+    /// not retained.
+    pub max_buffered_responses: ByteSize,
 }
 
 impl Default for RawServer {
@@ -125,6 +136,9 @@ impl Default for RawServer {
             max_connections: 1024,
             max_buffered_bodies: ByteSize::mib(256),
             workers: None,
+            write_timeout: Duration::from_secs(30),
+            max_keyed_in_flight: None,
+            max_buffered_responses: ByteSize::mib(256),
         }
     }
 }
@@ -151,6 +165,11 @@ pub struct RawUpstream {
     /// Bound on waiting for the response head, and on the gap between two body chunks.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
+    /// Most connections each worker holds open to the upstream (in use or idle); a request that finds
+    /// none free waits up to `connect_timeout`, then gets 503. Absent means `server.max_connections`
+    /// divided among the workers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
 }
 
 impl Default for RawUpstream {
@@ -159,6 +178,7 @@ impl Default for RawUpstream {
             url: "http://127.0.0.1:3000".into(),
             connect_timeout: Duration::from_secs(2),
             timeout: Duration::from_secs(60),
+            max_connections: None,
         }
     }
 }
@@ -289,6 +309,37 @@ pub struct RawIdempotency {
     pub fingerprint_headers: Vec<String>,
     /// Upstream statuses that release the claim instead of being stored (`"5xx"` or a code).
     pub release_statuses: Vec<String>,
+    /// What a keyed request without any of `scope_headers` gets: refused, or one scope shared by all
+    /// such requests.
+    pub unscoped: Unscoped,
+    /// The `Retry-After` of a 409 for a key in flight (never more than the lease left).
+    #[serde(with = "humantime_serde")]
+    pub in_flight_retry_after: Duration,
+    /// What happens to a key whose request may have reached the upstream but got no full answer.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Response headers relayed to the first client but neither stored nor replayed.
+    pub never_store_headers: Vec<String>,
+}
+
+/// What a keyed request that carries none of the scope headers gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unscoped {
+    /// 400 `missing-scope`, not forwarded.
+    Reject,
+    /// Served in one scope shared by every such request.
+    Shared,
+}
+
+/// What happens to a key whose request may have reached the upstream without a full answer coming back
+/// (a timeout, or a connection reset mid-response).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnknownOutcome {
+    /// The claim is left to its lease; a retry after it executes again (a stale takeover).
+    Retry,
+    /// The record is marked `unknown`: retries get 502 until `idemproxy keys release`.
+    Hold,
 }
 
 impl Default for RawIdempotency {
@@ -305,6 +356,10 @@ impl Default for RawIdempotency {
             scope_headers: vec!["authorization".into()],
             fingerprint_headers: vec!["content-type".into()],
             release_statuses: vec!["5xx".into(), "408".into(), "425".into(), "429".into()],
+            unscoped: Unscoped::Reject,
+            in_flight_retry_after: Duration::from_secs(1),
+            on_unknown_outcome: OnUnknownOutcome::Retry,
+            never_store_headers: vec!["set-cookie".into()],
         }
     }
 }
@@ -413,6 +468,12 @@ pub struct ServerConfig {
     pub max_buffered_bodies: usize,
     /// Threads serving client connections.
     pub workers: usize,
+    /// Longest a client may accept no response bytes.
+    pub write_timeout: Duration,
+    /// Most keyed requests executing at once.
+    pub max_keyed_in_flight: usize,
+    /// Bytes of keyed responses captured for storage at once, in all.
+    pub max_buffered_responses: usize,
 }
 
 /// Validated `[upstream]`.
@@ -424,6 +485,8 @@ pub struct UpstreamConfig {
     pub connect_timeout: Duration,
     /// Response head bound and body idle bound.
     pub timeout: Duration,
+    /// Most upstream connections per worker.
+    pub max_connections: usize,
 }
 
 /// Validated `[sweeper]`.
@@ -497,6 +560,14 @@ pub struct IdempotencyConfig {
     pub fingerprint_headers: Vec<HeaderName>,
     /// Statuses that release the claim.
     pub release: ReleasePolicy,
+    /// Keyed requests without a scope header: refused or shared.
+    pub unscoped: Unscoped,
+    /// `Retry-After` of a 409 for a key in flight.
+    pub in_flight_retry_after: Duration,
+    /// Unknown outcomes: retried after the lease, or held.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Response headers never stored, lower-case.
+    pub never_store_headers: Vec<HeaderName>,
 }
 
 /// Validated `[replay_cache]`.
@@ -608,9 +679,17 @@ impl RawConfig {
                 "must be at least idempotency.max_request_body",
             ));
         }
+        if self.server.max_buffered_responses < self.idempotency.max_stored_response {
+            return Err(ConfigError::new(
+                "server.max_buffered_responses",
+                "must be at least idempotency.max_stored_response",
+            ));
+        }
+        let server = self.server.validate()?;
+        let upstream = self.upstream.validate(&server)?;
         Ok(Config {
-            server: self.server.validate()?,
-            upstream: self.upstream.validate()?,
+            server,
+            upstream,
             store: self.store.validate()?,
             idempotency: self.idempotency.validate()?,
             sweeper: self.sweeper.validate()?,
@@ -639,6 +718,13 @@ impl RawServer {
             max_connections: within("server.max_connections", self.max_connections, 1..=1_000_000)?,
             max_buffered_bodies: usize::try_from(self.max_buffered_bodies.as_u64()).unwrap_or(usize::MAX),
             workers: self.workers()?,
+            write_timeout: positive("server.write_timeout", self.write_timeout)?,
+            max_keyed_in_flight: match self.max_keyed_in_flight {
+                Some(n) => within("server.max_keyed_in_flight", n, 1..=1_000_000)?,
+                None => self.max_connections,
+            },
+            max_buffered_responses: usize::try_from(self.max_buffered_responses.as_u64())
+                .unwrap_or(usize::MAX),
         })
     }
 
@@ -680,7 +766,7 @@ impl RawServerTls {
 }
 
 impl RawUpstream {
-    fn validate(&self) -> Result<UpstreamConfig, ConfigError> {
+    fn validate(&self, server: &ServerConfig) -> Result<UpstreamConfig, ConfigError> {
         let key = "upstream.url";
         let uri: Uri = self
             .url
@@ -700,10 +786,15 @@ impl RawUpstream {
         }
         positive("upstream.connect_timeout", self.connect_timeout)?;
         positive("upstream.timeout", self.timeout)?;
+        let max_connections = match self.max_connections {
+            Some(n) => within("upstream.max_connections", n, 1..=1_000_000)?,
+            None => server.max_connections.div_ceil(server.workers),
+        };
         Ok(UpstreamConfig {
             base: uri,
             connect_timeout: self.connect_timeout,
             timeout: self.timeout,
+            max_connections,
         })
     }
 }
@@ -832,6 +923,14 @@ impl RawIdempotency {
                 "must be longer than idempotency.lock_timeout",
             ));
         }
+        if self.scope_headers.is_empty() && self.unscoped == Unscoped::Reject {
+            return Err(ConfigError::new(
+                "idempotency.scope_headers",
+                "is empty while idempotency.unscoped = \"reject\", so every keyed request would be refused; \
+                 name the header that identifies the client (e.g. [\"authorization\"]), or set \
+                 idempotency.unscoped = \"shared\" to let all clients share one scope",
+            ));
+        }
         if !(1..=4096).contains(&self.max_key_length) {
             return Err(ConfigError::new(
                 "idempotency.max_key_length",
@@ -850,7 +949,22 @@ impl RawIdempotency {
             scope_headers: parse_headers("idempotency.scope_headers", &self.scope_headers)?,
             fingerprint_headers: parse_headers("idempotency.fingerprint_headers", &self.fingerprint_headers)?,
             release: self.release()?,
+            unscoped: self.unscoped,
+            in_flight_retry_after: self.in_flight_retry_after()?,
+            on_unknown_outcome: self.on_unknown_outcome,
+            never_store_headers: parse_headers("idempotency.never_store_headers", &self.never_store_headers)?,
         })
+    }
+
+    fn in_flight_retry_after(&self) -> Result<Duration, ConfigError> {
+        let value = self.in_flight_retry_after;
+        if value < Duration::from_secs(1) || value > self.lock_timeout.max(Duration::from_secs(1)) {
+            return Err(ConfigError::new(
+                "idempotency.in_flight_retry_after",
+                "must be from 1s (Retry-After counts whole seconds) to idempotency.lock_timeout",
+            ));
+        }
+        Ok(value)
     }
 
     fn methods(&self) -> Result<Vec<Method>, ConfigError> {
@@ -1081,6 +1195,65 @@ mod tests {
         assert_eq!(Config::from_toml_str("").unwrap().server.workers, cores);
         let config = Config::from_toml_str("[server]\nworkers = 3\n").unwrap();
         assert_eq!(config.server.workers, 3);
+    }
+
+    #[test]
+    fn an_empty_scope_is_refused_unless_scopes_may_be_shared() {
+        let err = Config::from_toml_str("[idempotency]\nscope_headers = []\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.scope_headers");
+        assert!(err.to_string().contains("unscoped"), "{err}");
+        let shared =
+            Config::from_toml_str("[idempotency]\nscope_headers = []\nunscoped = \"shared\"\n").unwrap();
+        assert_eq!(shared.idempotency.unscoped, Unscoped::Shared);
+        assert_eq!(
+            Config::from_toml_str("").unwrap().idempotency.unscoped,
+            Unscoped::Reject
+        );
+    }
+
+    #[test]
+    fn guarantee_settings_have_safe_defaults_and_named_errors() {
+        let config = Config::from_toml_str("[server]\nmax_connections = 100\nworkers = 3\n").unwrap();
+        assert_eq!(config.idempotency.in_flight_retry_after, Duration::from_secs(1));
+        assert_eq!(config.idempotency.on_unknown_outcome, OnUnknownOutcome::Retry);
+        assert_eq!(
+            config.idempotency.never_store_headers,
+            vec![http::header::SET_COOKIE]
+        );
+        assert_eq!(config.server.write_timeout, Duration::from_secs(30));
+        assert_eq!(config.server.max_keyed_in_flight, 100);
+        assert_eq!(
+            config.upstream.max_connections, 34,
+            "100 connections over 3 workers"
+        );
+        for (text, key) in [
+            (
+                "[idempotency]\nin_flight_retry_after = \"500ms\"",
+                "idempotency.in_flight_retry_after",
+            ),
+            (
+                "[idempotency]\nin_flight_retry_after = \"40s\"",
+                "idempotency.in_flight_retry_after",
+            ),
+            (
+                "[idempotency]\non_unknown_outcome = \"maybe\"",
+                "idempotency.on_unknown_outcome",
+            ),
+            (
+                "[idempotency]\nnever_store_headers = [\"a b\"]",
+                "idempotency.never_store_headers",
+            ),
+            ("[server]\nwrite_timeout = \"0s\"", "server.write_timeout"),
+            ("[server]\nmax_keyed_in_flight = 0", "server.max_keyed_in_flight"),
+            (
+                "[server]\nmax_buffered_responses = \"1MiB\"",
+                "server.max_buffered_responses",
+            ),
+            ("[upstream]\nmax_connections = 0", "upstream.max_connections"),
+        ] {
+            let err = Config::from_toml_str(text).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
     }
 
     #[test]

@@ -12,7 +12,31 @@ use crate::proxy::body::{self, ProxyBody};
 /// Base of every problem `type` URI; the slug follows.
 pub const PROBLEM_BASE: &str = "https://idemproxy.dev/problems/";
 
-/// Why a request was not answered by the upstream (or by a replay).
+/// What ran out when the proxy answers 503 `busy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Busy {
+    /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
+    Bodies,
+    /// `server.max_keyed_in_flight` keyed requests are being executed.
+    KeyedInFlight,
+    /// The worker's `upstream.max_connections` stayed busy for `upstream.connect_timeout`.
+    UpstreamConnections,
+}
+
+impl Busy {
+    fn detail(self) -> &'static str {
+        match self {
+            Busy::Bodies => "Too many request bodies are being received at once; try again shortly.",
+            Busy::KeyedInFlight => "Too many keyed requests are being executed at once; try again shortly.",
+            Busy::UpstreamConnections => {
+                "Every connection to the upstream service is in use; try again shortly."
+            }
+        }
+    }
+}
+
+/// Why a request was not answered by the upstream (or by a replay). `Display` is for logs and may carry
+/// internal error text; clients get [`ProxyError::detail`], which never does.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// A protected method came without a key while keys are required.
@@ -21,6 +45,9 @@ pub enum ProxyError {
     /// The key header is malformed, too long, or repeated.
     #[error("invalid idempotency key: {0}")]
     InvalidKey(String),
+    /// A keyed request carries none of `idempotency.scope_headers` while `unscoped = "reject"`.
+    #[error("keyed request without any of the scope headers {0}")]
+    MissingScope(String),
     /// The keyed request body is over `max_request_body`.
     #[error("request body exceeds {limit} bytes")]
     RequestTooLarge {
@@ -30,10 +57,13 @@ pub enum ProxyError {
     /// The request body could not be read from the client.
     #[error("could not read the request body: {0}")]
     ClientBody(String),
+    /// A method the proxy never forwards (`CONNECT`, `TRACE`).
+    #[error("method {0} is not forwarded")]
+    MethodNotAllowed(http::Method),
     /// Another request holds the key right now.
     #[error("a request with this key is in progress")]
     KeyInFlight {
-        /// Time until its lease ends.
+        /// When a retry is likely to succeed.
         retry_after: Duration,
     },
     /// The key was used before with a different request.
@@ -45,6 +75,10 @@ pub enum ProxyError {
         /// Stored status of the original response.
         status: u16,
     },
+    /// The key's request reached the upstream, which failed before answering in full, and
+    /// `on_unknown_outcome = "hold"` keeps it from running again until an operator releases it.
+    #[error("the outcome of this key's request is unknown; held until released")]
+    OutcomeUnknown,
     /// The store could not be reached (fail_closed).
     #[error("the idempotency store is unavailable: {0}")]
     StoreUnavailable(String),
@@ -54,34 +88,42 @@ pub enum ProxyError {
     /// The upstream did not answer in time.
     #[error("upstream timed out after {0:?}")]
     UpstreamTimeout(Duration),
+    /// The upstream answered with something the proxy cannot relay (`101 Switching Protocols`).
+    #[error("upstream answered {0}, which is not relayed")]
+    UpstreamInvalidResponse(http::StatusCode),
     /// The client did not send its request body within `server.body_read_timeout`.
     #[error("the request body did not arrive within {0:?}")]
     RequestTimeout(Duration),
     /// The key's stored response cannot be decrypted; it is never replayed as is.
     #[error("the stored response for this key cannot be read")]
     RecordUnreadable,
-    /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
-    #[error("too many request bodies are being buffered; try again")]
-    Busy,
+    /// A bound of the proxy's own is reached; nothing was claimed or forwarded.
+    #[error("busy: {0:?}")]
+    Busy(Busy),
 }
 
 impl ProxyError {
     /// The HTTP status this error answers with.
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::MissingKey(_) | ProxyError::InvalidKey(_) | ProxyError::ClientBody(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ProxyError::MissingKey(_)
+            | ProxyError::InvalidKey(_)
+            | ProxyError::MissingScope(_)
+            | ProxyError::ClientBody(_) => StatusCode::BAD_REQUEST,
             ProxyError::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::KeyInFlight { .. } => StatusCode::CONFLICT,
             ProxyError::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProxyError::ResponseNotRetained { .. } => StatusCode::GONE,
+            ProxyError::OutcomeUnknown => StatusCode::BAD_GATEWAY,
             ProxyError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamInvalidResponse(_) => {
+                StatusCode::BAD_GATEWAY
+            }
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
-            ProxyError::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -90,17 +132,21 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_) => "missing-key",
             ProxyError::InvalidKey(_) => "invalid-key",
+            ProxyError::MissingScope(_) => "missing-scope",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
             ProxyError::ClientBody(_) => "bad-request-body",
+            ProxyError::MethodNotAllowed(_) => "method-not-allowed",
             ProxyError::KeyInFlight { .. } => "key-in-flight",
             ProxyError::KeyReused => "key-reused",
             ProxyError::ResponseNotRetained { .. } => "response-not-retained",
+            ProxyError::OutcomeUnknown => "outcome-unknown",
             ProxyError::StoreUnavailable(_) => "store-unavailable",
             ProxyError::UpstreamUnreachable(_) => "upstream-unreachable",
             ProxyError::UpstreamTimeout(_) => "upstream-timeout",
+            ProxyError::UpstreamInvalidResponse(_) => "upstream-invalid-response",
             ProxyError::RequestTimeout(_) => "request-timeout",
             ProxyError::RecordUnreadable => "record-unreadable",
-            ProxyError::Busy => "busy",
+            ProxyError::Busy(_) => "busy",
         }
     }
 
@@ -108,17 +154,80 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_) => "Idempotency key missing",
             ProxyError::InvalidKey(_) => "Idempotency key invalid",
+            ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
             ProxyError::ClientBody(_) => "Request body unreadable",
+            ProxyError::MethodNotAllowed(_) => "Method not allowed",
             ProxyError::KeyInFlight { .. } => "Request with this key in progress",
             ProxyError::KeyReused => "Idempotency key reused with another request",
             ProxyError::ResponseNotRetained { .. } => "Response not retained",
+            ProxyError::OutcomeUnknown => "Outcome unknown",
             ProxyError::StoreUnavailable(_) => "Idempotency store unavailable",
             ProxyError::UpstreamUnreachable(_) => "Upstream unreachable",
             ProxyError::UpstreamTimeout(_) => "Upstream timeout",
+            ProxyError::UpstreamInvalidResponse(_) => "Upstream response not relayed",
             ProxyError::RequestTimeout(_) => "Request body timeout",
             ProxyError::RecordUnreadable => "Stored response unreadable",
-            ProxyError::Busy => "Proxy busy",
+            ProxyError::Busy(_) => "Proxy busy",
+        }
+    }
+
+    /// What the client is told: the proxy's own words only, never an internal error's text (that goes to
+    /// the log with [`Display`](std::fmt::Display)).
+    pub fn detail(&self) -> String {
+        match self {
+            ProxyError::MissingKey(header) => format!("This request needs an {header} header."),
+            ProxyError::InvalidKey(why) => format!("The idempotency key is invalid: {why}."),
+            ProxyError::MissingScope(headers) => format!(
+                "A request with an idempotency key must carry a credential in one of \
+                 idempotency.scope_headers ({headers}), so that one client's key never answers \
+                 another's; or the proxy must be configured with idempotency.unscoped = \"shared\"."
+            ),
+            ProxyError::RequestTooLarge { limit } => {
+                format!("The request body is larger than {limit} bytes.")
+            }
+            ProxyError::ClientBody(_) => "The request body could not be read.".into(),
+            ProxyError::MethodNotAllowed(method) => {
+                format!("{method} requests are not forwarded by this proxy.")
+            }
+            ProxyError::KeyInFlight { .. } => {
+                "A request with this idempotency key is being executed; retry after Retry-After \
+                 seconds to get its response."
+                    .into()
+            }
+            ProxyError::KeyReused => {
+                "This idempotency key was already used with a different request (method, path, \
+                 headers or body)."
+                    .into()
+            }
+            ProxyError::ResponseNotRetained { .. } => {
+                "The request with this idempotency key completed, but its response was too large to \
+                 keep; it will not run again."
+                    .into()
+            }
+            ProxyError::OutcomeUnknown => {
+                "The request with this idempotency key reached the service, which failed before \
+                 answering in full; it may have been executed. It will not run again until an operator \
+                 releases the key."
+                    .into()
+            }
+            ProxyError::StoreUnavailable(_) => {
+                "The idempotency store is unavailable; the request was not forwarded.".into()
+            }
+            ProxyError::UpstreamUnreachable(_) => "The upstream service could not be reached.".into(),
+            ProxyError::UpstreamTimeout(after) => {
+                format!("The upstream service did not answer within {after:?}.")
+            }
+            ProxyError::UpstreamInvalidResponse(status) => {
+                format!("The upstream service answered {status}, which this proxy does not relay.")
+            }
+            ProxyError::RequestTimeout(after) => {
+                format!("The request body did not arrive within {after:?}.")
+            }
+            ProxyError::RecordUnreadable => {
+                "The stored response for this idempotency key cannot be read.".into()
+            }
+            ProxyError::Busy(what) => what.detail().into(),
         }
     }
 
@@ -127,15 +236,20 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
+            | ProxyError::MissingScope(_)
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)
+            | ProxyError::MethodNotAllowed(_)
             | ProxyError::RequestTimeout(_)
-            | ProxyError::Busy => Outcome::Rejected,
+            | ProxyError::Busy(_) => Outcome::Rejected,
             ProxyError::KeyInFlight { .. } => Outcome::Conflict,
             ProxyError::KeyReused => Outcome::Mismatch,
             ProxyError::ResponseNotRetained { .. } => Outcome::Replayed,
+            ProxyError::OutcomeUnknown => Outcome::Held,
             ProxyError::StoreUnavailable(_) | ProxyError::RecordUnreadable => Outcome::StoreUnavailable,
-            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => Outcome::UpstreamError,
+            ProxyError::UpstreamUnreachable(_)
+            | ProxyError::UpstreamTimeout(_)
+            | ProxyError::UpstreamInvalidResponse(_) => Outcome::UpstreamError,
         }
     }
 
@@ -144,7 +258,7 @@ impl ProxyError {
             ProxyError::KeyInFlight { retry_after } => {
                 Some(retry_after.as_millis().div_ceil(1000).max(1) as u64)
             }
-            ProxyError::StoreUnavailable(_) | ProxyError::Busy => Some(1),
+            ProxyError::StoreUnavailable(_) | ProxyError::Busy(_) => Some(1),
             _ => None,
         }
     }
@@ -156,7 +270,7 @@ impl ProxyError {
             "type": format!("{PROBLEM_BASE}{}", self.slug()),
             "title": self.title(),
             "status": status.as_u16(),
-            "detail": self.to_string(),
+            "detail": self.detail(),
         });
         let mut response = Response::new(body::full(problem.to_string()));
         *response.status_mut() = status;
@@ -169,6 +283,9 @@ impl ProxyError {
         if let Some(secs) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if matches!(self, ProxyError::MethodNotAllowed(_)) {
+            headers.insert(header::ALLOW, HeaderValue::from_static(FORWARDED_METHODS));
+        }
         if matches!(self, ProxyError::ResponseNotRetained { .. }) {
             headers.insert(
                 crate::proxy::replay::REPLAYED_HEADER,
@@ -178,6 +295,9 @@ impl ProxyError {
         response
     }
 }
+
+/// The methods the proxy forwards, for the `Allow` header of a 405.
+const FORWARDED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
 /// An error and all its causes on one line (`outer: cause: root cause`), for logs and problem details.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
@@ -207,6 +327,33 @@ mod tests {
             response.headers()[header::CONTENT_TYPE],
             "application/problem+json"
         );
+    }
+
+    #[tokio::test]
+    async fn details_never_carry_internal_error_text() {
+        use http_body_util::BodyExt;
+        let internal = "db error: connection to 10.0.0.7:5432 refused";
+        for error in [
+            ProxyError::StoreUnavailable(internal.into()),
+            ProxyError::UpstreamUnreachable(internal.into()),
+            ProxyError::ClientBody(internal.into()),
+        ] {
+            let logged = error.to_string();
+            assert!(logged.contains(internal), "the log keeps the cause: {logged}");
+            let body = error
+                .into_response()
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let detail = problem["detail"].as_str().unwrap();
+            assert!(
+                !detail.contains("10.0.0.7") && !detail.contains("db error"),
+                "{detail}"
+            );
+        }
     }
 
     #[test]

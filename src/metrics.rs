@@ -31,10 +31,12 @@ pub enum Outcome {
     StoreUnavailable,
     /// The upstream could not be reached, broke off, or timed out.
     UpstreamError,
+    /// Refused: the key's outcome is unknown and held (`on_unknown_outcome = "hold"`).
+    Held,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 8] = [
+    const ALL: [Outcome; 9] = [
         Outcome::Passthrough,
         Outcome::Executed,
         Outcome::Replayed,
@@ -43,6 +45,7 @@ impl Outcome {
         Outcome::Rejected,
         Outcome::StoreUnavailable,
         Outcome::UpstreamError,
+        Outcome::Held,
     ];
 
     /// The label value.
@@ -56,6 +59,7 @@ impl Outcome {
             Outcome::Rejected => "rejected",
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::UpstreamError => "upstream_error",
+            Outcome::Held => "held",
         }
     }
 }

@@ -18,7 +18,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderMap, Request, Response, header, request};
+use http::{HeaderMap, HeaderName, Request, Response, header, request};
 use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
@@ -34,8 +34,8 @@ use self::cache::{Fill, Lookup, ReplayCache};
 use self::claim::Decision;
 use self::client_body::GuardedBody;
 use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
-use crate::config::{Config, IdempotencyConfig, OnStoreError};
-use crate::error::ProxyError;
+use crate::config::{Config, IdempotencyConfig, OnStoreError, Unscoped};
+use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle};
 
@@ -139,9 +139,21 @@ impl Proxy {
             }
             return self.passthrough(request, &peer).await;
         };
+        self.check_scope(headers)?;
         // A keyed request's state is many times a passthrough's; on the heap it stays out of the future
         // every request carries and moves.
         Box::pin(self.protected(request, key, peer)).await
+    }
+
+    /// Refuses a keyed request that names no client in any scope header (unless scopes may be shared):
+    /// without one, every such client would share one scope, and one client's key would answer another's.
+    fn check_scope(&self, headers: &HeaderMap) -> Result<(), ProxyError> {
+        let policy = &self.policy;
+        if policy.unscoped == Unscoped::Shared || key::has_scope(headers, &policy.scope_headers) {
+            return Ok(());
+        }
+        let names: Vec<&str> = policy.scope_headers.iter().map(HeaderName::as_str).collect();
+        Err(ProxyError::MissingScope(names.join(", ")))
     }
 
     /// A request with a key: body, fingerprint, then the replay cache or the keyed lifecycle.
@@ -261,6 +273,7 @@ impl Proxy {
                 same_fingerprint: true,
                 response,
                 expires_in,
+                ..
             }) => {
                 // The store rounds its time to expiry up to the millisecond.
                 let deadline = started + expires_in.saturating_sub(Duration::from_millis(1));
@@ -310,7 +323,7 @@ impl Proxy {
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
         let need = declared.map_or(limit, |len| usize::try_from(len).unwrap_or(limit));
         let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
-            return Err(ProxyError::Busy);
+            return Err(ProxyError::Busy(Busy::Bodies));
         };
         let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(body, limit).collect());
         let bytes = match reading.await {

@@ -183,6 +183,9 @@ pub enum Existing {
         /// Time until the record expires, by the store's clock. A completed record changes only by
         /// expiry, so this bounds how long a copy of it stays true.
         expires_in: Duration,
+        /// The token of the claim that completed it: the record's epoch, which changes with every
+        /// claim, so a stored response can be bound to the one completion that wrote it.
+        token: Uuid,
     },
     /// Claimed by a live request (or by one whose outcome is not known yet).
     Processing {

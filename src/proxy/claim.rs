@@ -80,6 +80,7 @@ mod tests {
             same_fingerprint: true,
             response: stored(),
             expires_in: Duration::from_secs(60),
+            token: uuid::Uuid::nil(),
         });
         assert!(matches!(
             decide(result, "k", &Metrics::new()),
@@ -94,6 +95,7 @@ mod tests {
                 same_fingerprint: false,
                 response: stored(),
                 expires_in: Duration::from_secs(60),
+                token: uuid::Uuid::nil(),
             },
             Existing::Processing {
                 same_fingerprint: false,

@@ -373,6 +373,7 @@ mod tests {
             base: base.parse().unwrap(),
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
+            max_connections: 16,
         };
         Upstream::new(&config, Metrics::new())
     }

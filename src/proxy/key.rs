@@ -69,6 +69,13 @@ fn invalid(why: &str) -> ProxyError {
     ProxyError::InvalidKey(why.to_owned())
 }
 
+/// Whether the request names its client in at least one scope header (an empty value names no one).
+pub fn has_scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> bool {
+    scope_headers
+        .iter()
+        .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()))
+}
+
 /// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers'
 /// values, so clients with different credentials never share keys and credentials are never stored.
 pub fn scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {

@@ -263,6 +263,7 @@ impl EncryptedStore {
             same_fingerprint,
             response,
             expires_in,
+            token,
         }) = result
         else {
             return Ok(result);
@@ -272,6 +273,7 @@ impl EncryptedStore {
                 same_fingerprint,
                 response,
                 expires_in,
+                token,
             })),
             Err(why) => {
                 self.metrics.undecryptable.inc();

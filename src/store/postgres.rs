@@ -44,7 +44,8 @@ macro_rules! view_columns {
         "r.status, ceil(extract(epoch FROM (r.locked_until - now())) * 1000)::bigint AS lease_ms, \
          r.expires_at <= now() AS expired, \
          ceil(extract(epoch FROM (r.expires_at - now())) * 1000)::bigint AS ttl_ms, r.response_status, \
-         r.response_header_names, r.response_header_values, r.response_body, r.body_retained"
+         r.response_header_names, r.response_header_values, r.response_body, r.body_retained, \
+         r.token AS record_token"
     };
 }
 
@@ -57,7 +58,7 @@ macro_rules! won_or_record {
                     NULL::text AS status, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
                     NULL::bigint AS ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
                     NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
-                    NULL::boolean AS body_retained
+                    NULL::boolean AS body_retained, NULL::uuid AS record_token
              FROM won w
              UNION ALL
              SELECT false, r.attempt, r.claim_kind, r.fingerprint = $3 AS same_fingerprint, ",
@@ -615,6 +616,7 @@ struct View {
     lease_ms: i64,
     expired: bool,
     ttl_ms: i64,
+    token: Uuid,
     response: Option<StoredResponse>,
 }
 
@@ -633,6 +635,7 @@ impl View {
                 same_fingerprint: self.same_fingerprint,
                 response,
                 expires_in: Duration::from_millis(self.ttl_ms.max(0) as u64),
+                token: self.token,
             },
             ("failed", _) => Existing::Failed,
             _ => Existing::Processing {
@@ -655,6 +658,7 @@ fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
         lease_ms: row.try_get("lease_ms")?,
         expired: row.try_get("expired")?,
         ttl_ms: row.try_get("ttl_ms")?,
+        token: row.try_get("record_token")?,
         response: decode_response(row)?,
     }))
 }

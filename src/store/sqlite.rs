@@ -59,7 +59,7 @@ const CLAIM: &str = "INSERT INTO records AS r
     RETURNING attempt, claim_kind";
 
 /// The record a claim did not win, read in the claim's own transaction.
-const HOLDER: &str = "SELECT status, fingerprint, locked_until, expires_at,
+const HOLDER: &str = "SELECT status, fingerprint, token, locked_until, expires_at,
         response_status, response_headers, response_body, body_retained
     FROM records WHERE scope = ?1 AND key = ?2";
 
@@ -455,6 +455,7 @@ fn holder(db: &Connection, now: i64, request: &ClaimRequest) -> rusqlite::Result
                 same_fingerprint,
                 response,
                 expires_in: remaining("expires_at")?,
+                token: token(row)?,
             },
             ("failed", _) => Existing::Failed,
             _ => Existing::Processing {
@@ -462,6 +463,16 @@ fn holder(db: &Connection, now: i64, request: &ClaimRequest) -> rusqlite::Result
                 lease_remaining: remaining("locked_until")?,
             },
         })
+    })
+}
+
+fn token(row: &Row) -> rusqlite::Result<Uuid> {
+    Uuid::from_slice(&row.get::<_, Vec<u8>>("token")?).map_err(|_| {
+        rusqlite::Error::FromSqlConversionFailure(
+            0,
+            rusqlite::types::Type::Blob,
+            "a stored token is not 16 bytes".into(),
+        )
     })
 }
 

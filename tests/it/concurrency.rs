@@ -121,7 +121,7 @@ async fn client_disconnect_after_the_head_still_stores_the_whole_response(
 async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
     let env = TestEnv::new().await;
     let proxy = env.proxy().await;
-    let scope = idemproxy::proxy::key::scope(&http::HeaderMap::new(), &[http::header::AUTHORIZATION]);
+    let scope = crate::support::history::scope_of(crate::support::http::TEST_CREDENTIAL);
     let mut holder = env.db().client().await;
     let blocking = holder.transaction().await.unwrap();
     blocking

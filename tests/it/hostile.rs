@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::support::http::TEST_CREDENTIAL;
 use crate::support::raw::{self, RawReply, addr_of};
 use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, metric_reaches, settled};
 
@@ -20,8 +21,10 @@ async fn strict_proxy(env: &TestEnv) -> InProcessProxy {
     InProcessProxy::start(&config).await
 }
 
+/// A request head with the test credential (so keyed requests are scoped) and `headers`.
 fn head(method_target: &str, host: &str, headers: &[&str]) -> String {
-    let mut text = format!("{method_target} HTTP/1.1\r\nhost: {host}\r\n");
+    let mut text =
+        format!("{method_target} HTTP/1.1\r\nhost: {host}\r\nauthorization: {TEST_CREDENTIAL}\r\n");
     for header in headers {
         text.push_str(header);
         text.push_str("\r\n");
@@ -387,7 +390,8 @@ async fn paths_with_raw_or_encoded_non_utf8_bytes() {
     let host = addr_of(&proxy.url);
     let mut raw_bytes = b"POST /caf\xc3\xa9/\xff HTTP/1.1\r\nhost: ".to_vec();
     raw_bytes.extend_from_slice(host.as_bytes());
-    raw_bytes.extend_from_slice(b"\r\nidempotency-key: path\r\ncontent-length: 2\r\n\r\n{}");
+    raw_bytes
+        .extend_from_slice(b"\r\nidempotency-key: path\r\nauthorization: t\r\ncontent-length: 2\r\n\r\n{}");
     let reply = raw::exchange(&proxy.url, &raw_bytes).await;
     assert_eq!(reply.status, Some(400), "raw bytes in the target: {reply:?}");
     assert_eq!(env.upstream.executions(), 0);

@@ -10,6 +10,7 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::support::Backend;
 use crate::support::TestEnv;
+use crate::support::http::TEST_CREDENTIAL;
 
 #[rstest]
 #[tokio::test]
@@ -24,6 +25,7 @@ async fn h2c_prior_knowledge_executes_then_replays(
     let send = || async {
         let request = Request::post(format!("{}/orders", proxy.url))
             .header("idempotency-key", "h2-key")
+            .header("authorization", TEST_CREDENTIAL)
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from_static(b"{\"n\":1}")))
             .unwrap();
@@ -99,6 +101,7 @@ async fn tls_listener_negotiates_h2_and_http1_by_alpn() {
             .client(http1_only)
             .post(format!("{}/orders", tls.url))
             .header("idempotency-key", format!("tls-{http1_only}"))
+            .header("authorization", TEST_CREDENTIAL)
             .body("{}")
             .send()
             .await

@@ -222,6 +222,7 @@ async fn a_batch_answers_each_request_as_it_would_be_answered_alone() {
             same_fingerprint: true,
             response: stored,
             expires_in,
+            ..
         }) => {
             assert_eq!(stored, response(b"stored"));
             assert!(expires_in > DAY / 2);

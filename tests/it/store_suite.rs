@@ -142,8 +142,10 @@ async fn completed_record_replays_for_the_same_fingerprint_only(
             same_fingerprint: true,
             response: stored,
             expires_in,
+            token,
         } => {
             assert_eq!(stored, response(b"{\"id\":1}"));
+            assert_eq!(token, first.id.token, "the epoch is the completing claim's token");
             assert!(
                 expires_in > DAY - Duration::from_secs(60) && expires_in <= DAY,
                 "{expires_in:?}"

@@ -17,6 +17,7 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use crate::support::history::{Rng, memory_kib};
+use crate::support::http::TEST_CREDENTIAL;
 use crate::support::recorder::Recorder;
 use crate::support::{ProxyConfig, ProxyProcess, TestDb};
 
@@ -117,7 +118,11 @@ async fn run(storm: Storm) {
         &tally.errors[..tally.errors.len().min(10)]
     );
     for (key, answers) in &tally.answers {
-        assert_eq!(recorder.executions_of("", key), 1, "executions of {key}");
+        assert_eq!(
+            recorder.executions_of(TEST_CREDENTIAL, key),
+            1,
+            "executions of {key}"
+        );
         assert!(
             answers.iter().all(|a| *a == answers[0]),
             "answers for {key} differ"
@@ -141,6 +146,7 @@ async fn hammer(http: &reqwest::Client, url: &str, key: &str, rng: &mut Rng, tal
         let sent = http
             .post(format!("{url}/ops"))
             .header("idempotency-key", key)
+            .header("authorization", TEST_CREDENTIAL)
             .header("content-type", "text/plain")
             .header("x-delay-ms", "150")
             .body(key.to_string())

@@ -100,11 +100,16 @@ pub async fn settled(make: impl Fn() -> RequestBuilder) -> Reply {
     .await
 }
 
-/// `POST {base}{path}` with `Idempotency-Key: {key}` and a JSON body.
+/// The credential test clients send by default: a keyed request without one is refused
+/// (`idempotency.unscoped = "reject"`).
+pub const TEST_CREDENTIAL: &str = "Bearer test-client";
+
+/// `POST {base}{path}` with `Idempotency-Key: {key}`, the test credential and a JSON body.
 pub fn keyed_post(base: &str, path: &str, key: &str, body: &str) -> RequestBuilder {
     client()
         .post(format!("{base}{path}"))
         .header("idempotency-key", key)
+        .header("authorization", TEST_CREDENTIAL)
         .header("content-type", "application/json")
         .body(body.to_string())
 }
@@ -130,7 +135,8 @@ pub async fn raw_keyed_post(base: &str, path: &str, key: &str, body: &str) -> Tc
     let mut stream = TcpStream::connect(addr).await.expect("connect to proxy");
     let request = format!(
         "POST {path} HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+         authorization: {TEST_CREDENTIAL}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
         body.len()
     );
     stream
