@@ -6,6 +6,7 @@ mod admin;
 mod cli;
 mod concurrency;
 mod encryption;
+mod guarantees;
 mod harness;
 mod history;
 mod hostile;

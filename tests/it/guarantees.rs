@@ -1,0 +1,5 @@
+//! The promises of the README's contract, each tested as a client sees it, on both stores where the store
+//! matters: a retry sent the moment a response is read gets the replay, no two clients share a scope by
+//! accident, secrets are not stored, a running key is never new, a client that stops reading does not hold
+//! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP
+//! edge cases are refused, and stored responses are sealed per record. One file per promise.
