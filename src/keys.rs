@@ -41,6 +41,11 @@ pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<R
             let _ = writeln!(text, "processing  {}", stats.processing);
             let _ = writeln!(text, "completed   {}", stats.completed);
             let _ = writeln!(text, "failed      {}", stats.failed);
+            let _ = writeln!(
+                text,
+                "unknown     {}  (held: released only by `keys release`)",
+                stats.unknown
+            );
             let _ = writeln!(text, "expired     {}  (waiting for the sweeper)", stats.expired);
         })),
     }
@@ -107,7 +112,8 @@ async fn release(
         token: record.token,
     };
     // Fenced by the token just read: a completion, takeover or heartbeat since then makes this a no-op.
-    let released = if force {
+    // A held (unknown) record has no holder, so it is released as a stale one, without --force.
+    let released = if force && record.status == RecordStatus::Processing {
         store.release(&id).await?
     } else {
         store.release_stale(&id).await?
@@ -132,7 +138,6 @@ fn refusal(record: &RecordInfo, force: bool) -> Option<String> {
         RecordStatus::Completed => Some(
             "the key is completed: retries replay its stored response; there is no claim to release".into(),
         ),
-        RecordStatus::Processing if record.expired() => None,
         RecordStatus::Processing => match record.lease_remaining() {
             Some(left) if !force => Some(format!(
                 "the claim's lease is live for {}: a running proxy is executing it and extending the lease; \
@@ -142,7 +147,7 @@ fn refusal(record: &RecordInfo, force: bool) -> Option<String> {
             )),
             _ => None,
         },
-        RecordStatus::Failed => None,
+        RecordStatus::Failed | RecordStatus::Unknown => None,
     }
 }
 
@@ -180,17 +185,21 @@ fn describe(record: &RecordInfo, text: &mut String) {
 
 fn status_line(record: &RecordInfo) -> String {
     let status = record.status.as_str();
-    if record.expired() {
-        return format!("{status}, expired (claimable as new; the sweeper deletes it)");
-    }
     match (record.status, record.lease_remaining()) {
         (RecordStatus::Processing, Some(left)) => {
             format!("{status}, lease live for {} (a proxy holds it)", human(left))
+        }
+        _ if record.expired() => {
+            format!("{status}, expired (claimable as new; the sweeper deletes it)")
         }
         (RecordStatus::Processing, None) => {
             format!("{status}, lease ran out (stale: the next retry takes it over, or release it)")
         }
         (RecordStatus::Failed, _) => format!("{status} (released: the next retry executes)"),
+        (RecordStatus::Unknown, _) => format!(
+            "{status} (held: the request may have executed; retries get 502 outcome-unknown until \
+             `keys release`)"
+        ),
         (RecordStatus::Completed, _) => format!("{status} (retries replay the stored response)"),
     }
 }

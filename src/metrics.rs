@@ -75,6 +75,8 @@ pub enum StoreOp {
     Complete,
     /// Releasing a claim after a retryable failure.
     Release,
+    /// Holding a claim whose outcome is unknown.
+    Hold,
     /// Readiness probe.
     Ping,
     /// Deleting a batch of expired records.
@@ -86,11 +88,12 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
-    const ALL: [StoreOp; 8] = [
+    const ALL: [StoreOp; 9] = [
         StoreOp::Claim,
         StoreOp::Heartbeat,
         StoreOp::Complete,
         StoreOp::Release,
+        StoreOp::Hold,
         StoreOp::Ping,
         StoreOp::Sweep,
         StoreOp::Find,
@@ -104,6 +107,7 @@ impl StoreOp {
             StoreOp::Heartbeat => "heartbeat",
             StoreOp::Complete => "complete",
             StoreOp::Release => "release",
+            StoreOp::Hold => "hold",
             StoreOp::Ping => "ping",
             StoreOp::Sweep => "sweep",
             StoreOp::Find => "find",
@@ -348,6 +352,7 @@ impl MetricSet {
             ("processing", stats.processing),
             ("completed", stats.completed),
             ("failed", stats.failed),
+            ("unknown", stats.unknown),
             ("expired", stats.expired),
         ];
         for (status, count) in by_status {

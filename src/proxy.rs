@@ -208,7 +208,12 @@ impl Proxy {
             }
         };
         let fill = self.remember(&claim, &result, started);
-        let answer = match claim::decide(result, &claim.id.key, &self.metrics) {
+        let answer = match claim::decide(
+            result,
+            &claim.id.key,
+            self.policy.in_flight_retry_after,
+            &self.metrics,
+        ) {
             Ok(Decision::Execute) => {
                 let waited = started.elapsed();
                 if waited > claim.lease / 2 {

@@ -196,6 +196,12 @@ pub enum Existing {
     },
     /// Released, but for another fingerprint.
     Failed,
+    /// Held (`on_unknown_outcome = "hold"`): its request may have been executed; never forwarded again
+    /// until an operator releases it.
+    Unknown {
+        /// Whether the stored fingerprint equals the request's.
+        same_fingerprint: bool,
+    },
 }
 
 /// A response as stored for replay.
@@ -219,6 +225,9 @@ pub enum RecordStatus {
     Completed,
     /// Released: the next retry executes.
     Failed,
+    /// Held: the request may have been executed (the upstream failed before answering in full); retries
+    /// are refused until an operator releases it.
+    Unknown,
 }
 
 impl RecordStatus {
@@ -228,6 +237,7 @@ impl RecordStatus {
             RecordStatus::Processing => "processing",
             RecordStatus::Completed => "completed",
             RecordStatus::Failed => "failed",
+            RecordStatus::Unknown => "unknown",
         }
     }
 
@@ -237,6 +247,7 @@ impl RecordStatus {
             "processing" => Some(RecordStatus::Processing),
             "completed" => Some(RecordStatus::Completed),
             "failed" => Some(RecordStatus::Failed),
+            "unknown" => Some(RecordStatus::Unknown),
             _ => None,
         }
     }
@@ -308,6 +319,8 @@ pub struct RecordStats {
     pub completed: u64,
     /// Unexpired released records.
     pub failed: u64,
+    /// Unexpired records held with an unknown outcome.
+    pub unknown: u64,
     /// Records past their expiry, waiting for the sweeper.
     pub expired: u64,
 }
@@ -323,10 +336,13 @@ pub trait Store: Send + Sync + 'static {
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError>;
     /// Marks the record failed so the next retry executes; `false` when fenced out.
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError>;
+    /// Marks the record `unknown` (its request may have been executed; retries are refused until an
+    /// operator releases it); `false` when fenced out.
+    async fn hold(&self, id: &RecordId) -> Result<bool, StoreError>;
     /// Succeeds while the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
-    /// Releases a processing claim whose lease has run out, fenced by its token: `false` when the
-    /// record was completed, taken over, or its lease was extended meanwhile.
+    /// Releases a processing claim whose lease has run out, or a held (`unknown`) record, fenced by its
+    /// token: `false` when the record was completed, taken over, or its lease was extended meanwhile.
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError>;
     /// Deletes at most `batch` expired records (processing ones only once their lease has run out too)
     /// in one short transaction and returns how many this call deleted. Safe to run from many replicas at
@@ -371,6 +387,11 @@ impl StoreHandle {
     /// See [`Store::release`].
     pub async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
         self.measured(StoreOp::Release, self.inner.release(id)).await
+    }
+
+    /// See [`Store::hold`].
+    pub async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.measured(StoreOp::Hold, self.inner.hold(id)).await
     }
 
     /// See [`Store::ping`].

@@ -16,8 +16,16 @@ pub enum Decision {
     Replay(StoredResponse),
 }
 
-/// The decision table. Errors are the refusals (409, 422).
-pub fn decide(result: ClaimResult, key: &str, metrics: &Metrics) -> Result<Decision, ProxyError> {
+/// The decision table. Errors are the refusals (409, 422, 502 for a held outcome). A 409's `Retry-After`
+/// is `retry_hint` (`idempotency.in_flight_retry_after`), or the lease left if that is shorter, at
+/// least a second: most keys in flight complete well within a lease, so the whole lease would keep a
+/// client waiting for nothing.
+pub fn decide(
+    result: ClaimResult,
+    key: &str,
+    retry_hint: Duration,
+    metrics: &Metrics,
+) -> Result<Decision, ProxyError> {
     match result {
         ClaimResult::Won { attempt, kind } => {
             if kind == ClaimKind::Takeover {
@@ -28,11 +36,11 @@ pub fn decide(result: ClaimResult, key: &str, metrics: &Metrics) -> Result<Decis
             }
             Ok(Decision::Execute)
         }
-        ClaimResult::Held(existing) => held(existing),
+        ClaimResult::Held(existing) => held(existing, retry_hint),
     }
 }
 
-fn held(existing: Existing) -> Result<Decision, ProxyError> {
+fn held(existing: Existing, retry_hint: Duration) -> Result<Decision, ProxyError> {
     match existing {
         Existing::Completed {
             same_fingerprint: true,
@@ -43,17 +51,23 @@ fn held(existing: Existing) -> Result<Decision, ProxyError> {
             same_fingerprint: true,
             lease_remaining,
         } => Err(ProxyError::KeyInFlight {
-            retry_after: lease_remaining.max(Duration::from_secs(1)),
+            retry_after: lease_remaining.min(retry_hint).max(Duration::from_secs(1)),
         }),
-        Existing::Completed { .. } | Existing::Processing { .. } | Existing::Failed => {
-            Err(ProxyError::KeyReused)
-        }
+        Existing::Unknown {
+            same_fingerprint: true,
+        } => Err(ProxyError::OutcomeUnknown),
+        Existing::Completed { .. }
+        | Existing::Processing { .. }
+        | Existing::Unknown { .. }
+        | Existing::Failed => Err(ProxyError::KeyReused),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const HINT: Duration = Duration::from_secs(1);
 
     fn stored() -> StoredResponse {
         StoredResponse {
@@ -70,7 +84,10 @@ mod tests {
             attempt: 2,
             kind: ClaimKind::Takeover,
         };
-        assert!(matches!(decide(result, "k", &metrics), Ok(Decision::Execute)));
+        assert!(matches!(
+            decide(result, "k", HINT, &metrics),
+            Ok(Decision::Execute)
+        ));
         assert_eq!(metrics.stale_takeovers.get(), 1);
     }
 
@@ -83,7 +100,7 @@ mod tests {
             token: uuid::Uuid::nil(),
         });
         assert!(matches!(
-            decide(result, "k", &Metrics::new()),
+            decide(result, "k", HINT, &Metrics::new()),
             Ok(Decision::Replay(_))
         ));
     }
@@ -102,24 +119,45 @@ mod tests {
                 lease_remaining: Duration::from_secs(3),
             },
             Existing::Failed,
+            Existing::Unknown {
+                same_fingerprint: false,
+            },
         ];
         for state in states {
-            let result = decide(ClaimResult::Held(state), "k", &Metrics::new());
+            let result = decide(ClaimResult::Held(state), "k", HINT, &Metrics::new());
             assert!(matches!(result, Err(ProxyError::KeyReused)), "{result:?}");
         }
     }
 
     #[test]
-    fn live_claim_is_a_conflict_with_time_left() {
-        let result = ClaimResult::Held(Existing::Processing {
-            same_fingerprint: true,
-            lease_remaining: Duration::from_millis(7_400),
-        });
-        match decide(result, "k", &Metrics::new()) {
-            Err(ProxyError::KeyInFlight { retry_after }) => {
-                assert_eq!(retry_after, Duration::from_millis(7_400))
+    fn live_claim_is_a_conflict_with_a_short_hint_never_the_whole_lease() {
+        let conflict = |lease_ms: u64, hint: Duration| {
+            let result = ClaimResult::Held(Existing::Processing {
+                same_fingerprint: true,
+                lease_remaining: Duration::from_millis(lease_ms),
+            });
+            match decide(result, "k", hint, &Metrics::new()) {
+                Err(ProxyError::KeyInFlight { retry_after }) => retry_after,
+                other => panic!("expected a conflict, got {other:?}"),
             }
-            other => panic!("expected a conflict, got {other:?}"),
-        }
+        };
+        assert_eq!(conflict(29_400, HINT), HINT, "the hint, not the lease");
+        assert_eq!(conflict(29_400, Duration::from_secs(5)), Duration::from_secs(5));
+        assert_eq!(
+            conflict(2_500, Duration::from_secs(5)),
+            Duration::from_millis(2_500)
+        );
+        assert_eq!(conflict(0, HINT), Duration::from_secs(1), "at least a second");
+    }
+
+    #[test]
+    fn a_held_outcome_is_refused_for_the_same_request() {
+        let result = ClaimResult::Held(Existing::Unknown {
+            same_fingerprint: true,
+        });
+        assert!(matches!(
+            decide(result, "k", HINT, &Metrics::new()),
+            Err(ProxyError::OutcomeUnknown)
+        ));
     }
 }

@@ -467,6 +467,9 @@ mod heartbeat_tests {
         async fn release(&self, _: &RecordId) -> Result<bool, StoreError> {
             unreachable!("heartbeats never release")
         }
+        async fn hold(&self, _: &RecordId) -> Result<bool, StoreError> {
+            unreachable!("heartbeats never hold")
+        }
         async fn ping(&self) -> Result<(), StoreError> {
             Ok(())
         }

@@ -307,6 +307,10 @@ impl Store for EncryptedStore {
         self.inner.release(id).await
     }
 
+    async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.inner.hold(id).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
     }

@@ -69,11 +69,12 @@ macro_rules! won_or_record {
     };
 }
 
-/// Which existing records a claim may take: expired ones, and for the same request, released ones and
-/// those whose lease ran out. Evaluated by the database clock.
+/// Which existing records a claim may take: expired ones, unless a live claim still runs on them (a key
+/// retried at the end of its TTL while its original runs must not execute twice); and for the same
+/// request, released ones and those whose lease ran out. Evaluated by the database clock.
 macro_rules! claimable {
     () => {
-        "(r.expires_at <= now()
+        "((r.expires_at <= now() AND NOT (r.status = 'processing' AND r.locked_until > now()))
           OR (r.fingerprint = $3
               AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now()))))"
     };
@@ -114,7 +115,7 @@ const TAKE: &str = concat!(
             locked_until = now() + make_interval(secs => $5),
             created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
             expires_at = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $6)
-                              ELSE r.expires_at END,
+                              ELSE greatest(r.expires_at, now() + make_interval(secs => $5)) END,
             updated_at = now(),
             response_status = NULL,
             response_header_names = NULL,
@@ -159,9 +160,11 @@ const CLAIM_BATCH: &str = concat!(
     ORDER BY i.n"
 );
 
-/// Extends the lease of a live claim. Fenced: only the holder of the current token can.
+/// Extends the lease of a live claim, and the record's expiry with it so a running key never expires.
+/// Fenced: only the holder of the current token can.
 const HEARTBEAT: &str = "UPDATE idemproxy.records
-    SET locked_until = now() + make_interval(secs => $4), updated_at = now()
+    SET locked_until = now() + make_interval(secs => $4),
+        expires_at = greatest(expires_at, now() + make_interval(secs => $4)), updated_at = now()
     WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
 
 /// Stores the response. Fenced: a slow original whose claim was taken over matches no row.
@@ -190,11 +193,19 @@ const RELEASE: &str = "UPDATE idemproxy.records
     SET status = 'failed', locked_until = now(), updated_at = now()
     WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
 
+/// Holds a claim whose outcome is unknown (`on_unknown_outcome = "hold"`): no claim can take it again
+/// until an operator releases it. Fenced like COMPLETE.
+const HOLD: &str = "UPDATE idemproxy.records
+    SET status = 'unknown', locked_until = now(), updated_at = now()
+    WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
+
 /// An operator's release of a stuck claim (`idemproxy keys release`): fenced by the token the operator
-/// inspected, and only once the lease has run out, so it cannot race a live holder's completion.
+/// inspected, and only once the lease has run out, so it cannot race a live holder's completion; or of a
+/// held record, which has no holder.
 const RELEASE_STALE: &str = "UPDATE idemproxy.records
     SET status = 'failed', locked_until = now(), updated_at = now()
-    WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing' AND locked_until <= now()";
+    WHERE scope = $1 AND key = $2 AND token = $3
+      AND (status = 'unknown' OR (status = 'processing' AND locked_until <= now()))";
 
 /// Deletes one bounded batch of expired records. SKIP LOCKED lets sweepers on many replicas split the
 /// work instead of queueing on each other's rows, and leaves alone a row a claim is taking right now;
@@ -227,6 +238,7 @@ const STATS: &str = "SELECT
         coalesce(sum(CASE WHEN expires_at > now() AND status = 'processing' THEN 1 ELSE 0 END), 0)::bigint,
         coalesce(sum(CASE WHEN expires_at > now() AND status = 'completed' THEN 1 ELSE 0 END), 0)::bigint,
         coalesce(sum(CASE WHEN expires_at > now() AND status = 'failed' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'unknown' THEN 1 ELSE 0 END), 0)::bigint,
         coalesce(sum(CASE WHEN expires_at <= now() THEN 1 ELSE 0 END), 0)::bigint
     FROM idemproxy.records";
 
@@ -624,7 +636,8 @@ impl View {
     /// Whether TAKE's WHERE (`claimable!`) would take this version of the row. A version that looks
     /// claimable but was not taken is from an older snapshot than the row lock saw.
     fn claimable(&self) -> bool {
-        self.expired
+        let running = self.status == "processing" && self.lease_ms > 0;
+        (self.expired && !running)
             || (self.same_fingerprint
                 && (self.status == "failed" || (self.status == "processing" && self.lease_ms <= 0)))
     }
@@ -638,6 +651,9 @@ impl View {
                 token: self.token,
             },
             ("failed", _) => Existing::Failed,
+            ("unknown", _) => Existing::Unknown {
+                same_fingerprint: self.same_fingerprint,
+            },
             _ => Existing::Processing {
                 same_fingerprint: self.same_fingerprint,
                 lease_remaining: Duration::from_millis(self.lease_ms.max(0) as u64),
@@ -773,6 +789,10 @@ impl Store for PostgresStore {
         self.db.execute_fenced(RELEASE, id, &[]).await
     }
 
+    async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.db.execute_fenced(HOLD, id, &[]).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         let client = self.db.client().await?;
         let result = timeout(self.db.timeout, client.simple_query("SELECT 1")).await;
@@ -806,7 +826,8 @@ impl Store for PostgresStore {
             processing: count(0)?,
             completed: count(1)?,
             failed: count(2)?,
-            expired: count(3)?,
+            unknown: count(3)?,
+            expired: count(4)?,
         })
     }
 }

@@ -31,7 +31,8 @@ mod embedded {
 const MIGRATION_TABLE: &str = "idemproxy_schema_history";
 
 /// The claim, decided by the primary key: a new key is inserted; an existing one is taken only when it is
-/// claimable (expired; or, for the same fingerprint, released or past its lease), all in one statement.
+/// claimable (expired and not running under a live lease; or, for the same fingerprint, released or past
+/// its lease), all in one statement. A takeover or retry keeps the expiry at least as late as its lease.
 /// `RETURNING` yields a row only when this claim won. `?5` is now, `?6` the lease end, `?7` the expiry.
 const CLAIM: &str = "INSERT INTO records AS r
         (scope, key, fingerprint, status, token, attempt, claim_kind,
@@ -47,13 +48,14 @@ const CLAIM: &str = "INSERT INTO records AS r
                           ELSE 'takeover' END,
         locked_until = excluded.locked_until,
         created_at = CASE WHEN r.expires_at <= ?5 THEN ?5 ELSE r.created_at END,
-        expires_at = CASE WHEN r.expires_at <= ?5 THEN excluded.expires_at ELSE r.expires_at END,
+        expires_at = CASE WHEN r.expires_at <= ?5 THEN excluded.expires_at
+                          ELSE max(r.expires_at, excluded.locked_until) END,
         updated_at = ?5,
         response_status = NULL,
         response_headers = NULL,
         response_body = NULL,
         body_retained = NULL
-    WHERE r.expires_at <= ?5
+    WHERE (r.expires_at <= ?5 AND NOT (r.status = 'processing' AND r.locked_until > ?5))
        OR (r.fingerprint = excluded.fingerprint
            AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= ?5)))
     RETURNING attempt, claim_kind";
@@ -63,8 +65,10 @@ const HOLDER: &str = "SELECT status, fingerprint, token, locked_until, expires_a
         response_status, response_headers, response_body, body_retained
     FROM records WHERE scope = ?1 AND key = ?2";
 
-/// Extends the lease. Fenced: only the holder of the current token can.
-const HEARTBEAT: &str = "UPDATE records SET locked_until = ?4, updated_at = ?5
+/// Extends the lease, and the expiry with it so a running key never expires. Fenced: only the holder of
+/// the current token can.
+const HEARTBEAT: &str = "UPDATE records
+    SET locked_until = ?4, expires_at = max(expires_at, ?4), updated_at = ?5
     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND status = 'processing'";
 
 /// Stores the response. Fenced: a slow original whose claim was taken over matches no row.
@@ -77,9 +81,16 @@ const COMPLETE: &str = "UPDATE records
 const RELEASE: &str = "UPDATE records SET status = 'failed', locked_until = ?4, updated_at = ?4
     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND status = 'processing'";
 
-/// An operator's release of a stuck claim: fenced, and only once its lease has run out.
+/// Holds a claim whose outcome is unknown: no claim takes it again until an operator releases it.
+/// Fenced like COMPLETE.
+const HOLD: &str = "UPDATE records SET status = 'unknown', locked_until = ?4, updated_at = ?4
+    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND status = 'processing'";
+
+/// An operator's release of a stuck claim: fenced, and only once its lease has run out; or of a held
+/// record, which has no holder.
 const RELEASE_STALE: &str = "UPDATE records SET status = 'failed', locked_until = ?4, updated_at = ?4
-    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND status = 'processing' AND locked_until <= ?4";
+    WHERE scope = ?1 AND key = ?2 AND token = ?3
+      AND (status = 'unknown' OR (status = 'processing' AND locked_until <= ?4))";
 
 /// One bounded batch of expired records; a processing one only once its lease has run out too.
 const SWEEP: &str = "DELETE FROM records WHERE rowid IN (
@@ -98,6 +109,7 @@ const STATS: &str = "SELECT
         coalesce(sum(expires_at > ?1 AND status = 'processing'), 0),
         coalesce(sum(expires_at > ?1 AND status = 'completed'), 0),
         coalesce(sum(expires_at > ?1 AND status = 'failed'), 0),
+        coalesce(sum(expires_at > ?1 AND status = 'unknown'), 0),
         coalesce(sum(expires_at <= ?1), 0)
     FROM records";
 
@@ -293,6 +305,10 @@ impl Store for SqliteStore {
         self.fenced(RELEASE, id, Extra::None).await
     }
 
+    async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.fenced(HOLD, id, Extra::None).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.call(|db, _| db.query_row("SELECT 1", [], |_| Ok(())).map_err(backend))
             .await
@@ -334,7 +350,8 @@ impl Store for SqliteStore {
                     processing: count(row, 0)?,
                     completed: count(row, 1)?,
                     failed: count(row, 2)?,
-                    expired: count(row, 3)?,
+                    unknown: count(row, 3)?,
+                    expired: count(row, 4)?,
                 })
             })
             .map_err(backend)
@@ -458,6 +475,7 @@ fn holder(db: &Connection, now: i64, request: &ClaimRequest) -> rusqlite::Result
                 token: token(row)?,
             },
             ("failed", _) => Existing::Failed,
+            ("unknown", _) => Existing::Unknown { same_fingerprint },
             _ => Existing::Processing {
                 same_fingerprint,
                 lease_remaining: remaining("locked_until")?,

@@ -270,6 +270,86 @@ async fn expired_record_is_a_new_key_whatever_it_held(
 
 #[rstest]
 #[tokio::test]
+async fn a_running_key_past_its_expiry_is_not_new(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let running = request("running", 1, LONG, SHORT_TTL);
+    won(&*store, &running).await;
+    until_short_ttl_passed().await;
+    for fingerprint in [1, 2] {
+        match held(&*store, &request("running", fingerprint, LONG, DAY)).await {
+            Existing::Processing { lease_remaining, .. } => {
+                assert!(lease_remaining > LONG / 2, "{lease_remaining:?}")
+            }
+            other => panic!("a running key must stay in flight, found {other:?}"),
+        }
+    }
+    assert!(store.heartbeat(&running.id, LONG).await.unwrap());
+    let record = store.find("running", None).await.unwrap().remove(0);
+    assert!(
+        record.expires_at >= record.locked_until,
+        "a heartbeat keeps the expiry at least as late as the lease: {record:?}"
+    );
+    assert!(!record.expired());
+    assert!(store.complete(&running.id, &response(b"done")).await.unwrap());
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    // Expires one second after creation, so it is unexpired when its short lease has run out.
+    won(&*store, &request("stale", 1, SHORT_TTL, Duration::from_secs(1))).await;
+    until_short_ttl_passed().await;
+    let taker = request("stale", 1, LONG, DAY);
+    assert_eq!(won(&*store, &taker).await, (2, ClaimKind::Takeover));
+    let record = store.find("stale", None).await.unwrap().remove(0);
+    assert!(record.expires_at >= record.locked_until, "{record:?}");
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    let first = request("unsure", 1, SHORT_TTL, DAY);
+    won(&*store, &first).await;
+    let mut other_token = first.id.clone();
+    other_token.token = Uuid::new_v4();
+    assert!(!store.hold(&other_token).await.unwrap(), "holding is fenced");
+    assert!(store.hold(&first.id).await.unwrap());
+    until_short_ttl_passed().await;
+    assert!(matches!(
+        held(&*store, &request("unsure", 1, LONG, DAY)).await,
+        Existing::Unknown {
+            same_fingerprint: true
+        }
+    ));
+    assert!(matches!(
+        held(&*store, &request("unsure", 2, LONG, DAY)).await,
+        Existing::Unknown {
+            same_fingerprint: false
+        }
+    ));
+    let record = store.find("unsure", None).await.unwrap().remove(0);
+    assert_eq!(record.status, RecordStatus::Unknown);
+    assert!(!store.complete(&first.id, &response(b"late")).await.unwrap());
+    assert!(
+        store.release_stale(&first.id).await.unwrap(),
+        "an operator releases it"
+    );
+    assert_eq!(
+        won(&*store, &request("unsure", 1, LONG, DAY)).await,
+        (2, ClaimKind::Retry)
+    );
+}
+
+#[rstest]
+#[tokio::test]
 async fn response_over_the_cap_is_completed_without_a_body(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
@@ -396,6 +476,9 @@ async fn stats_count_records_by_state(#[values(Backend::Postgres, Backend::Sqlit
     let released = request("released", 1, LONG, DAY);
     won(&*store, &released).await;
     assert!(store.release(&released.id).await.unwrap());
+    let unsure = request("unsure", 1, LONG, DAY);
+    won(&*store, &unsure).await;
+    assert!(store.hold(&unsure.id).await.unwrap());
     completed_records(&*store, "old", 1, SHORT_TTL).await;
     until_short_ttl_passed().await;
 
@@ -405,6 +488,7 @@ async fn stats_count_records_by_state(#[values(Backend::Postgres, Backend::Sqlit
             processing: 1,
             completed: 2,
             failed: 1,
+            unknown: 1,
             expired: 1,
         }
     );
