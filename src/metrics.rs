@@ -176,6 +176,21 @@ pub struct MetricSet {
     /// `idemproxy_body_budget_waits_total`: keyed request bodies that waited for room in
     /// `server.max_buffered_bodies`.
     pub body_budget_waits: IntCounter,
+    /// `idemproxy_unknown_outcomes_total`: keyed requests the upstream may have executed without a full
+    /// answer coming back.
+    pub unknown_outcomes: IntCounter,
+    /// `idemproxy_write_timeouts_total`: clients let go for accepting no response bytes for
+    /// `server.write_timeout`.
+    pub write_timeouts: IntCounter,
+    /// `idemproxy_capture_budget_exhausted_total`: responses not retained because
+    /// `server.max_buffered_responses` was spent.
+    pub capture_budget_exhausted: IntCounter,
+    /// `idemproxy_completion_hold_expired_total`: responses let go to the client before their record was
+    /// stored, because the store took longer than the hold.
+    pub completion_hold_expired: IntCounter,
+    /// `idemproxy_orphan_claims_released_total`: claims that a request won after it stopped waiting for
+    /// the store, given back by their token.
+    pub orphan_claims_released: IntCounter,
 }
 
 impl Metrics {
@@ -289,6 +304,28 @@ impl Metrics {
                 "idemproxy_body_budget_waits_total",
                 "Keyed request bodies that waited for room in server.max_buffered_bodies.",
             ),
+            unknown_outcomes: counter(
+                "idemproxy_unknown_outcomes_total",
+                "Keyed requests the upstream may have executed without a full answer coming back \
+                 (timeout, broken connection or body, 101).",
+            ),
+            write_timeouts: counter(
+                "idemproxy_write_timeouts_total",
+                "Clients let go because they accepted no response bytes for server.write_timeout.",
+            ),
+            capture_budget_exhausted: counter(
+                "idemproxy_capture_budget_exhausted_total",
+                "Responses not retained because server.max_buffered_responses was spent.",
+            ),
+            completion_hold_expired: counter(
+                "idemproxy_completion_hold_expired_total",
+                "Responses let go to the client before their record was stored, because the store \
+                 took longer than the hold.",
+            ),
+            orphan_claims_released: counter(
+                "idemproxy_orphan_claims_released_total",
+                "Claims won after their request stopped waiting for the store, given back by token.",
+            ),
             registry,
         };
         set.register_all();
@@ -318,6 +355,11 @@ impl MetricSet {
             Box::new(self.open_connections.clone()),
             Box::new(self.connection_cap_reached.clone()),
             Box::new(self.body_budget_waits.clone()),
+            Box::new(self.unknown_outcomes.clone()),
+            Box::new(self.write_timeouts.clone()),
+            Box::new(self.capture_budget_exhausted.clone()),
+            Box::new(self.completion_hold_expired.clone()),
+            Box::new(self.orphan_claims_released.clone()),
         ];
         for collector in collectors {
             self.registry

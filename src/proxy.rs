@@ -22,7 +22,7 @@ use http::{HeaderMap, HeaderName, Request, Response, header, request};
 use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use tokio::sync::oneshot;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -51,7 +51,20 @@ pub struct Proxy {
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) body_read_timeout: Duration,
     pub(crate) budget: BodyBudget,
+    /// Bytes of keyed responses being captured for storage, shared by every worker.
+    pub(crate) captures: Arc<Semaphore>,
+    /// One permit per keyed request being executed (`server.max_keyed_in_flight`), shared by every worker.
+    pub(crate) keyed_slots: Arc<Semaphore>,
+    /// Longest a client waits for its record to be stored before it gets the end of its response.
+    pub(crate) completion_hold: Duration,
+    /// Longest a client may accept no bytes of a keyed response.
+    pub(crate) write_timeout: Duration,
+    /// Bound on one store operation, the first wait before an orphaned claim is given back.
+    pub(crate) store_timeout: Duration,
 }
+
+/// The longest a client waits for its record to be stored (or less, `store.timeout`).
+const COMPLETION_HOLD_MAX: Duration = Duration::from_secs(2);
 
 type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
 
@@ -71,6 +84,13 @@ impl Proxy {
                 config.replay_cache.max_age,
             )),
             body_read_timeout: config.server.body_read_timeout,
+            captures: Arc::new(Semaphore::new(
+                config.server.max_buffered_responses.min(Semaphore::MAX_PERMITS),
+            )),
+            keyed_slots: Arc::new(Semaphore::new(config.server.max_keyed_in_flight)),
+            completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
+            write_timeout: config.server.write_timeout,
+            store_timeout: config.store.timeout,
         }
     }
 
@@ -169,12 +189,16 @@ impl Proxy {
         if let Some(answer) = self.answer_from_cache(&claim) {
             return answer;
         }
+        // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
+        let Ok(slot) = self.keyed_slots.clone().try_acquire_owned() else {
+            return Err(ProxyError::Busy(Busy::KeyedInFlight));
+        };
         let (head, response) = oneshot::channel();
         let head = Answer {
             head,
             metrics: self.metrics.clone(),
         };
-        let keyed = self.clone().keyed(parts, claim, body, peer, head);
+        let keyed = self.clone().keyed(parts, claim, body, peer, head, slot);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
             Err(ProxyError::UpstreamUnreachable(
@@ -193,6 +217,7 @@ impl Proxy {
         body: ReservedBody,
         peer: Downstream,
         head: Answer,
+        _slot: OwnedSemaphorePermit,
     ) {
         let started = Instant::now();
         let result = match self.store.claim(&claim).await {
@@ -203,6 +228,7 @@ impl Proxy {
                 return;
             }
             Err(error) => {
+                tokio::spawn(release_orphan(self.clone(), claim.id.clone()));
                 head.send(self.store_down(parts, body, &peer, error).await);
                 return;
             }
@@ -356,7 +382,7 @@ impl Proxy {
                 .and_then(|client| client.error())
                 .unwrap_or_else(|| failure.into_error())
         })?;
-        Ok((stream_response(response), Outcome::Passthrough))
+        Ok((relayable(response)?, Outcome::Passthrough))
     }
 
     /// The store could not decide the claim: refuse (fail_closed) or forward unprotected (fail_open).
@@ -378,7 +404,35 @@ impl Proxy {
             .send(request)
             .await
             .map_err(UpstreamFailure::into_error)?;
-        Ok((stream_response(response), Outcome::StoreUnavailable))
+        Ok((relayable(response)?, Outcome::StoreUnavailable))
+    }
+}
+
+/// An upstream response streamed through as it is, unless it is a `101 Switching Protocols`: the proxy
+/// forwards no `Upgrade`, so nothing asked for one, and the connection it would switch is not relayed.
+fn relayable(response: Response<pool::PooledBody>) -> Result<Response<ProxyBody>, ProxyError> {
+    if response.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+        return Err(ProxyError::UpstreamInvalidResponse(response.status()));
+    }
+    Ok(stream_response(response))
+}
+
+/// A claim whose statement did not answer in time may still have been won, by a statement that
+/// committed after its request stopped waiting; left alone, it would hold the key for a lease and then
+/// count as a stale takeover although nothing ran. It is given back by its token (which matches nothing
+/// if it was never won), tried after one store timeout, when such a statement has most likely ended,
+/// and again with doubling waits while its lease could still be live.
+async fn release_orphan(proxy: Arc<Proxy>, id: RecordId) {
+    let deadline = Instant::now() + proxy.policy.lock_timeout + proxy.store_timeout;
+    let mut wait = proxy.store_timeout;
+    while Instant::now() + wait <= deadline {
+        tokio::time::sleep(wait).await;
+        if let Ok(true) = proxy.store.release(&id).await {
+            proxy.metrics.orphan_claims_released.inc();
+            tracing::warn!(key = %id.key, "a claim won after its request gave up waiting was given back");
+            return;
+        }
+        wait *= 2;
     }
 }
 

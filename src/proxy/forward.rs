@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use super::body::{BoxError, ProxyBody};
 use super::pool::{Pool, PooledBody, SendError};
 use crate::config::UpstreamConfig;
-use crate::error::ProxyError;
+use crate::error::{Busy, ProxyError};
 use crate::metrics::Metrics;
 use crate::store::{RecordId, StoreHandle};
 
@@ -60,9 +60,17 @@ pub enum UpstreamFailure {
     Ambiguous(String),
     /// No response head within `upstream.timeout`; the request may have reached the upstream.
     Timeout(Duration),
+    /// Every connection of the worker's `upstream.max_connections` stayed busy for
+    /// `upstream.connect_timeout`: the request was never sent.
+    Busy,
 }
 
 impl UpstreamFailure {
+    /// Whether the upstream certainly never saw the request, so its claim can be given back at once.
+    pub fn never_delivered(&self) -> bool {
+        matches!(self, UpstreamFailure::NotDelivered(_) | UpstreamFailure::Busy)
+    }
+
     /// The client-facing error.
     pub fn into_error(self) -> ProxyError {
         match self {
@@ -70,6 +78,7 @@ impl UpstreamFailure {
                 ProxyError::UpstreamUnreachable(why)
             }
             UpstreamFailure::Timeout(after) => ProxyError::UpstreamTimeout(after),
+            UpstreamFailure::Busy => ProxyError::Busy(Busy::UpstreamConnections),
         }
     }
 }
@@ -93,7 +102,12 @@ impl Upstream {
         let host = base.host().unwrap_or("localhost");
         let authority = format!("{host}:{}", base.port_u16().unwrap_or(80));
         Upstream {
-            pool: Pool::new(authority, config.connect_timeout, POOL_IDLE_TIMEOUT),
+            pool: Pool::new(
+                authority,
+                config.connect_timeout,
+                POOL_IDLE_TIMEOUT,
+                config.max_connections,
+            ),
             base: base.clone(),
             timeout: config.timeout,
             metrics,
@@ -165,6 +179,7 @@ impl Upstream {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(SendError::NotSent(why))) => Err(UpstreamFailure::NotDelivered(why)),
             Ok(Err(SendError::Failed(why))) => Err(UpstreamFailure::Ambiguous(why)),
+            Ok(Err(SendError::Busy)) => Err(UpstreamFailure::Busy),
             Err(_) => Err(UpstreamFailure::Timeout(self.timeout)),
         }
     }

@@ -15,6 +15,7 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::body::ProxyBody;
@@ -31,6 +32,8 @@ pub enum SendError {
     NotSent(String),
     /// The request was handed to a connection that then failed; it may have been written.
     Failed(String),
+    /// The pool was at its connection cap, and no connection came free within the connect timeout.
+    Busy,
 }
 
 /// Idle connections to one upstream address.
@@ -46,6 +49,12 @@ struct Inner {
     idle_timeout: Duration,
     /// Most recently used last.
     idle: Mutex<Vec<Idle>>,
+    /// One permit per connection the pool may hold open, in use or idle; each connection's task holds
+    /// one until the connection closes.
+    room: Arc<Semaphore>,
+    max_connections: usize,
+    /// Signalled when a connection goes back to the idle list, for a request waiting at the cap.
+    returned: Notify,
     /// Starts the task that closes connections idle for too long, with the first connection.
     closer: Once,
 }
@@ -56,14 +65,23 @@ struct Idle {
 }
 
 impl Pool {
-    /// An empty pool for `authority`; connections left idle for `idle_timeout` are closed.
-    pub fn new(authority: String, connect_timeout: Duration, idle_timeout: Duration) -> Pool {
+    /// An empty pool for `authority` holding at most `max_connections` open; connections left idle for
+    /// `idle_timeout` are closed.
+    pub fn new(
+        authority: String,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+        max_connections: usize,
+    ) -> Pool {
         Pool {
             inner: Arc::new(Inner {
                 authority,
                 connect_timeout,
                 idle_timeout,
                 idle: Mutex::new(Vec::new()),
+                room: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+                max_connections,
+                returned: Notify::new(),
                 closer: Once::new(),
             }),
         }
@@ -72,7 +90,12 @@ impl Pool {
     /// A new, empty pool with the same settings.
     pub fn empty_copy(&self) -> Pool {
         let inner = &self.inner;
-        Pool::new(inner.authority.clone(), inner.connect_timeout, inner.idle_timeout)
+        Pool::new(
+            inner.authority.clone(),
+            inner.connect_timeout,
+            inner.idle_timeout,
+            inner.max_connections,
+        )
     }
 
     /// Idle connections held now.
@@ -88,7 +111,7 @@ impl Pool {
             let (mut sender, reused) = match self.checkout().await {
                 Some(sender) => (sender, true),
                 // Connecting is rare and its state large; boxed, it stays out of every request's future.
-                None => (Box::pin(self.connect()).await?, false),
+                None => Box::pin(self.connection()).await?,
             };
             match sender.try_send_request(request).await {
                 Ok(response) => return Ok(response.map(|body| self.returning(body, sender))),
@@ -111,7 +134,35 @@ impl Pool {
         }
     }
 
-    async fn connect(&self) -> Result<SendRequest<ProxyBody>, SendError> {
+    /// A new connection if the cap allows one; otherwise the first connection to come back idle, or the
+    /// room a closed one leaves, within the connect timeout. `true` with a pooled connection.
+    async fn connection(&self) -> Result<(SendRequest<ProxyBody>, bool), SendError> {
+        let deadline = Instant::now() + self.inner.connect_timeout;
+        loop {
+            let returned = self.inner.returned.notified();
+            tokio::pin!(returned);
+            // Registered before the idle list is looked at, so a connection returned meanwhile wakes it.
+            returned.as_mut().enable();
+            if let Some(sender) = self.checkout().await {
+                return Ok((sender, true));
+            }
+            let room = self.inner.room.clone();
+            tokio::select! {
+                permit = room.acquire_owned() => {
+                    let permit = permit.map_err(|_| SendError::Busy)?;
+                    return Ok((self.connect(permit).await?, false));
+                }
+                _ = &mut returned => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(authority = %self.inner.authority, max = self.inner.max_connections,
+                        "every upstream connection stayed busy for the connect timeout");
+                    return Err(SendError::Busy);
+                }
+            }
+        }
+    }
+
+    async fn connect(&self, room: OwnedSemaphorePermit) -> Result<SendRequest<ProxyBody>, SendError> {
         let not_sent =
             |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.authority));
         let connecting = tokio::time::timeout(self.inner.connect_timeout, self.handshake());
@@ -129,6 +180,7 @@ impl Pool {
             if let Err(error) = connection.await {
                 tracing::debug!(error = %error_chain(&error), "upstream connection ended with an error");
             }
+            drop(room);
         });
         let pool = Arc::downgrade(&self.inner);
         self.inner
@@ -175,6 +227,7 @@ impl Inner {
             sender,
             since: Instant::now(),
         });
+        self.returned.notify_one();
     }
 }
 
@@ -303,7 +356,7 @@ mod tests {
     }
 
     fn pool(authority: String, idle_timeout: Duration) -> Pool {
-        Pool::new(authority, Duration::from_secs(2), idle_timeout)
+        Pool::new(authority, Duration::from_secs(2), idle_timeout, 16)
     }
 
     fn get() -> Request<ProxyBody> {

@@ -9,6 +9,7 @@
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -141,19 +142,29 @@ struct Shared {
 
 impl Shared {
     /// Runs `op` with the connection and the current time (ms since the epoch) on a blocking thread.
+    /// An operation whose caller stopped waiting (`store.timeout`) before it got the connection is not
+    /// run at all: a claim nobody waits for would hold its key for a lease, executed by no one.
     async fn call<T, F>(self: &Arc<Self>, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection, i64) -> Result<T, StoreError> + Send + 'static,
     {
         let shared = Arc::clone(self);
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let given_up = Arc::clone(&abandoned);
         let task = blocking(move || {
             let mut db = shared.db.lock().unwrap_or_else(PoisonError::into_inner);
+            if given_up.load(Ordering::Acquire) {
+                return Err(StoreError::Timeout(shared.timeout));
+            }
             op(&mut db, now_ms())
         });
         match timeout(self.timeout, task).await {
             Ok(result) => result?,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => {
+                abandoned.store(true, Ordering::Release);
+                Err(StoreError::Timeout(self.timeout))
+            }
         }
     }
 }

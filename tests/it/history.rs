@@ -296,12 +296,20 @@ async fn run(params: Params) {
     .await;
     let records = history::load_records(&db).await;
     let observations = shared.observations.lock().unwrap().clone();
-    let report = history::check(&observations, &world.recorder.executions(), &records, SPACING);
     let logs = world.logs();
+    let given_back = history::orphans_given_back(&logs);
+    let report = history::check(
+        &observations,
+        &world.recorder.executions(),
+        &records,
+        SPACING,
+        &given_back,
+    );
     eprintln!(
         "history seed {} over {:?} with {} clients and {} proxies\nfaults injected: {:?}\n{report}\
          claims left stale when the faults ended (then taken over): {stale}\n\
-         stale takeovers logged by the proxies: {}\npeak proxy memory (VmHWM): {} KiB",
+         stale takeovers logged by the proxies: {}\norphaned claims given back: {}\n\
+         peak proxy memory (VmHWM): {} KiB",
         params.seed,
         params.traffic,
         params.clients,
@@ -310,6 +318,7 @@ async fn run(params: Params) {
         logs.iter()
             .filter(|l| l.contains("stale claim taken over"))
             .count(),
+        given_back.len(),
         world.peak_rss_kib,
     );
     if !report.violations.is_empty() {
@@ -581,7 +590,13 @@ fn checker_finds_each_kind_of_violation() {
         seen(&b, answer(&b1, true)),
     ];
     let executions = [a1, a2, b1];
-    let report = history::check(&observations, &executions, &records, Duration::ZERO);
+    let report = history::check(
+        &observations,
+        &executions,
+        &records,
+        Duration::ZERO,
+        &Default::default(),
+    );
     let violations = report.violations.join("\n");
     assert_eq!(report.violations.len(), 4, "{violations}");
     assert!(violations.contains("is not its latest execution"), "{violations}");

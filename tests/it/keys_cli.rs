@@ -181,7 +181,7 @@ async fn purge_deletes_expired_records_and_stats_count_the_rest(
     let before = json(&keys(&test_store, &["stats", "--json"]).await);
     assert_eq!(
         before,
-        serde_json::json!({"processing": 1, "completed": 1, "failed": 0, "expired": 3})
+        serde_json::json!({"processing": 1, "completed": 1, "failed": 0, "unknown": 0, "expired": 3})
     );
     let purged = keys(&test_store, &["purge", "--expired"]).await;
     assert!(purged.status.success());

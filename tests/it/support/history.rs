@@ -6,8 +6,10 @@
 //!   the one before (less the longest a won claim can take to reach the upstream);
 //! - at most one execution per winning claim: executions <= 1 + stale takeovers, where the takeovers
 //!   of a key are read from its record (`attempt` counts the winning claims of the record's life; the
-//!   workload never lets a claim be released, and the checker verifies no record was ever re-claimed
-//!   as a `retry`, so every claim after the first is a stale takeover);
+//!   workload never lets a claim be released, and the checker verifies no record was re-claimed as a
+//!   `retry` unless a proxy logged giving back an orphaned claim of that key — a claim its request
+//!   stopped waiting for, which executed nothing —, so every other claim after the first is a stale
+//!   takeover);
 //! - every upstream answer (2xx or 4xx) a client received is byte-identical to the stored response,
 //!   except the live answer of an execution that a stale takeover superseded (counted, not hidden);
 //! - no response crossed scopes or keys: the upstream echoes credentials, key and payload in the body;
@@ -16,7 +18,7 @@
 //! - no claim stays stuck: once the faults end, every record is completed, released or stale within a
 //!   bound, and after one more request per key (which takes every stale claim over) all are completed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -207,11 +209,13 @@ impl fmt::Display for Report {
 
 /// Judges the history; see the module documentation for the rules. A key's executions must come at
 /// least `spacing` apart: the lease less the longest a won claim may take to reach the upstream.
+/// `given_back` holds the keys of which a proxy logged giving back an orphaned claim.
 pub fn check(
     observations: &[Observation],
     executions: &[Execution],
     records: &Records,
     spacing: Duration,
+    given_back: &HashSet<String>,
 ) -> Report {
     let mut report = Report {
         requests: observations.len(),
@@ -226,7 +230,7 @@ pub fn check(
     for observation in observations {
         check_observation(observation, &by_key, records, &mut report);
     }
-    check_keys(&by_key, records, &mut report);
+    check_keys(&by_key, records, given_back, &mut report);
     check_spacing(&by_key, spacing, &mut report);
     for ((_, key), record) in records {
         check_record_state(key, record, &mut report);
@@ -337,14 +341,20 @@ fn exec_of(body: &[u8]) -> String {
         .unwrap_or_else(|_| format!("{} bytes", body.len()))
 }
 
-fn check_keys(by_key: &HashMap<(String, String), Vec<&Execution>>, records: &Records, report: &mut Report) {
+fn check_keys(
+    by_key: &HashMap<(String, String), Vec<&Execution>>,
+    records: &Records,
+    given_back: &HashSet<String>,
+    report: &mut Report,
+) {
     report.keys = records.len();
     for (id, record) in records {
         let runs = by_key.get(id).map_or(&[][..], Vec::as_slice);
         report.takeovers += (record.attempt - 1).max(0) as usize;
-        if record.claim_kind == "retry" {
+        if record.claim_kind == "retry" && !given_back.contains(&id.1) {
             report.violation(format!(
-                "{id:?}: re-claimed as a retry, but nothing in the workload releases a claim"
+                "{id:?}: re-claimed as a retry, but nothing in the workload releases a claim and no \
+                 proxy gave back an orphaned claim of it"
             ));
         }
         if runs.len() > record.attempt.max(0) as usize {
@@ -410,6 +420,19 @@ fn check_record_state(key: &str, record: &Record, report: &mut Report) {
     if state != "completed" {
         report.violation(format!("{key}: {state} after every op was sent again"));
     }
+}
+
+/// The keys of which a proxy logged giving back an orphaned claim (a claim won after its request
+/// stopped waiting for the store), from the proxies' JSON logs.
+pub fn orphans_given_back(logs: &[String]) -> HashSet<String> {
+    logs.iter()
+        .filter(|line| line.contains("a claim won after its request gave up waiting was given back"))
+        .filter_map(|line| {
+            let json = &line[line.find('{')?..];
+            let event: serde_json::Value = serde_json::from_str(json).ok()?;
+            Some(event["fields"]["key"].as_str()?.to_string())
+        })
+        .collect()
 }
 
 /// The peak resident set (`VmHWM`) and current resident set (`VmRSS`) of a process, in KiB.
