@@ -16,6 +16,7 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, Request, Response, StatusCode, header};
 use http_body::Frame;
 use http_body_util::BodyExt;
+use prometheus::IntCounter;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -195,7 +196,11 @@ async fn relay(
     let record = ToStore {
         status: parts.status.as_u16(),
         headers: storable_headers(&parts.headers, &proxy.policy.never_store_headers),
-        capture: Capture::new(proxy.policy.max_stored_response, proxy.captures.clone()),
+        capture: Capture::new(
+            proxy.policy.max_stored_response,
+            proxy.captures.clone(),
+            proxy.metrics.capture_budget_exhausted.clone(),
+        ),
         fill,
     };
     if http_body::Body::is_end_stream(&upstream) {
@@ -274,9 +279,6 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// `completion_hold`; past it the client gets the rest and the completion goes on (counted).
 async fn finish(proxy: &Proxy, id: &RecordId, record: ToStore, held: Held, heartbeat: Heartbeat) {
     let captured = record.capture.finish();
-    if captured.starved {
-        proxy.metrics.capture_budget_exhausted.inc();
-    }
     let stored = StoredResponse {
         status: record.status,
         headers: record.headers,
@@ -426,21 +428,20 @@ struct Capture {
     over: bool,
     budget: Arc<Semaphore>,
     reservation: Option<OwnedSemaphorePermit>,
-    starved: bool,
+    /// Counts captures given up because the budget had no room.
+    starved: IntCounter,
 }
 
 /// What a capture kept.
 struct Captured {
     /// The whole body, or `None` when it went over the cap or the budget.
     body: Option<Bytes>,
-    /// Whether the budget ran out while the body was within the cap.
-    starved: bool,
     /// The share of the budget the body holds until it is stored.
     reservation: Option<OwnedSemaphorePermit>,
 }
 
 impl Capture {
-    fn new(limit: u64, budget: Arc<Semaphore>) -> Capture {
+    fn new(limit: u64, budget: Arc<Semaphore>, starved: IntCounter) -> Capture {
         Capture {
             limit,
             chunks: Vec::new(),
@@ -448,7 +449,7 @@ impl Capture {
             over: false,
             budget,
             reservation: None,
-            starved: false,
+            starved,
         }
     }
 
@@ -464,7 +465,7 @@ impl Capture {
             .ok()
             .and_then(|n| self.budget.clone().try_acquire_many_owned(n).ok());
         let Some(room) = room else {
-            self.starved = true;
+            self.starved.inc();
             return self.give_up();
         };
         match &mut self.reservation {
@@ -495,7 +496,6 @@ impl Capture {
         };
         Captured {
             body,
-            starved: self.starved,
             reservation: self.reservation,
         }
     }
@@ -509,9 +509,13 @@ mod tests {
         Arc::new(Semaphore::new(bytes))
     }
 
+    fn starved() -> IntCounter {
+        IntCounter::new("starved", "test").unwrap()
+    }
+
     #[test]
     fn capture_keeps_the_body_under_the_cap() {
-        let mut capture = Capture::new(6, budget(100));
+        let mut capture = Capture::new(6, budget(100), starved());
         capture.push(Bytes::from_static(b"abc"));
         capture.push(Bytes::from_static(b"def"));
         assert_eq!(capture.finish().body.as_deref(), Some(&b"abcdef"[..]));
@@ -520,27 +524,28 @@ mod tests {
     #[test]
     fn capture_drops_the_body_over_the_cap_and_gives_its_budget_back() {
         let shared = budget(100);
-        let mut capture = Capture::new(5, shared.clone());
+        let counted = starved();
+        let mut capture = Capture::new(5, shared.clone(), counted.clone());
         capture.push(Bytes::from_static(b"abc"));
         assert_eq!(shared.available_permits(), 97);
         capture.push(Bytes::from_static(b"def"));
         capture.push(Bytes::from_static(b"g"));
         let captured = capture.finish();
         assert_eq!(captured.body, None);
-        assert!(!captured.starved, "over the cap, not the budget");
+        assert_eq!(counted.get(), 0, "over the cap, not the budget");
         assert_eq!(shared.available_permits(), 100);
     }
 
     #[test]
     fn a_capture_without_room_in_the_budget_is_not_retained() {
         let shared = budget(4);
-        let mut first = Capture::new(100, shared.clone());
+        let counted = starved();
+        let mut first = Capture::new(100, shared.clone(), counted.clone());
         first.push(Bytes::from_static(b"abc"));
-        let mut second = Capture::new(100, shared.clone());
+        let mut second = Capture::new(100, shared.clone(), counted.clone());
         second.push(Bytes::from_static(b"de"));
-        let starved = second.finish();
-        assert_eq!(starved.body, None);
-        assert!(starved.starved);
+        assert_eq!(counted.get(), 1, "counted when it happens");
+        assert_eq!(second.finish().body, None);
         let kept = first.finish();
         assert_eq!(kept.body.as_deref(), Some(&b"abc"[..]));
         assert_eq!(shared.available_permits(), 1, "held until the body is stored");
@@ -550,7 +555,7 @@ mod tests {
 
     #[test]
     fn empty_body_is_retained_as_empty() {
-        let captured = Capture::new(0, budget(0)).finish();
+        let captured = Capture::new(0, budget(0), starved()).finish();
         assert_eq!(captured.body.as_deref(), Some(&b""[..]));
     }
 

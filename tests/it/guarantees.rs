@@ -3,3 +3,11 @@
 //! accident, secrets are not stored, a running key is never new, a client that stops reading does not hold
 //! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP
 //! edge cases are refused, and stored responses are sealed per record. One file per promise.
+
+mod bounds;
+mod full_response;
+mod running_key;
+mod scope;
+mod secrets;
+mod slow_reader;
+mod unknown;

@@ -89,9 +89,9 @@ impl Reply {
     }
 }
 
-/// Sends a fresh request from `make` until the answer is not 409, and returns that answer. The
-/// client's stream ends before the proxy writes the record (storage never delays the client), so a
-/// retry sent right after a response may still meet the claim in flight.
+/// Sends a fresh request from `make` until the answer is not 409, and returns that answer: for a retry
+/// sent while the original may still be running (a client that has its whole response gets the replay
+/// at once; see `guarantees::full_response`).
 pub async fn settled(make: impl Fn() -> RequestBuilder) -> Reply {
     super::poll_until("an answer other than 409", || async {
         let reply = Reply::of(make()).await;
@@ -131,11 +131,20 @@ pub async fn stream_until_first_chunk(base: &str, key: &str) -> reqwest::Respons
 /// Writes `POST {path}` with `key` and `body` on a fresh connection to the proxy and returns the
 /// connection without reading anything, so the test decides when the client goes away.
 pub async fn raw_keyed_post(base: &str, path: &str, key: &str, body: &str) -> TcpStream {
+    raw_keyed_post_with(base, path, key, body, "").await
+}
+
+/// [`raw_keyed_post`] of a request held on the stub upstream's gate `gate` (`x-gate`).
+pub async fn raw_keyed_post_to(base: &str, path: &str, key: &str, body: &str, gate: &str) -> TcpStream {
+    raw_keyed_post_with(base, path, key, body, &format!("x-gate: {gate}\r\n")).await
+}
+
+async fn raw_keyed_post_with(base: &str, path: &str, key: &str, body: &str, extra: &str) -> TcpStream {
     let addr = base.strip_prefix("http://").expect("http base URL");
     let mut stream = TcpStream::connect(addr).await.expect("connect to proxy");
     let request = format!(
         "POST {path} HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
-         authorization: {TEST_CREDENTIAL}\r\ncontent-type: application/json\r\n\
+         authorization: {TEST_CREDENTIAL}\r\ncontent-type: application/json\r\n{extra}\
          content-length: {}\r\n\r\n{body}",
         body.len()
     );

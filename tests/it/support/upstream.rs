@@ -10,6 +10,11 @@
 //! rather than the query, so that requests on different gates can share a fingerprint.
 //! - `/reset-mid-body`: sends the head (content-length 1000) and 10 bytes, then drops the connection.
 //! - `/big?bytes=<n>`: streams `n` bytes (see [`big_body`]) in 16 KiB chunks.
+//! - `/held?bytes=<n>`: sends `n` bytes of [`big_body`] at once, then `REST_CHUNK` once the request's
+//!   gate (`x-gate`, else `held`) is open.
+//! - `/chunked`: 201 with a body of two chunks and no length (chunked on HTTP/1.1), answered at once.
+//! - `/empty`: 204 with no body; `/empty-200`: 200 with `content-length: 0`.
+//! - `/cookie`: 201 with `set-cookie: session=<n>` and `x-session: <n>` beside a JSON body.
 //! - `/hop-by-hop`: 201 carrying hop-by-hop headers (`connection: x-upstream-hop`,
 //!   `x-upstream-hop`, `proxy-authenticate`) beside `x-custom: value`.
 //! - anything else: 201 with a JSON body carrying the execution number, plus headers
@@ -136,6 +141,12 @@ impl Upstream {
         self.wait_until(|| self.executions_for_key(key) >= n, &what).await;
     }
 
+    /// Waits until at least `n` requests have been executed.
+    pub async fn wait_until_executions(&self, n: usize) {
+        self.wait_until(|| self.executions() >= n, &format!("{n} executions"))
+            .await;
+    }
+
     /// Opens the gate `name`: held and future `/slow` or `/stream` requests on it go ahead.
     pub fn release(&self, name: &str) {
         self.state.gate(name).send_replace(true);
@@ -221,7 +232,15 @@ async fn respond(recorded: &Recorded, state: &State) -> Response<Body> {
         "/stream" => streamed(state.gate(&gate_name(recorded, "stream"))),
         "/reset-mid-body" => reset_mid_body(),
         "/hop-by-hop" => hop_by_hop(),
+        "/chunked" => chunked(recorded),
+        "/empty" => empty(StatusCode::NO_CONTENT),
+        "/empty-200" => empty(StatusCode::OK),
+        "/cookie" => cookie(recorded),
         "/big" => big(param("bytes").and_then(|n| n.parse().ok()).unwrap_or(0)),
+        "/held" => held(
+            param("bytes").and_then(|n| n.parse().ok()).unwrap_or(0),
+            state.gate(&gate_name(recorded, "held")),
+        ),
         _ => match path.strip_prefix("/status/").and_then(|c| c.parse().ok()) {
             Some(code) if recorded.headers.contains_key("x-gate") => {
                 wait_open(state.gate(&gate_name(recorded, "status"))).await;
@@ -258,6 +277,38 @@ fn created(recorded: &Recorded) -> Response<Body> {
         .expect("valid stub response")
 }
 
+fn chunked(recorded: &Recorded) -> Response<Body> {
+    let chunks = [
+        format!("{{\"exec\":{},", recorded.exec),
+        "\"chunked\":true}".to_string(),
+    ];
+    let frames = chunks.map(|c| Ok::<_, BoxError>(Frame::data(Bytes::from(c))));
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("x-upstream-exec", recorded.exec.to_string())
+        .body(BodyExt::boxed_unsync(StreamBody::new(stream::iter(frames))))
+        .expect("valid stub response")
+}
+
+/// No body: a 204 has none by definition, a 200 says `content-length: 0`.
+fn empty(status: StatusCode) -> Response<Body> {
+    let mut response = Response::builder().status(status);
+    if status != StatusCode::NO_CONTENT {
+        response = response.header("content-length", "0");
+    }
+    response.body(full(String::new())).expect("valid stub response")
+}
+
+fn cookie(recorded: &Recorded) -> Response<Body> {
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .header("set-cookie", format!("session={}; HttpOnly", recorded.exec))
+        .header("x-session", recorded.exec.to_string())
+        .body(full(format!("{{\"exec\":{}}}", recorded.exec)))
+        .expect("valid stub response")
+}
+
 fn hop_by_hop() -> Response<Body> {
     Response::builder()
         .status(StatusCode::CREATED)
@@ -288,6 +339,15 @@ async fn slow(recorded: &Recorded, gate: watch::Sender<bool>) -> Response<Body> 
 
 fn streamed(gate: watch::Sender<bool>) -> Response<Body> {
     let first = stream::once(async { Ok(Frame::data(Bytes::from_static(FIRST_CHUNK))) });
+    let rest = stream::once(async move {
+        wait_open(gate).await;
+        Ok(Frame::data(Bytes::from_static(REST_CHUNK)))
+    });
+    Response::new(BodyExt::boxed_unsync(StreamBody::new(first.chain(rest))))
+}
+
+fn held(bytes: usize, gate: watch::Sender<bool>) -> Response<Body> {
+    let first = stream::once(async move { Ok(Frame::data(Bytes::from(big_body(bytes)))) });
     let rest = stream::once(async move {
         wait_open(gate).await;
         Ok(Frame::data(Bytes::from_static(REST_CHUNK)))

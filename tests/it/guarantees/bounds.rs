@@ -1,0 +1,211 @@
+//! Detached work is bounded: keyed requests being executed (their work outlives their clients) are
+//! capped by `server.max_keyed_in_flight`, upstream connections per worker by `upstream.max_connections`,
+//! and response captures by `server.max_buffered_responses`. Over a bound nothing is claimed or
+//! forwarded (503 `busy`), or a response is not retained (410 on retry); never unbounded memory or
+//! connections. A claim won after its request stopped waiting for the store is given back by its token.
+
+use rstest::rstest;
+
+use crate::support::http::client;
+use crate::support::http::raw_keyed_post_to;
+use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, metric, metric_reaches, settled};
+
+async fn held(url: &str, path: &str, key: &str, gate: &str) -> tokio::task::JoinHandle<Reply> {
+    let (url, path, key, gate) = (
+        url.to_string(),
+        path.to_string(),
+        key.to_string(),
+        gate.to_string(),
+    );
+    tokio::spawn(async move { Reply::of(keyed_post(&url, &path, &key, "{}").header("x-gate", gate)).await })
+}
+
+#[rstest]
+#[tokio::test]
+async fn keyed_requests_beyond_max_keyed_in_flight_get_503_and_claim_nothing(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = InProcessProxy::start(&env.config().set("server.max_keyed_in_flight", 2)).await;
+    let done = Reply::of(keyed_post(&proxy.url, "/orders", "done", "{}")).await;
+    let one = held(&proxy.url, "/slow", "one", "one").await;
+    let two = held(&proxy.url, "/slow", "two", "two").await;
+    env.upstream.wait_for_key("two", 1).await;
+    env.upstream.wait_for_key("one", 1).await;
+
+    let third = Reply::of(keyed_post(&proxy.url, "/orders", "three", "{}")).await;
+    third.assert_problem(503, "busy");
+    assert_eq!(third.retry_after(), 1);
+    assert_eq!(env.upstream.executions_for_key("three"), 0, "not forwarded");
+    // A retry of a completed key needs no slot: it is answered from the replay cache.
+    let replay = Reply::of(keyed_post(&proxy.url, "/orders", "done", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, done.body);
+
+    env.upstream.release("one");
+    env.upstream.release("two");
+    assert_eq!(one.await.unwrap().status, 201);
+    assert_eq!(two.await.unwrap().status, 201);
+    let third = settled(|| keyed_post(&proxy.url, "/orders", "three", "{}")).await;
+    assert_eq!(third.status, 201);
+    assert!(
+        !third.is_replay(),
+        "nothing was claimed for it before: it executes now"
+    );
+    assert_eq!(env.upstream.executions_for_key("three"), 1);
+}
+
+#[tokio::test]
+async fn work_detached_from_a_client_that_hung_up_still_counts_against_the_bound() {
+    let env = TestEnv::new().await;
+    let proxy = InProcessProxy::start(&env.config().set("server.max_keyed_in_flight", 1)).await;
+    let connection = raw_keyed_post_to(&proxy.url, "/slow", "gone", "{}", "detached").await;
+    env.upstream.wait_for_key("gone", 1).await;
+    drop(connection);
+    let refused = Reply::of(keyed_post(&proxy.url, "/orders", "next", "{}")).await;
+    refused.assert_problem(503, "busy");
+    env.upstream.release("detached");
+    // Until the detached work has stored its response, its retry meets the bound (503) or the claim (409).
+    let replay = crate::support::poll_until("the detached work's replay", || async {
+        let reply = Reply::of(keyed_post(&proxy.url, "/slow", "gone", "{}")).await;
+        reply.is_replay().then_some(reply)
+    })
+    .await;
+    assert_eq!(replay.status, 201, "the detached work completed and was stored");
+    let next = Reply::of(keyed_post(&proxy.url, "/orders", "next", "{}")).await;
+    assert_eq!(next.status, 201, "the slot came back");
+}
+
+#[rstest]
+#[tokio::test]
+async fn upstream_connections_are_capped_per_worker(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .set("server.workers", 1)
+        .set("upstream.max_connections", 1)
+        .set("upstream.connect_timeout", "1s");
+    let proxy = InProcessProxy::start(&config).await;
+    let busy = tokio::spawn({
+        let url = proxy.url.clone();
+        async move { Reply::of(client().get(format!("{url}/slow")).header("x-gate", "busy")).await }
+    });
+    env.upstream.wait_until_executions(1).await;
+
+    let passthrough = Reply::of(client().get(format!("{}/orders", proxy.url))).await;
+    passthrough.assert_problem(503, "busy");
+    let keyed = Reply::of(keyed_post(&proxy.url, "/orders", "capped", "{}")).await;
+    keyed.assert_problem(503, "busy");
+    assert_eq!(env.upstream.connections(), 1, "never a second connection");
+    assert_eq!(env.upstream.executions(), 1);
+
+    env.upstream.release("busy");
+    assert_eq!(busy.await.unwrap().status, 201);
+    // The keyed request's claim was given back at once: its retry executes, no 409.
+    let retry = Reply::of(keyed_post(&proxy.url, "/orders", "capped", "{}")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(!retry.is_replay());
+    assert_eq!(env.upstream.connections(), 1, "the one connection is reused");
+}
+
+#[rstest]
+#[tokio::test]
+async fn captures_beyond_max_buffered_responses_are_not_retained(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .set("server.max_buffered_responses", "64KiB")
+        .set("idempotency.max_stored_response", "64KiB");
+    let proxy = InProcessProxy::start(&config).await;
+    let path = "/held?bytes=40000";
+    let first = held(&proxy.url, path, "first", "first").await;
+    env.upstream.wait_for_key("first", 1).await;
+    // The first capture holds 40,000 bytes of 64 KiB until it is stored; the second does not fit.
+    let second = held(&proxy.url, path, "second", "second").await;
+    env.upstream.wait_for_key("second", 1).await;
+    metric_reaches(
+        &proxy.admin_url,
+        "idemproxy_capture_budget_exhausted_total",
+        &[],
+        1.0,
+    )
+    .await;
+    env.upstream.release("first");
+    env.upstream.release("second");
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(
+        (first.status.as_u16(), second.status.as_u16()),
+        (200, 200),
+        "relayed in full"
+    );
+    assert_eq!(second.body.len(), 40_000 + 9);
+
+    let replay = Reply::of(keyed_post(&proxy.url, path, "first", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    let gone = Reply::of(keyed_post(&proxy.url, path, "second", "{}")).await;
+    gone.assert_problem(410, "response-not-retained");
+    assert_eq!(env.upstream.executions(), 2, "neither runs again");
+}
+
+/// A claim statement that waits on a row lock past `store.timeout` is answered 503, but commits once
+/// the lock goes: the claim it wins belongs to no request. It is given back by its token, so the key's
+/// retry executes at once instead of meeting 409 for a lease and then a stale takeover.
+#[tokio::test]
+async fn a_claim_won_after_its_request_gave_up_is_given_back() {
+    let env = TestEnv::new().await;
+    let proxy = InProcessProxy::start(&env.config().set("store.max_batch", 1)).await;
+    let scope = crate::support::history::scope_of(crate::support::http::TEST_CREDENTIAL);
+    let mut holder = env.db().client().await;
+    let blocking = holder.transaction().await.unwrap();
+    blocking
+        .execute(
+            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                 locked_until, created_at, expires_at, updated_at)
+             VALUES ($1, 'orphan', '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
+                 now() + interval '1 day', now())",
+            &[&scope],
+        )
+        .await
+        .unwrap();
+    let waiting = tokio::spawn({
+        let url = proxy.url.clone();
+        async move { Reply::of(keyed_post(&url, "/orders", "orphan", "{}")).await }
+    });
+    env.db().wait_for_a_lock_waiter().await;
+    let refused = waiting.await.unwrap();
+    refused.assert_problem(503, "store-unavailable");
+    blocking.rollback().await.unwrap();
+
+    metric_reaches(
+        &proxy.admin_url,
+        "idemproxy_orphan_claims_released_total",
+        &[],
+        1.0,
+    )
+    .await;
+    let retry = Reply::of(keyed_post(&proxy.url, "/orders", "orphan", "{}")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(!retry.is_replay());
+    assert_eq!(env.upstream.executions_for_key("orphan"), 1);
+    assert_eq!(
+        metric(&proxy.admin_url, "idemproxy_stale_takeovers_total", &[]).await,
+        0.0
+    );
+    let client = env.db().client().await;
+    let row = client
+        .query_one(
+            "SELECT claim_kind, attempt FROM idemproxy.records WHERE key = 'orphan'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, i32>(1)),
+        ("retry".into(), 2)
+    );
+}
