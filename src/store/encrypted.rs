@@ -36,7 +36,7 @@ use super::{
 use crate::config::{ConfigError, RawEncryption};
 use crate::metrics::Metrics;
 
-/// Opens every sealed value of every format; chosen so that text bodies stored in clear never start
+/// Starts every sealed value of every format; chosen so that text bodies stored in clear never start
 /// with it. The byte after it is the format version.
 const MAGIC: &[u8; 4] = b"\0IPE";
 const KEY_LEN: usize = 32;
