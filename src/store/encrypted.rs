@@ -1,20 +1,34 @@
-//! Encryption at rest, around any backend: [`EncryptedStore`] seals a response's body and header values with
-//! AES-256-GCM on `complete` and opens them when `claim` finds a completed record. Status, header names and
-//! everything the claim decides on stay in clear. Each sealed value is bound to its record (scope, key,
-//! status, and for a header value its position and name) as associated data, so a value moved to another row
-//! or another header does not open. A record that does not open is refused, never replayed.
+//! Encryption at rest, around any backend: [`EncryptedStore`] seals a completed response on `complete`
+//! and opens it when `claim` finds a completed record. Runs on those two calls only; touches the stored
+//! response and nothing else (claims, leases, `find` and `stats` pass through).
 //!
-//! Sealed layout: `MAGIC` | version | key id length | key id | 96-bit random nonce | ciphertext and tag.
+//! A retained response is stored as one XChaCha20-Poly1305 blob in the body column (format v2,
+//! `encrypted/v2.rs`): status, every header and the body, bound to the record's scope, key and epoch (the
+//! token of the claim that completed it), its status and header count. The row keeps only the status in
+//! clear (operators' `keys show` reads it) and no headers. A response whose body was not retained is
+//! replayed as 410 and its headers are never used, so it is stored as its status alone: nothing to seal.
+//!
+//! Records written by earlier versions stay readable: per-value AES-256-GCM (format v1,
+//! `encrypted/v1.rs`) with the same configured keys, and records in clear while `accept_plaintext` allows
+//! them. A record that does not open is refused, never replayed and never executed again.
+//!
+//! The configured 32-byte keys serve both formats: v1 only ever decrypts with them, and AES and ChaCha20
+//! share no structure, so no separate key is derived for v2.
+
+mod v1;
+mod v2;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
-use aes_gcm::{Aes256Gcm, Key, Nonce};
+use aes_gcm::aead::KeyInit as _;
+use aes_gcm::{Aes256Gcm, Key};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use bytes::Bytes;
+use chacha20poly1305::XChaCha20Poly1305;
+use chacha20poly1305::aead::KeyInit as _;
+use uuid::Uuid;
 
 use super::{
     ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
@@ -22,18 +36,58 @@ use super::{
 use crate::config::{ConfigError, RawEncryption};
 use crate::metrics::Metrics;
 
-/// Opens every sealed value; chosen so that text bodies stored in clear never start with it.
+/// Starts every sealed value of every format; chosen so that text bodies stored in clear never start
+/// with it. The byte after it is the format version.
 const MAGIC: &[u8; 4] = b"\0IPE";
-const VERSION: u8 = 1;
-const NONCE_LEN: usize = 12;
 const KEY_LEN: usize = 32;
 /// Longest key id; ids are stored in every sealed value.
 const MAX_KEY_ID: usize = 64;
 
+/// Why a stored response does not open. Names no stored bytes beyond a well-formed key id: it is
+/// logged, and the record is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+enum Unreadable {
+    #[error("stored in clear while encryption.accept_plaintext is off")]
+    Plaintext,
+    #[error("truncated")]
+    Truncated,
+    #[error("unknown format version {0}")]
+    UnknownVersion(u8),
+    #[error("the stored key id is malformed")]
+    MalformedKeyId,
+    #[error("sealed with key id {0:?}, which is not configured")]
+    UnknownKey(String),
+    #[error("does not open with key {0:?}: tampered, or moved from another record or completion")]
+    DoesNotOpen(String),
+    #[error("malformed: {0}")]
+    Malformed(&'static str),
+    #[error("header {index}: {why}")]
+    Header { index: usize, why: Box<Unreadable> },
+    #[error("body: {0}")]
+    Body(Box<Unreadable>),
+}
+
+/// Why a response could not be sealed; the response is then not stored.
+#[derive(Debug, thiserror::Error)]
+enum SealError {
+    #[error("the active key {0:?} is not configured")]
+    MissingKey(String),
+    #[error("the response is too large to seal")]
+    TooLarge,
+    #[error("the system's random number generator failed")]
+    Random,
+}
+
+/// One configured key, as the cipher of each format.
+struct KeyCiphers {
+    v1: Aes256Gcm,
+    v2: XChaCha20Poly1305,
+}
+
 /// The configured keys: which one seals new records, and every one that may open old ones.
 pub struct Keyring {
     active: Option<String>,
-    keys: BTreeMap<String, Aes256Gcm>,
+    keys: BTreeMap<String, KeyCiphers>,
     accept_plaintext: bool,
 }
 
@@ -61,7 +115,7 @@ impl Keyring {
         }
         let mut keys = BTreeMap::new();
         for (id, secret) in &raw.keys {
-            keys.insert(id.clone(), cipher(id, secret)?);
+            keys.insert(id.clone(), ciphers(id, secret)?);
         }
         if let Some(active) = &raw.active_key
             && !keys.contains_key(active)
@@ -79,118 +133,102 @@ impl Keyring {
         }))
     }
 
-    /// Seals `plain` for `context` with the key `id`. Fails only beyond GCM's message limit (64 GiB).
-    fn seal(&self, id: &str, plain: &[u8], context: &[u8]) -> Result<Vec<u8>, String> {
-        let cipher = self.keys.get(id).ok_or("the active key is not configured")?;
-        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
-        let payload = Payload {
-            msg: plain,
-            aad: context,
-        };
-        let sealed = cipher
-            .encrypt(&nonce, payload)
-            .map_err(|_| "too large to encrypt".to_owned())?;
-        let mut out = Vec::with_capacity(MAGIC.len() + 2 + id.len() + NONCE_LEN + sealed.len());
-        out.extend_from_slice(MAGIC);
-        out.push(VERSION);
-        out.push(id.len() as u8);
-        out.extend_from_slice(id.as_bytes());
-        out.extend_from_slice(&nonce);
-        out.extend_from_slice(&sealed);
-        Ok(out)
+    fn cipher(&self, id: &str) -> Result<&KeyCiphers, Unreadable> {
+        self.keys
+            .get(id)
+            .ok_or_else(|| Unreadable::UnknownKey(id.to_owned()))
     }
 
-    /// Opens a value sealed for `context`; a value in clear passes only while plaintext is accepted.
-    fn open(&self, stored: &[u8], context: &[u8]) -> Result<Vec<u8>, String> {
-        let Some(rest) = stored.strip_prefix(MAGIC.as_slice()) else {
-            return match self.accept_plaintext {
-                true => Ok(stored.to_vec()),
-                false => Err("stored in clear while encryption.accept_plaintext is off".into()),
-            };
-        };
-        let (&version, rest) = rest.split_first().ok_or("truncated")?;
-        if version != VERSION {
-            return Err(format!("unknown format version {version}"));
-        }
-        let (&id_len, rest) = rest.split_first().ok_or("truncated")?;
-        let id_len = usize::from(id_len);
-        if rest.len() < id_len + NONCE_LEN {
-            return Err("truncated".into());
-        }
-        let (id, rest) = rest.split_at(id_len);
-        let (nonce, sealed) = rest.split_at(NONCE_LEN);
-        let id = String::from_utf8_lossy(id);
-        let cipher = self
-            .keys
-            .get(id.as_ref())
-            .ok_or_else(|| format!("sealed with key id {id:?}, which is not configured"))?;
-        let payload = Payload {
-            msg: sealed,
-            aad: context,
-        };
-        cipher
-            .decrypt(Nonce::from_slice(nonce), payload)
-            .map_err(|_| format!("does not open with key {id:?}: tampered, or moved from another record"))
-    }
-
-    /// The response sealed with the active key; `Ok(None)` when no key is active (stored in clear).
+    /// The response as it is to be stored: sealed with the active key, or `Ok(None)` when no key is
+    /// active (stored in clear).
     fn seal_response(
         &self,
         id: &RecordId,
         response: &StoredResponse,
-    ) -> Result<Option<StoredResponse>, String> {
+    ) -> Result<Option<StoredResponse>, SealError> {
         let Some(active) = &self.active else {
             return Ok(None);
         };
-        let record = record_context(id, response.status);
-        let mut headers = Vec::with_capacity(response.headers.len());
-        for (index, (name, value)) in response.headers.iter().enumerate() {
-            let sealed = self.seal(active, value, &header_context(&record, index, name))?;
-            headers.push((name.clone(), sealed));
-        }
-        let body = match &response.body {
-            Some(body) => Some(Bytes::from(self.seal(active, body, &body_context(&record))?)),
-            None => None,
+        let Some(body) = &response.body else {
+            // Replayed as 410 without its headers: keeping them would only keep secrets.
+            return Ok(Some(StoredResponse {
+                status: response.status,
+                headers: Vec::new(),
+                body: None,
+            }));
         };
+        let ciphers = self
+            .keys
+            .get(active)
+            .ok_or_else(|| SealError::MissingKey(active.clone()))?;
+        let binding = v2::Binding {
+            scope: &id.scope,
+            key: &id.key,
+            epoch: id.token,
+            status: response.status,
+        };
+        let blob = v2::seal(&ciphers.v2, active, &binding, &response.headers, body)?;
         Ok(Some(StoredResponse {
             status: response.status,
-            headers,
-            body,
+            headers: Vec::new(),
+            body: Some(blob.into()),
         }))
     }
 
-    fn open_response(&self, id: &RecordId, stored: StoredResponse) -> Result<StoredResponse, String> {
-        let record = record_context(id, stored.status);
-        let mut headers = Vec::with_capacity(stored.headers.len());
-        for (index, (name, value)) in stored.headers.into_iter().enumerate() {
-            let value = self
-                .open(&value, &header_context(&record, index, &name))
-                .map_err(|why| format!("header {name}: {why}"))?;
-            headers.push((name, value));
+    /// Opens a stored response of any format; `epoch` is the token of the claim that completed it.
+    fn open_response(
+        &self,
+        id: &RecordId,
+        epoch: Uuid,
+        stored: StoredResponse,
+    ) -> Result<StoredResponse, Unreadable> {
+        match &stored.body {
+            Some(blob) if format_version(blob) == Some(v2::VERSION) => {
+                if !stored.headers.is_empty() {
+                    return Err(Unreadable::Malformed(
+                        "header values are stored beside a sealed record",
+                    ));
+                }
+                let binding = v2::Binding {
+                    scope: &id.scope,
+                    key: &id.key,
+                    epoch,
+                    status: stored.status,
+                };
+                v2::open(self, &binding, blob)
+            }
+            // Kept without its body, under any format: nothing was sealed and nothing will be replayed.
+            None if stored.headers.is_empty() => Ok(stored),
+            _ => v1::open_response(self, id, stored),
         }
-        let body = match stored.body {
-            Some(body) => Some(Bytes::from(
-                self.open(&body, &body_context(&record))
-                    .map_err(|why| format!("body: {why}"))?,
-            )),
-            None => None,
-        };
-        Ok(StoredResponse {
-            status: stored.status,
-            headers,
-            body,
-        })
     }
 }
 
-fn cipher(id: &str, secret: &str) -> Result<Aes256Gcm, ConfigError> {
-    let key = format!("encryption.keys.{id}");
-    let valid_id = !id.is_empty()
+/// The format version of a sealed value; `None` for a value in clear.
+fn format_version(stored: &[u8]) -> Option<u8> {
+    stored.strip_prefix(MAGIC.as_slice())?.first().copied()
+}
+
+fn valid_key_id(id: &str) -> bool {
+    !id.is_empty()
         && id.len() <= MAX_KEY_ID
         && id
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if !valid_id {
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// A key id read from a sealed value; refused unless it could have been configured, so that what gets
+/// logged is never arbitrary stored bytes.
+fn key_id_of(stored: &[u8]) -> Result<&str, Unreadable> {
+    std::str::from_utf8(stored)
+        .ok()
+        .filter(|id| valid_key_id(id))
+        .ok_or(Unreadable::MalformedKeyId)
+}
+
+fn ciphers(id: &str, secret: &str) -> Result<KeyCiphers, ConfigError> {
+    let key = format!("encryption.keys.{id}");
+    if !valid_key_id(id) {
         return Err(ConfigError::new(
             &key,
             format!("a key id is 1 to {MAX_KEY_ID} of A-Z a-z 0-9 - _"),
@@ -208,29 +246,12 @@ fn cipher(id: &str, secret: &str) -> Result<Aes256Gcm, ConfigError> {
             ),
         ));
     }
-    Ok(Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(&bytes)))
-}
-
-/// What binds every sealed value to its record.
-fn record_context(id: &RecordId, status: u16) -> Vec<u8> {
-    let mut context = b"idemproxy-record-v1".to_vec();
-    for field in [id.scope.as_bytes(), id.key.as_bytes()] {
-        context.extend_from_slice(&(field.len() as u64).to_be_bytes());
-        context.extend_from_slice(field);
-    }
-    context.extend_from_slice(&status.to_be_bytes());
-    context
-}
-
-fn body_context(record: &[u8]) -> Vec<u8> {
-    [record, b"body"].concat()
-}
-
-fn header_context(record: &[u8], index: usize, name: &str) -> Vec<u8> {
-    let mut context = [record, b"header"].concat();
-    context.extend_from_slice(&(index as u64).to_be_bytes());
-    context.extend_from_slice(name.as_bytes());
-    context
+    let v2 = XChaCha20Poly1305::new_from_slice(&bytes)
+        .map_err(|_| ConfigError::new(&key, "is not a valid key"))?;
+    Ok(KeyCiphers {
+        v1: Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(&bytes)),
+        v2,
+    })
 }
 
 /// A backend whose stored responses are sealed with the [`Keyring`]; everything else passes through.
@@ -268,7 +289,7 @@ impl EncryptedStore {
         else {
             return Ok(result);
         };
-        match self.keyring.open_response(id, response) {
+        match self.keyring.open_response(id, token, response) {
             Ok(response) => Ok(ClaimResult::Held(Existing::Completed {
                 same_fingerprint,
                 response,
@@ -278,7 +299,7 @@ impl EncryptedStore {
             Err(why) => {
                 self.metrics.undecryptable.inc();
                 tracing::error!(key = %id.key, reason = %why, "stored response cannot be decrypted");
-                Err(StoreError::Undecryptable(why))
+                Err(StoreError::Undecryptable(why.to_string()))
             }
         }
     }
@@ -323,7 +344,8 @@ impl Store for EncryptedStore {
         self.inner.sweep(batch).await
     }
 
-    /// Describes records without opening them: sizes are of the sealed values as stored.
+    /// Describes records without opening them: the size reported for a sealed record is its blob's, which
+    /// holds the headers too.
     async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
         self.inner.find(key, scope).await
     }
@@ -335,25 +357,34 @@ impl Store for EncryptedStore {
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
 
-    fn keyring(active: Option<&str>, keys: &[(&str, [u8; 32])]) -> Keyring {
+    const K1: [u8; 32] = [7; 32];
+    const K2: [u8; 32] = [9; 32];
+
+    fn keyring(active: Option<&str>, keys: &[(&str, [u8; 32])], accept_plaintext: bool) -> Keyring {
         let raw = RawEncryption {
             active_key: active.map(str::to_owned),
             keys: keys
                 .iter()
                 .map(|(id, key)| (id.to_string(), BASE64.encode(key)))
                 .collect(),
-            accept_plaintext: false,
+            accept_plaintext,
         };
         Keyring::from_config(&raw).unwrap().unwrap()
     }
 
-    fn id(scope: &str, key: &str) -> RecordId {
+    fn strict() -> Keyring {
+        keyring(Some("k1"), &[("k1", K1)], false)
+    }
+
+    fn id(scope: &str, key: &str, token: u128) -> RecordId {
         RecordId {
             scope: scope.into(),
             key: key.into(),
-            token: uuid::Uuid::nil(),
+            token: Uuid::from_u128(token),
         }
     }
 
@@ -363,86 +394,297 @@ mod tests {
             headers: vec![
                 ("content-type".into(), b"application/json".to_vec()),
                 ("x-account".into(), b"alice@example.com".to_vec()),
+                ("x-account".into(), b"".to_vec()),
             ],
             body: Some(Bytes::from_static(b"{\"card\":\"4111\"}")),
         }
     }
 
+    /// The response sealed by `ring` for the record `id`, as the backend would store it.
+    fn sealed(ring: &Keyring, id: &RecordId) -> StoredResponse {
+        ring.seal_response(id, &response()).unwrap().unwrap()
+    }
+
+    fn blob(stored: &StoredResponse) -> Vec<u8> {
+        stored.body.as_ref().unwrap().to_vec()
+    }
+
+    fn with_blob(stored: &StoredResponse, blob: Vec<u8>) -> StoredResponse {
+        StoredResponse {
+            body: Some(Bytes::from(blob)),
+            ..stored.clone()
+        }
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
     #[test]
-    fn sealed_response_hides_values_and_opens_for_its_record() {
-        let ring = keyring(Some("k1"), &[("k1", [7; 32])]);
-        let sealed = ring.seal_response(&id("s", "a"), &response()).unwrap().unwrap();
-        let body = sealed.body.as_ref().unwrap();
-        assert!(body.starts_with(MAGIC));
-        assert!(!body.windows(4).any(|w| w == b"4111"));
-        assert!(sealed.headers[1].1.starts_with(MAGIC));
-        assert_eq!(sealed.headers[1].0, "x-account", "names stay in clear");
-        assert_eq!(ring.open_response(&id("s", "a"), sealed).unwrap(), response());
+    fn a_record_is_one_blob_that_hides_everything_but_the_status_and_opens_for_its_epoch() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let stored = sealed(&ring, &record);
+        assert_eq!(stored.status, 201, "the status stays in clear");
+        assert!(stored.headers.is_empty(), "headers live in the blob");
+        let blob = blob(&stored);
+        assert!(blob.starts_with(b"\0IPE\x02\x02k1\0\0\0\x03"), "{blob:?}");
+        for secret in [&b"4111"[..], b"alice", b"application/json", b"x-account"] {
+            assert!(!contains(&blob, secret), "{secret:?} is in clear");
+        }
+        assert_eq!(
+            ring.open_response(&record, record.token, stored).unwrap(),
+            response()
+        );
+    }
+
+    #[test]
+    fn a_response_without_its_body_is_stored_as_its_status_alone() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let mut gone = response();
+        gone.body = None;
+        let stored = ring.seal_response(&record, &gone).unwrap().unwrap();
+        let status_only = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: None,
+        };
+        assert_eq!(stored, status_only);
+        assert_eq!(
+            ring.open_response(&record, record.token, stored).unwrap(),
+            status_only
+        );
     }
 
     #[test]
     fn every_seal_uses_a_fresh_nonce() {
-        let ring = keyring(Some("k1"), &[("k1", [7; 32])]);
-        let a = ring.seal("k1", b"same", b"ctx").unwrap();
-        let b = ring.seal("k1", b"same", b"ctx").unwrap();
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let (a, b) = (blob(&sealed(&ring, &record)), blob(&sealed(&ring, &record)));
+        let nonce = 4 + 2 + 2 + 4..4 + 2 + 2 + 4 + 24;
+        assert_ne!(a[nonce.clone()], b[nonce]);
         assert_ne!(a, b);
     }
 
     #[test]
-    fn a_value_does_not_open_for_another_record_status_or_header() {
-        let ring = keyring(Some("k1"), &[("k1", [7; 32])]);
-        let sealed = ring.seal_response(&id("s", "a"), &response()).unwrap().unwrap();
-        assert!(ring.open_response(&id("s", "b"), sealed.clone()).is_err());
-        assert!(ring.open_response(&id("t", "a"), sealed.clone()).is_err());
-        let mut status = sealed.clone();
+    fn a_blob_opens_only_in_its_own_record_and_epoch() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let stored = sealed(&ring, &record);
+        let refused = |id: &RecordId, epoch: u128, stored: StoredResponse| {
+            let why = ring
+                .open_response(id, Uuid::from_u128(epoch), stored)
+                .unwrap_err();
+            assert_eq!(why, Unreadable::DoesNotOpen("k1".into()));
+        };
+        refused(&id("s", "b", 1), 1, stored.clone());
+        refused(&id("t", "a", 1), 1, stored.clone());
+        refused(&record, 2, stored.clone());
+        refused(&record, 0, stored.clone());
+        let mut status = stored.clone();
         status.status = 200;
-        assert!(ring.open_response(&id("s", "a"), status).is_err());
-        let mut swapped = sealed;
-        swapped.headers.swap(0, 1);
-        assert!(ring.open_response(&id("s", "a"), swapped).is_err());
+        refused(&record, 1, status);
+    }
+
+    #[test]
+    fn a_changed_header_count_or_stray_header_values_are_refused() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let stored = sealed(&ring, &record);
+        let count_at = 4 + 2 + 2 + 3;
+        for count in [0, 2, 4, 255] {
+            let mut blob = blob(&stored);
+            blob[count_at] = count;
+            let why = ring.open_response(&record, record.token, with_blob(&stored, blob));
+            assert!(why.is_err(), "header count {count} accepted");
+        }
+        let mut stray = stored;
+        stray.headers.push(("x-injected".into(), b"1".to_vec()));
+        assert!(ring.open_response(&record, record.token, stray).is_err());
+    }
+
+    #[test]
+    fn a_truncated_or_flipped_blob_is_refused_without_panicking() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let stored = sealed(&ring, &record);
+        let whole = blob(&stored);
+        for len in 0..whole.len() {
+            let cut = with_blob(&stored, whole[..len].to_vec());
+            assert!(
+                ring.open_response(&record, record.token, cut).is_err(),
+                "a cut at {len} was accepted"
+            );
+        }
+        for at in 0..whole.len() {
+            for bit in [0x01, 0x80] {
+                let mut flipped = whole.clone();
+                flipped[at] ^= bit;
+                let opened = ring.open_response(&record, record.token, with_blob(&stored, flipped));
+                assert!(opened.is_err(), "flipping {bit:#x} at {at} was accepted");
+            }
+        }
     }
 
     #[test]
     fn old_keys_still_open_after_rotation_and_unknown_ids_are_named() {
-        let old = keyring(Some("k1"), &[("k1", [1; 32])]);
-        let sealed = old.seal_response(&id("s", "a"), &response()).unwrap().unwrap();
-        let rotated = keyring(Some("k2"), &[("k1", [1; 32]), ("k2", [2; 32])]);
+        let record = id("s", "a", 1);
+        let stored = sealed(&strict(), &record);
+        let rotated = keyring(Some("k2"), &[("k1", K1), ("k2", K2)], false);
+        let opened = rotated.open_response(&record, record.token, stored.clone());
+        assert_eq!(opened.unwrap(), response());
+        assert!(blob(&sealed(&rotated, &record)).starts_with(b"\0IPE\x02\x02k2"));
+        let forgotten = keyring(Some("k2"), &[("k2", K2)], false);
+        let why = forgotten
+            .open_response(&record, record.token, stored)
+            .unwrap_err();
         assert_eq!(
-            rotated.open_response(&id("s", "a"), sealed.clone()).unwrap(),
+            why.to_string(),
+            "sealed with key id \"k1\", which is not configured"
+        );
+    }
+
+    #[test]
+    fn an_unknown_format_version_or_malformed_key_id_is_refused_without_echoing_it() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let stored = sealed(&ring, &record);
+        let mut future = blob(&stored);
+        future[4] = 3;
+        let why = ring.open_response(&record, record.token, with_blob(&stored, future));
+        assert!(why.unwrap_err().to_string().contains("unknown format version 3"));
+        let mut garbled = blob(&stored);
+        garbled[6] = b'\n';
+        let why = ring.open_response(&record, record.token, with_blob(&stored, garbled));
+        assert_eq!(why.unwrap_err(), Unreadable::MalformedKeyId);
+    }
+
+    /// Sealed by the format-1 code as it was before the one-blob format (key `[7; 32]` as "k1", scope
+    /// "orders:ab12", key "k-1", status 201): header values then the body.
+    const V1_FIXTURE: [&str; 3] = [
+        "0049504501026b3153199f3b19d093a7ceebc48f577899909a700e6e7653dfdd9ab1f59e9eabc02ced180a3b922aa0b8bce4431e",
+        "0049504501026b316a2999aabeb833fe8ea4e7b92fe54c489a58eab9860e6fa525f4d3da50eaddcf4762b9873acdd97b48540c85e8",
+        "0049504501026b318b84eec74ac7057c89416ded6b8772212135526020fafddbdb642ae9721631c3f1e4f0cebe20efc84613f7",
+    ];
+
+    fn v1_fixture() -> StoredResponse {
+        let value = |i: usize| hex::decode(V1_FIXTURE[i]).unwrap();
+        StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), value(0)), ("x-account".into(), value(1))],
+            body: Some(Bytes::from(value(2))),
+        }
+    }
+
+    #[test]
+    fn a_v1_record_written_before_the_upgrade_still_opens() {
+        let record = id("orders:ab12", "k-1", 5);
+        let rotated = keyring(Some("k2"), &[("k1", K1), ("k2", K2)], false);
+        let opened = rotated.open_response(&record, Uuid::nil(), v1_fixture()).unwrap();
+        let expected = StoredResponse {
+            status: 201,
+            headers: vec![
+                ("content-type".into(), b"application/json".to_vec()),
+                ("x-account".into(), b"alice@example.com".to_vec()),
+            ],
+            body: Some(Bytes::from_static(b"{\"card\":\"4111\"}")),
+        };
+        assert_eq!(opened, expected);
+        let elsewhere = rotated.open_response(&id("orders:ab12", "k-2", 5), Uuid::nil(), v1_fixture());
+        assert!(elsewhere.is_err(), "v1 values stay bound to their record");
+    }
+
+    #[test]
+    fn v1_records_with_and_without_a_body_open_and_stay_bound() {
+        let ring = strict();
+        let record = id("s", "a", 1);
+        let v1 = v1::writer::seal_response(&ring, "k1", &record, &response());
+        assert_eq!(
+            ring.open_response(&record, Uuid::nil(), v1.clone()).unwrap(),
             response()
         );
-        let resealed = rotated
-            .seal_response(&id("s", "a"), &response())
-            .unwrap()
-            .unwrap();
-        assert_eq!(&resealed.body.as_ref().unwrap()[6..8], b"k2");
-        let forgotten = keyring(Some("k2"), &[("k2", [2; 32])]);
-        let why = forgotten.open_response(&id("s", "a"), sealed).unwrap_err();
-        assert!(why.contains("\"k1\""), "{why}");
+        let mut gone = response();
+        gone.body = None;
+        let v1_gone = v1::writer::seal_response(&ring, "k1", &record, &gone);
+        assert_eq!(ring.open_response(&record, Uuid::nil(), v1_gone).unwrap(), gone);
+        let mut swapped = v1;
+        swapped.headers.swap(0, 1);
+        assert!(ring.open_response(&record, Uuid::nil(), swapped).is_err());
+        let mut flipped = v1::writer::seal_response(&ring, "k1", &record, &response());
+        let last = flipped.headers[1].1.len() - 1;
+        flipped.headers[1].1[last] ^= 1;
+        let why = ring.open_response(&record, Uuid::nil(), flipped).unwrap_err();
+        assert!(why.to_string().starts_with("header 1: does not open"), "{why}");
     }
 
     #[test]
-    fn plaintext_opens_only_when_accepted() {
-        let strict = keyring(Some("k1"), &[("k1", [1; 32])]);
-        assert!(strict.open(b"clear", b"ctx").is_err());
-        let reading = keyring(None, &[("k1", [1; 32])]);
-        assert_eq!(reading.open(b"clear", b"ctx").unwrap(), b"clear");
-        let cleartext = reading.seal_response(&id("s", "a"), &response()).unwrap();
-        assert!(cleartext.is_none(), "no active key: stored in clear");
+    fn a_truncated_v1_value_is_refused_without_panicking() {
+        let ring = strict();
+        let record = id("orders:ab12", "k-1", 5);
+        let whole = v1_fixture();
+        let body = blob(&whole);
+        for len in 0..body.len() {
+            let cut = with_blob(&whole, body[..len].to_vec());
+            assert!(
+                ring.open_response(&record, Uuid::nil(), cut).is_err(),
+                "cut at {len}"
+            );
+        }
     }
 
     #[test]
-    fn truncated_or_garbled_envelopes_are_refused_without_panicking() {
-        let ring = keyring(Some("k1"), &[("k1", [1; 32])]);
-        let sealed = ring.seal("k1", b"payload", b"ctx").unwrap();
-        for len in 0..sealed.len() {
-            let _ = ring.open(&sealed[..len], b"ctx");
-        }
-        for at in MAGIC.len()..sealed.len() {
-            let mut bad = sealed.clone();
-            bad[at] ^= 0x01;
-            assert!(ring.open(&bad, b"ctx").is_err(), "flip at {at} was accepted");
-        }
+    fn records_in_clear_open_only_while_plaintext_is_accepted() {
+        let record = id("s", "a", 1);
+        let clear = response();
+        let why = strict().open_response(&record, record.token, clear.clone());
+        assert_eq!(
+            why.unwrap_err().to_string(),
+            "header 0: stored in clear while encryption.accept_plaintext is off"
+        );
+        let accepting = keyring(Some("k1"), &[("k1", K1)], true);
+        assert_eq!(
+            accepting
+                .open_response(&record, record.token, clear.clone())
+                .unwrap(),
+            clear
+        );
+        let reading = keyring(None, &[("k1", K1)], false);
+        assert!(
+            reading.seal_response(&record, &clear).unwrap().is_none(),
+            "no active key: stored in clear"
+        );
+        assert_eq!(
+            reading
+                .open_response(&record, record.token, clear.clone())
+                .unwrap(),
+            clear
+        );
+        let mut headless = clear;
+        headless.headers.clear();
+        let why = strict()
+            .open_response(&record, record.token, headless)
+            .unwrap_err();
+        assert_eq!(
+            why.to_string(),
+            "body: stored in clear while encryption.accept_plaintext is off"
+        );
+    }
+
+    #[test]
+    fn a_status_only_record_opens_whatever_the_plaintext_rule() {
+        let record = id("s", "a", 1);
+        let status_only = StoredResponse {
+            status: 200,
+            headers: Vec::new(),
+            body: None,
+        };
+        let opened = strict().open_response(&record, record.token, status_only.clone());
+        assert_eq!(
+            opened.unwrap(),
+            status_only,
+            "replayed as 410; nothing in it to protect"
+        );
     }
 
     #[test]

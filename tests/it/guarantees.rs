@@ -5,6 +5,7 @@
 //! edge cases are refused, and stored responses are sealed per record. One file per promise.
 
 mod bounds;
+mod encryption;
 mod full_response;
 mod running_key;
 mod scope;

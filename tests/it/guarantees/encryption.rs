@@ -1,0 +1,351 @@
+//! Stored responses are sealed per record, on both stores: the table holds one sealed blob per record and
+//! the retry replays it byte for byte; a blob copied into another record, or put back after the key was
+//! completed again, is refused (500 `record-unreadable`) and never executed again; a response kept
+//! without its body leaves nothing but its status; a record sealed by the previous format still replays.
+//! Rows are read and written with SQL, as someone with access to the database would.
+
+use aes_gcm::aead::{Aead, KeyInit, Payload};
+use aes_gcm::{Aes256Gcm, Nonce};
+use rstest::rstest;
+
+use crate::encryption::{K1, contains, encrypted, execute_and_settle};
+use crate::support::{Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, metric, settled};
+
+const ORDER: &str = "{\"card\":\"4111\"}";
+
+/// Bytes of the stub's response that must never reach the table in clear.
+const SECRETS: [&[u8]; 5] = [
+    b"\"exec\"",
+    b"body_len",
+    b"x-upstream-exec",
+    b"x-custom",
+    b"application/json",
+];
+
+/// A record's row: what it keeps of the stored response, and its epoch.
+#[derive(Debug)]
+struct Row {
+    scope: String,
+    status: Option<i64>,
+    /// Header names and values as stored, all concatenated.
+    headers: Vec<u8>,
+    body: Option<Vec<u8>>,
+    token: String,
+}
+
+async fn row(env: &TestEnv, key: &str) -> Row {
+    match &env.store {
+        TestStore::Postgres(db) => {
+            let row = db
+                .client()
+                .await
+                .query_one(
+                    "SELECT scope, response_status::bigint, response_header_names, response_header_values,
+                            response_body, token::text
+                     FROM idemproxy.records WHERE key = $1",
+                    &[&key],
+                )
+                .await
+                .expect("the record exists");
+            let names: Option<Vec<String>> = row.get(2);
+            let values: Option<Vec<Vec<u8>>> = row.get(3);
+            let names = names.unwrap_or_default().into_iter().map(String::into_bytes);
+            Row {
+                scope: row.get(0),
+                status: row.get(1),
+                headers: names.chain(values.unwrap_or_default()).flatten().collect(),
+                body: row.get(4),
+                token: row.get(5),
+            }
+        }
+        TestStore::Sqlite(_) => {
+            let sql = "SELECT scope, response_status, response_headers, response_body, hex(token)
+                       FROM records WHERE key = ?1";
+            on_sqlite(env, key, move |db, key| {
+                db.query_row(sql, [key], |row| {
+                    Ok(Row {
+                        scope: row.get(0)?,
+                        status: row.get(1)?,
+                        headers: row.get::<_, Option<Vec<u8>>>(2)?.unwrap_or_default(),
+                        body: row.get(3)?,
+                        token: row.get(4)?,
+                    })
+                })
+                .expect("the record exists")
+            })
+            .await
+        }
+    }
+}
+
+/// Runs `work` on a connection of its own to the test's SQLite file, as another program would.
+async fn on_sqlite<T: Send + 'static>(
+    env: &TestEnv,
+    key: &str,
+    work: impl FnOnce(&rusqlite::Connection, &str) -> T + Send + 'static,
+) -> T {
+    let path = env.store.sqlite_path();
+    let key = key.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let db = rusqlite::Connection::open(path).expect("open the SQLite file");
+        db.busy_timeout(std::time::Duration::from_secs(10))
+            .expect("set a busy timeout");
+        work(&db, &key)
+    })
+    .await
+    .expect("the SQLite task ran")
+}
+
+/// Overwrites the stored body of the record for `key`.
+async fn set_body(env: &TestEnv, key: &str, body: Vec<u8>) {
+    match &env.store {
+        TestStore::Postgres(db) => {
+            let sql = "UPDATE idemproxy.records SET response_body = $2 WHERE key = $1";
+            let updated = db.client().await.execute(sql, &[&key, &body]).await.unwrap();
+            assert_eq!(updated, 1);
+        }
+        TestStore::Sqlite(_) => {
+            let sql = "UPDATE records SET response_body = ?2 WHERE key = ?1";
+            let updated = on_sqlite(env, key, move |db, key| {
+                db.execute(sql, rusqlite::params![key, body])
+            })
+            .await;
+            assert_eq!(updated.unwrap(), 1);
+        }
+    }
+}
+
+/// Makes the record for `key` expire now, so its next request claims it afresh under a new token.
+async fn expire(env: &TestEnv, key: &str) {
+    match &env.store {
+        TestStore::Postgres(db) => {
+            let sql = "UPDATE idemproxy.records SET expires_at = now() - interval '1 second' WHERE key = $1";
+            let updated = db.client().await.execute(sql, &[&key]).await.unwrap();
+            assert_eq!(updated, 1);
+        }
+        TestStore::Sqlite(_) => {
+            let sql = "UPDATE records SET expires_at = 0 WHERE key = ?1";
+            let updated = on_sqlite(env, key, move |db, key| db.execute(sql, [key])).await;
+            assert_eq!(updated.unwrap(), 1);
+        }
+    }
+}
+
+async fn refused(proxy: &InProcessProxy, key: &str) {
+    let reply = Reply::of(keyed_post(&proxy.url, "/orders", key, ORDER)).await;
+    reply.assert_problem(500, "record-unreadable");
+    assert!(!reply.text().contains("exec"), "{}", reply.text());
+}
+
+fn assert_sealed(row: &Row) {
+    assert_eq!(row.status, Some(201), "the status stays in clear");
+    assert!(row.headers.is_empty(), "headers are stored: {:?}", row.headers);
+    let body = row.body.as_deref().expect("a sealed body");
+    assert!(body.starts_with(b"\0IPE\x02\x02k1"), "{body:?}");
+    for secret in SECRETS {
+        assert!(
+            !contains(body, secret),
+            "{:?} is in clear",
+            String::from_utf8_lossy(secret)
+        );
+    }
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_keyed_response_is_stored_as_one_sealed_blob_and_replayed_byte_for_byte(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = InProcessProxy::start(&encrypted(&env, "k1", &[("k1", K1)])).await;
+    let (first, replay) = execute_and_settle(&proxy, "sealed").await;
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body);
+    for name in ["content-type", "x-custom", "x-upstream-exec"] {
+        assert_eq!(replay.header(name), first.header(name), "{name}");
+    }
+    assert_sealed(&row(&env, "sealed").await);
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+#[tokio::test]
+async fn the_sqlite_files_hold_no_byte_of_the_response_in_clear() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let proxy = InProcessProxy::start(&encrypted(&env, "k1", &[("k1", K1)])).await;
+    execute_and_settle(&proxy, "sealed").await;
+    proxy.stop().await.unwrap();
+    let path = env.store.sqlite_path();
+    let mut files = vec![std::fs::read(&path).unwrap()];
+    files.extend(std::fs::read(path.with_extension("db-wal")).ok());
+    for file in files {
+        for secret in SECRETS {
+            assert!(
+                !contains(&file, secret),
+                "{:?} is in the file",
+                String::from_utf8_lossy(secret)
+            );
+        }
+    }
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_sealed_body_copied_into_another_record_is_refused_and_never_executed_again(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = InProcessProxy::start(&encrypted(&env, "k1", &[("k1", K1)])).await;
+    execute_and_settle(&proxy, "victim").await;
+    let (donor, _) = execute_and_settle(&proxy, "donor").await;
+
+    let donor_blob = row(&env, "donor").await.body.expect("a sealed body");
+    set_body(&env, "victim", donor_blob).await;
+    refused(&proxy, "victim").await;
+    refused(&proxy, "victim").await;
+
+    let untouched = Reply::of(keyed_post(&proxy.url, "/orders", "donor", ORDER)).await;
+    assert!(untouched.is_replay());
+    assert_eq!(untouched.body, donor.body);
+    assert_eq!(
+        env.upstream.executions(),
+        2,
+        "a refused record is never executed again"
+    );
+    let undecryptable = metric(&proxy.admin_url, "idemproxy_undecryptable_records_total", &[]).await;
+    assert_eq!(undecryptable, 2.0);
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_blob_put_back_after_the_key_was_completed_again_is_refused(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = InProcessProxy::start(&encrypted(&env, "k1", &[("k1", K1)])).await;
+    execute_and_settle(&proxy, "k").await;
+    let earlier = row(&env, "k").await;
+
+    expire(&env, "k").await;
+    let (again, replay) = execute_and_settle(&proxy, "k").await;
+    assert_eq!(replay.body, again.body);
+    let later = row(&env, "k").await;
+    assert_ne!(later.token, earlier.token, "completed again under a new claim");
+    assert_eq!(
+        (later.status, later.headers.len()),
+        (earlier.status, earlier.headers.len()),
+        "only the epoch tells the two completions apart"
+    );
+
+    set_body(&env, "k", earlier.body.expect("a sealed body")).await;
+    refused(&proxy, "k").await;
+    assert_eq!(
+        env.upstream.executions(),
+        2,
+        "the rolled-back record is not executed again"
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_response_kept_without_its_body_leaves_only_its_status(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = encrypted(&env, "k1", &[("k1", K1)]).set("idempotency.max_stored_response", "16B");
+    let proxy = InProcessProxy::start(&config).await;
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "big", ORDER)).await;
+    assert_eq!(first.status, 201);
+    let retry = settled(|| keyed_post(&proxy.url, "/orders", "big", ORDER)).await;
+    retry.assert_problem(410, "response-not-retained");
+
+    let row = row(&env, "big").await;
+    assert_eq!(row.status, Some(201));
+    assert!(row.headers.is_empty(), "headers are stored: {:?}", row.headers);
+    assert_eq!(row.body.unwrap_or_default(), Vec::<u8>::new());
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+/// A value sealed as format 1 wrote it: AES-256-GCM, bound to scope, key, status and the value's place.
+fn seal_v1(scope: &str, key: &str, status: u16, place: &[u8], plain: &[u8]) -> Vec<u8> {
+    let mut context = b"idemproxy-record-v1".to_vec();
+    for field in [scope.as_bytes(), key.as_bytes()] {
+        context.extend_from_slice(&(field.len() as u64).to_be_bytes());
+        context.extend_from_slice(field);
+    }
+    context.extend_from_slice(&status.to_be_bytes());
+    context.extend_from_slice(place);
+    let nonce = [0x5a; 12];
+    let cipher = Aes256Gcm::new_from_slice(&K1).unwrap();
+    let payload = Payload {
+        msg: plain,
+        aad: &context,
+    };
+    let sealed = cipher.encrypt(Nonce::from_slice(&nonce), payload).unwrap();
+    [&b"\0IPE\x01\x02k1"[..], &nonce, &sealed].concat()
+}
+
+/// Rewrites the record for `key` as format 1 stored it: one sealed value per header, and the body.
+async fn write_v1(env: &TestEnv, key: &str, headers: &[(&str, &[u8])], body: &[u8]) {
+    let scope = row(env, key).await.scope;
+    let values: Vec<Vec<u8>> = headers
+        .iter()
+        .enumerate()
+        .map(|(index, (name, value))| {
+            let place = [&b"header"[..], &(index as u64).to_be_bytes(), name.as_bytes()].concat();
+            seal_v1(&scope, key, 201, &place, value)
+        })
+        .collect();
+    let body = seal_v1(&scope, key, 201, b"body", body);
+    let names: Vec<String> = headers.iter().map(|(name, _)| name.to_string()).collect();
+    match &env.store {
+        TestStore::Postgres(db) => {
+            let sql = "UPDATE idemproxy.records SET response_header_names = $2, response_header_values = $3,
+                       response_body = $4 WHERE key = $1";
+            let client = db.client().await;
+            let updated = client
+                .execute(sql, &[&key, &names, &values, &body])
+                .await
+                .unwrap();
+            assert_eq!(updated, 1);
+        }
+        TestStore::Sqlite(_) => {
+            // The SQLite store keeps headers as one blob of u32-length-prefixed names and values.
+            let mut blob = Vec::new();
+            for field in names
+                .iter()
+                .map(String::as_bytes)
+                .zip(&values)
+                .flat_map(|(n, v)| [n, v])
+            {
+                blob.extend_from_slice(&(field.len() as u32).to_be_bytes());
+                blob.extend_from_slice(field);
+            }
+            let sql = "UPDATE records SET response_headers = ?2, response_body = ?3 WHERE key = ?1";
+            let updated = on_sqlite(env, key, move |db, key| {
+                db.execute(sql, rusqlite::params![key, blob, body])
+            })
+            .await;
+            assert_eq!(updated.unwrap(), 1);
+        }
+    }
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_record_sealed_by_the_previous_format_still_replays(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = InProcessProxy::start(&encrypted(&env, "k1", &[("k1", K1)])).await;
+    execute_and_settle(&proxy, "old").await;
+    let headers: [(&str, &[u8]); 2] = [("content-type", b"text/plain"), ("x-from", b"format 1")];
+    write_v1(&env, "old", &headers, b"sealed before the upgrade").await;
+
+    let replay = Reply::of(keyed_post(&proxy.url, "/orders", "old", ORDER)).await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("content-type"), Some("text/plain"));
+    assert_eq!(replay.header("x-from"), Some("format 1"));
+    assert_eq!(&replay.body[..], b"sealed before the upgrade");
+    assert_eq!(env.upstream.executions(), 1);
+}
