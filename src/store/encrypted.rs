@@ -133,6 +133,16 @@ impl Keyring {
         }))
     }
 
+    /// No keys: records are stored in clear, and a sealed one (written by a replica that has keys) is
+    /// refused rather than replayed as its ciphertext.
+    fn none() -> Keyring {
+        Keyring {
+            active: None,
+            keys: BTreeMap::new(),
+            accept_plaintext: true,
+        }
+    }
+
     fn cipher(&self, id: &str) -> Result<&KeyCiphers, Unreadable> {
         self.keys
             .get(id)
@@ -271,12 +281,12 @@ impl EncryptedStore {
         }
     }
 
-    /// `inner` wrapped when a keyring is configured, else `inner` itself.
+    /// `inner` wrapped with the configured keyring. Without one it is wrapped all the same, with no keys:
+    /// a replica whose `[encryption]` is missing must refuse a record sealed by one that has it (500
+    /// `record-unreadable`), not replay the ciphertext as the response body.
     pub fn wrap(inner: Arc<dyn Store>, keyring: Option<Arc<Keyring>>, metrics: &Metrics) -> Arc<dyn Store> {
-        match keyring {
-            Some(keyring) => Arc::new(EncryptedStore::new(inner, keyring, metrics.clone())),
-            None => inner,
-        }
+        let keyring = keyring.unwrap_or_else(|| Arc::new(Keyring::none()));
+        Arc::new(EncryptedStore::new(inner, keyring, metrics.clone()))
     }
 
     fn open_claim(&self, id: &RecordId, result: ClaimResult) -> Result<ClaimResult, StoreError> {

@@ -349,3 +349,19 @@ async fn a_record_sealed_by_the_previous_format_still_replays(
     assert_eq!(&replay.body[..], b"sealed before the upgrade");
     assert_eq!(env.upstream.executions(), 1);
 }
+
+/// A replica started without `[encryption]` (a forgotten secret, a misconfigured rollout) finds a record
+/// sealed by one that has keys: it refuses it rather than replaying the ciphertext as the body.
+#[rstest]
+#[tokio::test]
+async fn a_replica_without_keys_refuses_a_sealed_record(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let keyed = InProcessProxy::start(&encrypted(&env, "k1", &[("k1", K1)])).await;
+    execute_and_settle(&keyed, "sealed").await;
+    keyed.stop().await.unwrap();
+    let keyless = InProcessProxy::start(&env.config().set("replay_cache.max_size", "0")).await;
+    refused(&keyless, "sealed").await;
+    assert_eq!(env.upstream.executions(), 1, "never executed again");
+}
