@@ -9,12 +9,14 @@
 //! copy) is done, for at most `min(store.timeout, 2 s)`. So a client that has read the whole response
 //! and retries at once gets the replay, never a 409.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, Request, Response, StatusCode, header};
-use http_body::Frame;
+use http_body::{Body as _, Frame};
 use http_body_util::BodyExt;
 use prometheus::IntCounter;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -115,17 +117,32 @@ async fn hold(proxy: &Proxy, id: &RecordId) {
     }
 }
 
-/// The client's side of the relay: the channel to its response body, while it is there.
+/// The client's side of the relay: its response head until it is sent, then the channel to its response
+/// body while the client is there.
 struct Client {
+    head: Option<(Answer, Response<ProxyBody>)>,
     sender: Option<Sender>,
     write_timeout: Duration,
 }
 
 impl Client {
+    /// Sends the response head if it has not gone yet. It waits for the first body frame that is ready
+    /// with it, so that a response whose body comes in one frame leaves in one write once it is stored.
+    fn send_head(&mut self, id: &RecordId) {
+        let Some((answer, response)) = self.head.take() else {
+            return;
+        };
+        if !answer.send(Ok((response, Outcome::Executed))) {
+            tracing::debug!(key = %id.key, "client left before the response head; reading upstream to the end");
+            self.sender = None;
+        }
+    }
+
     /// Queues `frame` for the client. A client that has gone is dropped; one that accepts nothing for
     /// `server.write_timeout` is let go with an error (its response must never look complete) and
     /// counted; either way the relay reads on.
     async fn deliver(&mut self, frame: Frame<Bytes>, proxy: &Proxy, id: &RecordId) {
+        self.send_head(id);
         let Some(sender) = self.sender.as_mut() else {
             return;
         };
@@ -149,6 +166,18 @@ impl Client {
             sender.abort(error);
         }
     }
+
+    /// The upstream failed mid-body: a client that has not had the head yet gets `failure` instead; one
+    /// that has gets its stream ended with the error, never passed off as complete.
+    fn fail(&mut self, error: BoxError, failure: ProxyError) {
+        match self.head.take() {
+            Some((answer, _)) => {
+                answer.send(Err(failure));
+                self.sender = None;
+            }
+            None => self.abort(error),
+        }
+    }
 }
 
 /// What the relay holds back from the client until the record is stored.
@@ -167,6 +196,7 @@ impl Held {
                 head.send(Ok((response, Outcome::Executed)));
             }
             Held::End(mut client, last) => {
+                client.send_head(id);
                 if let Some(frame) = last {
                     client.deliver(frame, proxy, id).await;
                 }
@@ -210,15 +240,11 @@ async fn relay(
     }
     let declared = content_length(&parts.headers);
     let (sender, channel) = downstream::channel(DOWNSTREAM_FRAMES);
-    let response = Response::from_parts(parts, channel.boxed());
     let mut client = Client {
+        head: Some((head, Response::from_parts(parts, channel.boxed()))),
         sender: Some(sender),
         write_timeout: proxy.write_timeout,
     };
-    if !head.send(Ok((response, Outcome::Executed))) {
-        tracing::debug!(key = %id.key, "client left before the response head; reading upstream to the end");
-        client.sender = None;
-    }
     let ToStore {
         status,
         headers,
@@ -229,15 +255,27 @@ async fn relay(
     let mut received = 0u64;
     let idle = proxy.upstream.timeout();
     loop {
-        let frame = match tokio::time::timeout(idle, upstream.frame()).await {
-            Ok(None) => break,
-            Ok(Some(Ok(frame))) => frame,
-            Ok(Some(Err(error))) => {
-                return broken_body(&proxy, &id, client, heartbeat, error.into()).await;
+        let polled = match frame_now(&mut upstream) {
+            Poll::Ready(polled) => polled,
+            Poll::Pending => {
+                // Nothing more comes with the head now: let it go before waiting on the upstream.
+                client.send_head(&id);
+                match tokio::time::timeout(idle, upstream.frame()).await {
+                    Ok(polled) => polled,
+                    Err(_) => {
+                        let failure = ProxyError::UpstreamTimeout(idle);
+                        let error = "upstream body stalled".into();
+                        return broken_body(&proxy, &id, client, heartbeat, error, failure).await;
+                    }
+                }
             }
-            Err(_) => {
-                let error = "upstream body stalled".into();
-                return broken_body(&proxy, &id, client, heartbeat, error).await;
+        };
+        let frame = match polled {
+            None => break,
+            Some(Ok(frame)) => frame,
+            Some(Err(error)) => {
+                let failure = ProxyError::UpstreamUnreachable(error.to_string());
+                return broken_body(&proxy, &id, client, heartbeat, error.into(), failure).await;
             }
         };
         if let Some(data) = frame.data_ref() {
@@ -261,6 +299,11 @@ async fn relay(
         fill,
     };
     finish(&proxy, &id, record, Held::End(client, last), heartbeat).await;
+}
+
+/// The upstream body's next frame if it is there without waiting (it usually came in with the head).
+fn frame_now(upstream: &mut PooledBody) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    Pin::new(upstream).poll_frame(&mut Context::from_waker(Waker::noop()))
 }
 
 /// Whether `frame` completes the response for the client: trailers, the body's end as the upstream
@@ -316,19 +359,21 @@ async fn store_and_remember(proxy: &Proxy, id: &RecordId, stored: StoredResponse
     }
 }
 
-/// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), nothing is
-/// stored, and the outcome is unknown because the upstream may have acted.
+/// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), or if it
+/// has not had the head yet it gets `failure`; nothing is stored, and the outcome is unknown because the
+/// upstream may have acted.
 async fn broken_body(
     proxy: &Proxy,
     id: &RecordId,
     mut client: Client,
     heartbeat: Heartbeat,
     error: BoxError,
+    failure: ProxyError,
 ) {
     heartbeat.stop();
     proxy.metrics.unknown_outcomes.inc();
     tracing::warn!(key = %id.key, %error, "upstream body broke off; outcome unknown");
-    client.abort(error);
+    client.fail(error, failure);
     if proxy.policy.on_unknown_outcome == OnUnknownOutcome::Hold {
         hold(proxy, id).await;
     }
