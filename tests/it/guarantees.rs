@@ -3,3 +3,5 @@
 //! accident, secrets are not stored, a running key is never new, a client that stops reading does not hold
 //! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP
 //! edge cases are refused, and stored responses are sealed per record. One file per promise.
+
+mod flood;
