@@ -5,3 +5,4 @@
 //! edge cases are refused, and stored responses are sealed per record. One file per promise.
 
 mod flood;
+mod http_edges;
