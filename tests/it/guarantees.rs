@@ -4,5 +4,6 @@
 //! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP
 //! edge cases are refused, and stored responses are sealed per record. One file per promise.
 
+mod file_modes;
 mod flood;
 mod http_edges;
