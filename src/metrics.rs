@@ -351,6 +351,11 @@ impl MetricSet {
         }
     }
 
+    /// Failed store operations of every kind so far.
+    pub fn store_failures(&self) -> u64 {
+        self.by_op.iter().map(|(errors, _)| errors.get()).sum()
+    }
+
     /// Publishes a count of the records by state.
     pub fn set_records(&self, stats: &RecordStats) {
         let by_status = [

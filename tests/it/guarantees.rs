@@ -7,3 +7,4 @@
 mod file_modes;
 mod flood;
 mod http_edges;
+mod readiness;
