@@ -18,10 +18,12 @@
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -108,7 +110,8 @@ pub(super) struct Tracked {
     state: AtomicU64,
     /// When its last request ended (or it was accepted), by the [`Clock`].
     idle_since_ms: AtomicU64,
-    evicted: Notify,
+    /// The connection's task, woken when it is evicted.
+    on_eviction: AtomicWaker,
     pressure: Arc<Pressure>,
 }
 
@@ -120,9 +123,8 @@ impl Tracked {
         (before & EVICTED == 0).then(|| InProgress(self.clone()))
     }
 
-    /// Resolves once the accept loop has evicted this connection: its task should end at once.
-    pub(super) async fn evicted(&self) {
-        self.evicted.notified().await;
+    fn is_evicted(&self) -> bool {
+        self.state.load(Ordering::SeqCst) & EVICTED != 0
     }
 
     fn finish(&self) {
@@ -146,9 +148,106 @@ impl Tracked {
             .state
             .compare_exchange(0, EVICTED, Ordering::SeqCst, Ordering::SeqCst);
         if swapped.is_ok() {
-            self.evicted.notify_one();
+            self.on_eviction.wake();
         }
         swapped.is_ok()
+    }
+}
+
+fn closed_to_make_room() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "idle connection closed to make room for another",
+    )
+}
+
+/// A connection's socket whose waits end in an error once the connection is evicted, so whatever serves
+/// it (hyper, or the TLS handshake) ends and drops it. An idle connection always waits on its socket, and
+/// that wait is what eviction wakes: nothing else is polled beside the connection, and a socket with
+/// bytes ready costs no more than before.
+pub(super) struct Evictable<T> {
+    io: T,
+    tracked: Arc<Tracked>,
+    /// The waker last registered for the eviction. A connection's task keeps one waker, so after the
+    /// first wait on the socket each further wait costs a comparison, not the registration's atomics.
+    registered: Option<Waker>,
+}
+
+impl<T> Evictable<T> {
+    /// `io`, closed when `tracked` is evicted.
+    pub(super) fn new(io: T, tracked: Arc<Tracked>) -> Evictable<T> {
+        Evictable {
+            io,
+            tracked,
+            registered: None,
+        }
+    }
+
+    /// After an I/O poll came back pending: wakes the task at eviction, or says it has happened.
+    fn pending<R>(&mut self, cx: &Context<'_>) -> Poll<std::io::Result<R>> {
+        let waker = cx.waker();
+        if !self.registered.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            self.tracked.on_eviction.register(waker);
+            self.registered = Some(waker.clone());
+        }
+        // Checked after registering, so an eviction between the two still wakes the task.
+        if self.tracked.is_evicted() {
+            return Poll::Ready(Err(closed_to_make_room()));
+        }
+        Poll::Pending
+    }
+
+    /// The inner poll; where it would wait, the eviction ends the wait. (An evicted connection that
+    /// still has bytes to read gets them: it ends at its next wait, which comes at once.)
+    fn poll_io<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: impl FnOnce(Pin<&mut T>, &mut Context<'_>) -> Poll<std::io::Result<R>>,
+    ) -> Poll<std::io::Result<R>>
+    where
+        T: Unpin,
+    {
+        match poll(Pin::new(&mut self.io), cx) {
+            Poll::Pending => self.pending(cx),
+            ready => ready,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Evictable<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.get_mut().poll_io(cx, |io, cx| io.poll_read(cx, buf))
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Evictable<T> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        self.get_mut().poll_io(cx, |io, cx| io.poll_write(cx, buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.get_mut()
+            .poll_io(cx, |io, cx| io.poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.get_mut().poll_io(cx, |io, cx| io.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
@@ -349,7 +448,7 @@ impl Slots {
         let tracked = Arc::new(Tracked {
             state: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(self.0.pressure.clock.advance()),
-            evicted: Notify::new(),
+            on_eviction: AtomicWaker::new(),
             pressure: self.0.pressure.clone(),
         });
         let index = self.open().insert(tracked.clone());
@@ -435,6 +534,27 @@ mod tests {
         assert!(matches!(slots.evict_idlest(), Next::At(_)));
         assert!(recent.tracked().start().is_some());
         drop(request);
+    }
+
+    #[tokio::test]
+    async fn an_evicted_connection_s_waiting_read_fails_at_once() {
+        use tokio::io::AsyncReadExt;
+        let slots = slots(1);
+        let slot = slots.register(slots.0.free.clone().try_acquire_owned().unwrap());
+        let (client, server) = tokio::io::duplex(64);
+        let mut socket = Evictable::new(server, slot.tracked());
+        let tracked = slot.tracked();
+        let reading = tokio::spawn(async move {
+            let mut byte = [0u8; 1];
+            socket.read(&mut byte).await
+        });
+        // The read runs until it waits on the socket (a single-threaded runtime runs it on this yield).
+        tokio::task::yield_now().await;
+        assert!(!reading.is_finished(), "nothing was written, so the read waits");
+        assert!(tracked.evict());
+        let read = reading.await.unwrap();
+        assert_eq!(read.unwrap_err().kind(), std::io::ErrorKind::ConnectionAborted);
+        drop(client);
     }
 
     #[test]
