@@ -1,16 +1,24 @@
 //! The admin listener's three endpoints: `/metrics` (Prometheus text), `/healthz` (the process runs) and
-//! `/readyz` (the store answers and no shutdown has begun). Reads metrics and pings the store; never
-//! touches the request path.
+//! `/readyz` (the store answers and no shutdown has begun). Reads metrics and pings the store, at most
+//! about once a second however many probes come; never touches the request path.
 
 use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::proxy::body::{self, ProxyBody};
 use crate::store::StoreHandle;
+
+/// How long one store ping's answer stands for `/readyz`: several checkers probing, or a burst of
+/// probes, cost the store about one ping a second.
+const READINESS_TTL: Duration = Duration::from_secs(1);
 
 /// What the admin endpoints read.
 #[derive(Clone)]
@@ -18,6 +26,48 @@ pub struct Admin {
     metrics: Metrics,
     store: StoreHandle,
     shutdown: CancellationToken,
+    readiness: Arc<Readiness>,
+}
+
+/// The last store ping's answer, shared by every admin connection. A probe that comes while a ping runs
+/// waits for that ping and shares its answer.
+#[derive(Default)]
+struct Readiness(Mutex<Option<Ping>>);
+
+/// A store ping's answer.
+#[derive(Clone, Copy)]
+struct Ping {
+    at: Instant,
+    answered: bool,
+    /// Failed store operations counted when it came.
+    failures: u64,
+}
+
+impl Ping {
+    /// Whether this answer still stands: for [`READINESS_TTL`], and a "ready" only while no store
+    /// operation has failed since (the requests saw the store go before the next ping would).
+    fn stands(&self, failures: u64) -> bool {
+        self.at.elapsed() < READINESS_TTL && (!self.answered || failures == self.failures)
+    }
+}
+
+impl Readiness {
+    async fn store_answers(&self, store: &StoreHandle, metrics: &Metrics) -> bool {
+        let mut last = self.0.lock().await;
+        if let Some(ping) = *last
+            && ping.stands(metrics.store_failures())
+        {
+            return ping.answered;
+        }
+        let answered = store.ping().await.is_ok();
+        let ping = Ping {
+            at: Instant::now(),
+            answered,
+            failures: metrics.store_failures(),
+        };
+        *last = Some(ping);
+        answered
+    }
 }
 
 impl Admin {
@@ -27,6 +77,7 @@ impl Admin {
             metrics,
             store,
             shutdown,
+            readiness: Arc::default(),
         }
     }
 
@@ -45,16 +96,23 @@ impl Admin {
                 response
             }
             "/healthz" => text(StatusCode::OK, "ok\n"),
-            "/readyz" if self.shutdown.is_cancelled() => {
-                text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
-            }
-            "/readyz" => match self.store.ping().await {
-                Ok(()) => text(StatusCode::OK, "ready\n"),
-                Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n"),
-            },
+            "/readyz" => self.readyz().await,
             _ => text(StatusCode::NOT_FOUND, "not found\n"),
         };
         Ok(response)
+    }
+
+    /// Not ready from the moment shutdown begins, whatever the last ping said; otherwise ready while the
+    /// store answers, by a ping at most [`READINESS_TTL`] old and not contradicted by a failure since.
+    async fn readyz(&self) -> Response<ProxyBody> {
+        if self.shutdown.is_cancelled() {
+            return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
+        }
+        if self.readiness.store_answers(&self.store, &self.metrics).await {
+            text(StatusCode::OK, "ready\n")
+        } else {
+            text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+        }
     }
 }
 

@@ -830,11 +830,11 @@ impl RawStore {
                 ),
             ));
         }
-        let pg = self
-            .url
+        // tokio-postgres reads a URL without sslmode as `prefer`, so what the URL wrote is read here.
+        let tls = store_tls(&url)?;
+        self.url
             .parse::<tokio_postgres::Config>()
             .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
-        let tls = pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require;
         if let Some(path) = &self.tls_ca_file {
             if !tls {
                 return Err(ConfigError::new(
@@ -912,6 +912,42 @@ impl RawStore {
             tls_ca_file: None,
         })
     }
+}
+
+/// Whether a PostgreSQL `store.url` asks for TLS, by the `sslmode` it writes (the last one, as the driver
+/// reads it): `require` does, `disable` or none does not. Other modes are refused rather than read as
+/// they are in libpq: `prefer` and `allow` would connect in clear text whenever the server does not offer
+/// TLS, which an attacker on the path can arrange; `verify-ca` and `verify-full` are what `require`
+/// already does here.
+fn store_tls(url: &url::Url) -> Result<bool, ConfigError> {
+    let mut tls = false;
+    for (_, mode) in url.query_pairs().filter(|(name, _)| name == "sslmode") {
+        tls = match mode.as_ref() {
+            "disable" => false,
+            "require" => true,
+            "verify-ca" | "verify-full" => {
+                return Err(ConfigError::new(
+                    "store.url",
+                    format!(
+                        "sslmode={mode} is not read by idemproxy; write sslmode=require, which verifies \
+                         the server's certificate and host name (against the system's CA certificates and \
+                         store.tls_ca_file) as libpq's verify-full does"
+                    ),
+                ));
+            }
+            _ => {
+                return Err(ConfigError::new(
+                    "store.url",
+                    format!(
+                        "sslmode={mode} is not supported: it would connect in clear text whenever the \
+                         server does not offer TLS; write sslmode=require for TLS (certificate and host \
+                         name verified) or sslmode=disable for clear text"
+                    ),
+                ));
+            }
+        };
+    }
+    Ok(tls)
 }
 
 impl RawIdempotency {
@@ -1142,6 +1178,52 @@ mod tests {
             Config::from_toml_str("[store]\nurl = \"postgres://db/idem?sslmode=require\"\n").unwrap();
         assert!(config.store.tls);
         assert!(!Config::from_toml_str("").unwrap().store.tls);
+    }
+
+    fn store_url(url: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(&format!("[store]\nurl = \"{url}\"\n"))
+    }
+
+    #[test]
+    fn sslmode_require_is_tls_and_disable_or_none_is_clear_text() {
+        assert!(store_url("postgres://db/idem?sslmode=require").unwrap().store.tls);
+        assert!(!store_url("postgres://db/idem?sslmode=disable").unwrap().store.tls);
+        assert!(!store_url("postgres://db/idem").unwrap().store.tls);
+        assert!(
+            !store_url("postgres://db/idem?application_name=x")
+                .unwrap()
+                .store
+                .tls
+        );
+        // The driver reads the last one; so does the check.
+        assert!(
+            store_url("postgres://db/idem?sslmode=disable&sslmode=require")
+                .unwrap()
+                .store
+                .tls
+        );
+    }
+
+    #[test]
+    fn sslmodes_that_may_fall_back_to_clear_text_are_refused() {
+        for mode in ["prefer", "allow", "Require", "bogus"] {
+            let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
+            assert_eq!(err.key, "store.url", "{mode}");
+            assert!(err.message.contains("clear text"), "{mode}: {err}");
+            assert!(err.message.contains("sslmode=require"), "{mode}: {err}");
+        }
+        let err = store_url("postgres://db/idem?sslmode=require&sslmode=prefer").unwrap_err();
+        assert_eq!(err.key, "store.url");
+    }
+
+    #[test]
+    fn sslmode_verify_full_and_verify_ca_point_to_require() {
+        for mode in ["verify-full", "verify-ca"] {
+            let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
+            assert_eq!(err.key, "store.url", "{mode}");
+            assert!(err.message.contains("write sslmode=require"), "{mode}: {err}");
+            assert!(err.message.contains("host name"), "{mode}: {err}");
+        }
     }
 
     #[test]

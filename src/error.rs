@@ -21,6 +21,9 @@ pub enum Busy {
     KeyedInFlight,
     /// The worker's `upstream.max_connections` stayed busy for `upstream.connect_timeout`.
     UpstreamConnections,
+    /// `server.max_connections` are open and this idle connection was closed to make room; the request
+    /// arrived just as it was.
+    Connections,
 }
 
 impl Busy {
@@ -30,6 +33,10 @@ impl Busy {
             Busy::KeyedInFlight => "Too many keyed requests are being executed at once; try again shortly.",
             Busy::UpstreamConnections => {
                 "Every connection to the upstream service is in use; try again shortly."
+            }
+            Busy::Connections => {
+                "The proxy is at its connection limit and closed this idle connection to make room; \
+                 retry on a new connection."
             }
         }
     }

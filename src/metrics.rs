@@ -170,9 +170,12 @@ pub struct MetricSet {
     pub undecryptable: IntCounter,
     /// `idemproxy_open_connections`: client connections open on the proxy listener.
     pub open_connections: IntGauge,
-    /// `idemproxy_connection_cap_reached_total`: times the proxy listener stopped accepting because
-    /// `server.max_connections` were open.
+    /// `idemproxy_connection_cap_reached_total`: times a new connection on the proxy listener found
+    /// `server.max_connections` open and waited for a slot (the listener accepts no other meanwhile).
     pub connection_cap_reached: IntCounter,
+    /// `idemproxy_connections_evicted_total`: idle client connections closed to make room for new ones
+    /// while `server.max_connections` were open.
+    pub connections_evicted: IntCounter,
     /// `idemproxy_body_budget_waits_total`: keyed request bodies that waited for room in
     /// `server.max_buffered_bodies`.
     pub body_budget_waits: IntCounter,
@@ -298,7 +301,12 @@ impl Metrics {
             .expect("valid metric"),
             connection_cap_reached: counter(
                 "idemproxy_connection_cap_reached_total",
-                "Times the proxy listener stopped accepting because server.max_connections were open.",
+                "Times a new connection found server.max_connections open and waited for a slot, \
+                 the listener accepting no other meanwhile.",
+            ),
+            connections_evicted: counter(
+                "idemproxy_connections_evicted_total",
+                "Idle client connections closed to make room for new ones while server.max_connections were open.",
             ),
             body_budget_waits: counter(
                 "idemproxy_body_budget_waits_total",
@@ -354,6 +362,7 @@ impl MetricSet {
             Box::new(self.undecryptable.clone()),
             Box::new(self.open_connections.clone()),
             Box::new(self.connection_cap_reached.clone()),
+            Box::new(self.connections_evicted.clone()),
             Box::new(self.body_budget_waits.clone()),
             Box::new(self.unknown_outcomes.clone()),
             Box::new(self.write_timeouts.clone()),
@@ -386,6 +395,11 @@ impl MetricSet {
         if !ok {
             errors.inc();
         }
+    }
+
+    /// Failed store operations of every kind so far.
+    pub fn store_failures(&self) -> u64 {
+        self.by_op.iter().map(|(errors, _)| errors.get()).sum()
     }
 
     /// Publishes a count of the records by state.

@@ -148,6 +148,12 @@ impl Proxy {
     }
 
     async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: Downstream) -> Handled {
+        // CONNECT would make the proxy a tunnel (a 2xx from the upstream turns the client's connection
+        // into raw bytes) and TRACE echoes the request, credentials included: neither is forwarded.
+        let method = request.method();
+        if method == http::Method::CONNECT || method == http::Method::TRACE {
+            return Err(ProxyError::MethodNotAllowed(method.clone()));
+        }
         if !self.policy.methods.contains(request.method()) {
             return self.passthrough(request, &peer).await;
         }

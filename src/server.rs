@@ -2,13 +2,18 @@
 //! and the drain at shutdown. Serves HTTP/1.1 and HTTP/2 on each connection through hyper-util's auto
 //! builder: h2c with prior knowledge in cleartext, or negotiated by ALPN when the proxy listener has TLS.
 //! The proxy listener's [`Limits`] bound what one client can hold: open connections, time to send a
-//! request head, and the head's size.
+//! request head, and the head's size. At the connection cap, idle connections make room for new ones
+//! (`server/slots.rs`); the admin listener has a small cap of its own, kept the same way.
+
+mod slots;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
+use futures_util::future::{self, Either};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -17,14 +22,15 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
 use crate::admin::Admin;
 use crate::config::ServerConfig;
-use crate::metrics::Metrics;
+use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
 use crate::proxy::body::ProxyBody;
 use crate::proxy::forward::Downstream;
@@ -40,6 +46,10 @@ const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
 const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// Requests one HTTP/2 connection may have open at once (RFC 9113 asks for at least 100).
 const H2_MAX_STREAMS: u32 = 100;
+
+/// Connections the admin listener serves at once: a few scrapers and probes need far fewer, and a flood
+/// on the admin port can then hold no more descriptors than this.
+const ADMIN_MAX_CONNECTIONS: usize = 64;
 
 /// The proxy listener and what it needs to serve.
 pub struct ProxyListener {
@@ -58,7 +68,8 @@ pub struct ProxyListener {
 /// Bounds on the proxy listener's connections, from `[server]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Most connections open at once; the listener stops accepting at this many.
+    /// Most connections open at once; at this many, the listener accepts another only once one closes
+    /// or an idle one is evicted to make room.
     pub max_connections: usize,
     /// Bound on receiving an HTTP/1.1 request head; the connection is closed when it runs out.
     pub header_read_timeout: Duration,
@@ -107,54 +118,6 @@ impl Limits {
     }
 }
 
-/// The proxy listener's connection slots: one per open connection, counted in the metrics.
-#[derive(Clone)]
-struct Slots {
-    free: Arc<Semaphore>,
-    metrics: Metrics,
-}
-
-/// An open connection's slot; frees it when the connection ends.
-struct Slot {
-    _permit: OwnedSemaphorePermit,
-    metrics: Metrics,
-}
-
-impl Slots {
-    fn new(max: usize, metrics: Metrics) -> Slots {
-        Slots {
-            free: Arc::new(Semaphore::new(max)),
-            metrics,
-        }
-    }
-
-    /// A free slot, waiting for one while every slot is taken; `None` once `stop` is cancelled.
-    async fn take(&self, stop: &CancellationToken) -> Option<Slot> {
-        let permit = match self.free.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                self.metrics.connection_cap_reached.inc();
-                tracing::debug!("server.max_connections are open; new connections wait to be accepted");
-                tokio::select! {
-                    _ = stop.cancelled() => return None,
-                    permit = self.free.clone().acquire_owned() => permit.ok()?,
-                }
-            }
-        };
-        self.metrics.open_connections.inc();
-        Some(Slot {
-            _permit: permit,
-            metrics: self.metrics.clone(),
-        })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.metrics.open_connections.dec();
-    }
-}
-
 /// Serves both listeners until `shutdown`, then stops accepting, lets open requests and their
 /// forwarding tasks finish within `grace`, and returns. Proxy connections are accepted here and served
 /// by the worker threads; the admin listener is served on the caller's runtime. Fails only when the
@@ -174,7 +137,13 @@ pub async fn serve(
         proxy,
     } = proxy;
     let tracker = proxy.tracker.clone();
-    let slots = Slots::new(limits.max_connections, proxy.metrics.clone());
+    let clock = Clock::new();
+    let slots = Slots::new(
+        limits.max_connections,
+        limits.header_read_timeout,
+        clock.clone(),
+        Some(proxy.metrics.clone()),
+    );
     let finished = CancellationToken::new();
     let serving = Serving {
         builder: limits.builder(),
@@ -182,16 +151,18 @@ pub async fn serve(
     };
     // The workers stop when this function ends however it ends: an error, or its future dropped.
     let _stop_workers = finished.clone().drop_guard();
-    let mut workers = Workers::start(workers, &proxy, &serving, &finished)?;
+    let mut workers = Workers::start(workers, &proxy, &serving, &clock, &finished)?;
     let admin_stop = CancellationToken::new();
+    let admin_slots = Slots::new(ADMIN_MAX_CONNECTIONS, limits.header_read_timeout, clock, None);
     let admin_loop = tokio::spawn(serve_admin(
         admin_listener,
         admin,
         limits.builder(),
+        admin_slots,
         admin_stop.clone(),
     ));
     let connections = GracefulShutdown::new();
-    accept_loop(&listener, Some(&slots), &shutdown, |stream, addr, slot| {
+    accept_loop(&listener, &slots, &shutdown, |stream, addr, slot| {
         workers.hand_over(stream, addr, slot, connections.watcher());
     })
     .await;
@@ -210,16 +181,17 @@ async fn serve_admin(
     listener: TcpListener,
     admin: Admin,
     builder: auto::Builder<TokioExecutor>,
+    slots: Slots,
     stop: CancellationToken,
 ) {
-    accept_loop(&listener, None, &stop, |stream, _, _| {
+    accept_loop(&listener, &slots, &stop, |stream, _, slot| {
         let admin = admin.clone();
         let connection = Connection {
             builder: builder.clone(),
             tls: None,
             watcher: None,
         };
-        tokio::spawn(connection.serve(stream, move |request| admin.clone().handle(request)));
+        tokio::spawn(connection.serve(stream, slot, move |request| admin.clone().handle(request)));
     })
     .await;
 }
@@ -237,22 +209,16 @@ async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Dura
     }
 }
 
-/// Accepts connections until `stop` and passes each to `dispatch`. With slots, accepts only while one
-/// is free: further clients wait in the socket's backlog, holding no memory or descriptor of the process.
+/// Accepts connections until `stop` and passes each to `dispatch` with its slot. While every slot is
+/// taken, the connection just accepted waits for one (an idle connection is evicted to make room) and
+/// further clients wait in the socket's backlog, holding no memory or descriptor of the process.
 async fn accept_loop(
     listener: &TcpListener,
-    slots: Option<&Slots>,
+    slots: &Slots,
     stop: &CancellationToken,
-    mut dispatch: impl FnMut(TcpStream, SocketAddr, Option<Slot>),
+    mut dispatch: impl FnMut(TcpStream, SocketAddr, Slot),
 ) {
     loop {
-        let slot = match slots {
-            Some(slots) => match slots.take(stop).await {
-                Some(slot) => Some(slot),
-                None => return,
-            },
-            None => None,
-        };
         let (stream, addr) = tokio::select! {
             _ = stop.cancelled() => return,
             accepted = listener.accept() => match accepted {
@@ -263,6 +229,9 @@ async fn accept_loop(
                     continue;
                 }
             },
+        };
+        let Some(slot) = slots.take(stop).await else {
+            return;
         };
         let _ = stream.set_nodelay(true);
         dispatch(stream, addr, slot);
@@ -280,7 +249,7 @@ struct Serving {
 struct InTransit {
     stream: std::net::TcpStream,
     addr: SocketAddr,
-    slot: Option<Slot>,
+    slot: Slot,
     watcher: Watcher,
 }
 
@@ -298,6 +267,7 @@ impl Workers {
         count: usize,
         proxy: &Proxy,
         serving: &Serving,
+        clock: &Arc<Clock>,
         finished: &CancellationToken,
     ) -> std::io::Result<Workers> {
         let mut workers = Workers {
@@ -315,6 +285,7 @@ impl Workers {
                 Arc::new(proxy.for_worker()),
                 serving.clone(),
                 handoffs,
+                clock.clone(),
                 finished.clone(),
             );
             std::thread::Builder::new()
@@ -331,7 +302,7 @@ impl Workers {
     }
 
     /// Gives the connection to the next worker in turn.
-    fn hand_over(&mut self, stream: TcpStream, addr: SocketAddr, slot: Option<Slot>, watcher: Watcher) {
+    fn hand_over(&mut self, stream: TcpStream, addr: SocketAddr, slot: Slot, watcher: Watcher) {
         let stream = match stream.into_std() {
             Ok(stream) => stream,
             Err(error) => return tracing::debug!(%error, "accepted connection lost before serving"),
@@ -368,9 +339,10 @@ async fn work(
     proxy: Arc<Proxy>,
     serving: Serving,
     mut handoffs: mpsc::UnboundedReceiver<InTransit>,
+    clock: Arc<Clock>,
     finished: CancellationToken,
 ) {
-    tokio::spawn(keep_a_timer_first());
+    tokio::spawn(keep_a_timer_first(clock));
     while let Some(InTransit {
         stream,
         addr,
@@ -392,29 +364,23 @@ async fn work(
             tls: serving.tls.clone(),
             watcher: Some(watcher),
         };
-        tokio::spawn(async move {
-            connection
-                .serve(stream, move |request| {
-                    proxy.clone().handle(request, downstream.clone())
-                })
-                .await;
-            drop(slot);
-        });
+        tokio::spawn(connection.serve(stream, slot, move |request| {
+            proxy.clone().handle(request, downstream.clone())
+        }));
     }
     finished.cancelled().await;
 }
-
-/// How often a worker's lead timer fires.
-const LEAD_TIMER_PERIOD: Duration = Duration::from_millis(250);
 
 /// Keeps a timer pending on the worker that expires before any request's timeouts. tokio wakes its own
 /// I/O driver (an eventfd write and one more turn of the event loop) whenever a timer is registered
 /// that expires before every timer already pending. Without this, most requests' header-read and
 /// upstream timeouts did that on a busy worker; with it, only this timer does, four times a second.
-async fn keep_a_timer_first() {
-    let mut ticks = tokio::time::interval(LEAD_TIMER_PERIOD);
+/// Each tick also advances the coarse clock that stamps when a connection's last request ended.
+async fn keep_a_timer_first(clock: Arc<Clock>) {
+    let mut ticks = tokio::time::interval(Clock::TICK);
     loop {
         ticks.tick().await;
+        clock.advance();
     }
 }
 
@@ -431,7 +397,19 @@ struct Connection {
 }
 
 impl Connection {
-    async fn serve<H, F>(self, stream: TcpStream, handler: H)
+    /// Serves the connection until it ends or is evicted; its slot is freed after its socket is closed.
+    async fn serve<H, F>(self, stream: TcpStream, slot: Slot, handler: H)
+    where
+        H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
+    {
+        let tracked = slot.tracked();
+        let stream = Evictable::new(stream, tracked.clone());
+        self.serve_http(stream, tracked, handler).await;
+        drop(slot);
+    }
+
+    async fn serve_http<H, F>(self, stream: Evictable<TcpStream>, tracked: Arc<Tracked>, handler: H)
     where
         H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
@@ -446,9 +424,10 @@ impl Connection {
                 }
             }
         };
+        let service = service_fn(move |request| answer(&tracked, &handler, request));
         let connection = self
             .builder
-            .serve_connection(TokioIo::new(io), service_fn(handler))
+            .serve_connection(TokioIo::new(io), service)
             .into_owned();
         let result = match self.watcher {
             Some(watcher) => watcher.watch(connection).await,
@@ -458,4 +437,37 @@ impl Connection {
             tracing::debug!(%error, "connection ended with an error");
         }
     }
+}
+
+/// Answers one request with `handler`, keeping the request in progress on its connection (so it is never
+/// evicted) from this call until the response body has been sent or dropped. A request that finds its
+/// connection evicted is not handled: it gets 503 and the connection closes.
+///
+/// Combinators rather than an `async` block: a block awaiting the handler's future it captured would
+/// hold that future (about 3 KiB) twice, and hyper moves what it is given once per request (measured:
+/// 900 more instructions per request than these).
+fn answer<H, F>(
+    tracked: &Arc<Tracked>,
+    handler: &H,
+    request: Request<Incoming>,
+) -> impl Future<Output = Result<Response<Guarded<ProxyBody>>, Infallible>> + use<H, F>
+where
+    H: Fn(Request<Incoming>) -> F,
+    F: Future<Output = Result<Response<ProxyBody>, Infallible>>,
+{
+    match tracked.start() {
+        Some(in_progress) => Either::Left(handler(request).map(move |answered| {
+            answered.map(|response| response.map(|body| Guarded::new(body, Some(in_progress))))
+        })),
+        None => Either::Right(future::ready(Ok(evicted().map(|body| Guarded::new(body, None))))),
+    }
+}
+
+/// The answer to a request that arrived on a connection just evicted; nothing was forwarded.
+fn evicted() -> Response<ProxyBody> {
+    let mut response = ProxyError::Busy(Busy::Connections).into_response();
+    response
+        .headers_mut()
+        .insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+    response
 }

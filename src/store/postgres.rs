@@ -541,7 +541,8 @@ where
 }
 
 /// The TLS connector when the URL says `sslmode=require`: rustls, verifying the server's certificate and
-/// name against the system's CA certificates plus `store.tls_ca_file`. Other modes connect in clear text.
+/// name against the system's CA certificates plus `store.tls_ca_file`. `sslmode=disable` or none connects in
+/// clear text; config validation refuses every other mode.
 fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsConnect>, StoreError> {
     if !config.tls {
         return Ok(None);

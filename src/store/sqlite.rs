@@ -388,12 +388,40 @@ fn open_blocking(
     }
     let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     if access != Access::Tool {
+        create_private(path).map_err(|e| {
+            StoreError::Backend(format!("cannot create SQLite store {}: {e}", path.display()))
+        })?;
         flags |= OpenFlags::SQLITE_OPEN_CREATE;
     }
     let db = Connection::open_with_flags(path, flags)
         .map_err(|e| StoreError::Backend(format!("cannot open SQLite store {}: {e}", path.display())))?;
     configure(&db, timeout).map_err(backend)?;
     Ok((db, instance))
+}
+
+/// Creates the database file for its owner alone (mode 0600 on Unix), since stored responses may hold
+/// personal data; SQLite gives the `-wal` and `-shm` files it creates beside it the same mode. A file
+/// that exists keeps the mode its operator gave it.
+fn create_private(path: &Path) -> std::io::Result<()> {
+    let mut options = OpenOptions::new();
+    options.write(true).create_new(true);
+    match owner_only(&mut options).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Files these options create are readable and writable by their owner only.
+#[cfg(unix)]
+fn owner_only(options: &mut OpenOptions) -> &mut OpenOptions {
+    std::os::unix::fs::OpenOptionsExt::mode(options, 0o600)
+}
+
+/// Elsewhere, files get the platform's default permissions.
+#[cfg(not(unix))]
+fn owner_only(options: &mut OpenOptions) -> &mut OpenOptions {
+    options
 }
 
 /// WAL lets operator tools read while the proxy writes; `synchronous = FULL` makes every committed claim
@@ -409,10 +437,7 @@ fn configure(db: &Connection, timeout: Duration) -> rusqlite::Result<()> {
 /// system drops it when the process ends, however it ends, so a crashed proxy never blocks its restart.
 fn lock_instance(path: &Path) -> Result<File, StoreError> {
     let lock_path = lock_path(path);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
+    let file = owner_only(OpenOptions::new().create(true).truncate(false).write(true))
         .open(&lock_path)
         .map_err(|e| StoreError::Backend(format!("cannot open lock file {}: {e}", lock_path.display())))?;
     match file.try_lock() {

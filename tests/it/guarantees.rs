@@ -6,7 +6,11 @@
 
 mod bounds;
 mod encryption;
+mod file_modes;
+mod flood;
 mod full_response;
+mod http_edges;
+mod readiness;
 mod running_key;
 mod scope;
 mod secrets;

@@ -427,6 +427,18 @@ async fn connections_beyond_max_connections_wait_until_one_closes() {
         assert_eq!(reply.status, Some(201));
         holders.push(stream);
     }
+    assert_eq!(
+        crate::support::metric(&proxy.admin_url, "idemproxy_open_connections", &[]).await,
+        2.0
+    );
+
+    // A third connects but is not served while both slots are held. (Both holders are idle, so after
+    // a second one would be evicted to make room: tests/it/guarantees/flood.rs.)
+    let mut third = raw::connect(&proxy.url).await;
+    third
+        .write_all(head("GET /third", &host, &[]).as_bytes())
+        .await
+        .unwrap();
     metric_reaches(
         &proxy.admin_url,
         "idemproxy_connection_cap_reached_total",
@@ -434,17 +446,6 @@ async fn connections_beyond_max_connections_wait_until_one_closes() {
         1.0,
     )
     .await;
-    assert_eq!(
-        crate::support::metric(&proxy.admin_url, "idemproxy_open_connections", &[]).await,
-        2.0
-    );
-
-    // A third connects (the kernel's backlog takes it) but is not served while both slots are held.
-    let mut third = raw::connect(&proxy.url).await;
-    third
-        .write_all(head("GET /third", &host, &[]).as_bytes())
-        .await
-        .unwrap();
     let mut byte = [0u8; 1];
     let early = tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte)).await;
     assert!(early.is_err(), "served beyond max_connections");
