@@ -121,19 +121,8 @@ async fn client_disconnect_after_the_head_still_stores_the_whole_response(
 async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
     let env = TestEnv::new().await;
     let proxy = env.proxy().await;
-    let scope = crate::support::history::scope_of(crate::support::http::TEST_CREDENTIAL);
     let mut holder = env.db().client().await;
-    let blocking = holder.transaction().await.unwrap();
-    blocking
-        .execute(
-            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
-                 locked_until, created_at, expires_at, updated_at)
-             VALUES ($1, 'k', '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
-                 now() + interval '1 day', now())",
-            &[&scope],
-        )
-        .await
-        .unwrap();
+    let blocking = crate::support::pg::hold_key_row(&mut holder, "k").await;
 
     let connection = raw_keyed_post(&proxy.url, "/orders", "k", "{}").await;
     env.db().wait_for_a_lock_waiter().await;

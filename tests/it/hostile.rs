@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::http::TEST_CREDENTIAL;
-use crate::support::raw::{self, RawReply, addr_of};
+use crate::support::raw::{self, RawReply, addr_of, head};
 use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, metric_reaches, settled};
 
 /// A proxy with short client bounds, so slow-client tests finish quickly.
@@ -19,18 +18,6 @@ async fn strict_proxy(env: &TestEnv) -> InProcessProxy {
         .set("server.body_read_timeout", "1s")
         .set("idempotency.max_request_body", "1KiB");
     InProcessProxy::start(&config).await
-}
-
-/// A request head with the test credential (so keyed requests are scoped) and `headers`.
-fn head(method_target: &str, host: &str, headers: &[&str]) -> String {
-    let mut text =
-        format!("{method_target} HTTP/1.1\r\nhost: {host}\r\nauthorization: {TEST_CREDENTIAL}\r\n");
-    for header in headers {
-        text.push_str(header);
-        text.push_str("\r\n");
-    }
-    text.push_str("\r\n");
-    text
 }
 
 #[tokio::test]

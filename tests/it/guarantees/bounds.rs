@@ -8,6 +8,7 @@ use rstest::rstest;
 
 use crate::support::http::client;
 use crate::support::http::raw_keyed_post_to;
+use crate::support::pg::hold_key_row;
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, metric, metric_reaches, settled};
 
 async fn held(url: &str, path: &str, key: &str, gate: &str) -> tokio::task::JoinHandle<Reply> {
@@ -159,19 +160,8 @@ async fn captures_beyond_max_buffered_responses_are_not_retained(
 async fn a_claim_won_after_its_request_gave_up_is_given_back() {
     let env = TestEnv::new().await;
     let proxy = InProcessProxy::start(&env.config().set("store.max_batch", 1)).await;
-    let scope = crate::support::history::scope_of(crate::support::http::TEST_CREDENTIAL);
     let mut holder = env.db().client().await;
-    let blocking = holder.transaction().await.unwrap();
-    blocking
-        .execute(
-            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
-                 locked_until, created_at, expires_at, updated_at)
-             VALUES ($1, 'orphan', '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
-                 now() + interval '1 day', now())",
-            &[&scope],
-        )
-        .await
-        .unwrap();
+    let blocking = hold_key_row(&mut holder, "orphan").await;
     let waiting = tokio::spawn({
         let url = proxy.url.clone();
         async move { Reply::of(keyed_post(&url, "/orders", "orphan", "{}")).await }

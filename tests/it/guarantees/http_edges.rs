@@ -8,19 +8,8 @@ use http::{Method, Request, StatusCode};
 use rstest::rstest;
 
 use crate::support::http::TEST_CREDENTIAL;
-use crate::support::raw::{self, addr_of};
+use crate::support::raw::{self, addr_of, head};
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, poll_until};
-
-/// A raw HTTP/1.1 request: `request_line`, the test credential, `headers`.
-fn h1_request(request_line: &str, host: &str, headers: &[&str]) -> String {
-    let mut text = format!("{request_line} HTTP/1.1\r\nhost: {host}\r\nauthorization: {TEST_CREDENTIAL}\r\n");
-    for header in headers {
-        text.push_str(header);
-        text.push_str("\r\n");
-    }
-    text.push_str("\r\n");
-    text
-}
 
 #[tokio::test]
 async fn connect_and_trace_get_405_on_http1_and_are_never_forwarded() {
@@ -29,10 +18,10 @@ async fn connect_and_trace_get_405_on_http1_and_are_never_forwarded() {
     let host = addr_of(&proxy.url);
     let keyed = ["idempotency-key: edge", "content-length: 0"];
     let requests = [
-        h1_request("CONNECT example.com:443", "example.com:443", &[]),
-        h1_request("CONNECT example.com:443", "example.com:443", &keyed),
-        h1_request("TRACE /orders", host, &[]),
-        h1_request("TRACE /orders", host, &keyed),
+        head("CONNECT example.com:443", "example.com:443", &[]),
+        head("CONNECT example.com:443", "example.com:443", &keyed),
+        head("TRACE /orders", host, &[]),
+        head("TRACE /orders", host, &keyed),
     ];
     for request in &requests {
         let reply = raw::exchange(&proxy.url, request.as_bytes()).await;

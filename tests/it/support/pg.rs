@@ -18,6 +18,27 @@ pub struct TestDb {
     admin_url: Url,
 }
 
+/// Inserts `key`'s record (processing, for the test credential's scope) in a transaction left open, so
+/// that a claim of the key waits on the row until the transaction ends.
+pub async fn hold_key_row<'a>(
+    client: &'a mut tokio_postgres::Client,
+    key: &str,
+) -> tokio_postgres::Transaction<'a> {
+    let scope = super::history::scope_of(super::http::TEST_CREDENTIAL);
+    let blocking = client.transaction().await.expect("begin");
+    blocking
+        .execute(
+            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                 locked_until, created_at, expires_at, updated_at)
+             VALUES ($1, $2, '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
+                 now() + interval '1 day', now())",
+            &[&scope, &key],
+        )
+        .await
+        .expect("insert the held row");
+    blocking
+}
+
 impl TestDb {
     /// Creates a database with a unique name on the server named by `DATABASE_URL`.
     pub async fn create() -> TestDb {

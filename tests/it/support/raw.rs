@@ -6,6 +6,19 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A raw HTTP/1.1 request head: `request_line` (`POST /orders`), `host`, the test credential (so keyed
+/// requests are scoped), then `headers`.
+pub fn head(request_line: &str, host: &str, headers: &[&str]) -> String {
+    let credential = super::http::TEST_CREDENTIAL;
+    let mut text = format!("{request_line} HTTP/1.1\r\nhost: {host}\r\nauthorization: {credential}\r\n");
+    for header in headers {
+        text.push_str(header);
+        text.push_str("\r\n");
+    }
+    text.push_str("\r\n");
+    text
+}
+
 /// Bound on waiting for the proxy to answer or close.
 const READ_BOUND: Duration = Duration::from_secs(30);
 
