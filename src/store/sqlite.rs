@@ -149,6 +149,16 @@ impl Shared {
         T: Send + 'static,
         F: FnOnce(&mut Connection, i64) -> Result<T, StoreError> + Send + 'static,
     {
+        self.call_watched(move |db, now, _| op(db, now)).await
+    }
+
+    /// [`Shared::call`], with `op` told whether its caller has stopped waiting, so that an operation
+    /// that waited for another program's write lock can give up instead of committing for no one.
+    async fn call_watched<T, F>(self: &Arc<Self>, op: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection, i64, &AtomicBool) -> Result<T, StoreError> + Send + 'static,
+    {
         let shared = Arc::clone(self);
         let abandoned = Arc::new(AtomicBool::new(false));
         let given_up = Arc::clone(&abandoned);
@@ -157,7 +167,7 @@ impl Shared {
             if given_up.load(Ordering::Acquire) {
                 return Err(StoreError::Timeout(shared.timeout));
             }
-            op(&mut db, now_ms())
+            op(&mut db, now_ms(), &given_up)
         });
         match timeout(self.timeout, task).await {
             Ok(result) => result?,
@@ -182,8 +192,11 @@ where
         let conn = Arc::clone(&conn);
         Box::pin(async move {
             let n = items.len();
+            let timeout = StoreError::Timeout(conn.timeout);
             let done = conn
-                .call(move |db, now| in_one_transaction(db, now, &items, run).map_err(backend))
+                .call_watched(move |db, _, given_up| {
+                    in_one_transaction(db, &items, given_up, run)?.ok_or(timeout)
+                })
                 .await;
             match done {
                 Ok(outputs) => outputs.into_iter().map(Ok).collect(),
@@ -193,19 +206,29 @@ where
     })
 }
 
+/// Runs every item in one transaction, once the write lock is had; `None` (nothing done) when the caller
+/// stopped waiting meanwhile. The time is read once the lock is had, so leases and expiries start when
+/// the claims are decided, not before a wait for another program's lock.
 fn in_one_transaction<I, O>(
     db: &mut Connection,
-    now: i64,
     items: &[I],
+    given_up: &AtomicBool,
     run: impl Fn(&Connection, i64, &I) -> rusqlite::Result<O>,
-) -> rusqlite::Result<Vec<O>> {
-    let tx = db.transaction_with_behavior(TransactionBehavior::Immediate)?;
+) -> Result<Option<Vec<O>>, StoreError> {
+    let tx = db
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(backend)?;
+    if given_up.load(Ordering::Acquire) {
+        return Ok(None);
+    }
+    let now = now_ms();
     let outputs = items
         .iter()
         .map(|item| run(&tx, now, item))
-        .collect::<rusqlite::Result<_>>()?;
-    tx.commit()?;
-    Ok(outputs)
+        .collect::<rusqlite::Result<_>>()
+        .map_err(backend)?;
+    tx.commit().map_err(backend)?;
+    Ok(Some(outputs))
 }
 
 impl SqliteStore {

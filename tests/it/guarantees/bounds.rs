@@ -169,6 +169,11 @@ async fn a_claim_won_after_its_request_gave_up_is_given_back() {
     env.db().wait_for_a_lock_waiter().await;
     let refused = waiting.await.unwrap();
     refused.assert_problem(503, "store-unavailable");
+    let detail = refused.json()["detail"].as_str().unwrap().to_string();
+    assert!(
+        !detail.contains("timed out") && !detail.contains("store error"),
+        "{detail}"
+    );
     blocking.rollback().await.unwrap();
 
     metric_reaches(
@@ -197,5 +202,41 @@ async fn a_claim_won_after_its_request_gave_up_is_given_back() {
     assert_eq!(
         (row.get::<_, String>(0), row.get::<_, i32>(1)),
         ("retry".into(), 2)
+    );
+}
+
+/// On SQLite a claim whose caller stopped waiting before it got the connection does not run at all: with
+/// another program holding the file's write lock past `store.timeout`, the request gets 503; once the
+/// lock goes, its key is not held by anyone (no 409, no stale takeover) and its retry executes once.
+#[tokio::test]
+async fn a_sqlite_claim_its_request_gave_up_on_holds_nothing() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let proxy = InProcessProxy::start(&env.config()).await;
+    let path = env.store.sqlite_path();
+    let (locked, unlock) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let holder = std::thread::spawn(move || {
+        let db = rusqlite::Connection::open(path).unwrap();
+        db.execute_batch("BEGIN IMMEDIATE").unwrap();
+        locked.0.send(()).unwrap();
+        unlock.1.recv().unwrap();
+        db.execute_batch("ROLLBACK").unwrap();
+    });
+    locked.1.recv().unwrap();
+    let refused = Reply::of(keyed_post(&proxy.url, "/orders", "abandoned", "{}")).await;
+    refused.assert_problem(503, "store-unavailable");
+    unlock.0.send(()).unwrap();
+    holder.join().unwrap();
+
+    let retry = crate::support::poll_until("the key to be free", || async {
+        let reply = Reply::of(keyed_post(&proxy.url, "/orders", "abandoned", "{}")).await;
+        (reply.status != 503).then_some(reply)
+    })
+    .await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(!retry.is_replay());
+    assert_eq!(env.upstream.executions_for_key("abandoned"), 1);
+    assert_eq!(
+        metric(&proxy.admin_url, "idemproxy_stale_takeovers_total", &[]).await,
+        0.0
     );
 }
