@@ -109,8 +109,8 @@ pub struct RawServer {
     /// means one per available core.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<usize>,
-    /// How long a client may accept no bytes of its response before the proxy lets it go (a keyed
-    /// response is still read to the end and stored).
+    /// How long a client may accept no bytes of its response before the proxy lets it go (its
+    /// connection ends; a keyed response is still read to the end and stored).
     #[serde(with = "humantime_serde")]
     pub write_timeout: Duration,
     /// Most keyed requests being executed at once (their work outlives their clients); more get 503.

@@ -6,6 +6,7 @@
 //! (`server/slots.rs`); the admin listener has a small cap of its own, kept the same way.
 
 mod slots;
+mod write_deadline;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -28,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
+use self::write_deadline::WriteDeadline;
 use crate::admin::Admin;
 use crate::config::ServerConfig;
 use crate::error::{Busy, ProxyError};
@@ -77,6 +79,8 @@ pub struct Limits {
     pub max_header_size: usize,
     /// Most header lines in an HTTP/1.1 request head; more gets 431.
     pub max_headers: usize,
+    /// Longest a client may accept no bytes while the proxy has bytes for it; its connection ends then.
+    pub write_timeout: Duration,
 }
 
 impl From<&ServerConfig> for Limits {
@@ -86,6 +90,7 @@ impl From<&ServerConfig> for Limits {
             header_read_timeout: server.header_read_timeout,
             max_header_size: server.max_header_size,
             max_headers: server.max_headers,
+            write_timeout: server.write_timeout,
         }
     }
 }
@@ -145,9 +150,14 @@ pub async fn serve(
         Some(proxy.metrics.clone()),
     );
     let finished = CancellationToken::new();
+    let deadline = Deadline {
+        timeout: limits.write_timeout,
+        expired: proxy.metrics.write_timeouts.clone(),
+    };
     let serving = Serving {
         builder: limits.builder(),
         tls: tls.map(TlsAcceptor::from),
+        deadline: deadline.clone(),
     };
     // The workers stop when this function ends however it ends: an error, or its future dropped.
     let _stop_workers = finished.clone().drop_guard();
@@ -157,7 +167,11 @@ pub async fn serve(
     let admin_loop = tokio::spawn(serve_admin(
         admin_listener,
         admin,
-        limits.builder(),
+        Serving {
+            builder: limits.builder(),
+            tls: None,
+            deadline,
+        },
         admin_slots,
         admin_stop.clone(),
     ));
@@ -180,16 +194,17 @@ pub async fn serve(
 async fn serve_admin(
     listener: TcpListener,
     admin: Admin,
-    builder: auto::Builder<TokioExecutor>,
+    serving: Serving,
     slots: Slots,
     stop: CancellationToken,
 ) {
     accept_loop(&listener, &slots, &stop, |stream, _, slot| {
         let admin = admin.clone();
         let connection = Connection {
-            builder: builder.clone(),
+            builder: serving.builder.clone(),
             tls: None,
             watcher: None,
+            deadline: serving.deadline.clone(),
         };
         tokio::spawn(connection.serve(stream, slot, move |request| admin.clone().handle(request)));
     })
@@ -243,6 +258,14 @@ async fn accept_loop(
 struct Serving {
     builder: auto::Builder<TokioExecutor>,
     tls: Option<TlsAcceptor>,
+    deadline: Deadline,
+}
+
+/// The bound on a stalled write, and where its expiries are counted.
+#[derive(Clone)]
+struct Deadline {
+    timeout: Duration,
+    expired: prometheus::IntCounter,
 }
 
 /// A connection as it crosses to a worker's runtime: the socket leaves the accepting runtime's reactor.
@@ -363,6 +386,7 @@ async fn work(
             builder: serving.builder.clone(),
             tls: serving.tls.clone(),
             watcher: Some(watcher),
+            deadline: serving.deadline.clone(),
         };
         tokio::spawn(connection.serve(stream, slot, move |request| {
             proxy.clone().handle(request, downstream.clone())
@@ -394,6 +418,7 @@ struct Connection {
     builder: auto::Builder<TokioExecutor>,
     tls: Option<TlsAcceptor>,
     watcher: Option<Watcher>,
+    deadline: Deadline,
 }
 
 impl Connection {
@@ -404,13 +429,19 @@ impl Connection {
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {
         let tracked = slot.tracked();
+        let deadline = &self.deadline;
+        let stream = WriteDeadline::new(stream, deadline.timeout, deadline.expired.clone());
         let stream = Evictable::new(stream, tracked.clone());
         self.serve_http(stream, tracked, handler).await;
         drop(slot);
     }
 
-    async fn serve_http<H, F>(self, stream: Evictable<TcpStream>, tracked: Arc<Tracked>, handler: H)
-    where
+    async fn serve_http<H, F>(
+        self,
+        stream: Evictable<WriteDeadline<TcpStream>>,
+        tracked: Arc<Tracked>,
+        handler: H,
+    ) where
         H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {
