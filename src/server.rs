@@ -429,19 +429,14 @@ impl Connection {
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {
         let tracked = slot.tracked();
-        let deadline = &self.deadline;
-        let stream = WriteDeadline::new(stream, deadline.timeout, deadline.expired.clone());
-        let stream = Evictable::new(stream, tracked.clone());
+        let deadline = WriteDeadline::new(self.deadline.timeout, self.deadline.expired.clone());
+        let stream = Evictable::new(stream, tracked.clone(), Some(deadline));
         self.serve_http(stream, tracked, handler).await;
         drop(slot);
     }
 
-    async fn serve_http<H, F>(
-        self,
-        stream: Evictable<WriteDeadline<TcpStream>>,
-        tracked: Arc<Tracked>,
-        handler: H,
-    ) where
+    async fn serve_http<H, F>(self, stream: Evictable<TcpStream>, tracked: Arc<Tracked>, handler: H)
+    where
         H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {

@@ -27,6 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::write_deadline::WriteDeadline;
 use crate::metrics::Metrics;
 
 /// The bit of a connection's state that says it was evicted; the bits below count its requests in
@@ -164,22 +165,25 @@ fn closed_to_make_room() -> std::io::Error {
 /// A connection's socket whose waits end in an error once the connection is evicted, so whatever serves
 /// it (hyper, or the TLS handshake) ends and drops it. An idle connection always waits on its socket, and
 /// that wait is what eviction wakes: nothing else is polled beside the connection, and a socket with
-/// bytes ready costs no more than before.
+/// bytes ready costs no more than before. A write that waits longer than its [`WriteDeadline`] (if it
+/// has one) fails the same way.
 pub(super) struct Evictable<T> {
     io: T,
     tracked: Arc<Tracked>,
     /// The waker last registered for the eviction. A connection's task keeps one waker, so after the
     /// first wait on the socket each further wait costs a comparison, not the registration's atomics.
     registered: Option<Waker>,
+    deadline: Option<WriteDeadline>,
 }
 
 impl<T> Evictable<T> {
-    /// `io`, closed when `tracked` is evicted.
-    pub(super) fn new(io: T, tracked: Arc<Tracked>) -> Evictable<T> {
+    /// `io`, closed when `tracked` is evicted, or when a write waits past `deadline`.
+    pub(super) fn new(io: T, tracked: Arc<Tracked>, deadline: Option<WriteDeadline>) -> Evictable<T> {
         Evictable {
             io,
             tracked,
             registered: None,
+            deadline,
         }
     }
 
@@ -212,6 +216,28 @@ impl<T> Evictable<T> {
             ready => ready,
         }
     }
+
+    /// [`Evictable::poll_io`] for a write, which also ends once it has waited past the deadline.
+    fn poll_write_io<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: impl FnOnce(Pin<&mut T>, &mut Context<'_>) -> Poll<std::io::Result<R>>,
+    ) -> Poll<std::io::Result<R>>
+    where
+        T: Unpin,
+    {
+        let polled = self.poll_io(cx, poll);
+        let Some(deadline) = self.deadline.as_mut() else {
+            return polled;
+        };
+        match polled {
+            Poll::Pending => deadline.waiting(cx).map(Err),
+            done => {
+                deadline.progressed();
+                done
+            }
+        }
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Evictable<T> {
@@ -226,7 +252,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Evictable<T> {
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Evictable<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        self.get_mut().poll_io(cx, |io, cx| io.poll_write(cx, buf))
+        self.get_mut().poll_write_io(cx, |io, cx| io.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -235,7 +261,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Evictable<T> {
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         self.get_mut()
-            .poll_io(cx, |io, cx| io.poll_write_vectored(cx, bufs))
+            .poll_write_io(cx, |io, cx| io.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -243,7 +269,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Evictable<T> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        self.get_mut().poll_io(cx, |io, cx| io.poll_flush(cx))
+        self.get_mut().poll_write_io(cx, |io, cx| io.poll_flush(cx))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -542,7 +568,7 @@ mod tests {
         let slots = slots(1);
         let slot = slots.register(slots.0.free.clone().try_acquire_owned().unwrap());
         let (client, server) = tokio::io::duplex(64);
-        let mut socket = Evictable::new(server, slot.tracked());
+        let mut socket = Evictable::new(server, slot.tracked(), None);
         let tracked = slot.tracked();
         let reading = tokio::spawn(async move {
             let mut byte = [0u8; 1];
