@@ -12,8 +12,8 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::body::{self, ProxyBody};
 use crate::metrics::Metrics;
-use crate::proxy::body::{self, ProxyBody};
 use crate::store::StoreHandle;
 
 /// How long one store ping's answer stands for `/readyz`: several checkers probing, or a burst of

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use http::{HeaderValue, Response, StatusCode, header};
 
+use crate::body::{self, ProxyBody};
 use crate::metrics::Outcome;
-use crate::proxy::body::{self, ProxyBody};
 
 /// Base of every problem `type` URI; the slug follows.
 pub const PROBLEM_BASE: &str = "https://idemproxy.dev/problems/";
@@ -294,10 +294,7 @@ impl ProxyError {
             headers.insert(header::ALLOW, HeaderValue::from_static(FORWARDED_METHODS));
         }
         if matches!(self, ProxyError::ResponseNotRetained { .. }) {
-            headers.insert(
-                crate::proxy::replay::REPLAYED_HEADER,
-                HeaderValue::from_static("true"),
-            );
+            headers.insert(crate::headers::REPLAYED_HEADER, HeaderValue::from_static("true"));
         }
         response
     }
@@ -305,18 +302,6 @@ impl ProxyError {
 
 /// The methods the proxy forwards, for the `Allow` header of a 405.
 const FORWARDED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
-
-/// An error and all its causes on one line (`outer: cause: root cause`), for logs and problem details.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
 
 #[cfg(test)]
 mod tests {

@@ -24,9 +24,12 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod body;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod error_chain;
+pub mod headers;
 pub mod keys;
 pub mod metrics;
 pub mod proxy;

@@ -2,7 +2,6 @@
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
 //! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute.
 
-pub mod body;
 pub mod budget;
 pub mod cache;
 pub mod claim;
@@ -28,12 +27,12 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use self::body::ProxyBody;
 use self::budget::{BodyBudget, ReservedBody};
 use self::cache::{Fill, Lookup, ReplayCache};
 use self::claim::Decision;
 use self::client_body::GuardedBody;
 use self::forward::{Downstream, Upstream, UpstreamFailure, stream_response};
+use crate::body::{self, ProxyBody};
 use crate::config::{Config, IdempotencyConfig, OnStoreError, Unscoped};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};

@@ -31,10 +31,10 @@ use tokio_util::task::TaskTracker;
 use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
 use self::write_deadline::WriteDeadline;
 use crate::admin::Admin;
+use crate::body::ProxyBody;
 use crate::config::ServerConfig;
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
-use crate::proxy::body::ProxyBody;
 use crate::proxy::forward::Downstream;
 
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.

@@ -15,7 +15,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::body::ProxyBody;
+use crate::body::ProxyBody;
 use crate::metrics::Metrics;
 
 /// The process's budget for buffered keyed request bodies, in bytes.

@@ -12,7 +12,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
-use super::body::BoxError;
+use crate::body::BoxError;
 use crate::error::ProxyError;
 
 /// What went wrong with the client's body, if anything; shared with the body itself.

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame};
 use tokio::sync::{mpsc, oneshot};
 
-use super::body::BoxError;
+use crate::body::BoxError;
 
 /// Creates a channel buffering up to `frames` frames.
 pub fn channel(frames: usize) -> (Sender, Receiver) {

@@ -11,8 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use http_body_util::BodyExt;
 
-use super::body::{BoxError, ProxyBody};
 use super::pool::{Pool, PooledBody, SendError};
+use crate::body::{BoxError, ProxyBody};
 use crate::config::UpstreamConfig;
 use crate::error::{Busy, ProxyError};
 use crate::metrics::Metrics;
@@ -407,7 +407,7 @@ mod tests {
                 .header(header::CONTENT_TYPE, "application/json"),
         );
         let peer = Downstream::new("10.1.2.3:5000".parse().unwrap(), false);
-        let request = upstream("http://127.0.0.1:9").request(client, super::super::body::empty(), &peer);
+        let request = upstream("http://127.0.0.1:9").request(client, crate::body::empty(), &peer);
         assert_eq!(request.method(), http::Method::POST);
         assert_eq!(request.uri(), "/pay?x=1");
         let headers = request.headers();
@@ -423,14 +423,14 @@ mod tests {
     fn without_a_host_header_the_target_authority_or_else_the_upstream_is_the_host() {
         let peer = Downstream::new("[::1]:5000".parse().unwrap(), true);
         let http2 = parts(Request::get("https://api.example:8443/a"));
-        let request = upstream("http://10.0.0.9:8080").request(http2, super::super::body::empty(), &peer);
+        let request = upstream("http://10.0.0.9:8080").request(http2, crate::body::empty(), &peer);
         assert_eq!(request.uri(), "/a");
         assert_eq!(request.headers()[header::HOST], "api.example:8443");
         assert_eq!(request.headers()[&X_FORWARDED_HOST], "api.example:8443");
         assert_eq!(request.headers()[&X_FORWARDED_FOR], "::1");
         assert_eq!(request.headers()[&X_FORWARDED_PROTO], "https");
         let bare = parts(Request::get("/a"));
-        let request = upstream("http://10.0.0.9:8080").request(bare, super::super::body::empty(), &peer);
+        let request = upstream("http://10.0.0.9:8080").request(bare, crate::body::empty(), &peer);
         assert_eq!(request.headers()[header::HOST], "10.0.0.9:8080");
         assert!(request.headers().get(&X_FORWARDED_HOST).is_none());
     }

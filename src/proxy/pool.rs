@@ -18,8 +18,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::body::ProxyBody;
-use crate::error::error_chain;
+use crate::body::ProxyBody;
+use crate::error_chain::error_chain;
 
 /// TCP keep-alive probes on upstream connections, so a vanished upstream host is noticed.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
@@ -304,7 +304,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::proxy::body;
+    use crate::body;
 
     const RESPONSE: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
 

@@ -3,12 +3,11 @@
 
 use http::{HeaderName, HeaderValue, Response, StatusCode};
 
-use super::body::{self, ProxyBody};
+use crate::body::{self, ProxyBody};
 use crate::error::ProxyError;
 use crate::store::StoredResponse;
 
-/// Marks every response answered from the store.
-pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+use crate::headers::REPLAYED_HEADER;
 
 /// The stored response as the client first saw it, plus `Idempotent-Replayed: true`. A record kept
 /// without its body (over `max_stored_response`) answers 410: the operation happened and must not run again.

@@ -22,12 +22,12 @@ use prometheus::IntCounter;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::body::{self, BoxError, ProxyBody};
 use super::cache::Fill;
 use super::downstream::{self, Sender};
 use super::forward::{Heartbeat, stream_response, strip_hop_by_hop};
 use super::pool::PooledBody;
 use super::{Answer, Proxy};
+use crate::body::{self, BoxError, ProxyBody};
 use crate::config::OnUnknownOutcome;
 use crate::error::ProxyError;
 use crate::metrics::Outcome;

@@ -24,7 +24,7 @@ use super::{
     StoreError, StoredResponse, epoch_ms,
 };
 use crate::config::StoreConfig;
-use crate::error::error_chain;
+use crate::error_chain::error_chain;
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");

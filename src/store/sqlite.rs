@@ -659,7 +659,7 @@ fn millis(duration: Duration) -> i64 {
 }
 
 fn backend(e: rusqlite::Error) -> StoreError {
-    StoreError::Backend(crate::error::error_chain(&e))
+    StoreError::Backend(crate::error_chain::error_chain(&e))
 }
 
 #[cfg(test)]
