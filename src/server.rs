@@ -35,7 +35,7 @@ use crate::body::ProxyBody;
 use crate::config::ServerConfig;
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
-use crate::proxy::forward::Downstream;
+use crate::proxy::upstream::Downstream;
 
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,8 +1,10 @@
 //! Runs before the claim of a keyed request: answers the retry of a record this process has seen completed
-//! (replay, or 422 for another payload) without a store round trip. Holds completed records only: they
+//! (replay, or 422 for another payload) without a store round trip. Filled right after the claim
+//! statement (a completed record it found) and after a won claim's completion (the [`Fill`] its claim
+//! earned). Holds completed records only: they
 //! change only by expiry, so a copy stays true until its deadline, which is never later than the record's
 //! `expires_at` by the store's clock (and never later than `replay_cache.max_age`). Bounded in bytes; the
-//! oldest entries go first. Touches nothing but its own map.
+//! oldest entries go first. Touches nothing but its own map (and the hit counter).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -11,7 +13,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use crate::store::StoredResponse;
+use super::{Handled, Proxy, replay};
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, StoredResponse};
 
 /// What an entry costs beyond its key and response bytes: the map slot at its load factor, the eviction
 /// queue item, the `Arc`s and the allocator's rounding. Set so that the accounted bytes match the heap
@@ -231,6 +236,52 @@ fn response_weight(response: &StoredResponse) -> usize {
         .map(|(name, value)| name.len() + value.len() + HEADER_OVERHEAD)
         .sum();
     headers + response.body.as_ref().map_or(0, |body| body.len())
+}
+
+impl ReplayCache {
+    /// Feeds the replay cache from what the claim statement found, with deadlines measured from `started`,
+    /// an instant before the statement ran. A completed record reported by the store enters now. A new
+    /// record (expiring `ttl` after the statement) can enter once it is completed: that is the returned
+    /// [`Fill`]. A retry or takeover keeps an expiry this process never saw, so it does not enter.
+    pub fn remember(&self, claim: &ClaimRequest, result: &ClaimResult, started: Instant) -> Option<Fill> {
+        match result {
+            ClaimResult::Won {
+                kind: ClaimKind::New, ..
+            } => Some(Fill {
+                fingerprint: claim.fingerprint,
+                deadline: started + claim.ttl,
+            }),
+            ClaimResult::Held(Existing::Completed {
+                same_fingerprint: true,
+                response,
+                expires_in,
+                ..
+            }) => {
+                // The store rounds its time to expiry up to the millisecond.
+                let deadline = started + expires_in.saturating_sub(Duration::from_millis(1));
+                let id = &claim.id;
+                self.insert(&id.scope, &id.key, claim.fingerprint, response.clone(), deadline);
+                None
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Proxy {
+    /// A retry of a record this process has seen completed, answered without the store.
+    pub(crate) fn answer_from_cache(&self, claim: &ClaimRequest) -> Option<Handled> {
+        let answer = match self
+            .cache
+            .lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint)
+        {
+            Lookup::Replay(stored) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
+            Lookup::Mismatch => Err(ProxyError::KeyReused),
+            Lookup::Miss => return None,
+        };
+        self.metrics.replay_cache_hits.inc();
+        Some(answer)
+    }
 }
 
 #[cfg(test)]

@@ -1,11 +1,113 @@
-//! Runs right after the claim statement: turns what the store found into the decision table of the design
-//! (execute, replay, 409, 422, 410) and counts stale takeovers. Pure apart from logging and counting.
+//! Runs once a keyed request has been taken in and missed the replay cache, on a task of its own: sends
+//! the claim statement, feeds the replay cache from what it found, and decides with the decision table of
+//! the design (execute, replay, 409, 422, 502 for a held outcome); a won claim goes on to `execute.rs`, a
+//! completed one to `replay.rs`, and a store that did not answer to fail_closed or fail_open
+//! (`passthrough.rs`). The table itself, [`decide`], is pure apart from logging and counting.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+
+use super::execute::{self, Claimed};
+use super::intake::Intake;
+use super::upstream::Downstream;
+use super::{Answer, Proxy, replay};
 use crate::error::ProxyError;
-use crate::metrics::Metrics;
-use crate::store::{ClaimKind, ClaimResult, Existing, StoredResponse};
+use crate::metrics::{Metrics, Outcome};
+use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoredResponse};
+
+impl Proxy {
+    /// The keyed lifecycle from the claim on. It runs on its own task: once the claim statement is sent,
+    /// a client that disconnects can no longer cancel anything, so a won claim is always executed and
+    /// completed (or released) instead of being left to its lease. The answer goes to `head`.
+    pub(crate) async fn claim(
+        self: Arc<Self>,
+        intake: Intake,
+        peer: Downstream,
+        head: Answer,
+        _slot: OwnedSemaphorePermit,
+    ) {
+        let Intake { parts, claim, body } = intake;
+        let started = Instant::now();
+        let result = match self.store.claim(&claim).await {
+            Ok(result) => result,
+            // The store answered, but with a record that must not be replayed; never forward either.
+            Err(StoreError::Undecryptable(_)) => {
+                head.send(Err(ProxyError::RecordUnreadable));
+                return;
+            }
+            Err(error) => {
+                tokio::spawn(release_orphan(self.clone(), claim.id.clone(), claim.lease));
+                head.send(self.store_down(parts, body, &peer, error).await);
+                return;
+            }
+        };
+        let fill = self.cache.remember(&claim, &result, started);
+        let answer = match decide(
+            result,
+            &claim.id.key,
+            self.policy.in_flight_retry_after,
+            &self.metrics,
+        ) {
+            Ok(Decision::Execute) => {
+                let waited = started.elapsed();
+                if waited > claim.lease / 2 {
+                    let late = self.claimed_too_late(&claim, waited).await;
+                    head.send(self.store_down(parts, body, &peer, late).await);
+                    return;
+                }
+                let request = self.upstream.request(parts, body.into_body(), &peer);
+                let claimed = Claimed {
+                    id: claim.id,
+                    lease: claim.lease,
+                };
+                return execute::execute(self, claimed, request, head, fill).await;
+            }
+            Ok(Decision::Replay(stored)) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
+            Err(refusal) => Err(refusal),
+        };
+        head.send(answer);
+    }
+
+    /// A won claim whose answer came after more than half its lease (the lease started no earlier than the
+    /// claim was sent): a starved process, or a store slower than the lease. The heartbeat's first
+    /// extension, a third of a lease after forwarding, might come after the lease ran out, and another
+    /// proxy could take the key over while the upstream works. So the claim is given back (fenced by its
+    /// token) and the request is answered as if the store had not answered in time.
+    async fn claimed_too_late(&self, claim: &ClaimRequest, waited: Duration) -> StoreError {
+        tracing::warn!(
+            key = %claim.id.key,
+            waited_ms = waited.as_millis() as u64,
+            lease_ms = claim.lease.as_millis() as u64,
+            "claim answered after more than half its lease; not forwarded on it"
+        );
+        if let Err(error) = self.store.release(&claim.id).await {
+            tracing::warn!(key = %claim.id.key, %error, "releasing the late claim failed; it expires with its lease");
+        }
+        StoreError::Timeout(waited)
+    }
+}
+
+/// A claim whose statement did not answer in time may still have been won, by a statement that
+/// committed after its request stopped waiting; left alone, it would hold the key for a lease and then
+/// count as a stale takeover although nothing ran. It is given back by its token (which matches nothing
+/// if it was never won), tried after one store timeout, when such a statement has most likely ended,
+/// and again with doubling waits while its lease could still be live.
+async fn release_orphan(proxy: Arc<Proxy>, id: RecordId, lease: Duration) {
+    let deadline = Instant::now() + lease + proxy.store_timeout;
+    let mut wait = proxy.store_timeout;
+    while Instant::now() + wait <= deadline {
+        tokio::time::sleep(wait).await;
+        if let Ok(true) = proxy.store.release(&id).await {
+            proxy.metrics.orphan_claims_released.inc();
+            tracing::warn!(key = %id.key, "a claim won after its request gave up waiting was given back");
+            return;
+        }
+        wait *= 2;
+    }
+}
 
 /// What to do with a request after its claim statement.
 #[derive(Debug)]

@@ -1,5 +1,5 @@
-//! The relay's bounded channel to the client's response body, used by `tee.rs`: frames in order, then
-//! either a clean end or an error. The end is only reported once every frame sent before it has been
+//! The relay's bounded channel to the client's response body, used by `execute/relay.rs`: frames in
+//! order, then either a clean end or an error. The end is only reported once every frame sent before it has been
 //! delivered, and an abort is never reported as a clean end.
 //!
 //! `http_body_util::channel::Channel` is not used here: once its frame queue looks empty it checks the

@@ -1,0 +1,301 @@
+//! Runs after a claim is won, on its own task so that a client who disconnects cannot cancel it: the won
+//! claim's whole task. It sends the request upstream (`upstream.rs`) under a heartbeat
+//! (`execute/heartbeat.rs`), relays the response to the client while capturing it (`execute/relay.rs`,
+//! `execute/capture.rs`), and finally completes or releases the claim. It owns the upstream body until its
+//! end; it touches the store only through fenced writes, each tried for at most the claim's lease.
+//!
+//! The response is not complete for the client before its record is stored: the relay holds back
+//! whatever completes it — the frame that brings the body to its declared length, the end of a chunked
+//! or HTTP/2 body, or, for an empty body, the head itself — until the completion (and the replay cache's
+//! copy) is done, for at most `min(store.timeout, 2 s)`. So a client that has read the whole response
+//! and retries at once gets the replay, never a 409.
+
+mod capture;
+mod channel;
+mod heartbeat;
+mod relay;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, StatusCode};
+use tokio::time::Instant;
+
+use self::heartbeat::Heartbeat;
+use self::relay::{Held, ToStore};
+use super::cache::Fill;
+use super::upstream::stream_response;
+use super::{Answer, Handled, Proxy};
+use crate::body::{BoxError, ProxyBody};
+use crate::config::OnUnknownOutcome;
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+use crate::store::{RecordId, StoreError, StoredResponse};
+
+/// The first wait before a completion or release that failed because the store blipped is tried again;
+/// each wait doubles, up to [`WRITE_BACKOFF_MAX`].
+const WRITE_BACKOFF: Duration = Duration::from_millis(100);
+const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// A won claim: the record it holds, fenced by its token, and the lease it was claimed with. The
+/// heartbeat renews that lease, and every fenced write is tried for at most that long.
+pub(crate) struct Claimed {
+    /// The record, with this claim's fencing token.
+    pub(crate) id: RecordId,
+    /// How long the claim holds without a heartbeat (`lock_timeout` when it was claimed).
+    pub(crate) lease: Duration,
+}
+
+/// Executes a claimed request to the end, whatever happens to the client. The response head (or the
+/// error) goes to `head`.
+pub(crate) async fn execute(
+    proxy: Arc<Proxy>,
+    claim: Claimed,
+    request: Request<ProxyBody>,
+    head: Answer,
+    fill: Option<Fill>,
+) {
+    let heartbeat = Heartbeat::start(
+        proxy.store.clone(),
+        claim.id.clone(),
+        claim.lease,
+        proxy.metrics.clone(),
+        &proxy.tracker,
+    );
+    let response = match proxy.upstream.send(request).await {
+        Ok(response) => response,
+        Err(failure) => {
+            heartbeat.stop();
+            if failure.never_delivered() {
+                return release_then_answer(&proxy, &claim, head, Err(failure.into_error())).await;
+            }
+            return unknown_outcome(&proxy, &claim, head, failure.into_error()).await;
+        }
+    };
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        // The upstream took the request and switched protocols instead of answering it: what it did is
+        // not known, and a 101 can be neither relayed (nothing asked for an upgrade) nor replayed.
+        heartbeat.stop();
+        let error = ProxyError::UpstreamInvalidResponse(response.status());
+        return unknown_outcome(&proxy, &claim, head, error).await;
+    }
+    if proxy.policy.release.releases(response.status()) {
+        heartbeat.stop();
+        let answer = Ok((stream_response(response), Outcome::Executed));
+        return release_then_answer(&proxy, &claim, head, answer).await;
+    }
+    relay::relay(proxy, claim, response, head, heartbeat, fill).await;
+}
+
+/// The upstream may have acted on the request, but no full answer came back. With
+/// `on_unknown_outcome = "retry"` the claim is left to its lease (a retry after it executes again);
+/// with `"hold"` the record is marked unknown first, so a retry sent right after this answer is
+/// refused until an operator releases the key. The client waits for the hold at most
+/// `completion_hold`.
+async fn unknown_outcome(proxy: &Proxy, claim: &Claimed, head: Answer, error: ProxyError) {
+    proxy.metrics.unknown_outcomes.inc();
+    let key = &claim.id.key;
+    if proxy.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
+        tracing::warn!(%key, %error, "upstream outcome unknown; claim left to its lease");
+        head.send(Err(error));
+        return;
+    }
+    tracing::warn!(%key, %error, "upstream outcome unknown; holding the key until released");
+    let holding = hold(proxy, claim);
+    tokio::pin!(holding);
+    let in_time = tokio::time::timeout(proxy.completion_hold, &mut holding)
+        .await
+        .is_ok();
+    head.send(Err(error));
+    if !in_time {
+        holding.await;
+    }
+}
+
+/// Marks the record unknown, trying for up to the lease while the store does not answer.
+async fn hold(proxy: &Proxy, claim: &Claimed) {
+    let id = &claim.id;
+    match until_answered(claim.lease, || proxy.store.hold(id)).await {
+        Ok(true) => {}
+        Ok(false) => lost_claim(proxy, id, "hold"),
+        Err(error) => {
+            tracing::error!(key = %id.key, %error, "holding the key failed; claim left to its lease")
+        }
+    }
+}
+
+/// Stores the response, then lets the client have the rest of it. The client waits for the store at most
+/// `completion_hold`; past it the client gets the rest and the completion goes on (counted).
+async fn finish(proxy: &Proxy, claim: &Claimed, record: ToStore, held: Held, heartbeat: Heartbeat) {
+    let id = &claim.id;
+    let captured = record.capture.finish();
+    let stored = StoredResponse {
+        status: record.status,
+        headers: record.headers,
+        body: captured.body,
+    };
+    if stored.body.is_none() {
+        proxy.metrics.not_retained.inc();
+    }
+    let storing = store_and_remember(proxy, claim, stored, record.fill);
+    tokio::pin!(storing);
+    let in_time = tokio::time::timeout(proxy.completion_hold, &mut storing)
+        .await
+        .is_ok();
+    if !in_time {
+        proxy.metrics.completion_hold_expired.inc();
+        tracing::warn!(key = %id.key, hold = ?proxy.completion_hold,
+            "record not stored within the hold; the client gets the rest of its response first");
+    }
+    held.release(proxy, id).await;
+    if !in_time {
+        storing.await;
+    }
+    heartbeat.stop();
+    drop(captured.reservation);
+}
+
+/// Completes the record and, once it is stored, puts it in the replay cache.
+async fn store_and_remember(proxy: &Proxy, claim: &Claimed, stored: StoredResponse, fill: Option<Fill>) {
+    let id = &claim.id;
+    if complete(proxy, claim, &stored).await
+        && let Some(fill) = fill
+    {
+        proxy
+            .cache
+            .insert(&id.scope, &id.key, fill.fingerprint, stored, fill.deadline);
+    }
+}
+
+/// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), or if it
+/// has not had the head yet it gets `failure`; nothing is stored, and the outcome is unknown because the
+/// upstream may have acted.
+async fn broken_body(
+    proxy: &Proxy,
+    claim: &Claimed,
+    mut client: relay::Client,
+    heartbeat: Heartbeat,
+    error: BoxError,
+    failure: ProxyError,
+) {
+    heartbeat.stop();
+    proxy.metrics.unknown_outcomes.inc();
+    tracing::warn!(key = %claim.id.key, %error, "upstream body broke off; outcome unknown");
+    client.fail(error, failure);
+    if proxy.policy.on_unknown_outcome == OnUnknownOutcome::Hold {
+        hold(proxy, claim).await;
+    }
+}
+/// Stores the response under the claim's fence, retrying a store that does not answer for up to the lease
+/// (see [`until_answered`]); `true` once it is stored.
+async fn complete(proxy: &Proxy, claim: &Claimed, stored: &StoredResponse) -> bool {
+    let id = &claim.id;
+    match until_answered(claim.lease, || proxy.store.complete(id, stored)).await {
+        Ok(true) => true,
+        Ok(false) => {
+            lost_claim(proxy, id, "completion");
+            false
+        }
+        Err(error) => {
+            tracing::error!(key = %id.key, %error, "completion failed; claim left to its lease");
+            false
+        }
+    }
+}
+
+/// Releases the claim before answering, so that a retry sent right after the answer finds the key free.
+/// When the store is away the client is not kept waiting on it: it is answered at once, and the release
+/// is tried again afterwards (see [`until_answered`]).
+async fn release_then_answer(proxy: &Proxy, claim: &Claimed, head: Answer, answer: Handled) {
+    let id = &claim.id;
+    match proxy.store.release(id).await {
+        Ok(true) => {}
+        Ok(false) => lost_claim(proxy, id, "release"),
+        Err(error) => {
+            tracing::warn!(key = %id.key, %error, "release failed; answering, then retrying");
+            head.send(answer);
+            return release(proxy, claim).await;
+        }
+    }
+    head.send(answer);
+}
+
+async fn release(proxy: &Proxy, claim: &Claimed) {
+    let id = &claim.id;
+    match until_answered(claim.lease, || proxy.store.release(id)).await {
+        Ok(true) => {}
+        Ok(false) => lost_claim(proxy, id, "release"),
+        Err(error) => {
+            tracing::warn!(key = %id.key, %error, "release failed; claim left to its lease")
+        }
+    }
+}
+
+/// Runs a fenced write until the store answers it, backing off between tries, for at most `lease`
+/// (the claim's): past the lease the claim is stale and the next retry may take it over anyway, so the
+/// claim is left to its lease instead of waiting on the store without end. Every failed try is counted
+/// by the store handle. The store's answer, or its last error once the lease has run out.
+async fn until_answered<F, Fut>(lease: Duration, mut write: F) -> Result<bool, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, StoreError>>,
+{
+    let deadline = Instant::now() + lease;
+    let mut backoff = WRITE_BACKOFF;
+    let mut tries = 1u32;
+    loop {
+        match write().await {
+            Err(error) if Instant::now() + backoff < deadline => {
+                tracing::warn!(%error, tries, "store write failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(WRITE_BACKOFF_MAX);
+                tries += 1;
+            }
+            answer => return answer,
+        }
+    }
+}
+
+fn lost_claim(proxy: &Proxy, id: &RecordId, write: &str) {
+    proxy.metrics.lost_claims.inc();
+    tracing::warn!(key = %id.key, write, "claim was taken over meanwhile; write refused by its fence");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write that fails `failures` times, then answers `true`; counts its tries.
+    fn flaky(failures: u32, tries: &std::cell::Cell<u32>) -> impl Future<Output = Result<bool, StoreError>> {
+        tries.set(tries.get() + 1);
+        let failed = tries.get() <= failures;
+        async move {
+            if failed {
+                Err(StoreError::Backend("connection closed".into()))
+            } else {
+                Ok(true)
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_is_retried_until_the_store_answers() {
+        let tries = std::cell::Cell::new(0);
+        let started = Instant::now();
+        let answer = until_answered(Duration::from_secs(30), || flaky(3, &tries)).await;
+        assert!(matches!(answer, Ok(true)), "{answer:?}");
+        assert_eq!(tries.get(), 4);
+        assert_eq!(started.elapsed(), Duration::from_millis(100 + 200 + 400));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_gives_up_when_the_lease_runs_out() {
+        let tries = std::cell::Cell::new(0);
+        let started = Instant::now();
+        let answer = until_answered(Duration::from_secs(5), || flaky(u32::MAX, &tries)).await;
+        assert!(matches!(answer, Err(StoreError::Backend(_))), "{answer:?}");
+        // Waits of 0.1, 0.2, 0.4, 0.8, 1.6 s; the next (2 s, capped) would end past the lease.
+        assert_eq!(tries.get(), 6);
+        assert_eq!(started.elapsed(), Duration::from_millis(3_100));
+    }
+}

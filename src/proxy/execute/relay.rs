@@ -1,0 +1,243 @@
+//! Runs once a won claim's upstream answered with a response to keep: relays the body to the client
+//! first (over `execute/channel.rs`) and into the capture second (`execute/capture.rs`), holding back
+//! whatever completes the response until the record is stored. Owns the upstream body until its end; a
+//! client that leaves or stops reading is let go while the relay reads on.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Response, header};
+use http_body::{Body as _, Frame};
+use http_body_util::BodyExt;
+
+use super::capture::Capture;
+use super::channel::{self, Sender};
+use super::heartbeat::Heartbeat;
+use super::{Claimed, broken_body, finish};
+use crate::body::{self, BoxError, ProxyBody};
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+use crate::proxy::cache::Fill;
+use crate::proxy::upstream::pool::PooledBody;
+use crate::proxy::upstream::strip_hop_by_hop;
+use crate::proxy::{Answer, Proxy};
+use crate::store::RecordId;
+
+/// Frames buffered between the relay and a slow client before the relay waits.
+const DOWNSTREAM_FRAMES: usize = 8;
+
+/// The client's side of the relay: its response head until it is sent, then the channel to its response
+/// body while the client is there.
+pub(super) struct Client {
+    head: Option<(Answer, Response<ProxyBody>)>,
+    sender: Option<Sender>,
+    write_timeout: Duration,
+}
+
+impl Client {
+    /// Sends the response head if it has not gone yet. It waits for the first body frame that is ready
+    /// with it, so that a response whose body comes in one frame leaves in one write once it is stored.
+    fn send_head(&mut self, id: &RecordId) {
+        let Some((answer, response)) = self.head.take() else {
+            return;
+        };
+        if !answer.send(Ok((response, Outcome::Executed))) {
+            tracing::debug!(key = %id.key, "client left before the response head; reading upstream to the end");
+            self.sender = None;
+        }
+    }
+
+    /// Queues `frame` for the client. A client that has gone is dropped; one that accepts nothing for
+    /// `server.write_timeout` is let go with an error (its response must never look complete) and
+    /// counted; either way the relay reads on.
+    async fn deliver(&mut self, frame: Frame<Bytes>, proxy: &Proxy, id: &RecordId) {
+        self.send_head(id);
+        let Some(sender) = self.sender.as_mut() else {
+            return;
+        };
+        match tokio::time::timeout(self.write_timeout, sender.send(frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                tracing::debug!(key = %id.key, "client left mid-body; reading upstream to the end");
+                self.sender = None;
+            }
+            Err(_) => {
+                proxy.metrics.write_timeouts.inc();
+                tracing::warn!(key = %id.key, timeout = ?self.write_timeout,
+                    "client accepted no response bytes; letting it go and reading upstream to the end");
+                self.abort("the client stopped reading the response".into());
+            }
+        }
+    }
+
+    fn abort(&mut self, error: BoxError) {
+        if let Some(sender) = self.sender.take() {
+            sender.abort(error);
+        }
+    }
+
+    /// The upstream failed mid-body: a client that has not had the head yet gets `failure` instead; one
+    /// that has gets its stream ended with the error, never passed off as complete.
+    pub(super) fn fail(&mut self, error: BoxError, failure: ProxyError) {
+        match self.head.take() {
+            Some((answer, _)) => {
+                answer.send(Err(failure));
+                self.sender = None;
+            }
+            None => self.abort(error),
+        }
+    }
+}
+
+/// What the relay holds back from the client until the record is stored.
+pub(super) enum Held {
+    /// An empty body: the head is the whole response.
+    Head(Answer, Response<ProxyBody>),
+    /// The last frame, if one is held, then the end of the body.
+    End(Client, Option<Frame<Bytes>>),
+}
+
+impl Held {
+    /// Lets the client have the rest of its response; the body ends once the client is dropped.
+    pub(super) async fn release(self, proxy: &Proxy, id: &RecordId) {
+        match self {
+            Held::Head(head, response) => {
+                head.send(Ok((response, Outcome::Executed)));
+            }
+            Held::End(mut client, last) => {
+                client.send_head(id);
+                if let Some(frame) = last {
+                    client.deliver(frame, proxy, id).await;
+                }
+            }
+        }
+    }
+}
+
+/// What the relay stores once the upstream body has ended.
+pub(super) struct ToStore {
+    pub(super) status: u16,
+    pub(super) headers: Vec<(String, Vec<u8>)>,
+    pub(super) capture: Capture,
+    pub(super) fill: Option<Fill>,
+}
+
+pub(super) async fn relay(
+    proxy: Arc<Proxy>,
+    claim: Claimed,
+    response: Response<PooledBody>,
+    head: Answer,
+    heartbeat: Heartbeat,
+    fill: Option<Fill>,
+) {
+    let id = &claim.id;
+    let (mut parts, mut upstream) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let record = ToStore {
+        status: parts.status.as_u16(),
+        headers: storable_headers(&parts.headers, &proxy.policy.never_store_headers),
+        capture: Capture::new(
+            proxy.policy.max_stored_response,
+            proxy.captures.clone(),
+            proxy.metrics.capture_budget_exhausted.clone(),
+        ),
+        fill,
+    };
+    if http_body::Body::is_end_stream(&upstream) {
+        drop(upstream);
+        let held = Held::Head(head, Response::from_parts(parts, body::empty()));
+        return finish(&proxy, &claim, record, held, heartbeat).await;
+    }
+    let declared = content_length(&parts.headers);
+    let (sender, receiver) = channel::channel(DOWNSTREAM_FRAMES);
+    let mut client = Client {
+        head: Some((head, Response::from_parts(parts, receiver.boxed()))),
+        sender: Some(sender),
+        write_timeout: proxy.write_timeout,
+    };
+    let ToStore {
+        status,
+        headers,
+        mut capture,
+        fill,
+    } = record;
+    let mut last = None;
+    let mut received = 0u64;
+    let idle = proxy.upstream.timeout();
+    loop {
+        let polled = match frame_now(&mut upstream) {
+            Poll::Ready(polled) => polled,
+            Poll::Pending => {
+                // Nothing more comes with the head now: let it go before waiting on the upstream.
+                client.send_head(id);
+                match tokio::time::timeout(idle, upstream.frame()).await {
+                    Ok(polled) => polled,
+                    Err(_) => {
+                        let failure = ProxyError::UpstreamTimeout(idle);
+                        let error = "upstream body stalled".into();
+                        return broken_body(&proxy, &claim, client, heartbeat, error, failure).await;
+                    }
+                }
+            }
+        };
+        let frame = match polled {
+            None => break,
+            Some(Ok(frame)) => frame,
+            Some(Err(error)) => {
+                let failure = ProxyError::UpstreamUnreachable(error.to_string());
+                return broken_body(&proxy, &claim, client, heartbeat, error.into(), failure).await;
+            }
+        };
+        if let Some(data) = frame.data_ref() {
+            received += data.len() as u64;
+            capture.push(data.clone());
+        }
+        // A frame held as the last one was not, since another follows.
+        if let Some(earlier) = last.take() {
+            client.deliver(earlier, &proxy, id).await;
+        }
+        if completes(&frame, &upstream, declared, received) {
+            last = Some(frame);
+        } else {
+            client.deliver(frame, &proxy, id).await;
+        }
+    }
+    let record = ToStore {
+        status,
+        headers,
+        capture,
+        fill,
+    };
+    finish(&proxy, &claim, record, Held::End(client, last), heartbeat).await;
+}
+
+/// The upstream body's next frame if it is there without waiting (it usually came in with the head).
+fn frame_now(upstream: &mut PooledBody) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    Pin::new(upstream).poll_frame(&mut Context::from_waker(Waker::noop()))
+}
+
+/// Whether `frame` completes the response for the client: trailers, the body's end as the upstream
+/// reports it, or the declared length reached (HTTP/1.1 ends such a message with its last byte).
+fn completes(frame: &Frame<Bytes>, upstream: &PooledBody, declared: Option<u64>, received: u64) -> bool {
+    frame.is_trailers()
+        || http_body::Body::is_end_stream(upstream)
+        || declared.is_some_and(|length| received >= length)
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// End-to-end headers worth replaying. `content-length` is left out: a replay's length comes from the
+/// stored body itself; so are `never_store` (`idempotency.never_store_headers`, such as `set-cookie`),
+/// which only the first client gets.
+fn storable_headers(headers: &HeaderMap, never_store: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
+    headers
+        .iter()
+        .filter(|(name, _)| **name != header::CONTENT_LENGTH && !never_store.contains(name))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect()
+}

@@ -1,0 +1,74 @@
+//! Runs for every request the proxy does not protect (a method not in `idempotency.methods`, or no key
+//! while keys are optional), and for a keyed request whose claim the store could not decide while
+//! `store.on_error = "fail_open"`: forwards it upstream as it is and streams the answer back, with no
+//! store work. A passthrough body streams to the upstream under `passthrough/client_body.rs`'s bounds.
+
+pub mod client_body;
+
+use http::{Request, Response, request};
+use http_body::Body as _;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use self::client_body::GuardedBody;
+use super::intake::budget::ReservedBody;
+use super::upstream::pool::PooledBody;
+use super::upstream::{Downstream, UpstreamFailure, stream_response};
+use super::{Handled, Proxy};
+use crate::body::{self, ProxyBody};
+use crate::config::OnStoreError;
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+use crate::store::StoreError;
+
+impl Proxy {
+    /// Forwards an unprotected request; a client body that stalls or breaks is blamed on the client.
+    pub(crate) async fn passthrough(&self, request: Request<Incoming>, peer: &Downstream) -> Handled {
+        let (parts, body) = request.into_parts();
+        // A request without a body, as most are, has no body to guard.
+        let (body, client) = if body.is_end_stream() {
+            (body::empty(), None)
+        } else {
+            let (body, client) = GuardedBody::new(body, self.body_read_timeout);
+            (body.boxed(), Some(client))
+        };
+        let request = self.upstream.request(parts, body, peer);
+        let response = self.upstream.send(request).await.map_err(|failure| {
+            client
+                .and_then(|client| client.error())
+                .unwrap_or_else(|| failure.into_error())
+        })?;
+        Ok((relayable(response)?, Outcome::Passthrough))
+    }
+
+    /// The store could not decide the claim: refuse (fail_closed) or forward unprotected (fail_open).
+    pub(crate) async fn store_down(
+        &self,
+        parts: request::Parts,
+        body: ReservedBody,
+        peer: &Downstream,
+        error: StoreError,
+    ) -> Handled {
+        if self.on_store_error == OnStoreError::FailClosed {
+            return Err(ProxyError::StoreUnavailable(error.to_string()));
+        }
+        self.metrics.unprotected.inc();
+        tracing::warn!(%error, "store unavailable; forwarding without idempotency (fail_open)");
+        let request = self.upstream.request(parts, body.into_body(), peer);
+        let response = self
+            .upstream
+            .send(request)
+            .await
+            .map_err(UpstreamFailure::into_error)?;
+        Ok((relayable(response)?, Outcome::StoreUnavailable))
+    }
+}
+
+/// An upstream response streamed through as it is, unless it is a `101 Switching Protocols`: the proxy
+/// forwards no `Upgrade`, so nothing asked for one, and the connection it would switch is not relayed.
+fn relayable(response: Response<PooledBody>) -> Result<Response<ProxyBody>, ProxyError> {
+    if response.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+        return Err(ProxyError::UpstreamInvalidResponse(response.status()));
+    }
+    Ok(stream_response(response))
+}
