@@ -1,6 +1,7 @@
 //! Every metric idemproxy exports, by name, in this one file. A [`Metrics`] owns its own registry (never the
-//! global one) and is created once in `run()` and passed down. Labels come from small fixed sets only:
-//! never keys, paths or error text.
+//! global one) and is created once in `run()` and passed down. It depends on nothing else in the crate:
+//! callers count in its terms ([`Outcome`], [`StoreOp`], [`RecordCounts`]). Labels come from small fixed
+//! sets only: never keys, paths or error text.
 
 use std::ops::Deref;
 use std::sync::Arc;
@@ -9,8 +10,6 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
-
-use crate::store::RecordStats;
 
 /// How a request ended, for `idemproxy_requests_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +112,35 @@ impl StoreOp {
             StoreOp::Find => "find",
             StoreOp::Stats => "stats",
         }
+    }
+}
+
+/// How many records the key table holds by state, for `idemproxy_records{status}`: the sweeper converts
+/// the store's count into this.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordCounts {
+    /// Unexpired records being executed.
+    pub processing: u64,
+    /// Unexpired records with a stored response.
+    pub completed: u64,
+    /// Unexpired released records.
+    pub failed: u64,
+    /// Unexpired records held with an unknown outcome.
+    pub unknown: u64,
+    /// Records past their expiry, waiting for the sweeper.
+    pub expired: u64,
+}
+
+impl RecordCounts {
+    /// Each count under its `status` label value.
+    fn by_status(&self) -> [(&'static str, u64); 5] {
+        [
+            ("processing", self.processing),
+            ("completed", self.completed),
+            ("failed", self.failed),
+            ("unknown", self.unknown),
+            ("expired", self.expired),
+        ]
     }
 }
 
@@ -403,15 +431,8 @@ impl MetricSet {
     }
 
     /// Publishes a count of the records by state.
-    pub fn set_records(&self, stats: &RecordStats) {
-        let by_status = [
-            ("processing", stats.processing),
-            ("completed", stats.completed),
-            ("failed", stats.failed),
-            ("unknown", stats.unknown),
-            ("expired", stats.expired),
-        ];
-        for (status, count) in by_status {
+    pub fn set_records(&self, counts: &RecordCounts) {
+        for (status, count) in counts.by_status() {
             let count = i64::try_from(count).unwrap_or(i64::MAX);
             self.records.with_label_values(&[status]).set(count);
         }
