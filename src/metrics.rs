@@ -9,6 +9,9 @@
 //! `_bytes`); a gauge that counts things has no suffix; no name ends in `_count`, `_sum` or `_bucket`,
 //! which the exposition adds to histograms. Label names are the constants in `label`; their values
 //! come from small fixed sets only: never keys, paths or error text.
+//!
+//! `REPLAYS`, `CONFLICTS` and `MISMATCHES` are aliases kept for existing dashboards: each equals
+//! `REQUESTS` with its outcome, because [`MetricSet::record`] counts both.
 
 use std::ops::Deref;
 use std::sync::Arc;
@@ -303,13 +306,13 @@ pub struct MetricSet {
     /// Its series, by [`Outcome`] in declaration order, resolved once: counting a request then costs
     /// no label lookup.
     by_outcome: [IntCounter; Outcome::ALL.len()],
-    /// `REPLAYS`
+    /// `REPLAYS`: an alias of `REQUESTS` for [`Outcome::Replayed`].
     pub replays: IntCounter,
-    /// `CONFLICTS`
+    /// `CONFLICTS`: an alias of `REQUESTS` for [`Outcome::Conflict`].
     pub conflicts: IntCounter,
     /// `STALE_TAKEOVERS`
     pub stale_takeovers: IntCounter,
-    /// `MISMATCHES`
+    /// `MISMATCHES`: an alias of `REQUESTS` for [`Outcome::Mismatch`].
     pub mismatches: IntCounter,
     /// `LOST_CLAIMS`: fenced-out heartbeats, completions and releases.
     pub lost_claims: IntCounter,
@@ -409,14 +412,26 @@ impl MetricSet {
         }
     }
 
-    /// Counts a finished request.
+    /// Counts a finished request, and its alias if the outcome has one.
     pub fn record(&self, outcome: Outcome) {
         self.by_outcome[outcome as usize].inc();
+        if let Some(alias) = self.alias(outcome) {
+            alias.inc();
+        }
+    }
+
+    /// The counter kept for existing dashboards that repeats `REQUESTS` for `outcome`, if any.
+    fn alias(&self, outcome: Outcome) -> Option<&IntCounter> {
         match outcome {
-            Outcome::Replayed => self.replays.inc(),
-            Outcome::Conflict => self.conflicts.inc(),
-            Outcome::Mismatch => self.mismatches.inc(),
-            _ => {}
+            Outcome::Replayed => Some(&self.replays),
+            Outcome::Conflict => Some(&self.conflicts),
+            Outcome::Mismatch => Some(&self.mismatches),
+            Outcome::Passthrough
+            | Outcome::Executed
+            | Outcome::Rejected
+            | Outcome::StoreUnavailable
+            | Outcome::UpstreamError
+            | Outcome::Held => None,
         }
     }
 
@@ -558,19 +573,28 @@ mod tests {
     }
 
     #[test]
-    fn replay_counts_in_both_series() {
+    fn each_alias_equals_its_outcome_series() {
         let metrics = Metrics::new();
-        metrics.record(Outcome::Replayed);
-        let text = String::from_utf8(metrics.render()).unwrap();
-        assert!(text.contains("idemproxy_replays_total 1"), "{text}");
-        assert!(
-            text.contains("idemproxy_requests_total{outcome=\"replayed\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("idemproxy_requests_total{outcome=\"conflict\"} 0"),
-            "{text}"
-        );
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.record(outcome);
+            }
+        }
+        let served = families(&metrics);
+        let aliases = [
+            (REPLAYS.name, Outcome::Replayed),
+            (CONFLICTS.name, Outcome::Conflict),
+            (MISMATCHES.name, Outcome::Mismatch),
+        ];
+        for (alias, outcome) in aliases {
+            let by_outcome = counter_value(&served[REQUESTS.name], Some(outcome.as_str()));
+            assert!(by_outcome > 0.0);
+            assert_eq!(counter_value(&served[alias], None), by_outcome, "{alias}");
+        }
+        let with_alias = Outcome::ALL
+            .iter()
+            .filter(|outcome| metrics.alias(**outcome).is_some());
+        assert_eq!(with_alias.count(), aliases.len());
     }
 
     #[test]
@@ -632,6 +656,19 @@ mod tests {
     fn label_names(family: &MetricFamily) -> BTreeSet<&str> {
         let labels = family.get_metric().iter().flat_map(|series| series.get_label());
         labels.map(|label| label.name()).collect()
+    }
+
+    /// The counter series with `value` as its one label value, or the unlabelled one.
+    fn counter_value(family: &MetricFamily, value: Option<&str>) -> f64 {
+        let matches = |series: &&prometheus::proto::Metric| {
+            series.get_label().first().map(|label| label.value()) == value
+        };
+        let series = family
+            .get_metric()
+            .iter()
+            .find(matches)
+            .expect("the series exists");
+        series.get_counter().get_value()
     }
 
     fn is_snake_case(words: &str) -> bool {
