@@ -538,6 +538,8 @@ mod tests {
 
     use super::*;
 
+    const README: &str = include_str!("../README.md");
+
     #[test]
     fn every_outcome_and_store_op_is_counted_under_its_own_label() {
         let metrics = Metrics::new();
@@ -639,6 +641,95 @@ mod tests {
         assert_eq!(absent, [RECORDS.name]);
     }
 
+    #[test]
+    fn the_readme_reference_lists_exactly_the_served_families() {
+        let served = served();
+        let reference = readme_reference();
+        let unlisted: Vec<&String> = served
+            .keys()
+            .filter(|name| !reference.contains_key(name.as_str()))
+            .collect();
+        let not_served: Vec<&&str> = reference
+            .keys()
+            .filter(|name| !served.contains_key(**name))
+            .collect();
+        assert!(
+            unlisted.is_empty(),
+            "served but not in the README's reference: {unlisted:?}"
+        );
+        assert!(
+            not_served.is_empty(),
+            "in the README's reference but not served: {not_served:?}"
+        );
+        for (name, row) in reference {
+            let family = &served[name];
+            assert_eq!(row.kind, kind(family), "{name}: type");
+            assert_eq!(row.labels, label_names(family), "{name}: label names");
+            for value in label_values(family) {
+                assert!(
+                    row.text.contains(&format!("`{value}`")),
+                    "{name}: README omits `{value}`"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_readme_mentions_no_metric_that_is_not_served() {
+        let served = served();
+        for mention in README.split("idemproxy_").skip(1) {
+            let word: String = mention
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            if word.is_empty() {
+                continue; // the prefix alone, as in a grep pattern
+            }
+            let name = format!("idemproxy_{word}");
+            let family = ["_bucket", "_count", "_sum"]
+                .into_iter()
+                .filter_map(|series| name.strip_suffix(series))
+                .find(|base| served.contains_key(*base))
+                .unwrap_or(&name);
+            assert!(
+                served.contains_key(family),
+                "the README mentions {name}, which is not served"
+            );
+        }
+    }
+
+    /// A row of the README's metric reference.
+    #[derive(Debug)]
+    struct Row {
+        kind: &'static str,
+        labels: BTreeSet<&'static str>,
+        text: &'static str,
+    }
+
+    /// The table in the README's `## Metrics` section, by metric name.
+    fn readme_reference() -> BTreeMap<&'static str, Row> {
+        let section = README
+            .split("\n## Metrics\n")
+            .nth(1)
+            .expect("README has a ## Metrics section");
+        let section = section.split("\n## ").next().unwrap_or(section);
+        section.lines().filter_map(reference_row).collect()
+    }
+
+    /// `| `name{label}` | type | meaning |`; the header and the rule under it have no backtick.
+    fn reference_row(line: &'static str) -> Option<(&'static str, Row)> {
+        let mut cells = line.strip_prefix("| `")?.splitn(3, '|');
+        let metric = cells.next()?.trim().strip_suffix('`')?;
+        let (name, labels) = metric.split_once('{').unwrap_or((metric, "}"));
+        let labels = labels.trim_end_matches('}').split(',');
+        let row = Row {
+            kind: cells.next()?.trim(),
+            labels: labels.filter(|label| !label.is_empty()).collect(),
+            text: cells.next()?,
+        };
+        Some((name, row))
+    }
+
     /// Every family a running proxy can serve, by name, each labelled one with at least one series.
     fn served() -> BTreeMap<String, MetricFamily> {
         let metrics = Metrics::new();
@@ -653,9 +744,23 @@ mod tests {
             .collect()
     }
 
+    fn kind(family: &MetricFamily) -> &'static str {
+        match family.get_field_type() {
+            MetricType::COUNTER => "counter",
+            MetricType::GAUGE => "gauge",
+            MetricType::HISTOGRAM => "histogram",
+            other => panic!("{other:?} is not a type idemproxy uses"),
+        }
+    }
+
     fn label_names(family: &MetricFamily) -> BTreeSet<&str> {
         let labels = family.get_metric().iter().flat_map(|series| series.get_label());
         labels.map(|label| label.name()).collect()
+    }
+
+    fn label_values(family: &MetricFamily) -> BTreeSet<&str> {
+        let labels = family.get_metric().iter().flat_map(|series| series.get_label());
+        labels.map(|label| label.value()).collect()
     }
 
     /// The counter series with `value` as its one label value, or the unlabelled one.
