@@ -133,7 +133,7 @@ const EXPIRED_DELETED: Spec = Spec {
 };
 const RECORDS: Spec = Spec {
     name: "idemproxy_records",
-    help: "Records in the key table by state (processing, completed, failed, expired), \
+    help: "Records in the key table by state (processing, completed, failed, unknown, expired), \
            as of the sweeper's last count.",
 };
 // Encryption.
