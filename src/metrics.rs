@@ -1,16 +1,156 @@
-//! Every metric idemproxy exports, by name, in this one file. A [`Metrics`] owns its own registry (never the
-//! global one) and is created once in `run()` and passed down. Labels come from small fixed sets only:
-//! never keys, paths or error text.
+//! Every metric idemproxy exports, by name, in this one file. A [`Metrics`] is created once in `run()`
+//! and passed down; it owns its own registry (never the global one), which `admin.rs` renders on
+//! `/metrics`. This module depends on nothing else in the crate: callers count in its terms
+//! ([`Outcome`], [`StoreOp`], [`RecordCounts`]).
+//!
+//! Each name is written once, in the `Spec` constants below, and follows one rule (Prometheus's
+//! conventions, checked by a test over every registered family): `idemproxy_` and then snake_case words
+//! for what is measured; a counter ends in `_total`; a histogram ends in its base unit (`_seconds`,
+//! `_bytes`); a gauge that counts things has no suffix; no name ends in `_count`, `_sum` or `_bucket`,
+//! which the exposition adds to histograms. Label names are the constants in `label`; their values
+//! come from small fixed sets only: never keys, paths or error text.
+//!
+//! `REPLAYS`, `CONFLICTS` and `MISMATCHES` are aliases kept for existing dashboards: each equals
+//! `REQUESTS` with its outcome, because [`MetricSet::record`] counts both.
 
 use std::ops::Deref;
 use std::sync::Arc;
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
 
-use crate::store::RecordStats;
+/// A metric's name and the help text the exposition gives it.
+struct Spec {
+    name: &'static str,
+    help: &'static str,
+}
+
+// Requests.
+const REQUESTS: Spec = Spec {
+    name: "idemproxy_requests_total",
+    help: "Requests by how they ended.",
+};
+const REPLAYS: Spec = Spec {
+    name: "idemproxy_replays_total",
+    help: "Requests answered from a stored response.",
+};
+const CONFLICTS: Spec = Spec {
+    name: "idemproxy_conflicts_total",
+    help: "Requests refused because their key was in flight.",
+};
+const MISMATCHES: Spec = Spec {
+    name: "idemproxy_mismatches_total",
+    help: "Requests refused because their key was used with another payload.",
+};
+const IN_FLIGHT: Spec = Spec {
+    name: "idemproxy_in_flight_requests",
+    help: "Requests being handled now.",
+};
+const UNPROTECTED: Spec = Spec {
+    name: "idemproxy_unprotected_requests_total",
+    help: "Keyed requests forwarded without protection while the store was down (fail_open).",
+};
+const REPLAY_CACHE_HITS: Spec = Spec {
+    name: "idemproxy_replay_cache_hits_total",
+    help: "Keyed requests answered from the in-process replay cache (replays and mismatches), \
+           without the store.",
+};
+// Claims.
+const STALE_TAKEOVERS: Spec = Spec {
+    name: "idemproxy_stale_takeovers_total",
+    help: "Claims taken over after the previous claim's lease ran out.",
+};
+const LOST_CLAIMS: Spec = Spec {
+    name: "idemproxy_lost_claims_total",
+    help: "Heartbeats, completions and releases refused because the claim was taken over.",
+};
+const UNKNOWN_OUTCOMES: Spec = Spec {
+    name: "idemproxy_unknown_outcomes_total",
+    help: "Keyed requests the upstream may have executed without a full answer coming back \
+           (timeout, broken connection or body, 101).",
+};
+const ORPHAN_CLAIMS_RELEASED: Spec = Spec {
+    name: "idemproxy_orphan_claims_released_total",
+    help: "Claims won after their request stopped waiting for the store, given back by token.",
+};
+// Responses kept for retries.
+const NOT_RETAINED: Spec = Spec {
+    name: "idemproxy_responses_not_retained_total",
+    help: "Completed requests whose response was over max_stored_response and was not kept.",
+};
+const CAPTURE_BUDGET_EXHAUSTED: Spec = Spec {
+    name: "idemproxy_capture_budget_exhausted_total",
+    help: "Responses not retained because server.max_buffered_responses was spent.",
+};
+const COMPLETION_HOLD_EXPIRED: Spec = Spec {
+    name: "idemproxy_completion_hold_expired_total",
+    help: "Responses let go to the client before their record was stored, because the store \
+           took longer than the hold.",
+};
+// The store and the upstream.
+const STORE_ERRORS: Spec = Spec {
+    name: "idemproxy_store_errors_total",
+    help: "Failed store operations by operation.",
+};
+const STORE_DURATION: Spec = Spec {
+    name: "idemproxy_store_duration_seconds",
+    help: "Store operation latency.",
+};
+const UPSTREAM_DURATION: Spec = Spec {
+    name: "idemproxy_upstream_duration_seconds",
+    help: "Time from forwarding a request to the upstream's response head.",
+};
+// The proxy listener's limits.
+const OPEN_CONNECTIONS: Spec = Spec {
+    name: "idemproxy_open_connections",
+    help: "Client connections open on the proxy listener.",
+};
+const CONNECTION_CAP_REACHED: Spec = Spec {
+    name: "idemproxy_connection_cap_reached_total",
+    help: "Times a new connection found server.max_connections open and waited for a slot, \
+           the listener accepting no other meanwhile.",
+};
+const CONNECTIONS_EVICTED: Spec = Spec {
+    name: "idemproxy_connections_evicted_total",
+    help: "Idle client connections closed to make room for new ones \
+           while server.max_connections were open.",
+};
+const BODY_BUDGET_WAITS: Spec = Spec {
+    name: "idemproxy_body_budget_waits_total",
+    help: "Keyed request bodies that waited for room in server.max_buffered_bodies.",
+};
+const WRITE_TIMEOUTS: Spec = Spec {
+    name: "idemproxy_write_timeouts_total",
+    help: "Clients let go because they accepted no response bytes for server.write_timeout.",
+};
+// The sweeper.
+const EXPIRED_DELETED: Spec = Spec {
+    name: "idemproxy_expired_keys_deleted_total",
+    help: "Expired records deleted by the sweeper.",
+};
+const RECORDS: Spec = Spec {
+    name: "idemproxy_records",
+    help: "Records in the key table by state (processing, completed, failed, unknown, expired), \
+           as of the sweeper's last count.",
+};
+// Encryption.
+const UNDECRYPTABLE: Spec = Spec {
+    name: "idemproxy_undecryptable_records_total",
+    help: "Stored responses refused because they could not be decrypted.",
+};
+
+/// Label names, each written once.
+mod label {
+    /// [`super::Outcome`], on `REQUESTS`.
+    pub const OUTCOME: &str = "outcome";
+    /// [`super::StoreOp`], on `STORE_ERRORS` and `STORE_DURATION`.
+    pub const OP: &str = "op";
+    /// A field of [`super::RecordCounts`], on `RECORDS`.
+    pub const STATUS: &str = "status";
+}
 
 /// How a request ended, for `idemproxy_requests_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +256,35 @@ impl StoreOp {
     }
 }
 
+/// How many records the key table holds by state, for `RECORDS`: the sweeper converts the store's count
+/// into this.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordCounts {
+    /// Unexpired records being executed.
+    pub processing: u64,
+    /// Unexpired records with a stored response.
+    pub completed: u64,
+    /// Unexpired released records.
+    pub failed: u64,
+    /// Unexpired records held with an unknown outcome.
+    pub unknown: u64,
+    /// Records past their expiry, waiting for the sweeper.
+    pub expired: u64,
+}
+
+impl RecordCounts {
+    /// Each count under its `status` label value.
+    fn by_status(&self) -> [(&'static str, u64); 5] {
+        [
+            ("processing", self.processing),
+            ("completed", self.completed),
+            ("failed", self.failed),
+            ("unknown", self.unknown),
+            ("expired", self.expired),
+        ]
+    }
+}
+
 /// The registry and every metric in it; clones share them.
 #[derive(Clone)]
 pub struct Metrics(Arc<MetricSet>);
@@ -128,263 +297,141 @@ impl Deref for Metrics {
     }
 }
 
-/// The metrics themselves, reached through [`Metrics`].
+/// The metrics themselves, reached through [`Metrics`]. Each field's doc names the `Spec` it is
+/// registered from.
 pub struct MetricSet {
     registry: Registry,
-    /// `idemproxy_requests_total{outcome}`
+    /// `REQUESTS`, by `outcome`.
     pub requests: IntCounterVec,
     /// Its series, by [`Outcome`] in declaration order, resolved once: counting a request then costs
     /// no label lookup.
     by_outcome: [IntCounter; Outcome::ALL.len()],
-    /// `idemproxy_replays_total`
+    /// `REPLAYS`: an alias of `REQUESTS` for [`Outcome::Replayed`].
     pub replays: IntCounter,
-    /// `idemproxy_conflicts_total`
+    /// `CONFLICTS`: an alias of `REQUESTS` for [`Outcome::Conflict`].
     pub conflicts: IntCounter,
-    /// `idemproxy_stale_takeovers_total`
+    /// `STALE_TAKEOVERS`
     pub stale_takeovers: IntCounter,
-    /// `idemproxy_mismatches_total`
+    /// `MISMATCHES`: an alias of `REQUESTS` for [`Outcome::Mismatch`].
     pub mismatches: IntCounter,
-    /// `idemproxy_lost_claims_total`: fenced-out heartbeats, completions and releases.
+    /// `LOST_CLAIMS`: fenced-out heartbeats, completions and releases.
     pub lost_claims: IntCounter,
-    /// `idemproxy_unprotected_requests_total`: keyed requests forwarded without a claim (fail_open).
+    /// `UNPROTECTED`: keyed requests forwarded without a claim (fail_open).
     pub unprotected: IntCounter,
-    /// `idemproxy_responses_not_retained_total`: completions whose body was over the storage cap.
+    /// `NOT_RETAINED`: completions whose body was over the storage cap.
     pub not_retained: IntCounter,
-    /// `idemproxy_store_errors_total{op}`
+    /// `STORE_ERRORS`, by `op`.
     pub store_errors: IntCounterVec,
-    /// `idemproxy_store_duration_seconds{op}`
+    /// `STORE_DURATION`, by `op`.
     pub store_duration: HistogramVec,
     /// The series of `store_errors` and `store_duration`, by [`StoreOp`] in declaration order.
     by_op: [(IntCounter, Histogram); StoreOp::ALL.len()],
-    /// `idemproxy_upstream_duration_seconds`: time to the upstream's response head.
+    /// `UPSTREAM_DURATION`: time to the upstream's response head.
     pub upstream_duration: Histogram,
-    /// `idemproxy_in_flight_requests`
+    /// `IN_FLIGHT`
     pub in_flight: IntGauge,
-    /// `idemproxy_expired_keys_deleted_total`: records deleted by the sweeper.
+    /// `EXPIRED_DELETED`: records deleted by the sweeper.
     pub expired_deleted: IntCounter,
-    /// `idemproxy_records{status}`: records in the table by state, as of the sweeper's last count.
+    /// `RECORDS`, by `status`: records in the table by state, as of the sweeper's last count. Its series
+    /// appear at that first count, not before.
     pub records: IntGaugeVec,
-    /// `idemproxy_replay_cache_hits_total`: keyed requests answered from the replay cache.
+    /// `REPLAY_CACHE_HITS`: keyed requests answered from the replay cache.
     pub replay_cache_hits: IntCounter,
-    /// `idemproxy_undecryptable_records_total`: stored responses refused because they did not decrypt.
+    /// `UNDECRYPTABLE`: stored responses refused because they did not decrypt.
     pub undecryptable: IntCounter,
-    /// `idemproxy_open_connections`: client connections open on the proxy listener.
+    /// `OPEN_CONNECTIONS`: client connections open on the proxy listener.
     pub open_connections: IntGauge,
-    /// `idemproxy_connection_cap_reached_total`: times a new connection on the proxy listener found
+    /// `CONNECTION_CAP_REACHED`: times a new connection on the proxy listener found
     /// `server.max_connections` open and waited for a slot (the listener accepts no other meanwhile).
     pub connection_cap_reached: IntCounter,
-    /// `idemproxy_connections_evicted_total`: idle client connections closed to make room for new ones
-    /// while `server.max_connections` were open.
+    /// `CONNECTIONS_EVICTED`: idle client connections closed to make room for new ones while
+    /// `server.max_connections` were open.
     pub connections_evicted: IntCounter,
-    /// `idemproxy_body_budget_waits_total`: keyed request bodies that waited for room in
-    /// `server.max_buffered_bodies`.
+    /// `BODY_BUDGET_WAITS`: keyed request bodies that waited for room in `server.max_buffered_bodies`.
     pub body_budget_waits: IntCounter,
-    /// `idemproxy_unknown_outcomes_total`: keyed requests the upstream may have executed without a full
-    /// answer coming back.
+    /// `UNKNOWN_OUTCOMES`: keyed requests the upstream may have executed without a full answer coming
+    /// back.
     pub unknown_outcomes: IntCounter,
-    /// `idemproxy_write_timeouts_total`: clients let go for accepting no response bytes for
-    /// `server.write_timeout`.
+    /// `WRITE_TIMEOUTS`: clients let go for accepting no response bytes for `server.write_timeout`.
     pub write_timeouts: IntCounter,
-    /// `idemproxy_capture_budget_exhausted_total`: responses not retained because
-    /// `server.max_buffered_responses` was spent.
+    /// `CAPTURE_BUDGET_EXHAUSTED`: responses not retained because `server.max_buffered_responses` was
+    /// spent.
     pub capture_budget_exhausted: IntCounter,
-    /// `idemproxy_completion_hold_expired_total`: responses let go to the client before their record was
-    /// stored, because the store took longer than the hold.
+    /// `COMPLETION_HOLD_EXPIRED`: responses let go to the client before their record was stored,
+    /// because the store took longer than the hold.
     pub completion_hold_expired: IntCounter,
-    /// `idemproxy_orphan_claims_released_total`: claims that a request won after it stopped waiting for
-    /// the store, given back by their token.
+    /// `ORPHAN_CLAIMS_RELEASED`: claims that a request won after it stopped waiting for the store,
+    /// given back by their token.
     pub orphan_claims_released: IntCounter,
 }
 
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Metrics {
-        let registry = Registry::new();
-        let latency =
-            prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static bucket layout is valid");
-        let requests = IntCounterVec::new(
-            Opts::new("idemproxy_requests_total", "Requests by how they ended."),
-            &["outcome"],
-        )
-        .expect("valid metric");
-        let store_errors = IntCounterVec::new(
-            Opts::new(
-                "idemproxy_store_errors_total",
-                "Failed store operations by operation.",
-            ),
-            &["op"],
-        )
-        .expect("valid metric");
-        let store_duration = HistogramVec::new(
-            HistogramOpts::new("idemproxy_store_duration_seconds", "Store operation latency.")
-                .buckets(latency.clone()),
-            &["op"],
-        )
-        .expect("valid metric");
-        // Every labelled series exists from the start, so rates work before the first event.
-        let by_outcome = Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()]));
-        let by_op = StoreOp::ALL.map(|op| {
-            (
-                store_errors.with_label_values(&[op.as_str()]),
-                store_duration.with_label_values(&[op.as_str()]),
-            )
-        });
-        let set = MetricSet {
-            requests,
-            by_outcome,
-            replays: counter(
-                "idemproxy_replays_total",
-                "Requests answered from a stored response.",
-            ),
-            conflicts: counter(
-                "idemproxy_conflicts_total",
-                "Requests refused because their key was in flight.",
-            ),
-            stale_takeovers: counter(
-                "idemproxy_stale_takeovers_total",
-                "Claims taken over after the previous claim's lease ran out.",
-            ),
-            mismatches: counter(
-                "idemproxy_mismatches_total",
-                "Requests refused because their key was used with another payload.",
-            ),
-            lost_claims: counter(
-                "idemproxy_lost_claims_total",
-                "Heartbeats, completions and releases refused because the claim was taken over.",
-            ),
-            unprotected: counter(
-                "idemproxy_unprotected_requests_total",
-                "Keyed requests forwarded without protection while the store was down (fail_open).",
-            ),
-            not_retained: counter(
-                "idemproxy_responses_not_retained_total",
-                "Completed requests whose response was over max_stored_response and was not kept.",
-            ),
-            store_errors,
-            store_duration,
-            by_op,
-            upstream_duration: Histogram::with_opts(
-                HistogramOpts::new(
-                    "idemproxy_upstream_duration_seconds",
-                    "Time from forwarding a request to the upstream's response head.",
-                )
-                .buckets(latency),
-            )
-            .expect("valid metric"),
-            in_flight: IntGauge::new("idemproxy_in_flight_requests", "Requests being handled now.")
-                .expect("valid metric"),
-            expired_deleted: counter(
-                "idemproxy_expired_keys_deleted_total",
-                "Expired records deleted by the sweeper.",
-            ),
-            records: IntGaugeVec::new(
-                Opts::new(
-                    "idemproxy_records",
-                    "Records in the key table by state (processing, completed, failed, expired), \
-                     as of the sweeper's last count.",
-                ),
-                &["status"],
-            )
-            .expect("valid metric"),
-            replay_cache_hits: counter(
-                "idemproxy_replay_cache_hits_total",
-                "Keyed requests answered from the in-process replay cache (replays and mismatches), without the store.",
-            ),
-            undecryptable: counter(
-                "idemproxy_undecryptable_records_total",
-                "Stored responses refused because they could not be decrypted.",
-            ),
-            open_connections: IntGauge::new(
-                "idemproxy_open_connections",
-                "Client connections open on the proxy listener.",
-            )
-            .expect("valid metric"),
-            connection_cap_reached: counter(
-                "idemproxy_connection_cap_reached_total",
-                "Times a new connection found server.max_connections open and waited for a slot, \
-                 the listener accepting no other meanwhile.",
-            ),
-            connections_evicted: counter(
-                "idemproxy_connections_evicted_total",
-                "Idle client connections closed to make room for new ones while server.max_connections were open.",
-            ),
-            body_budget_waits: counter(
-                "idemproxy_body_budget_waits_total",
-                "Keyed request bodies that waited for room in server.max_buffered_bodies.",
-            ),
-            unknown_outcomes: counter(
-                "idemproxy_unknown_outcomes_total",
-                "Keyed requests the upstream may have executed without a full answer coming back \
-                 (timeout, broken connection or body, 101).",
-            ),
-            write_timeouts: counter(
-                "idemproxy_write_timeouts_total",
-                "Clients let go because they accepted no response bytes for server.write_timeout.",
-            ),
-            capture_budget_exhausted: counter(
-                "idemproxy_capture_budget_exhausted_total",
-                "Responses not retained because server.max_buffered_responses was spent.",
-            ),
-            completion_hold_expired: counter(
-                "idemproxy_completion_hold_expired_total",
-                "Responses let go to the client before their record was stored, because the store \
-                 took longer than the hold.",
-            ),
-            orphan_claims_released: counter(
-                "idemproxy_orphan_claims_released_total",
-                "Claims won after their request stopped waiting for the store, given back by token.",
-            ),
-            registry,
-        };
-        set.register_all();
-        Metrics(Arc::new(set))
+        Metrics(Arc::new(MetricSet::register(Registry::new())))
     }
 }
 
 impl MetricSet {
-    fn register_all(&self) {
-        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(self.requests.clone()),
-            Box::new(self.replays.clone()),
-            Box::new(self.conflicts.clone()),
-            Box::new(self.stale_takeovers.clone()),
-            Box::new(self.mismatches.clone()),
-            Box::new(self.lost_claims.clone()),
-            Box::new(self.unprotected.clone()),
-            Box::new(self.not_retained.clone()),
-            Box::new(self.store_errors.clone()),
-            Box::new(self.store_duration.clone()),
-            Box::new(self.upstream_duration.clone()),
-            Box::new(self.in_flight.clone()),
-            Box::new(self.expired_deleted.clone()),
-            Box::new(self.records.clone()),
-            Box::new(self.replay_cache_hits.clone()),
-            Box::new(self.undecryptable.clone()),
-            Box::new(self.open_connections.clone()),
-            Box::new(self.connection_cap_reached.clone()),
-            Box::new(self.connections_evicted.clone()),
-            Box::new(self.body_budget_waits.clone()),
-            Box::new(self.unknown_outcomes.clone()),
-            Box::new(self.write_timeouts.clone()),
-            Box::new(self.capture_budget_exhausted.clone()),
-            Box::new(self.completion_hold_expired.clone()),
-            Box::new(self.orphan_claims_released.clone()),
-        ];
-        for collector in collectors {
-            self.registry
-                .register(collector)
-                .expect("metric names are unique");
+    /// Registers every metric in `registry`, one line each. The labelled series of `REQUESTS` and the
+    /// store's families exist from the start, so rates work before the first event.
+    fn register(registry: Registry) -> MetricSet {
+        let r = &registry;
+        let requests = counter_vec(r, &REQUESTS, label::OUTCOME);
+        let store_errors = counter_vec(r, &STORE_ERRORS, label::OP);
+        let store_duration = latency_histogram_vec(r, &STORE_DURATION, label::OP);
+        MetricSet {
+            by_outcome: Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()])),
+            by_op: StoreOp::ALL.map(|op| op_series(&store_errors, &store_duration, op)),
+            requests,
+            replays: counter(r, &REPLAYS),
+            conflicts: counter(r, &CONFLICTS),
+            mismatches: counter(r, &MISMATCHES),
+            in_flight: gauge(r, &IN_FLIGHT),
+            unprotected: counter(r, &UNPROTECTED),
+            replay_cache_hits: counter(r, &REPLAY_CACHE_HITS),
+            stale_takeovers: counter(r, &STALE_TAKEOVERS),
+            lost_claims: counter(r, &LOST_CLAIMS),
+            unknown_outcomes: counter(r, &UNKNOWN_OUTCOMES),
+            orphan_claims_released: counter(r, &ORPHAN_CLAIMS_RELEASED),
+            not_retained: counter(r, &NOT_RETAINED),
+            capture_budget_exhausted: counter(r, &CAPTURE_BUDGET_EXHAUSTED),
+            completion_hold_expired: counter(r, &COMPLETION_HOLD_EXPIRED),
+            store_errors,
+            store_duration,
+            upstream_duration: latency_histogram(r, &UPSTREAM_DURATION),
+            open_connections: gauge(r, &OPEN_CONNECTIONS),
+            connection_cap_reached: counter(r, &CONNECTION_CAP_REACHED),
+            connections_evicted: counter(r, &CONNECTIONS_EVICTED),
+            body_budget_waits: counter(r, &BODY_BUDGET_WAITS),
+            write_timeouts: counter(r, &WRITE_TIMEOUTS),
+            expired_deleted: counter(r, &EXPIRED_DELETED),
+            records: gauge_vec(r, &RECORDS, label::STATUS),
+            undecryptable: counter(r, &UNDECRYPTABLE),
+            registry,
         }
     }
 
-    /// Counts a finished request.
+    /// Counts a finished request, and its alias if the outcome has one.
     pub fn record(&self, outcome: Outcome) {
         self.by_outcome[outcome as usize].inc();
+        if let Some(alias) = self.alias(outcome) {
+            alias.inc();
+        }
+    }
+
+    /// The counter kept for existing dashboards that repeats `REQUESTS` for `outcome`, if any.
+    fn alias(&self, outcome: Outcome) -> Option<&IntCounter> {
         match outcome {
-            Outcome::Replayed => self.replays.inc(),
-            Outcome::Conflict => self.conflicts.inc(),
-            Outcome::Mismatch => self.mismatches.inc(),
-            _ => {}
+            Outcome::Replayed => Some(&self.replays),
+            Outcome::Conflict => Some(&self.conflicts),
+            Outcome::Mismatch => Some(&self.mismatches),
+            Outcome::Passthrough
+            | Outcome::Executed
+            | Outcome::Rejected
+            | Outcome::StoreUnavailable
+            | Outcome::UpstreamError
+            | Outcome::Held => None,
         }
     }
 
@@ -403,15 +450,8 @@ impl MetricSet {
     }
 
     /// Publishes a count of the records by state.
-    pub fn set_records(&self, stats: &RecordStats) {
-        let by_status = [
-            ("processing", stats.processing),
-            ("completed", stats.completed),
-            ("failed", stats.failed),
-            ("unknown", stats.unknown),
-            ("expired", stats.expired),
-        ];
-        for (status, count) in by_status {
+    pub fn set_records(&self, counts: &RecordCounts) {
+        for (status, count) in counts.by_status() {
             let count = i64::try_from(count).unwrap_or(i64::MAX);
             self.records.with_label_values(&[status]).set(count);
         }
@@ -433,13 +473,72 @@ impl Default for Metrics {
     }
 }
 
-fn counter(name: &str, help: &str) -> IntCounter {
-    IntCounter::new(name, help).expect("valid metric")
+/// Adds `collector` to `registry` and hands it back.
+fn register<C: Collector + Clone + 'static>(registry: &Registry, collector: C) -> C {
+    registry
+        .register(Box::new(collector.clone()))
+        .expect("metric names are unique");
+    collector
+}
+
+fn counter(registry: &Registry, spec: &Spec) -> IntCounter {
+    register(
+        registry,
+        IntCounter::new(spec.name, spec.help).expect("valid metric"),
+    )
+}
+
+fn gauge(registry: &Registry, spec: &Spec) -> IntGauge {
+    register(
+        registry,
+        IntGauge::new(spec.name, spec.help).expect("valid metric"),
+    )
+}
+
+fn counter_vec(registry: &Registry, spec: &Spec, label: &str) -> IntCounterVec {
+    let opts = Opts::new(spec.name, spec.help);
+    register(
+        registry,
+        IntCounterVec::new(opts, &[label]).expect("valid metric"),
+    )
+}
+
+fn gauge_vec(registry: &Registry, spec: &Spec, label: &str) -> IntGaugeVec {
+    let opts = Opts::new(spec.name, spec.help);
+    register(registry, IntGaugeVec::new(opts, &[label]).expect("valid metric"))
+}
+
+fn latency_histogram(registry: &Registry, spec: &Spec) -> Histogram {
+    let opts = latency_opts(spec);
+    register(registry, Histogram::with_opts(opts).expect("valid metric"))
+}
+
+fn latency_histogram_vec(registry: &Registry, spec: &Spec, label: &str) -> HistogramVec {
+    let opts = latency_opts(spec);
+    register(registry, HistogramVec::new(opts, &[label]).expect("valid metric"))
+}
+
+/// Buckets from 0.5 ms doubling to about 16 s, for every latency.
+fn latency_opts(spec: &Spec) -> HistogramOpts {
+    let buckets = prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static bucket layout is valid");
+    HistogramOpts::new(spec.name, spec.help).buckets(buckets)
+}
+
+/// The store's series for `op`, resolved once.
+fn op_series(errors: &IntCounterVec, durations: &HistogramVec, op: StoreOp) -> (IntCounter, Histogram) {
+    let op = [op.as_str()];
+    (errors.with_label_values(&op), durations.with_label_values(&op))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use prometheus::proto::{MetricFamily, MetricType};
+
     use super::*;
+
+    const README: &str = include_str!("../README.md");
 
     #[test]
     fn every_outcome_and_store_op_is_counted_under_its_own_label() {
@@ -476,18 +575,212 @@ mod tests {
     }
 
     #[test]
-    fn replay_counts_in_both_series() {
+    fn each_alias_equals_its_outcome_series() {
         let metrics = Metrics::new();
-        metrics.record(Outcome::Replayed);
-        let text = String::from_utf8(metrics.render()).unwrap();
-        assert!(text.contains("idemproxy_replays_total 1"), "{text}");
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.record(outcome);
+            }
+        }
+        let served = families(&metrics);
+        let aliases = [
+            (REPLAYS.name, Outcome::Replayed),
+            (CONFLICTS.name, Outcome::Conflict),
+            (MISMATCHES.name, Outcome::Mismatch),
+        ];
+        for (alias, outcome) in aliases {
+            let by_outcome = counter_value(&served[REQUESTS.name], Some(outcome.as_str()));
+            assert!(by_outcome > 0.0);
+            assert_eq!(counter_value(&served[alias], None), by_outcome, "{alias}");
+        }
+        let with_alias = Outcome::ALL
+            .iter()
+            .filter(|outcome| metrics.alias(**outcome).is_some());
+        assert_eq!(with_alias.count(), aliases.len());
+    }
+
+    #[test]
+    fn every_name_follows_the_naming_rule() {
+        for (name, family) in served() {
+            let words = name.strip_prefix("idemproxy_");
+            assert!(
+                words.is_some_and(is_snake_case),
+                "{name}: idemproxy_ and snake_case"
+            );
+            for reserved in ["_count", "_sum", "_bucket"] {
+                assert!(!name.ends_with(reserved), "{name}: ends in {reserved}");
+            }
+            let total = name.ends_with("_total");
+            match family.get_field_type() {
+                MetricType::COUNTER => assert!(total, "{name}: a counter ends in _total"),
+                MetricType::GAUGE => assert!(!total, "{name}: a gauge does not end in _total"),
+                MetricType::HISTOGRAM => assert!(
+                    name.ends_with("_seconds") || name.ends_with("_bytes"),
+                    "{name}: a histogram ends in its base unit"
+                ),
+                other => panic!("{name}: {other:?} is not a type idemproxy uses"),
+            }
+            for label in label_names(&family) {
+                assert!(
+                    [label::OUTCOME, label::OP, label::STATUS].contains(&label),
+                    "{name}: {label}"
+                );
+            }
+        }
+    }
+
+    /// Why [`served`] counts the records first: a labelled family with no series yet is left out of the
+    /// exposition, and every other labelled family resolves its series at registration.
+    #[test]
+    fn only_the_record_counts_are_absent_before_the_first_count() {
+        let fresh = families(&Metrics::new());
+        let absent: Vec<String> = served()
+            .into_keys()
+            .filter(|name| !fresh.contains_key(name))
+            .collect();
+        assert_eq!(absent, [RECORDS.name]);
+    }
+
+    #[test]
+    fn the_readme_reference_lists_exactly_the_served_families() {
+        let served = served();
+        let reference = readme_reference();
+        let unlisted: Vec<&String> = served
+            .keys()
+            .filter(|name| !reference.contains_key(name.as_str()))
+            .collect();
+        let not_served: Vec<&&str> = reference
+            .keys()
+            .filter(|name| !served.contains_key(**name))
+            .collect();
         assert!(
-            text.contains("idemproxy_requests_total{outcome=\"replayed\"} 1"),
-            "{text}"
+            unlisted.is_empty(),
+            "served but not in the README's reference: {unlisted:?}"
         );
         assert!(
-            text.contains("idemproxy_requests_total{outcome=\"conflict\"} 0"),
-            "{text}"
+            not_served.is_empty(),
+            "in the README's reference but not served: {not_served:?}"
         );
+        for (name, row) in reference {
+            let family = &served[name];
+            assert_eq!(row.kind, kind(family), "{name}: type");
+            assert_eq!(row.labels, label_names(family), "{name}: label names");
+            for value in label_values(family) {
+                assert!(
+                    row.text.contains(&format!("`{value}`")),
+                    "{name}: README omits `{value}`"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_readme_mentions_no_metric_that_is_not_served() {
+        let served = served();
+        for mention in README.split("idemproxy_").skip(1) {
+            let word: String = mention
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            if word.is_empty() {
+                continue; // the prefix alone, as in a grep pattern
+            }
+            let name = format!("idemproxy_{word}");
+            let family = ["_bucket", "_count", "_sum"]
+                .into_iter()
+                .filter_map(|series| name.strip_suffix(series))
+                .find(|base| served.contains_key(*base))
+                .unwrap_or(&name);
+            assert!(
+                served.contains_key(family),
+                "the README mentions {name}, which is not served"
+            );
+        }
+    }
+
+    /// A row of the README's metric reference.
+    #[derive(Debug)]
+    struct Row {
+        kind: &'static str,
+        labels: BTreeSet<&'static str>,
+        text: &'static str,
+    }
+
+    /// The table in the README's `## Metrics` section, by metric name.
+    fn readme_reference() -> BTreeMap<&'static str, Row> {
+        let section = README
+            .split("\n## Metrics\n")
+            .nth(1)
+            .expect("README has a ## Metrics section");
+        let section = section.split("\n## ").next().unwrap_or(section);
+        section.lines().filter_map(reference_row).collect()
+    }
+
+    /// `| `name{label}` | type | meaning |`; the header and the rule under it have no backtick.
+    fn reference_row(line: &'static str) -> Option<(&'static str, Row)> {
+        let mut cells = line.strip_prefix("| `")?.splitn(3, '|');
+        let metric = cells.next()?.trim().strip_suffix('`')?;
+        let (name, labels) = metric.split_once('{').unwrap_or((metric, "}"));
+        let labels = labels.trim_end_matches('}').split(',');
+        let row = Row {
+            kind: cells.next()?.trim(),
+            labels: labels.filter(|label| !label.is_empty()).collect(),
+            text: cells.next()?,
+        };
+        Some((name, row))
+    }
+
+    /// Every family a running proxy can serve, by name, each labelled one with at least one series.
+    fn served() -> BTreeMap<String, MetricFamily> {
+        let metrics = Metrics::new();
+        metrics.set_records(&RecordCounts::default());
+        families(&metrics)
+    }
+
+    fn families(metrics: &Metrics) -> BTreeMap<String, MetricFamily> {
+        let gathered = metrics.registry.gather().into_iter();
+        gathered
+            .map(|family| (family.name().to_owned(), family))
+            .collect()
+    }
+
+    fn kind(family: &MetricFamily) -> &'static str {
+        match family.get_field_type() {
+            MetricType::COUNTER => "counter",
+            MetricType::GAUGE => "gauge",
+            MetricType::HISTOGRAM => "histogram",
+            other => panic!("{other:?} is not a type idemproxy uses"),
+        }
+    }
+
+    fn label_names(family: &MetricFamily) -> BTreeSet<&str> {
+        let labels = family.get_metric().iter().flat_map(|series| series.get_label());
+        labels.map(|label| label.name()).collect()
+    }
+
+    fn label_values(family: &MetricFamily) -> BTreeSet<&str> {
+        let labels = family.get_metric().iter().flat_map(|series| series.get_label());
+        labels.map(|label| label.value()).collect()
+    }
+
+    /// The counter series with `value` as its one label value, or the unlabelled one.
+    fn counter_value(family: &MetricFamily, value: Option<&str>) -> f64 {
+        let matches = |series: &&prometheus::proto::Metric| {
+            series.get_label().first().map(|label| label.value()) == value
+        };
+        let series = family
+            .get_metric()
+            .iter()
+            .find(matches)
+            .expect("the series exists");
+        series.get_counter().get_value()
+    }
+
+    fn is_snake_case(words: &str) -> bool {
+        let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_';
+        words.chars().all(allowed)
+            && !words.starts_with('_')
+            && !words.ends_with('_')
+            && !words.contains("__")
     }
 }

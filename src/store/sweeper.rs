@@ -5,9 +5,9 @@
 
 use tokio_util::sync::CancellationToken;
 
-use super::{StoreError, StoreHandle};
+use super::{RecordStats, StoreError, StoreHandle};
 use crate::config::SweeperConfig;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RecordCounts};
 
 /// Sweeps until `shutdown` is cancelled; a failed sweep is logged (by the store handle) and tried again
 /// at the next interval.
@@ -19,12 +19,31 @@ pub async fn run(store: StoreHandle, config: SweeperConfig, metrics: Metrics, sh
             tracing::info!(deleted, "expired records deleted");
         }
         if let Ok(stats) = store.stats().await {
-            metrics.set_records(&stats);
+            metrics.set_records(&record_counts(stats));
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(config.interval) => {}
         }
+    }
+}
+
+/// The store's count of records by state, in the metrics' terms. Destructured in full, so a new state
+/// does not compile until it is counted.
+fn record_counts(stats: RecordStats) -> RecordCounts {
+    let RecordStats {
+        processing,
+        completed,
+        failed,
+        unknown,
+        expired,
+    } = stats;
+    RecordCounts {
+        processing,
+        completed,
+        failed,
+        unknown,
+        expired,
     }
 }
 
