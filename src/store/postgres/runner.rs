@@ -1,0 +1,145 @@
+//! The bounded statement runner every PostgreSQL store operation goes through: a pooled connection, one
+//! statement within `store.timeout`, a retry when the database reports a serialization failure or
+//! deadlock, and the mapping of driver errors to [`StoreError`]. Runs on every store operation; touches
+//! the pool and the one connection it takes, which it detaches from the pool when the operation timed out.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Object, Pool};
+use tokio::time::{error::Elapsed, timeout};
+use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error_chain::error_chain;
+use crate::store::StoreError;
+
+/// How often a statement hit by a serialization failure or deadlock is retried.
+const SERIALIZATION_RETRIES: usize = 3;
+
+/// The pool and the bound on every operation, shared with the batch tasks.
+pub(super) struct Db {
+    pool: Pool,
+    timeout: Duration,
+}
+
+impl Db {
+    pub(super) fn new(pool: Pool, timeout: Duration) -> Db {
+        Db { pool, timeout }
+    }
+
+    /// `store.timeout`, the bound on every operation.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(super) async fn client(&self) -> Result<Object, StoreError> {
+        match timeout(self.timeout, self.pool.get()).await {
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(e)) => Err(StoreError::Backend(e.to_string())),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Maps a bounded operation's result; a connection whose operation timed out may still have a
+    /// statement in flight, so it is detached from the pool rather than reused.
+    pub(super) fn finish<T>(
+        &self,
+        client: Object,
+        result: Result<Result<T, tokio_postgres::Error>, Elapsed>,
+    ) -> Result<T, StoreError> {
+        match result {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(backend(e)),
+            Err(_) => {
+                drop(Object::take(client));
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    /// Runs one statement within `store.timeout` and returns its rows.
+    pub(super) async fn query(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(sql).await?;
+            retry_serialization(|| client.query(&statement, params)).await
+        })
+        .await;
+        self.finish(client, result)
+    }
+
+    /// Runs a batch statement within `store.timeout`, unprepared: the database plans it for this call's
+    /// own arguments and the table as it is now. A prepared statement's generic plan, once chosen while
+    /// the table was small, would go on scanning the whole table for every batch as the table grows.
+    pub(super) async fn query_planned(
+        &self,
+        sql: &'static str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(
+            self.timeout,
+            retry_serialization(|| client.query_typed(sql, params)),
+        )
+        .await;
+        self.finish(client, result)
+    }
+
+    /// Runs one statement within `store.timeout` and returns how many rows it changed.
+    pub(super) async fn execute(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_cached(sql).await?;
+            retry_serialization(|| client.execute(&statement, params)).await
+        })
+        .await;
+        self.finish(client, result)
+    }
+}
+
+pub(super) fn backend(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Backend(error_chain(&e))
+}
+
+/// Runs a statement again when the database reports a serialization failure or deadlock (40001, 40P01),
+/// which distributed Postgres-compatible databases raise under contention.
+pub(super) async fn retry_serialization<T, F, Fut>(statement: F) -> Result<T, tokio_postgres::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, tokio_postgres::Error>>,
+{
+    retry_while(is_serialization_failure, statement).await
+}
+
+/// Runs `statement` up to `SERIALIZATION_RETRIES` more times while its error is `retryable`.
+async fn retry_while<T, E, F, Fut>(retryable: fn(&E) -> bool, mut statement: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut attempt = 0;
+    loop {
+        match statement().await {
+            Err(e) if attempt < SERIALIZATION_RETRIES && retryable(&e) => attempt += 1,
+            result => return result,
+        }
+    }
+}
+
+fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(is_conflict)
+}
+
+/// The SQLSTATEs after which the same statement may simply run again.
+fn is_conflict(code: &SqlState) -> bool {
+    *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
+}
