@@ -143,3 +143,101 @@ fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
 fn is_conflict(code: &SqlState) -> bool {
     *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
+    use tokio::time::Instant;
+    use tokio_postgres::NoTls;
+
+    use super::*;
+
+    #[test]
+    fn only_serialization_failures_and_deadlocks_are_conflicts() {
+        assert!(is_conflict(&SqlState::T_R_SERIALIZATION_FAILURE));
+        assert!(is_conflict(&SqlState::T_R_DEADLOCK_DETECTED));
+        for other in [
+            SqlState::UNIQUE_VIOLATION,
+            SqlState::QUERY_CANCELED,
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::T_R_INTEGRITY_CONSTRAINT_VIOLATION,
+            SqlState::T_R_STATEMENT_COMPLETION_UNKNOWN,
+            SqlState::LOCK_NOT_AVAILABLE,
+        ] {
+            assert!(!is_conflict(&other), "{other:?} is not retried");
+        }
+    }
+
+    /// Runs `retry_while(is_conflict, ..)` over a statement that fails with each of `errors` in turn,
+    /// then succeeds; returns the result and how many times the statement ran.
+    async fn run_failing(errors: &[SqlState]) -> (Result<&'static str, SqlState>, usize) {
+        let runs = Cell::new(0);
+        let result = retry_while(is_conflict, || {
+            let run = runs.get();
+            runs.set(run + 1);
+            let outcome = errors.get(run).cloned().map_or(Ok("rows"), Err);
+            async move { outcome }
+        })
+        .await;
+        (result, runs.get())
+    }
+
+    #[tokio::test]
+    async fn a_statement_that_conflicts_runs_again_and_returns_what_it_finally_got() {
+        let conflicts = [
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::T_R_SERIALIZATION_FAILURE,
+        ];
+        assert_eq!(run_failing(&conflicts).await, (Ok("rows"), 3));
+    }
+
+    #[tokio::test]
+    async fn a_statement_runs_at_most_three_more_times() {
+        let conflicts = [SqlState::T_R_SERIALIZATION_FAILURE; 5];
+        let (result, runs) = run_failing(&conflicts).await;
+        assert_eq!(result, Err(SqlState::T_R_SERIALIZATION_FAILURE));
+        assert_eq!(runs, 1 + SERIALIZATION_RETRIES);
+    }
+
+    #[tokio::test]
+    async fn any_other_error_is_returned_at_once() {
+        let errors = [SqlState::UNIQUE_VIOLATION, SqlState::T_R_SERIALIZATION_FAILURE];
+        assert_eq!(run_failing(&errors).await, (Err(SqlState::UNIQUE_VIOLATION), 1));
+    }
+
+    /// A pool with no connection to give (every one in use), without a database behind it.
+    fn exhausted(timeout: Duration) -> Db {
+        let pg: tokio_postgres::Config = "postgres://idemproxy@127.0.0.1/idemproxy".parse().unwrap();
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = Manager::from_config(pg, NoTls, manager_config);
+        let pool = Pool::builder(manager).max_size(0).build().unwrap();
+        Db::new(pool, timeout)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_for_a_connection_is_bounded_by_the_store_timeout() {
+        let db = exhausted(Duration::from_secs(5));
+        let started = Instant::now();
+        let Err(error) = db.client().await else {
+            panic!("an exhausted pool gave a connection");
+        };
+        assert!(
+            matches!(error, StoreError::Timeout(t) if t == Duration::from_secs(5)),
+            "{error}"
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_statement_kind_times_out_waiting_for_a_connection() {
+        let db = exhausted(Duration::from_millis(250));
+        let timed_out = |error: StoreError| matches!(error, StoreError::Timeout(t) if t == db.timeout());
+        assert!(timed_out(db.query("SELECT 1", &[]).await.unwrap_err()));
+        assert!(timed_out(db.execute("SELECT 1", &[]).await.unwrap_err()));
+        assert!(timed_out(db.query_planned("SELECT 1", &[]).await.unwrap_err()));
+    }
+}
