@@ -278,3 +278,165 @@ fn claimable(view: &View) -> bool {
         || (view.same_fingerprint
             && (view.status == "failed" || (view.status == "processing" && view.lease_ms <= 0)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::runner::assert_typed_params;
+    use super::*;
+    use crate::store::{ClaimKind, RecordId};
+
+    fn request(scope: &str, key: &str, token: u128) -> ClaimRequest {
+        ClaimRequest {
+            id: RecordId {
+                scope: scope.into(),
+                key: key.into(),
+                token: Uuid::from_u128(token),
+            },
+            fingerprint: [token as u8; 32],
+            lease: Duration::from_millis(1_500),
+            ttl: Duration::from_secs(86_400),
+        }
+    }
+
+    /// A record as a statement saw it: `status`, whether it expired, its lease left (ms) and whether
+    /// the claiming request has the record's fingerprint.
+    fn view(status: &str, expired: bool, lease_ms: i64, same_fingerprint: bool) -> View {
+        View {
+            status: status.into(),
+            same_fingerprint,
+            lease_ms,
+            expired,
+            ttl_ms: if expired { 0 } else { 60_000 },
+            token: Uuid::from_u128(99),
+            response: None,
+        }
+    }
+
+    #[test]
+    fn claimable_is_the_take_statements_where() {
+        // (status, expired, lease left in ms, same fingerprint) -> claimable
+        let cases = [
+            // Expired: anything but a claim still running, whatever the fingerprint.
+            (("completed", true, 0, false), true),
+            (("unknown", true, 0, false), true),
+            (("processing", true, 0, false), true),
+            (("processing", true, 500, true), false),
+            // Unexpired: only the same request, once released or once its lease ran out.
+            (("failed", false, 0, true), true),
+            (("failed", false, 0, false), false),
+            (("processing", false, -1, true), true),
+            (("processing", false, 0, true), true),
+            (("processing", false, 1, true), false),
+            (("processing", false, -1, false), false),
+            (("completed", false, 0, true), false),
+            (("unknown", false, 0, true), false),
+        ];
+        for ((status, expired, lease_ms, same), expected) in cases {
+            let seen = view(status, expired, lease_ms, same);
+            assert_eq!(
+                claimable(&seen),
+                expected,
+                "{:?}",
+                (status, expired, lease_ms, same)
+            );
+        }
+    }
+
+    #[test]
+    fn a_round_decides_a_win_or_a_record_it_cannot_take() {
+        let won = settle(Some(Seen::Won {
+            attempt: 2,
+            kind: ClaimKind::Retry,
+        }));
+        assert!(matches!(
+            won,
+            Some(ClaimResult::Won {
+                attempt: 2,
+                kind: ClaimKind::Retry
+            })
+        ));
+        let held = settle(Some(Seen::Record(view("processing", false, 900, true))));
+        assert!(matches!(
+            held,
+            Some(ClaimResult::Held(Existing::Processing { lease_remaining, .. }))
+                if lease_remaining == Duration::from_millis(900)
+        ));
+    }
+
+    #[test]
+    fn a_round_that_saw_no_record_or_a_claimable_one_leaves_the_claim_to_the_next_statement() {
+        assert!(settle(None).is_none());
+        assert!(settle(Some(Seen::Record(view("failed", false, 0, true)))).is_none());
+    }
+
+    #[test]
+    fn batch_inputs_go_in_scope_then_key_order_so_concurrent_batches_insert_alike() {
+        let requests = [request("b", "1", 1), request("a", "2", 2), request("a", "1", 3)];
+        let batch = ClaimBatch::new(&requests);
+        assert_eq!(batch.scopes, ["a", "a", "b"]);
+        assert_eq!(batch.keys, ["1", "2", "1"]);
+        let tokens: Vec<u128> = batch.tokens.iter().map(|t| t.as_u128()).collect();
+        assert_eq!(tokens, [3, 2, 1]);
+        let fingerprints: Vec<u8> = batch.fingerprints.iter().map(|f| f[0]).collect();
+        assert_eq!(fingerprints, [3, 2, 1]);
+        assert_eq!(batch.leases, [1.5; 3]);
+        assert_eq!(batch.ttls, [86_400.0; 3]);
+    }
+
+    #[test]
+    fn batch_arguments_fit_the_statements_casts() {
+        let requests = [request("s", "k", 1), request("s", "j", 2)];
+        assert_typed_params(CLAIM_BATCH, &ClaimBatch::new(&requests).params());
+    }
+
+    #[test]
+    fn batch_rows_answer_their_requests_in_the_callers_order() {
+        let requests = [request("b", "1", 1), request("a", "1", 2), request("c", "1", 3)];
+        let batch = ClaimBatch::new(&requests);
+        let won = Seen::Won {
+            attempt: 1,
+            kind: ClaimKind::New,
+        };
+        let held = Seen::Record(view("unknown", false, 0, true));
+        // Sorted: a (token 2), b (token 1), c (token 3); c saw no record.
+        let rows = vec![Ok((1, Some(held))), Ok((2, Some(won))), Ok((3, None))];
+        let answers = batch.answers(rows).unwrap();
+        assert!(matches!(answers[0], Some(ClaimResult::Won { attempt: 1, .. })));
+        assert!(matches!(
+            answers[1],
+            Some(ClaimResult::Held(Existing::Unknown { .. }))
+        ));
+        assert!(answers[2].is_none(), "a request that saw no record claims alone");
+    }
+
+    #[test]
+    fn a_request_without_a_row_claims_alone() {
+        let requests = [request("a", "1", 1), request("a", "2", 2)];
+        let batch = ClaimBatch::new(&requests);
+        let won = Seen::Won {
+            attempt: 1,
+            kind: ClaimKind::New,
+        };
+        let answers = batch.answers(vec![Ok((2, Some(won)))]).unwrap();
+        assert!(answers[0].is_none());
+        assert!(answers[1].is_some());
+    }
+
+    #[test]
+    fn a_row_for_a_position_outside_the_batch_is_refused() {
+        let requests = [request("a", "1", 1), request("a", "2", 2)];
+        let batch = ClaimBatch::new(&requests);
+        for n in [0, 3, -1] {
+            let answers = batch.answers(vec![Ok((n, None))]);
+            assert!(matches!(answers, Err(StoreError::Backend(_))), "position {n}");
+        }
+    }
+
+    #[test]
+    fn a_row_that_does_not_decode_fails_the_whole_batch() {
+        let requests = [request("a", "1", 1), request("a", "2", 2)];
+        let batch = ClaimBatch::new(&requests);
+        let rows = vec![Ok((1, None)), Err(StoreError::Backend("bad row".into()))];
+        assert!(matches!(batch.answers(rows), Err(StoreError::Backend(m)) if m == "bad row"));
+    }
+}

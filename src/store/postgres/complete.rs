@@ -147,3 +147,97 @@ fn header_slices(counts: impl ExactSizeIterator<Item = usize>) -> Result<(Vec<i3
     }
     Ok((firsts, lasts))
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::super::runner::assert_typed_params;
+    use super::*;
+
+    fn completion(token: u128, headers: &[(&str, &str)], body: Option<&str>) -> Completion {
+        Completion {
+            id: RecordId {
+                scope: "s".into(),
+                key: format!("k{token}"),
+                token: Uuid::from_u128(token),
+            },
+            response: StoredResponse {
+                status: 200 + token as u16,
+                headers: headers
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                    .collect(),
+                body: body.map(|b| Bytes::copy_from_slice(b.as_bytes())),
+            },
+        }
+    }
+
+    fn with_body(len: usize) -> StoredResponse {
+        StoredResponse {
+            status: 200,
+            headers: Vec::new(),
+            body: Some(Bytes::from(vec![b'x'; len])),
+        }
+    }
+
+    #[test]
+    fn only_bodies_up_to_the_limit_wait_for_a_batch() {
+        assert!(batchable(&completion(1, &[], None).response));
+        assert!(batchable(&with_body(0)));
+        assert!(batchable(&with_body(BATCHED_BODY_LIMIT)));
+        assert!(!batchable(&with_body(BATCHED_BODY_LIMIT + 1)));
+    }
+
+    #[test]
+    fn header_slices_are_consecutive_one_based_and_empty_for_no_headers() {
+        let (firsts, lasts) = header_slices([2, 0, 3, 1].into_iter()).unwrap();
+        assert_eq!(firsts, [1, 3, 3, 6]);
+        assert_eq!(lasts, [2, 2, 5, 6]);
+    }
+
+    /// PostgreSQL's `array[first:last]` on a 1-based array: empty when `first > last`.
+    fn slice<T: Clone>(flat: &[T], first: i32, last: i32) -> Vec<T> {
+        if first > last {
+            return Vec::new();
+        }
+        flat[first as usize - 1..last as usize].to_vec()
+    }
+
+    #[test]
+    fn each_completion_gets_back_exactly_its_own_headers_from_the_flattened_lists() {
+        let items = [
+            completion(1, &[("a", "1"), ("b", "2")], Some("one")),
+            completion(2, &[], None),
+            completion(3, &[("c", "3"), ("a", ""), ("d", "4")], Some("")),
+        ];
+        let batch = CompleteBatch::new(&items).unwrap();
+        for (i, item) in items.iter().enumerate() {
+            let names = slice(&batch.names, batch.firsts[i], batch.lasts[i]);
+            let values = slice(&batch.values, batch.firsts[i], batch.lasts[i]);
+            let headers: Vec<(String, Vec<u8>)> = names
+                .into_iter()
+                .map(String::from)
+                .zip(values.into_iter().map(<[u8]>::to_vec))
+                .collect();
+            assert_eq!(headers, item.response.headers, "item {i}");
+        }
+        assert_eq!(batch.statuses, [201, 202, 203]);
+        assert_eq!(batch.bodies, [Some(&b"one"[..]), None, Some(&b""[..])]);
+        assert_eq!(batch.retained, [true, false, true]);
+    }
+
+    #[test]
+    fn batch_arguments_fit_the_statements_casts() {
+        let items = [completion(1, &[("a", "1")], Some("x")), completion(2, &[], None)];
+        assert_typed_params(COMPLETE_BATCH, &CompleteBatch::new(&items).unwrap().params());
+    }
+
+    #[test]
+    fn completions_are_fenced_by_the_claims_token_alone_and_batched() {
+        assert!(COMPLETE.contains("WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'"));
+        assert!(COMPLETE_BATCH.contains(
+            "WHERE r.scope = c.scope AND r.key = c.key AND r.token = c.token AND r.status = 'processing'"
+        ));
+    }
+}

@@ -144,6 +144,38 @@ fn is_conflict(code: &SqlState) -> bool {
     *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
 }
 
+/// Checks a planned statement's arguments against its text: one argument per placeholder, each cast in
+/// the SQL (`$n::elem[]`) to the type it is sent as, and each value encodable as that type.
+#[cfg(test)]
+pub(super) fn assert_typed_params(sql: &str, params: &[(&(dyn ToSql + Sync), Type)]) {
+    let mut placeholders: Vec<usize> = sql
+        .split('$')
+        .skip(1)
+        .filter_map(|rest| {
+            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            rest[..digits].parse().ok()
+        })
+        .collect();
+    placeholders.sort_unstable();
+    placeholders.dedup();
+    assert_eq!(
+        placeholders,
+        (1..=params.len()).collect::<Vec<_>>(),
+        "placeholders of {sql}"
+    );
+    for (i, (value, ty)) in params.iter().enumerate() {
+        let cast = format!("${}::{}[]", i + 1, ty.name().trim_start_matches('_'));
+        assert!(
+            sql.contains(&cast),
+            "${} is sent as {ty} but the statement has no {cast}",
+            i + 1
+        );
+        value
+            .to_sql_checked(ty, &mut bytes::BytesMut::new())
+            .unwrap_or_else(|e| panic!("${} does not encode as {ty}: {e}", i + 1));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
