@@ -161,3 +161,137 @@ pub(super) fn record_stats(row: &Row) -> Result<RecordStats, StoreError> {
 pub(super) fn corrupt() -> StoreError {
     StoreError::Backend("a record holds a status or claim kind this version does not know".into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(status: &str) -> View {
+        View {
+            status: status.into(),
+            same_fingerprint: true,
+            lease_ms: 1_500,
+            expired: false,
+            ttl_ms: 60_000,
+            token: Uuid::from_u128(7),
+            response: None,
+        }
+    }
+
+    fn response() -> StoredResponse {
+        stored_response(
+            201,
+            vec!["etag".into()],
+            vec![b"\"v1\"".to_vec()],
+            true,
+            Some(b"ok".to_vec()),
+        )
+    }
+
+    #[test]
+    fn a_completed_record_carries_its_response_expiry_and_epoch() {
+        let completed = View {
+            response: Some(response()),
+            ..view("completed")
+        };
+        let Existing::Completed {
+            same_fingerprint,
+            response: stored,
+            expires_in,
+            token,
+        } = completed.into_existing()
+        else {
+            panic!("a completed record with a response is replayable");
+        };
+        assert!(same_fingerprint);
+        assert_eq!(stored, response());
+        assert_eq!(expires_in, Duration::from_secs(60));
+        assert_eq!(token, Uuid::from_u128(7));
+    }
+
+    #[test]
+    fn a_completed_record_past_its_expiry_expires_in_zero() {
+        let completed = View {
+            ttl_ms: -250,
+            response: Some(response()),
+            ..view("completed")
+        };
+        let Existing::Completed { expires_in, .. } = completed.into_existing() else {
+            panic!("still completed");
+        };
+        assert_eq!(expires_in, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_completed_status_without_response_columns_reads_as_processing() {
+        let existing = view("completed").into_existing();
+        assert!(matches!(existing, Existing::Processing { .. }), "{existing:?}");
+    }
+
+    #[test]
+    fn failed_and_unknown_records_map_to_their_states() {
+        assert!(matches!(view("failed").into_existing(), Existing::Failed));
+        let unknown = View {
+            same_fingerprint: false,
+            ..view("unknown")
+        };
+        assert!(matches!(
+            unknown.into_existing(),
+            Existing::Unknown {
+                same_fingerprint: false
+            }
+        ));
+    }
+
+    #[test]
+    fn a_processing_record_reports_its_lease_and_a_lapsed_lease_as_zero() {
+        let live = view("processing").into_existing();
+        assert!(matches!(
+            live,
+            Existing::Processing { same_fingerprint: true, lease_remaining }
+                if lease_remaining == Duration::from_millis(1_500)
+        ));
+        let lapsed = View {
+            lease_ms: -10,
+            ..view("processing")
+        };
+        assert!(matches!(
+            lapsed.into_existing(),
+            Existing::Processing { lease_remaining, .. } if lease_remaining.is_zero()
+        ));
+    }
+
+    #[test]
+    fn a_status_this_version_does_not_know_is_treated_as_in_flight() {
+        assert!(matches!(
+            view("archived").into_existing(),
+            Existing::Processing { .. }
+        ));
+    }
+
+    #[test]
+    fn response_headers_pair_up_in_stored_order() {
+        let names = vec!["set-cookie".into(), "set-cookie".into(), "x-empty".into()];
+        let values = vec![b"a=1".to_vec(), b"b=2".to_vec(), Vec::new()];
+        let stored = stored_response(200, names, values, true, Some(Vec::new()));
+        let expected: Vec<(String, Vec<u8>)> = vec![
+            ("set-cookie".into(), b"a=1".to_vec()),
+            ("set-cookie".into(), b"b=2".to_vec()),
+            ("x-empty".into(), Vec::new()),
+        ];
+        assert_eq!(stored.status, 200);
+        assert_eq!(stored.headers, expected);
+    }
+
+    #[test]
+    fn a_body_that_was_not_retained_is_absent_even_if_bytes_are_stored() {
+        let stored = stored_response(200, Vec::new(), Vec::new(), false, Some(b"partial".to_vec()));
+        assert_eq!(stored.body, None);
+    }
+
+    #[test]
+    fn a_retained_body_stored_as_null_is_empty() {
+        let stored = stored_response(204, Vec::new(), Vec::new(), true, None);
+        assert_eq!(stored.body, Some(Bytes::new()));
+    }
+}
