@@ -152,3 +152,27 @@ impl Store for PostgresStore {
         maintenance::stats(&self.db).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quarter_of_the_pool_runs_batches_and_never_less_than_one() {
+        let in_flight: Vec<usize> = [1, 3, 4, 7, 8, 16, 64].map(batches_in_flight).to_vec();
+        assert_eq!(in_flight, [1, 1, 1, 1, 2, 4, 16]);
+    }
+
+    #[tokio::test]
+    async fn connecting_needs_no_database_and_coalesces_only_above_a_batch_of_one() {
+        let toml = |max_batch: usize| {
+            format!("[store]\nurl = \"postgres://127.0.0.1:9/none\"\nmax_batch = {max_batch}\n")
+        };
+        let single = crate::Config::from_toml_str(&toml(1)).unwrap().store;
+        let store = PostgresStore::connect(&single).unwrap();
+        assert!(store.claims.is_none() && store.completions.is_none());
+        let batched = crate::Config::from_toml_str(&toml(8)).unwrap().store;
+        let store = PostgresStore::connect(&batched).unwrap();
+        assert!(store.claims.is_some() && store.completions.is_some());
+    }
+}

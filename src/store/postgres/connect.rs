@@ -56,3 +56,77 @@ pub(super) fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsCon
         .map_err(|e| StoreError::Backend(format!("store TLS: {e}")))?;
     Ok(Some(MakeRustlsConnect::new(client)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(url: &str) -> StoreConfig {
+        crate::Config::from_toml_str(&format!("[store]\nurl = \"{url}\"\ntimeout = \"7s\"\n"))
+            .unwrap()
+            .store
+    }
+
+    #[test]
+    fn a_plain_url_gets_the_store_timeout_our_name_and_keepalives() {
+        let pg = pg_config(&store("postgres://app@db.internal/keys")).unwrap();
+        assert_eq!(pg.get_connect_timeout(), Some(&Duration::from_secs(7)));
+        assert_eq!(pg.get_application_name(), Some("idemproxy"));
+        assert!(pg.get_keepalives());
+        assert_eq!(pg.get_keepalives_idle(), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_connect_timeout_and_name_in_the_url_win_but_keepalives_stay_on() {
+        let url = "postgres://app@db.internal/keys?connect_timeout=2&application_name=billing&keepalives=0";
+        let pg = pg_config(&store(url)).unwrap();
+        assert_eq!(pg.get_connect_timeout(), Some(&Duration::from_secs(2)));
+        assert_eq!(pg.get_application_name(), Some("billing"));
+        assert!(pg.get_keepalives());
+    }
+
+    #[test]
+    fn a_url_the_driver_cannot_read_is_a_backend_error() {
+        let mut config = store("postgres://app@db.internal/keys");
+        config.url = "postgres://app@db.internal/keys?connect_timeout=soon".into();
+        assert!(matches!(pg_config(&config), Err(StoreError::Backend(_))));
+        assert!(matches!(pool(&config), Err(StoreError::Backend(_))));
+    }
+
+    #[test]
+    fn clear_text_urls_get_no_tls_connector() {
+        for url in [
+            "postgres://db.internal/keys",
+            "postgres://db.internal/keys?sslmode=disable",
+        ] {
+            assert!(tls_connector(&store(url)).unwrap().is_none(), "{url}");
+        }
+    }
+
+    #[test]
+    fn sslmode_require_trusts_the_configured_ca_file() {
+        let ca = rcgen::generate_simple_self_signed(vec!["db.internal".into()]).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), ca.cert.pem()).unwrap();
+        let mut config = store("postgres://db.internal/keys?sslmode=require");
+        config.tls_ca_file = Some(file.path().to_owned());
+        assert!(tls_connector(&config).unwrap().is_some());
+    }
+
+    #[test]
+    fn an_unreadable_ca_file_is_a_store_tls_error() {
+        let mut config = store("postgres://db.internal/keys?sslmode=require");
+        config.tls_ca_file = Some("/nonexistent/idemproxy-ca.pem".into());
+        let Err(StoreError::Backend(message)) = tls_connector(&config) else {
+            panic!("a missing CA file was accepted");
+        };
+        assert!(message.starts_with("store TLS: "), "{message}");
+    }
+
+    #[test]
+    fn the_pool_holds_at_most_pool_size_connections() {
+        let mut config = store("postgres://db.internal/keys");
+        config.pool_size = 3;
+        assert_eq!(pool(&config).unwrap().status().max_size, 3);
+    }
+}
