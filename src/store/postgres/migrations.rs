@@ -70,3 +70,42 @@ async fn migrate_locked(client: &mut tokio_postgres::Client) -> Result<usize, St
         .map_err(migration)?;
     Ok(report?.applied_migrations().len())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use refinery::Migration;
+
+    use super::*;
+
+    /// Version, name and checksum: what refinery compares with a database's history.
+    fn identity(migration: &Migration) -> (String, String, u64) {
+        let version = migration.version().to_string();
+        (version, migration.name().to_owned(), migration.checksum())
+    }
+
+    /// refinery embeds only files named `V{version}__{name}.sql` and skips any other without an error,
+    /// so a misnamed migration would silently never be applied.
+    #[test]
+    fn every_file_in_migrations_postgres_is_embedded_as_written() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+        let mut files: Vec<(String, String, u64)> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|entry| {
+                let path = entry.unwrap().path();
+                let stem = path.file_stem().unwrap().to_str().unwrap().to_owned();
+                let sql = std::fs::read_to_string(&path).unwrap();
+                let migration = Migration::unapplied(&stem, &sql)
+                    .unwrap_or_else(|e| panic!("{} is not a migration file name: {e}", path.display()));
+                identity(&migration)
+            })
+            .collect();
+        let runner = embedded::migrations::runner();
+        let mut embedded: Vec<(String, String, u64)> = runner.get_migrations().iter().map(identity).collect();
+        files.sort();
+        embedded.sort();
+        assert!(!files.is_empty());
+        assert_eq!(embedded, files);
+    }
+}
