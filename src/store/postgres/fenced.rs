@@ -64,3 +64,29 @@ pub(super) async fn execute(
     params.extend_from_slice(extra);
     Ok(db.execute(sql, &params).await? == 1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FENCE: &str = "WHERE scope = $1 AND key = $2 AND token = $3";
+
+    #[test]
+    fn the_holders_writes_match_only_its_own_live_claim() {
+        for sql in [HEARTBEAT, RELEASE, HOLD] {
+            assert!(
+                sql.contains(&format!("{FENCE} AND status = 'processing'")),
+                "{sql}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_operators_release_matches_the_inspected_token_once_no_live_holder_can_race_it() {
+        assert!(RELEASE_STALE.contains(FENCE));
+        assert!(
+            RELEASE_STALE
+                .contains("AND (status = 'unknown' OR (status = 'processing' AND locked_until <= now()))")
+        );
+    }
+}

@@ -57,3 +57,37 @@ pub(super) async fn stats(db: &Db) -> Result<RecordStats, StoreError> {
     let rows = db.query(STATS, &[]).await?;
     record_stats(rows.first().ok_or_else(corrupt)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_counts_in_the_order_record_stats_reads_them() {
+        let counted: Vec<&str> = STATS
+            .lines()
+            .filter(|line| line.contains("CASE WHEN"))
+            .map(|line| match line.split('\'').nth(1) {
+                Some(status) => status,
+                None if line.contains("expires_at <= now()") => "expired",
+                None => panic!("an unexpected count: {line}"),
+            })
+            .collect();
+        assert_eq!(
+            counted,
+            ["processing", "completed", "failed", "unknown", "expired"]
+        );
+    }
+
+    #[test]
+    fn a_swept_row_is_checked_again_under_its_lock() {
+        let expired = "expires_at <= now() AND (status <> 'processing' OR locked_until <= now())";
+        let locked = "r.expires_at <= now() AND (r.status <> 'processing' OR r.locked_until <= now())";
+        let (inner, outer) = SWEEP.split_once("FOR UPDATE SKIP LOCKED").unwrap();
+        assert!(inner.contains(expired), "the inner read picks expired records");
+        assert!(
+            outer.contains(locked),
+            "the outer WHERE re-checks them under the row lock"
+        );
+    }
+}
