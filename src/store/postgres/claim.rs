@@ -1,0 +1,442 @@
+//! The claim: which request executes a key. Runs on the request path, once per keyed request, alone or
+//! coalesced with others (`store.max_batch`); touches only the records of the keys being claimed. A claim
+//! takes one or more rounds of CLAIM then TAKE on one connection; a coalesced claim's first round is
+//! CLAIM_BATCH, shared with every claim in its batch, and a request that round leaves undecided goes on
+//! to claim alone. Each round's row is settled here: won, held by a record that cannot be taken, or
+//! undecided (the record looked claimable, so the next statement must decide).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Object;
+use tokio::time::timeout;
+use tokio_postgres::types::{ToSql, Type};
+use uuid::Uuid;
+
+use super::rows::{Seen, View, corrupt, decode, decode_batched};
+use super::runner::{Db, backend, retry_serialization};
+use crate::store::{ClaimRequest, ClaimResult, Existing, StoreError};
+
+/// Columns describing a record `r` as seen by the statement (with `same_fingerprint`, which each
+/// statement words for its own parameters).
+macro_rules! view_columns {
+    () => {
+        "r.status, ceil(extract(epoch FROM (r.locked_until - now())) * 1000)::bigint AS lease_ms, \
+         r.expires_at <= now() AS expired, \
+         ceil(extract(epoch FROM (r.expires_at - now())) * 1000)::bigint AS ttl_ms, r.response_status, \
+         r.response_header_names, r.response_header_values, r.response_body, r.body_retained, \
+         r.token AS record_token"
+    };
+}
+
+/// The shape of CLAIM's and TAKE's answer: one row saying whether this request won the key, and if not,
+/// the record as of the statement's snapshot. `$1`, `$2`: scope and key; the CTE is named `won`.
+macro_rules! won_or_record {
+    () => {
+        concat!(
+            "SELECT true AS won, w.attempt, w.claim_kind, NULL::boolean AS same_fingerprint, \
+                    NULL::text AS status, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
+                    NULL::bigint AS ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
+                    NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
+                    NULL::boolean AS body_retained, NULL::uuid AS record_token
+             FROM won w
+             UNION ALL
+             SELECT false, r.attempt, r.claim_kind, r.fingerprint = $3 AS same_fingerprint, ",
+            view_columns!(),
+            " FROM idemproxy.records r
+             WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM won)"
+        )
+    };
+}
+
+/// Which existing records a claim may take: expired ones, unless a live claim still runs on them (a key
+/// retried at the end of its TTL while its original runs must not execute twice); and for the same
+/// request, released ones and those whose lease ran out. Evaluated by the database clock.
+macro_rules! claimable {
+    () => {
+        "((r.expires_at <= now() AND NOT (r.status = 'processing' AND r.locked_until > now()))
+          OR (r.fingerprint = $3
+              AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now()))))"
+    };
+}
+
+/// The claim's first round trip. A new key is won by the INSERT, decided by the primary key. An existing
+/// key is left untouched (DO NOTHING takes no row lock and writes nothing, so replays of one hot key never
+/// queue behind each other) and reported as of the statement's snapshot. That snapshot may predate a
+/// concurrent commit: the row is then invisible, or looks claimable when it no longer is. Both cases, and
+/// a row that really is claimable, go on to TAKE.
+const CLAIM: &str = concat!(
+    "WITH won AS (
+        INSERT INTO idemproxy.records AS r
+            (scope, key, fingerprint, status, token, attempt, claim_kind,
+             locked_until, created_at, expires_at, updated_at)
+        VALUES ($1, $2, $3, 'processing', $4, 1, 'new',
+                now() + make_interval(secs => $5), now(), now() + make_interval(secs => $6), now())
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING r.attempt, r.claim_kind
+    ) ",
+    won_or_record!()
+);
+
+/// The second round trip, for an existing record that may be claimable: an atomic conditional UPDATE.
+/// PostgreSQL re-checks the WHERE against the latest committed version of the row under its row lock, so
+/// of several concurrent takers exactly one wins, and a row changed since this statement's snapshot is
+/// judged as it is now. If nothing was taken, the record is reported as for CLAIM.
+const TAKE: &str = concat!(
+    "WITH won AS (
+        UPDATE idemproxy.records AS r SET
+            fingerprint = $3,
+            status = 'processing',
+            token = $4,
+            attempt = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempt + 1 END,
+            claim_kind = CASE WHEN r.expires_at <= now() THEN 'new'
+                              WHEN r.status = 'failed' THEN 'retry'
+                              ELSE 'takeover' END,
+            locked_until = now() + make_interval(secs => $5),
+            created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+            expires_at = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $6)
+                              ELSE greatest(r.expires_at, now() + make_interval(secs => $5)) END,
+            updated_at = now(),
+            response_status = NULL,
+            response_header_names = NULL,
+            response_header_values = NULL,
+            response_body = NULL,
+            body_retained = NULL
+        WHERE r.scope = $1 AND r.key = $2 AND ",
+    claimable!(),
+    "
+        RETURNING r.attempt, r.claim_kind
+    ) ",
+    won_or_record!()
+);
+
+/// CLAIM's first round for many requests at once (coalesced): one statement and one commit for all of
+/// them. Each new key is won by the INSERT, as in CLAIM; every other request gets its record as of the
+/// statement's snapshot. The inputs come sorted by (scope, key), so concurrent batches insert in one
+/// order and never deadlock each other. Of two requests for one key in the same batch, one wins and the
+/// other sees no record (the snapshot predates the statement's own insert); like a request whose CLAIM
+/// saw no record, it goes on to claim alone. One row per input; `n` is its 1-based position.
+const CLAIM_BATCH: &str = concat!(
+    "WITH input AS (
+        SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $5::float8[], $6::float8[])
+            WITH ORDINALITY AS u(scope, key, fingerprint, token, lease, ttl, n)
+    ), won AS (
+        INSERT INTO idemproxy.records AS r
+            (scope, key, fingerprint, status, token, attempt, claim_kind,
+             locked_until, created_at, expires_at, updated_at)
+        SELECT scope, key, fingerprint, 'processing', token, 1, 'new',
+               now() + make_interval(secs => lease), now(), now() + make_interval(secs => ttl), now()
+        FROM input ORDER BY n
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING r.token, r.attempt, r.claim_kind
+    )
+    SELECT i.n, w.token IS NOT NULL AS won, r.scope IS NOT NULL AS seen,
+           coalesce(w.attempt, r.attempt) AS attempt, coalesce(w.claim_kind, r.claim_kind) AS claim_kind,
+           r.fingerprint = i.fingerprint AS same_fingerprint, ",
+    view_columns!(),
+    " FROM input i
+    LEFT JOIN won w ON w.token = i.token
+    LEFT JOIN idemproxy.records r ON w.token IS NULL AND r.scope = i.scope AND r.key = i.key
+    ORDER BY i.n"
+);
+
+/// How many claim rounds to try before answering "in flight" to a key that changes under every read.
+const CLAIM_ROUNDS: usize = 3;
+
+/// A coalesced claim's answer: decided, or `None` when the request must go on to claim alone.
+pub(super) type FirstRound = Result<Option<ClaimResult>, StoreError>;
+
+/// The claim with rounds of CLAIM and TAKE on one connection.
+pub(super) async fn alone(db: &Db, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
+    let client = db.client().await?;
+    let result = timeout(db.timeout(), rounds(&client, request)).await;
+    db.finish(client, result)
+}
+
+/// A batch of claims: one alone runs the whole claim; more run CLAIM_BATCH.
+pub(super) async fn batch(db: Arc<Db>, requests: Vec<ClaimRequest>) -> Vec<FirstRound> {
+    if let [request] = requests.as_slice() {
+        return vec![alone(&db, request).await.map(Some)];
+    }
+    match together(&db, &requests).await {
+        Ok(decided) => decided.into_iter().map(Ok).collect(),
+        Err(error) => requests.iter().map(|_| Err(error.clone())).collect(),
+    }
+}
+
+async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
+    let claim = client.prepare_cached(CLAIM).await?;
+    let take = client.prepare_cached(TAKE).await?;
+    let id = &request.id;
+    let fingerprint: &[u8] = &request.fingerprint;
+    let lease = request.lease.as_secs_f64();
+    let ttl = request.ttl.as_secs_f64();
+    let params: [&(dyn ToSql + Sync); 6] = [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
+    for _ in 0..CLAIM_ROUNDS {
+        for statement in [&claim, &take] {
+            let row = retry_serialization(|| client.query_opt(statement, &params)).await?;
+            if let Some(decided) = settle(row.as_ref().map(decode).transpose()?) {
+                return Ok(decided);
+            }
+        }
+    }
+    tracing::warn!(key = %id.key, "key changed under every claim round; answering in flight");
+    Ok(ClaimResult::Held(Existing::Processing {
+        same_fingerprint: true,
+        lease_remaining: Duration::from_secs(1),
+    }))
+}
+
+async fn together(db: &Db, requests: &[ClaimRequest]) -> Result<Vec<Option<ClaimResult>>, StoreError> {
+    let batch = ClaimBatch::new(requests);
+    let rows = db.query_planned(CLAIM_BATCH, &batch.params()).await?;
+    batch.answers(rows.iter().map(|row| decode_batched(row).map_err(backend)))
+}
+
+/// CLAIM_BATCH's arguments: the requests sorted by (scope, key), one array per column.
+struct ClaimBatch<'a> {
+    requests: &'a [ClaimRequest],
+    order: Vec<&'a ClaimRequest>,
+    scopes: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    fingerprints: Vec<&'a [u8]>,
+    tokens: Vec<Uuid>,
+    leases: Vec<f64>,
+    ttls: Vec<f64>,
+}
+
+impl<'a> ClaimBatch<'a> {
+    fn new(requests: &'a [ClaimRequest]) -> ClaimBatch<'a> {
+        let mut order: Vec<&ClaimRequest> = requests.iter().collect();
+        order.sort_by(|a, b| (&a.id.scope, &a.id.key).cmp(&(&b.id.scope, &b.id.key)));
+        ClaimBatch {
+            requests,
+            scopes: order.iter().map(|r| r.id.scope.as_str()).collect(),
+            keys: order.iter().map(|r| r.id.key.as_str()).collect(),
+            fingerprints: order.iter().map(|r| r.fingerprint.as_slice()).collect(),
+            tokens: order.iter().map(|r| r.id.token).collect(),
+            leases: order.iter().map(|r| r.lease.as_secs_f64()).collect(),
+            ttls: order.iter().map(|r| r.ttl.as_secs_f64()).collect(),
+            order,
+        }
+    }
+
+    /// `$1` to `$6`, typed as CLAIM_BATCH casts them.
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
+        [
+            (&self.scopes, Type::TEXT_ARRAY),
+            (&self.keys, Type::TEXT_ARRAY),
+            (&self.fingerprints, Type::BYTEA_ARRAY),
+            (&self.tokens, Type::UUID_ARRAY),
+            (&self.leases, Type::FLOAT8_ARRAY),
+            (&self.ttls, Type::FLOAT8_ARRAY),
+        ]
+    }
+
+    /// Every request's answer, in the callers' order, from CLAIM_BATCH's rows (each row: the 1-based
+    /// position of its input in the sorted order, and what it saw); `None` where the request must go on
+    /// to claim alone.
+    fn answers(
+        &self,
+        rows: impl IntoIterator<Item = Result<(i64, Option<Seen>), StoreError>>,
+    ) -> Result<Vec<Option<ClaimResult>>, StoreError> {
+        let mut decided: HashMap<Uuid, ClaimResult> = HashMap::with_capacity(self.order.len());
+        for row in rows {
+            let (n, seen) = row?;
+            let request = usize::try_from(n - 1)
+                .ok()
+                .and_then(|i| self.order.get(i))
+                .ok_or_else(corrupt)?;
+            if let Some(result) = settle(seen) {
+                decided.insert(request.id.token, result);
+            }
+        }
+        Ok(self
+            .requests
+            .iter()
+            .map(|r| decided.remove(&r.id.token))
+            .collect())
+    }
+}
+
+/// What a claim round's row decides: the claim's result, or `None` when the record was not seen or looked
+/// claimable, so the next round must decide.
+fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
+    match seen? {
+        Seen::Won { attempt, kind } => Some(ClaimResult::Won { attempt, kind }),
+        Seen::Record(view) if !claimable(&view) => Some(ClaimResult::Held(view.into_existing())),
+        Seen::Record(_) => None,
+    }
+}
+
+/// Whether TAKE's WHERE (`claimable!`) would take this version of the row. A version that looks
+/// claimable but was not taken is from an older snapshot than the row lock saw.
+fn claimable(view: &View) -> bool {
+    let running = view.status == "processing" && view.lease_ms > 0;
+    (view.expired && !running)
+        || (view.same_fingerprint
+            && (view.status == "failed" || (view.status == "processing" && view.lease_ms <= 0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::runner::assert_typed_params;
+    use super::*;
+    use crate::store::{ClaimKind, RecordId};
+
+    fn request(scope: &str, key: &str, token: u128) -> ClaimRequest {
+        ClaimRequest {
+            id: RecordId {
+                scope: scope.into(),
+                key: key.into(),
+                token: Uuid::from_u128(token),
+            },
+            fingerprint: [token as u8; 32],
+            lease: Duration::from_millis(1_500),
+            ttl: Duration::from_secs(86_400),
+        }
+    }
+
+    /// A record as a statement saw it: `status`, whether it expired, its lease left (ms) and whether
+    /// the claiming request has the record's fingerprint.
+    fn view(status: &str, expired: bool, lease_ms: i64, same_fingerprint: bool) -> View {
+        View {
+            status: status.into(),
+            same_fingerprint,
+            lease_ms,
+            expired,
+            ttl_ms: if expired { 0 } else { 60_000 },
+            token: Uuid::from_u128(99),
+            response: None,
+        }
+    }
+
+    #[test]
+    fn claimable_is_the_take_statements_where() {
+        // (status, expired, lease left in ms, same fingerprint) -> claimable
+        let cases = [
+            // Expired: anything but a claim still running, whatever the fingerprint.
+            (("completed", true, 0, false), true),
+            (("unknown", true, 0, false), true),
+            (("processing", true, 0, false), true),
+            (("processing", true, 500, true), false),
+            // Unexpired: only the same request, once released or once its lease ran out.
+            (("failed", false, 0, true), true),
+            (("failed", false, 0, false), false),
+            (("processing", false, -1, true), true),
+            (("processing", false, 0, true), true),
+            (("processing", false, 1, true), false),
+            (("processing", false, -1, false), false),
+            (("completed", false, 0, true), false),
+            (("unknown", false, 0, true), false),
+        ];
+        for ((status, expired, lease_ms, same), expected) in cases {
+            let seen = view(status, expired, lease_ms, same);
+            assert_eq!(
+                claimable(&seen),
+                expected,
+                "{:?}",
+                (status, expired, lease_ms, same)
+            );
+        }
+    }
+
+    #[test]
+    fn a_round_decides_a_win_or_a_record_it_cannot_take() {
+        let won = settle(Some(Seen::Won {
+            attempt: 2,
+            kind: ClaimKind::Retry,
+        }));
+        assert!(matches!(
+            won,
+            Some(ClaimResult::Won {
+                attempt: 2,
+                kind: ClaimKind::Retry
+            })
+        ));
+        let held = settle(Some(Seen::Record(view("processing", false, 900, true))));
+        assert!(matches!(
+            held,
+            Some(ClaimResult::Held(Existing::Processing { lease_remaining, .. }))
+                if lease_remaining == Duration::from_millis(900)
+        ));
+    }
+
+    #[test]
+    fn a_round_that_saw_no_record_or_a_claimable_one_leaves_the_claim_to_the_next_statement() {
+        assert!(settle(None).is_none());
+        assert!(settle(Some(Seen::Record(view("failed", false, 0, true)))).is_none());
+    }
+
+    #[test]
+    fn batch_inputs_go_in_scope_then_key_order_so_concurrent_batches_insert_alike() {
+        let requests = [request("b", "1", 1), request("a", "2", 2), request("a", "1", 3)];
+        let batch = ClaimBatch::new(&requests);
+        assert_eq!(batch.scopes, ["a", "a", "b"]);
+        assert_eq!(batch.keys, ["1", "2", "1"]);
+        let tokens: Vec<u128> = batch.tokens.iter().map(|t| t.as_u128()).collect();
+        assert_eq!(tokens, [3, 2, 1]);
+        let fingerprints: Vec<u8> = batch.fingerprints.iter().map(|f| f[0]).collect();
+        assert_eq!(fingerprints, [3, 2, 1]);
+        assert_eq!(batch.leases, [1.5; 3]);
+        assert_eq!(batch.ttls, [86_400.0; 3]);
+    }
+
+    #[test]
+    fn batch_arguments_fit_the_statements_casts() {
+        let requests = [request("s", "k", 1), request("s", "j", 2)];
+        assert_typed_params(CLAIM_BATCH, &ClaimBatch::new(&requests).params());
+    }
+
+    #[test]
+    fn batch_rows_answer_their_requests_in_the_callers_order() {
+        let requests = [request("b", "1", 1), request("a", "1", 2), request("c", "1", 3)];
+        let batch = ClaimBatch::new(&requests);
+        let won = Seen::Won {
+            attempt: 1,
+            kind: ClaimKind::New,
+        };
+        let held = Seen::Record(view("unknown", false, 0, true));
+        // Sorted: a (token 2), b (token 1), c (token 3); c saw no record.
+        let rows = vec![Ok((1, Some(held))), Ok((2, Some(won))), Ok((3, None))];
+        let answers = batch.answers(rows).unwrap();
+        assert!(matches!(answers[0], Some(ClaimResult::Won { attempt: 1, .. })));
+        assert!(matches!(
+            answers[1],
+            Some(ClaimResult::Held(Existing::Unknown { .. }))
+        ));
+        assert!(answers[2].is_none(), "a request that saw no record claims alone");
+    }
+
+    #[test]
+    fn a_request_without_a_row_claims_alone() {
+        let requests = [request("a", "1", 1), request("a", "2", 2)];
+        let batch = ClaimBatch::new(&requests);
+        let won = Seen::Won {
+            attempt: 1,
+            kind: ClaimKind::New,
+        };
+        let answers = batch.answers(vec![Ok((2, Some(won)))]).unwrap();
+        assert!(answers[0].is_none());
+        assert!(answers[1].is_some());
+    }
+
+    #[test]
+    fn a_row_for_a_position_outside_the_batch_is_refused() {
+        let requests = [request("a", "1", 1), request("a", "2", 2)];
+        let batch = ClaimBatch::new(&requests);
+        for n in [0, 3, -1] {
+            let answers = batch.answers(vec![Ok((n, None))]);
+            assert!(matches!(answers, Err(StoreError::Backend(_))), "position {n}");
+        }
+    }
+
+    #[test]
+    fn a_row_that_does_not_decode_fails_the_whole_batch() {
+        let requests = [request("a", "1", 1), request("a", "2", 2)];
+        let batch = ClaimBatch::new(&requests);
+        let rows = vec![Ok((1, None)), Err(StoreError::Backend("bad row".into()))];
+        assert!(matches!(batch.answers(rows), Err(StoreError::Backend(m)) if m == "bad row"));
+    }
+}

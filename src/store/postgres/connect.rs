@@ -1,0 +1,132 @@
+//! How the store reaches PostgreSQL: `store.url` with our connection defaults, the TLS connector its
+//! `sslmode` asks for, and the pool. Runs at start-up (`PostgresStore::connect`) and for each migration
+//! run; touches no database (the pool opens connections lazily, migrations open their own).
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::config::StoreConfig;
+use crate::store::StoreError;
+
+/// The pool of `store.pool_size` connections; none is opened until one is asked for, so this succeeds
+/// while the database is down.
+pub(super) fn pool(config: &StoreConfig) -> Result<Pool, StoreError> {
+    let pg = pg_config(config)?;
+    let manager_config = ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = match tls_connector(config)? {
+        Some(tls) => Manager::from_config(pg, tls, manager_config),
+        None => Manager::from_config(pg, NoTls, manager_config),
+    };
+    Pool::builder(manager)
+        .max_size(config.pool_size)
+        .build()
+        .map_err(|e| StoreError::Backend(e.to_string()))
+}
+
+/// `store.url`, with what it leaves unset: a connect timeout of `store.timeout` and the application
+/// name `idemproxy`; TCP keepalives always on.
+pub(super) fn pg_config(config: &StoreConfig) -> Result<tokio_postgres::Config, StoreError> {
+    let mut pg: tokio_postgres::Config = config
+        .url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| StoreError::Backend(e.to_string()))?;
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(config.timeout);
+    }
+    if pg.get_application_name().is_none() {
+        pg.application_name("idemproxy");
+    }
+    pg.keepalives(true).keepalives_idle(Duration::from_secs(30));
+    Ok(pg)
+}
+
+/// The TLS connector when the URL says `sslmode=require`: rustls, verifying the server's certificate and
+/// name against the system's CA certificates plus `store.tls_ca_file`. `sslmode=disable` or none connects in
+/// clear text; config validation refuses every other mode.
+pub(super) fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsConnect>, StoreError> {
+    if !config.tls {
+        return Ok(None);
+    }
+    let client = crate::tls::client_config(config.tls_ca_file.as_deref())
+        .map_err(|e| StoreError::Backend(format!("store TLS: {e}")))?;
+    Ok(Some(MakeRustlsConnect::new(client)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(url: &str) -> StoreConfig {
+        crate::Config::from_toml_str(&format!("[store]\nurl = \"{url}\"\ntimeout = \"7s\"\n"))
+            .unwrap()
+            .store
+    }
+
+    #[test]
+    fn a_plain_url_gets_the_store_timeout_our_name_and_keepalives() {
+        let pg = pg_config(&store("postgres://app@db.internal/keys")).unwrap();
+        assert_eq!(pg.get_connect_timeout(), Some(&Duration::from_secs(7)));
+        assert_eq!(pg.get_application_name(), Some("idemproxy"));
+        assert!(pg.get_keepalives());
+        assert_eq!(pg.get_keepalives_idle(), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_connect_timeout_and_name_in_the_url_win_but_keepalives_stay_on() {
+        let url = "postgres://app@db.internal/keys?connect_timeout=2&application_name=billing&keepalives=0";
+        let pg = pg_config(&store(url)).unwrap();
+        assert_eq!(pg.get_connect_timeout(), Some(&Duration::from_secs(2)));
+        assert_eq!(pg.get_application_name(), Some("billing"));
+        assert!(pg.get_keepalives());
+    }
+
+    #[test]
+    fn a_url_the_driver_cannot_read_is_a_backend_error() {
+        let mut config = store("postgres://app@db.internal/keys");
+        config.url = "postgres://app@db.internal/keys?connect_timeout=soon".into();
+        assert!(matches!(pg_config(&config), Err(StoreError::Backend(_))));
+        assert!(matches!(pool(&config), Err(StoreError::Backend(_))));
+    }
+
+    #[test]
+    fn clear_text_urls_get_no_tls_connector() {
+        for url in [
+            "postgres://db.internal/keys",
+            "postgres://db.internal/keys?sslmode=disable",
+        ] {
+            assert!(tls_connector(&store(url)).unwrap().is_none(), "{url}");
+        }
+    }
+
+    #[test]
+    fn sslmode_require_trusts_the_configured_ca_file() {
+        let ca = rcgen::generate_simple_self_signed(vec!["db.internal".into()]).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), ca.cert.pem()).unwrap();
+        let mut config = store("postgres://db.internal/keys?sslmode=require");
+        config.tls_ca_file = Some(file.path().to_owned());
+        assert!(tls_connector(&config).unwrap().is_some());
+    }
+
+    #[test]
+    fn an_unreadable_ca_file_is_a_store_tls_error() {
+        let mut config = store("postgres://db.internal/keys?sslmode=require");
+        config.tls_ca_file = Some("/nonexistent/idemproxy-ca.pem".into());
+        let Err(StoreError::Backend(message)) = tls_connector(&config) else {
+            panic!("a missing CA file was accepted");
+        };
+        assert!(message.starts_with("store TLS: "), "{message}");
+    }
+
+    #[test]
+    fn the_pool_holds_at_most_pool_size_connections() {
+        let mut config = store("postgres://db.internal/keys");
+        config.pool_size = 3;
+        assert_eq!(pool(&config).unwrap().status().max_size, 3);
+    }
+}

@@ -1,0 +1,93 @@
+//! Statements off the request path, over many records: the sweeper's deletion of expired records
+//! (SWEEP, from every replica's sweeper task) and the operator tools' reads (FIND and STATS, for
+//! `idemproxy keys`). Touches the whole key table, a bounded batch or one key's records at a time.
+
+use super::rows::{corrupt, record_info, record_stats};
+use super::runner::{Db, backend};
+use crate::store::{RecordInfo, RecordStats, StoreError};
+
+/// Deletes one bounded batch of expired records. SKIP LOCKED lets sweepers on many replicas split the
+/// work instead of queueing on each other's rows, and leaves alone a row a claim is taking right now;
+/// the outer WHERE re-checks each row under its lock, so a record re-claimed since the inner read stays.
+/// A processing record goes only once its lease has run out too: its holder may still complete it.
+const SWEEP: &str = "DELETE FROM idemproxy.records AS r
+    WHERE (r.scope, r.key) IN (
+        SELECT scope, key FROM idemproxy.records
+        WHERE expires_at <= now() AND (status <> 'processing' OR locked_until <= now())
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED)
+      AND r.expires_at <= now() AND (r.status <> 'processing' OR r.locked_until <= now())";
+
+/// An operator's view of the records holding a key. Without a scope this scans the table: it serves the
+/// runbook, never the request path.
+const FIND: &str = "SELECT scope, key, status, attempt, claim_kind, token,
+        (extract(epoch FROM created_at) * 1000)::bigint AS created_ms,
+        (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms,
+        (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms,
+        (extract(epoch FROM locked_until) * 1000)::bigint AS locked_ms,
+        (extract(epoch FROM now()) * 1000)::bigint AS now_ms,
+        response_status, octet_length(response_body)::bigint AS body_bytes, body_retained
+    FROM idemproxy.records
+    WHERE key = $1 AND ($2::text IS NULL OR scope = $2)
+    ORDER BY scope";
+
+/// Records by state, expired ones apart. Portable aggregate (no FILTER clause).
+const STATS: &str = "SELECT
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'processing' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'completed' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'failed' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at > now() AND status = 'unknown' THEN 1 ELSE 0 END), 0)::bigint,
+        coalesce(sum(CASE WHEN expires_at <= now() THEN 1 ELSE 0 END), 0)::bigint
+    FROM idemproxy.records";
+
+pub(super) async fn sweep(db: &Db, batch: u32) -> Result<u64, StoreError> {
+    let limit = i64::from(batch);
+    db.execute(SWEEP, &[&limit]).await
+}
+
+pub(super) async fn find(db: &Db, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
+    let rows = db.query(FIND, &[&key, &scope]).await?;
+    rows.iter()
+        .map(|row| record_info(row).map_err(backend)?.ok_or_else(corrupt))
+        .collect()
+}
+
+pub(super) async fn stats(db: &Db) -> Result<RecordStats, StoreError> {
+    let rows = db.query(STATS, &[]).await?;
+    record_stats(rows.first().ok_or_else(corrupt)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_counts_in_the_order_record_stats_reads_them() {
+        let counted: Vec<&str> = STATS
+            .lines()
+            .filter(|line| line.contains("CASE WHEN"))
+            .map(|line| match line.split('\'').nth(1) {
+                Some(status) => status,
+                None if line.contains("expires_at <= now()") => "expired",
+                None => panic!("an unexpected count: {line}"),
+            })
+            .collect();
+        assert_eq!(
+            counted,
+            ["processing", "completed", "failed", "unknown", "expired"]
+        );
+    }
+
+    #[test]
+    fn a_swept_row_is_checked_again_under_its_lock() {
+        let expired = "expires_at <= now() AND (status <> 'processing' OR locked_until <= now())";
+        let locked = "r.expires_at <= now() AND (r.status <> 'processing' OR r.locked_until <= now())";
+        let (inner, outer) = SWEEP.split_once("FOR UPDATE SKIP LOCKED").unwrap();
+        assert!(inner.contains(expired), "the inner read picks expired records");
+        assert!(
+            outer.contains(locked),
+            "the outer WHERE re-checks them under the row lock"
+        );
+    }
+}
