@@ -1,0 +1,254 @@
+//! The maps of the code (`docs/LIFECYCLE.md` and the module list in `src/lib.rs`) stay true: every file
+//! path they cite exists, every `module::item` or `Type::item` they cite is defined where it says, every
+//! `section.key` they cite is a configuration key of `config/idemproxy.toml`, and each step of a request
+//! in `docs/LIFECYCLE.md` names exactly one file, a file no other step names.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(path: &str) -> String {
+    fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The text between backticks, in order.
+fn quoted(text: &str) -> Vec<&str> {
+    text.split('`').skip(1).step_by(2).collect()
+}
+
+/// Every `.rs` file under `src/`, by its path from the repository root.
+fn sources() -> BTreeMap<String, String> {
+    fn walk(dir: &Path, found: &mut BTreeMap<String, String>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, found);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let name = path.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+                found.insert(name, fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    let mut found = BTreeMap::new();
+    walk(&root().join("src"), &mut found);
+    found
+}
+
+fn is_path(token: &str) -> bool {
+    token.ends_with(".rs") && token.chars().all(|c| c.is_ascii_lowercase() || "_/.".contains(c))
+}
+
+fn is_symbol(token: &str) -> bool {
+    let segments: Vec<&str> = token.split("::").collect();
+    segments.len() >= 2
+        && segments.iter().all(|s| {
+            let mut chars = s.chars();
+            chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
+/// `section.key` or `section.sub.key`, all lowercase words.
+fn is_config_key(token: &str) -> bool {
+    token.contains('.')
+        && !token.ends_with(".rs")
+        && token
+            .split('.')
+            .all(|w| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+}
+
+/// Whether `text` defines `name` as an item, an enum variant or a struct field.
+fn defines(text: &str, name: &str) -> bool {
+    let items = ["fn", "struct", "enum", "const", "static", "type", "trait", "mod"];
+    text.lines().any(|line| {
+        let line = line.trim_start();
+        let line = line
+            .strip_prefix("pub(crate) ")
+            .or_else(|| line.strip_prefix("pub(super) "))
+            .or_else(|| line.strip_prefix("pub "))
+            .unwrap_or(line);
+        let line = line.strip_prefix("async ").unwrap_or(line);
+        let named = |rest: &str| {
+            rest.strip_prefix(name).is_some_and(|after| {
+                after.is_empty() || !after.starts_with(|c: char| c.is_alphanumeric() || c == '_')
+            })
+        };
+        items.iter().any(|item| {
+            line.strip_prefix(item)
+                .and_then(|l| l.strip_prefix(' '))
+                .is_some_and(named)
+        }) || (named(line) && {
+            let after = &line[name.len()..];
+            after.starts_with([' ', '(', '{', ',', ':']) || after.is_empty()
+        })
+    })
+}
+
+/// Whether `text` defines or implements the type `name`.
+fn has_type(text: &str, name: &str) -> bool {
+    defines(text, name) || text.contains(&format!("impl {name} ")) || text.contains(&format!(" for {name} "))
+}
+
+/// Where `symbol` is defined, or why it is not.
+fn resolve(symbol: &str, sources: &BTreeMap<String, String>) -> Result<(), String> {
+    let segments: Vec<&str> = symbol.split("::").collect();
+    let (item, owner) = (segments[segments.len() - 1], segments[segments.len() - 2]);
+    let candidates: Vec<&String> = if owner.starts_with(|c: char| c.is_ascii_uppercase()) {
+        sources
+            .iter()
+            .filter(|(_, text)| has_type(text, owner))
+            .map(|(_, text)| text)
+            .collect()
+    } else {
+        sources
+            .iter()
+            .filter(|(path, _)| path.ends_with(&format!("/{owner}.rs")))
+            .map(|(_, text)| text)
+            .collect()
+    };
+    if candidates.is_empty() {
+        return Err(format!("`{symbol}`: no file defines `{owner}`"));
+    }
+    if candidates.iter().any(|text| defines(text, item)) {
+        Ok(())
+    } else {
+        Err(format!("`{symbol}`: `{item}` is not defined beside `{owner}`"))
+    }
+}
+
+/// The keys of the example configuration, as `section.key` (and `section.sub` for sub-tables).
+fn config_keys() -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let mut section = String::new();
+    for line in read("config/idemproxy.toml").lines() {
+        let line = line.trim();
+        let table = line.trim_start_matches('#').trim();
+        if let Some(name) = table.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+            if !name.contains(' ') {
+                section = name.trim_matches(['[', ']']).to_owned();
+                keys.insert(section.clone());
+            }
+            continue;
+        }
+        let Some((key, _)) = table.split_once('=') else {
+            continue;
+        };
+        let key = key.trim();
+        if !section.is_empty() && !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+            keys.insert(format!("{section}.{key}"));
+        }
+    }
+    keys
+}
+
+/// Every problem with the citations in `text`; paths are taken relative to `base`.
+fn check(doc: &str, text: &str, base: &str) -> Vec<String> {
+    let sources = sources();
+    let keys = config_keys();
+    let mut problems = Vec::new();
+    for token in quoted(text) {
+        if is_path(token) {
+            let path: PathBuf = root().join(base).join(token);
+            if !path.is_file() {
+                problems.push(format!("{doc}: `{token}` does not exist"));
+            }
+        } else if is_symbol(token) {
+            if let Err(why) = resolve(token, &sources) {
+                problems.push(format!("{doc}: {why}"));
+            }
+        } else if is_config_key(token) && !keys.contains(token) {
+            problems.push(format!("{doc}: `{token}` is not a key of config/idemproxy.toml"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_path_symbol_and_key_the_lifecycle_cites_exists() {
+    let problems = check("docs/LIFECYCLE.md", &read("docs/LIFECYCLE.md"), "");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn every_path_symbol_and_key_the_map_in_lib_rs_cites_exists() {
+    let map: String = read("src/lib.rs")
+        .lines()
+        .filter_map(|line| line.strip_prefix("//!"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(map.contains(".rs`"), "the map in src/lib.rs cites no file");
+    let problems = check("src/lib.rs", &map, "src");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The numbered steps of `docs/LIFECYCLE.md`: title and text (the numbered line and the indented lines
+/// under it).
+fn steps(text: &str) -> Vec<(String, String)> {
+    let mut steps: Vec<(String, String)> = Vec::new();
+    let mut in_step = false;
+    for line in text.lines() {
+        let numbered = line
+            .split_once(". **")
+            .filter(|(n, _)| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
+        if let Some((_, rest)) = numbered {
+            let title = rest.split("**").next().unwrap_or_default().to_owned();
+            steps.push((title, line.to_owned()));
+            in_step = true;
+        } else if in_step && line.starts_with("  ") {
+            let last = steps.last_mut().expect("in a step");
+            last.1.push('\n');
+            last.1.push_str(line);
+        } else {
+            in_step = false;
+        }
+    }
+    steps
+}
+
+#[test]
+fn each_step_of_the_lifecycle_names_exactly_one_file_of_its_own() {
+    let text = read("docs/LIFECYCLE.md");
+    let steps = steps(&text);
+    assert!(
+        steps.len() >= 10,
+        "only {} steps found in docs/LIFECYCLE.md",
+        steps.len()
+    );
+    let mut seen = BTreeMap::new();
+    for (title, step) in &steps {
+        let named: BTreeSet<&str> = quoted(step).into_iter().filter(|t| is_path(t)).collect();
+        assert_eq!(
+            named.len(),
+            1,
+            "step {title} must name exactly one file, names {named:?}"
+        );
+        let file = named.into_iter().next().unwrap();
+        if let Some(other) = seen.insert(file.to_owned(), title.clone()) {
+            panic!("steps {other} and {title} both name {file}");
+        }
+    }
+}
+
+#[test]
+fn the_checks_catch_what_is_not_there() {
+    let sources = sources();
+    assert!(resolve("key::parse_key", &sources).is_ok());
+    assert!(resolve("Proxy::handle", &sources).is_ok());
+    assert!(resolve("key::no_such_function", &sources).is_err());
+    assert!(resolve("NoSuchType::handle", &sources).is_err());
+    let problems = check(
+        "test",
+        "`src/no_such_file.rs` `idempotency.no_such_key` `idempotency.ttl`",
+        "",
+    );
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    let two = "1. **A** — `src/lib.rs` and `src/proxy.rs`.\n2. **B** — `src/error.rs`.\n   more `x`\n\nafter";
+    let found = steps(two);
+    assert_eq!(found.len(), 2);
+    assert_eq!(found[1].0, "B");
+    assert!(found[1].1.ends_with("more `x`"), "{:?}", found[1]);
+}
