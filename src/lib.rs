@@ -1,23 +1,29 @@
 //! idemproxy: an idempotency sidecar. A reverse proxy that executes each keyed request at most once and
 //! replays the stored response to every retry.
 //!
-//! The request's path, by file:
+//! The request's path, one file per step (`docs/LIFECYCLE.md` walks it in full):
 //!
-//! - `server.rs` accepts connections and hands each to a worker thread (one runtime per worker, as
-//!   `server.workers` says) that serves it (HTTP/1.1 and HTTP/2, cleartext or TLS from `tls.rs`), and
-//!   drains them at shutdown;
-//! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `proxy/cache.rs` (retries of
-//!   completed records answered from memory) → `store.rs` claim, on the
-//!   request's own task from here on →
-//!   `proxy/claim.rs` (decision table) → `proxy/replay.rs` or `proxy/forward.rs` + `proxy/tee.rs`
-//!   (upstream call over `proxy/pool.rs`, the worker's own upstream connections; heartbeat, streaming
-//!   relay with capture, fenced completion);
-//! - `store/postgres.rs` (replicas) or `store/sqlite.rs` (embedded, the default) holds the key table,
-//!   `store/coalesce.rs` batches the claims and completions that arrive together, `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
-//!   expired records in the background; `error.rs` turns failures into problem+json;
-//! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
-//! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation;
-//!   `keys.rs` is the operator's runbook on the command line (`idemproxy keys ...`).
+//! - `server.rs` accepts connections and hands each to a worker thread (`server.workers`), serving
+//!   HTTP/1.1 and HTTP/2, cleartext or TLS (`tls.rs`), and drains them at shutdown; `server/slots.rs`
+//!   caps the connections, `server/write_deadline.rs` lets go of clients that stop reading;
+//! - `proxy.rs` routes each request: a request the proxy does not protect goes to `proxy/passthrough.rs`;
+//!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
+//!   read whole, the claim with its lease) → `proxy/cache.rs` (retries answered from memory) →
+//!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either
+//!   `proxy/replay.rs`, or `proxy/execute.rs`: the won claim's whole task, with its heartbeat, the
+//!   upstream call (`proxy/upstream.rs`), the relay and capture, and the fenced completion;
+//! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
+//!   runner and migrations each in a file under `store/postgres/`) or `store/sqlite.rs` (embedded, the
+//!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
+//!   `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
+//!   expired records in the background;
+//! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
+//!   every layer may use (the body type, the header names the proxy writes, an error on one line);
+//! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
+//!   `/healthz`, `/readyz`;
+//! - `config.rs` loads the configuration, one file per section under `config/`; `cli.rs` is the command
+//!   line; `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
+//!   (`idemproxy keys ...`).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
