@@ -87,7 +87,7 @@ pub enum RunError {
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     let metrics = Metrics::new();
     let backend = store::open(&config.store, Purpose::Serve).await?;
-    let backend = EncryptedStore::wrap(backend, config.encryption.clone(), &metrics);
+    let backend = EncryptedStore::wrap(backend, config.encryption.as_ref(), &metrics);
     let store = StoreHandle::new(backend, metrics.clone());
     let tracker = TaskTracker::new();
     if config.sweeper.enabled {
