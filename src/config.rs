@@ -14,6 +14,8 @@ use bytesize::ByteSize;
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use http::{HeaderName, Method, Uri};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::{Deserialize, Serialize};
 
 /// A configuration error: one line naming the key and what is wrong with it.
@@ -887,9 +889,30 @@ impl RawServerTls {
                 ));
             }
         }
-        crate::tls::server_config(&self.cert_file, &self.key_file)
-            .map_err(|e| ConfigError::new("server.tls", e))
+        listener_tls(&self.cert_file, &self.key_file).map_err(|e| ConfigError::new("server.tls", e))
     }
+}
+
+/// The listener's TLS: the certificate chain and private key from PEM files, rustls with the ring
+/// provider, ALPN offering `h2` then `http/1.1`.
+fn listener_tls(cert_file: &Path, key_file: &Path) -> Result<Arc<rustls::ServerConfig>, String> {
+    let chain = CertificateDer::pem_file_iter(cert_file)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("cannot read certificates from {}: {e}", cert_file.display()))?;
+    if chain.is_empty() {
+        return Err(format!("no certificate in {}", cert_file.display()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key_file)
+        .map_err(|e| format!("no usable private key in {}: {e}", key_file.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| format!("certificate and key do not fit together: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }
 
 impl RawUpstream {
@@ -1370,6 +1393,28 @@ mod tests {
         assert_eq!(err.key, "server.tls", "{err}");
         let err = Config::from_toml_str("[server.tls]\ncert_file = \"/etc/hostname\"\n").unwrap_err();
         assert!(err.to_string().contains("key_file"), "{err}");
+    }
+
+    #[test]
+    fn a_matching_certificate_and_key_turn_tls_on_with_h2_offered_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        let toml = |cert: &std::path::Path, key: &std::path::Path| {
+            format!(
+                "[server.tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+                cert.display().to_string(),
+                key.display().to_string()
+            )
+        };
+        let config = Config::from_toml_str(&toml(&cert_file, &key_file)).unwrap();
+        let tls = config.server.tls.expect("TLS is on");
+        assert_eq!(tls.alpn_protocols, vec![b"h2".to_vec(), b"http/1.1".to_vec()]);
+        assert!(Config::from_toml_str("").unwrap().server.tls.is_none());
+        let swapped = Config::from_toml_str(&toml(&key_file, &cert_file)).unwrap_err();
+        assert_eq!(swapped.key, "server.tls", "{swapped}");
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! The request's path, by file:
 //!
 //! - `server.rs` accepts connections and hands each to a worker thread (one runtime per worker, as
-//!   `server.workers` says) that serves it (HTTP/1.1 and HTTP/2, cleartext or TLS from `tls.rs`), and
-//!   drains them at shutdown;
+//!   `server.workers` says) that serves it (HTTP/1.1 and HTTP/2, cleartext or TLS as `config.rs` loaded
+//!   it), and drains them at shutdown;
 //! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `proxy/cache.rs` (retries of
 //!   completed records answered from memory) → `store.rs` claim, on the
 //!   request's own task from here on →
