@@ -4,8 +4,8 @@
 //! The request's path, by file:
 //!
 //! - `server.rs` accepts connections and hands each to a worker thread (one runtime per worker, as
-//!   `server.workers` says) that serves it (HTTP/1.1 and HTTP/2, cleartext or TLS as `config.rs` loaded
-//!   it), and drains them at shutdown;
+//!   `server.workers` says) that serves it (HTTP/1.1 and HTTP/2, cleartext or TLS as `config/server.rs`
+//!   loaded it), and drains them at shutdown;
 //! - `proxy.rs` is the lifecycle: `proxy/key.rs` (key, scope, fingerprint) → `proxy/cache.rs` (retries of
 //!   completed records answered from memory) → `store.rs` claim, on the
 //!   request's own task from here on →
@@ -16,8 +16,9 @@
 //!   `store/coalesce.rs` batches the claims and completions that arrive together, `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
 //!   expired records in the background; `error.rs` turns failures into problem+json;
 //! - `admin.rs` serves `/metrics` (names in `metrics.rs`), `/healthz`, `/readyz`;
-//! - `config.rs` and `cli.rs` load the configuration; `shutdown.rs` turns signals into cancellation;
-//!   `keys.rs` is the operator's runbook on the command line (`idemproxy keys ...`).
+//! - `config.rs` (a file per section in `config/`) and `cli.rs` load the configuration; `shutdown.rs`
+//!   turns signals into cancellation; `keys.rs` is the operator's runbook on the command line
+//!   (`idemproxy keys ...`).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]

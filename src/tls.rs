@@ -1,6 +1,6 @@
 //! The store's TLS client settings, built by `store/postgres.rs` when its URL asks for TLS: rustls with the
 //! ring provider, trusting the system's CA certificates and `store.tls_ca_file`. (The listener's TLS is
-//! from its files with the rest of `[server]`, in `config.rs`.)
+//! read from its files with the rest of `[server]`, in `config/server.rs`.)
 
 use std::path::Path;
 use std::sync::Arc;
