@@ -4,6 +4,14 @@
 //! [`IdempotencyConfig`], the policy `proxy.rs` and `proxy/*` read on every keyed request. Two forms,
 //! because names become `HeaderName`s and `Method`s, sizes become `u64` and status lists a
 //! [`ReleasePolicy`].
+//!
+//! The policy is built to be reused by routes: [`RawIdempotency::validate_at`] takes the dotted prefix
+//! its errors name. A later `[[routes]]` entry will hold its overrides as `Option`s of these raw fields,
+//! lay them over a clone of the section's [`RawIdempotency`], and validate the result with
+//! `validate_at("routes[2]")`: its errors then read `routes[2].ttl`, and it gets an [`IdempotencyConfig`]
+//! the proxy reads exactly as it reads the section's. (The route would also repeat the check `config.rs`
+//! makes across sections, that `server.max_buffered_bodies` and `server.max_buffered_responses` hold its
+//! largest body and response.)
 
 use std::time::Duration;
 
@@ -14,7 +22,10 @@ use serde::{Deserialize, Serialize};
 use super::ConfigError;
 use super::parse::{parse_header, parse_headers, positive};
 
-/// `[idempotency]` as written.
+/// The prefix of the section's own errors.
+const SECTION: &str = "idempotency";
+
+/// `[idempotency]` as written (and, later, a route's settings merged over it).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawIdempotency {
@@ -149,61 +160,69 @@ impl ReleasePolicy {
 }
 
 impl RawIdempotency {
-    /// Checks the section and converts it; the first problem found is returned.
+    /// Checks the `[idempotency]` section and converts it; the first problem found is returned.
     pub fn validate(&self) -> Result<IdempotencyConfig, ConfigError> {
-        positive("idempotency.lock_timeout", self.lock_timeout)?;
+        self.validate_at(SECTION)
+    }
+
+    /// Checks these settings and converts them, naming every key (in errors and in messages that refer
+    /// to a sibling key) under `prefix`: `idempotency` for the section, a route's own path for a route.
+    pub fn validate_at(&self, prefix: &str) -> Result<IdempotencyConfig, ConfigError> {
+        let key = |field: &str| format!("{prefix}.{field}");
+        positive(&key("lock_timeout"), self.lock_timeout)?;
         if self.ttl <= self.lock_timeout {
             return Err(ConfigError::new(
-                "idempotency.ttl",
-                "must be longer than idempotency.lock_timeout",
+                &key("ttl"),
+                format!("must be longer than {}", key("lock_timeout")),
             ));
         }
         if self.scope_headers.is_empty() && self.unscoped == Unscoped::Reject {
             return Err(ConfigError::new(
-                "idempotency.scope_headers",
-                "is empty while idempotency.unscoped = \"reject\", so every keyed request would be refused; \
-                 name the header that identifies the client (e.g. [\"authorization\"]), or set \
-                 idempotency.unscoped = \"shared\" to let all clients share one scope",
+                &key("scope_headers"),
+                format!(
+                    "is empty while {prefix}.unscoped = \"reject\", so every keyed request would be refused; \
+                     name the header that identifies the client (e.g. [\"authorization\"]), or set \
+                     {prefix}.unscoped = \"shared\" to let all clients share one scope"
+                ),
             ));
         }
         if !(1..=4096).contains(&self.max_key_length) {
             return Err(ConfigError::new(
-                "idempotency.max_key_length",
+                &key("max_key_length"),
                 "must be between 1 and 4096",
             ));
         }
         Ok(IdempotencyConfig {
-            header: parse_header("idempotency.header", &self.header)?,
-            methods: self.methods()?,
+            header: parse_header(&key("header"), &self.header)?,
+            methods: self.methods(&key("methods"))?,
             required: self.required,
             ttl: self.ttl,
             lock_timeout: self.lock_timeout,
             max_key_length: self.max_key_length,
             max_request_body: self.max_request_body.as_u64(),
             max_stored_response: self.max_stored_response.as_u64(),
-            scope_headers: parse_headers("idempotency.scope_headers", &self.scope_headers)?,
-            fingerprint_headers: parse_headers("idempotency.fingerprint_headers", &self.fingerprint_headers)?,
-            release: self.release()?,
+            scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
+            fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
+            release: self.release(&key("release_statuses"))?,
             unscoped: self.unscoped,
-            in_flight_retry_after: self.in_flight_retry_after()?,
+            in_flight_retry_after: self.in_flight_retry_after(prefix)?,
             on_unknown_outcome: self.on_unknown_outcome,
-            never_store_headers: parse_headers("idempotency.never_store_headers", &self.never_store_headers)?,
+            never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
         })
     }
 
-    fn in_flight_retry_after(&self) -> Result<Duration, ConfigError> {
+    fn in_flight_retry_after(&self, prefix: &str) -> Result<Duration, ConfigError> {
         let value = self.in_flight_retry_after;
         if value < Duration::from_secs(1) || value > self.lock_timeout.max(Duration::from_secs(1)) {
             return Err(ConfigError::new(
-                "idempotency.in_flight_retry_after",
-                "must be from 1s (Retry-After counts whole seconds) to idempotency.lock_timeout",
+                &format!("{prefix}.in_flight_retry_after"),
+                format!("must be from 1s (Retry-After counts whole seconds) to {prefix}.lock_timeout"),
             ));
         }
         Ok(value)
     }
 
-    fn methods(&self) -> Result<Vec<Method>, ConfigError> {
-        let key = "idempotency.methods";
+    fn methods(&self, key: &str) -> Result<Vec<Method>, ConfigError> {
         self.methods
             .iter()
             .map(|m| {
@@ -213,8 +232,7 @@ impl RawIdempotency {
             .collect()
     }
 
-    fn release(&self) -> Result<ReleasePolicy, ConfigError> {
-        let key = "idempotency.release_statuses";
+    fn release(&self, key: &str) -> Result<ReleasePolicy, ConfigError> {
         let mut policy = ReleasePolicy {
             server_errors: false,
             codes: Vec::new(),
@@ -244,7 +262,7 @@ mod tests {
 
     use http::Method;
 
-    use super::{OnUnknownOutcome, Unscoped};
+    use super::{OnUnknownOutcome, RawIdempotency, Unscoped};
     use crate::config::Config;
 
     #[test]
@@ -347,5 +365,26 @@ mod tests {
             let err = Config::from_toml_str(text).unwrap_err();
             assert_eq!(err.key, key, "{err}");
         }
+    }
+
+    #[test]
+    fn settings_validated_under_another_prefix_name_it_in_keys_and_messages() {
+        let short = RawIdempotency {
+            ttl: Duration::from_secs(1),
+            ..RawIdempotency::default()
+        };
+        let err = short.validate_at("routes[2]").unwrap_err();
+        assert_eq!(err.key, "routes[2].ttl");
+        assert_eq!(err.message, "must be longer than routes[2].lock_timeout");
+        let unscoped = RawIdempotency {
+            scope_headers: Vec::new(),
+            ..RawIdempotency::default()
+        };
+        let err = unscoped.validate_at("routes[2]").unwrap_err();
+        assert_eq!(err.key, "routes[2].scope_headers");
+        assert!(err.message.contains("routes[2].unscoped = \"shared\""), "{err}");
+        let section = RawIdempotency::default().validate().unwrap();
+        let route = RawIdempotency::default().validate_at("routes[0]").unwrap();
+        assert_eq!((section.ttl, section.methods), (route.ttl, route.methods));
     }
 }
