@@ -4,8 +4,9 @@
 //! The request's path, one file per step (`docs/LIFECYCLE.md` walks it in full):
 //!
 //! - `server.rs` accepts connections and hands each to a worker thread (`server.workers`), serving
-//!   HTTP/1.1 and HTTP/2, cleartext or TLS (`tls.rs`), and drains them at shutdown; `server/slots.rs`
-//!   caps the connections, `server/write_deadline.rs` lets go of clients that stop reading;
+//!   HTTP/1.1 and HTTP/2, cleartext or TLS (as `config/server.rs` loaded it), and drains them at
+//!   shutdown; `server/slots.rs` caps the connections, `server/write_deadline.rs` lets go of clients that
+//!   stop reading;
 //! - `proxy.rs` routes each request: a request the proxy does not protect goes to `proxy/passthrough.rs`;
 //!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
 //!   read whole, the claim with its lease) → `proxy/cache.rs` (retries answered from memory) →
@@ -22,8 +23,8 @@
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
 //!   `/healthz`, `/readyz`;
 //! - `config.rs` loads the configuration, one file per section under `config/`; `cli.rs` is the command
-//!   line; `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
-//!   (`idemproxy keys ...`).
+//!   line; `tls.rs` holds the store's TLS client settings; `shutdown.rs` turns signals into
+//!   cancellation; `keys.rs` is the operator's runbook (`idemproxy keys ...`).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -93,7 +94,7 @@ pub enum RunError {
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     let metrics = Metrics::new();
     let backend = store::open(&config.store, Purpose::Serve).await?;
-    let backend = EncryptedStore::wrap(backend, config.encryption.clone(), &metrics);
+    let backend = EncryptedStore::wrap(backend, config.encryption.as_ref(), &metrics);
     let store = StoreHandle::new(backend, metrics.clone());
     let tracker = TaskTracker::new();
     if config.sweeper.enabled {

@@ -24,8 +24,6 @@ use std::time::Duration;
 
 use aes_gcm::aead::KeyInit as _;
 use aes_gcm::{Aes256Gcm, Key};
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD as BASE64;
 use chacha20poly1305::XChaCha20Poly1305;
 use chacha20poly1305::aead::KeyInit as _;
 use uuid::Uuid;
@@ -33,15 +31,12 @@ use uuid::Uuid;
 use super::{
     ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
 };
-use crate::config::{ConfigError, RawEncryption};
+use crate::config::{EncryptionConfig, EncryptionKey, is_key_id};
 use crate::metrics::Metrics;
 
 /// Starts every sealed value of every format; chosen so that text bodies stored in clear never start
 /// with it. The byte after it is the format version.
 const MAGIC: &[u8; 4] = b"\0IPE";
-const KEY_LEN: usize = 32;
-/// Longest key id; ids are stored in every sealed value.
-const MAX_KEY_ID: usize = 64;
 
 /// Why a stored response does not open. Names no stored bytes beyond a well-formed key id: it is
 /// logged, and the record is refused.
@@ -102,35 +97,17 @@ impl std::fmt::Debug for Keyring {
 }
 
 impl Keyring {
-    /// Validates `[encryption]`; `None` when no keys are configured (encryption off).
-    pub fn from_config(raw: &RawEncryption) -> Result<Option<Keyring>, ConfigError> {
-        if raw.keys.is_empty() {
-            if raw.active_key.is_some() {
-                return Err(ConfigError::new(
-                    "encryption.active_key",
-                    "names a key but encryption.keys is empty",
-                ));
-            }
-            return Ok(None);
+    /// The ciphers of the validated `[encryption]`. Cannot fail: the config has checked every key id,
+    /// every key's length and that the active key is among them.
+    pub fn from_config(config: &EncryptionConfig) -> Keyring {
+        Keyring {
+            active: config.active_key().map(str::to_owned),
+            keys: config
+                .keys()
+                .map(|(id, key)| (id.to_owned(), KeyCiphers::new(key)))
+                .collect(),
+            accept_plaintext: config.accept_plaintext(),
         }
-        let mut keys = BTreeMap::new();
-        for (id, secret) in &raw.keys {
-            keys.insert(id.clone(), ciphers(id, secret)?);
-        }
-        if let Some(active) = &raw.active_key
-            && !keys.contains_key(active)
-        {
-            return Err(ConfigError::new(
-                "encryption.active_key",
-                format!("{active:?} is not a key id in encryption.keys"),
-            ));
-        }
-        Ok(Some(Keyring {
-            active: raw.active_key.clone(),
-            keys,
-            // Without an active key new records are stored in clear, so they must replay.
-            accept_plaintext: raw.accept_plaintext || raw.active_key.is_none(),
-        }))
     }
 
     /// No keys: records are stored in clear, and a sealed one (written by a replica that has keys) is
@@ -219,49 +196,23 @@ fn format_version(stored: &[u8]) -> Option<u8> {
     stored.strip_prefix(MAGIC.as_slice())?.first().copied()
 }
 
-fn valid_key_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= MAX_KEY_ID
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
-
 /// A key id read from a sealed value; refused unless it could have been configured, so that what gets
 /// logged is never arbitrary stored bytes.
 fn key_id_of(stored: &[u8]) -> Result<&str, Unreadable> {
     std::str::from_utf8(stored)
         .ok()
-        .filter(|id| valid_key_id(id))
+        .filter(|id| is_key_id(id))
         .ok_or(Unreadable::MalformedKeyId)
 }
 
-fn ciphers(id: &str, secret: &str) -> Result<KeyCiphers, ConfigError> {
-    let key = format!("encryption.keys.{id}");
-    if !valid_key_id(id) {
-        return Err(ConfigError::new(
-            &key,
-            format!("a key id is 1 to {MAX_KEY_ID} of A-Z a-z 0-9 - _"),
-        ));
+impl KeyCiphers {
+    /// Both formats' ciphers of one key; AES and ChaCha20 share no structure, so the key serves both.
+    fn new(key: &EncryptionKey) -> KeyCiphers {
+        KeyCiphers {
+            v1: Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(key.bytes())),
+            v2: XChaCha20Poly1305::new(&(*key.bytes()).into()),
+        }
     }
-    let bytes = BASE64
-        .decode(secret.trim())
-        .map_err(|_| ConfigError::new(&key, "is not base64"))?;
-    if bytes.len() != KEY_LEN {
-        return Err(ConfigError::new(
-            &key,
-            format!(
-                "must be {KEY_LEN} bytes after base64 decoding, is {} (make one with: openssl rand -base64 32)",
-                bytes.len()
-            ),
-        ));
-    }
-    let v2 = XChaCha20Poly1305::new_from_slice(&bytes)
-        .map_err(|_| ConfigError::new(&key, "is not a valid key"))?;
-    Ok(KeyCiphers {
-        v1: Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(&bytes)),
-        v2,
-    })
 }
 
 /// A backend whose stored responses are sealed with the [`Keyring`]; everything else passes through.
@@ -281,12 +232,16 @@ impl EncryptedStore {
         }
     }
 
-    /// `inner` wrapped with the configured keyring. Without one it is wrapped all the same, with no keys:
-    /// a replica whose `[encryption]` is missing must refuse a record sealed by one that has it (500
-    /// `record-unreadable`), not replay the ciphertext as the response body.
-    pub fn wrap(inner: Arc<dyn Store>, keyring: Option<Arc<Keyring>>, metrics: &Metrics) -> Arc<dyn Store> {
-        let keyring = keyring.unwrap_or_else(|| Arc::new(Keyring::none()));
-        Arc::new(EncryptedStore::new(inner, keyring, metrics.clone()))
+    /// `inner` wrapped with the keyring of the configured `[encryption]`. Without one it is wrapped all
+    /// the same, with no keys: a replica whose `[encryption]` is missing must refuse a record sealed by one
+    /// that has it (500 `record-unreadable`), not replay the ciphertext as the response body.
+    pub fn wrap(
+        inner: Arc<dyn Store>,
+        encryption: Option<&EncryptionConfig>,
+        metrics: &Metrics,
+    ) -> Arc<dyn Store> {
+        let keyring = encryption.map_or_else(Keyring::none, Keyring::from_config);
+        Arc::new(EncryptedStore::new(inner, Arc::new(keyring), metrics.clone()))
     }
 
     fn open_claim(&self, id: &RecordId, result: ClaimResult) -> Result<ClaimResult, StoreError> {
@@ -367,9 +322,12 @@ impl Store for EncryptedStore {
 
 #[cfg(test)]
 mod tests {
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD as BASE64;
     use bytes::Bytes;
 
     use super::*;
+    use crate::config::RawEncryption;
 
     const K1: [u8; 32] = [7; 32];
     const K2: [u8; 32] = [9; 32];
@@ -383,7 +341,7 @@ mod tests {
                 .collect(),
             accept_plaintext,
         };
-        Keyring::from_config(&raw).unwrap().unwrap()
+        Keyring::from_config(&raw.validate().unwrap().unwrap())
     }
 
     fn strict() -> Keyring {
@@ -695,29 +653,5 @@ mod tests {
             status_only,
             "replayed as 410; nothing in it to protect"
         );
-    }
-
-    #[test]
-    fn config_errors_name_the_key() {
-        let raw = |active: Option<&str>, keys: &[(&str, &str)]| RawEncryption {
-            active_key: active.map(str::to_owned),
-            keys: keys.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
-            accept_plaintext: false,
-        };
-        let short = BASE64.encode([0u8; 16]);
-        let good = BASE64.encode([0u8; 32]);
-        let cases = [
-            (raw(Some("k1"), &[("k1", &short)]), "encryption.keys.k1"),
-            (raw(Some("k1"), &[("k1", "not base64!")]), "encryption.keys.k1"),
-            (raw(Some("k2"), &[("k1", &good)]), "encryption.active_key"),
-            (raw(Some("k1"), &[]), "encryption.active_key"),
-            (raw(None, &[("bad id", &good)]), "encryption.keys.bad id"),
-        ];
-        for (raw, key) in cases {
-            let err = Keyring::from_config(&raw).unwrap_err();
-            assert_eq!(err.key, key, "{err}");
-            assert!(!err.to_string().contains(&good), "{err}");
-        }
-        assert!(Keyring::from_config(&raw(None, &[])).unwrap().is_none());
     }
 }

@@ -1,0 +1,390 @@
+//! `[idempotency]`: which requests are protected and how — the key header, the protected methods, the
+//! lease and lifetime of a key, the scope and fingerprint headers, which statuses release a claim, what a
+//! retry gets while the key is in flight or its outcome unknown. Validated once at load into
+//! [`IdempotencyConfig`], the policy `proxy.rs` and `proxy/*` read on every keyed request. Two forms,
+//! because names become `HeaderName`s and `Method`s, sizes become `u64` and status lists a
+//! [`ReleasePolicy`].
+//!
+//! The policy is built to be reused by routes: [`RawIdempotency::validate_at`] takes the dotted prefix
+//! its errors name. A later `[[routes]]` entry will hold its overrides as `Option`s of these raw fields,
+//! lay them over a clone of the section's [`RawIdempotency`], and validate the result with
+//! `validate_at("routes[2]")`: its errors then read `routes[2].ttl`, and it gets an [`IdempotencyConfig`]
+//! the proxy reads exactly as it reads the section's. (The route would also repeat the check `config.rs`
+//! makes across sections, that `server.max_buffered_bodies` and `server.max_buffered_responses` hold its
+//! largest body and response.)
+
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use http::{HeaderName, Method};
+use serde::{Deserialize, Serialize};
+
+use super::ConfigError;
+use super::parse::{parse_header, parse_headers, positive};
+
+/// The prefix of the section's own errors.
+const SECTION: &str = "idempotency";
+
+/// `[idempotency]` as written (and, later, a route's settings merged over it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawIdempotency {
+    /// Request header carrying the key.
+    pub header: String,
+    /// Methods that are protected; others pass through.
+    pub methods: Vec<String>,
+    /// Reject protected methods without a key (400) instead of passing them through.
+    pub required: bool,
+    /// How long a key lives after its first claim.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// How long a claim holds without a heartbeat before another request may take it over.
+    #[serde(with = "humantime_serde")]
+    pub lock_timeout: Duration,
+    /// Longest accepted key, in characters.
+    pub max_key_length: usize,
+    /// Largest request body of a keyed request (it is read whole to fingerprint it).
+    pub max_request_body: ByteSize,
+    /// Largest response body kept for replay; larger responses are forwarded but not retained.
+    pub max_stored_response: ByteSize,
+    /// Request headers whose values separate clients (hashed, never stored raw).
+    pub scope_headers: Vec<String>,
+    /// Request headers that, besides method, path and body, make two requests the same.
+    pub fingerprint_headers: Vec<String>,
+    /// Upstream statuses that release the claim instead of being stored (`"5xx"` or a code).
+    pub release_statuses: Vec<String>,
+    /// What a keyed request without any of `scope_headers` gets: refused, or one scope shared by all
+    /// such requests.
+    pub unscoped: Unscoped,
+    /// The `Retry-After` of a 409 for a key in flight (never more than the lease left).
+    #[serde(with = "humantime_serde")]
+    pub in_flight_retry_after: Duration,
+    /// What happens to a key whose request may have reached the upstream but got no full answer.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Response headers relayed to the first client but neither stored nor replayed.
+    pub never_store_headers: Vec<String>,
+}
+
+impl Default for RawIdempotency {
+    fn default() -> Self {
+        RawIdempotency {
+            header: "Idempotency-Key".into(),
+            methods: vec!["POST".into(), "PATCH".into()],
+            required: false,
+            ttl: Duration::from_secs(24 * 3600),
+            lock_timeout: Duration::from_secs(30),
+            max_key_length: 255,
+            max_request_body: ByteSize::mib(10),
+            max_stored_response: ByteSize::mib(4),
+            scope_headers: vec!["authorization".into()],
+            fingerprint_headers: vec!["content-type".into()],
+            release_statuses: vec!["5xx".into(), "408".into(), "425".into(), "429".into()],
+            unscoped: Unscoped::Reject,
+            in_flight_retry_after: Duration::from_secs(1),
+            on_unknown_outcome: OnUnknownOutcome::Retry,
+            never_store_headers: vec!["set-cookie".into()],
+        }
+    }
+}
+
+/// What a keyed request that carries none of the scope headers gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unscoped {
+    /// 400 `missing-scope`, not forwarded.
+    Reject,
+    /// Served in one scope shared by every such request.
+    Shared,
+}
+
+/// What happens to a key whose request may have reached the upstream without a full answer coming back
+/// (a timeout, or a connection reset mid-response).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnknownOutcome {
+    /// The claim is left to its lease; a retry after it executes again (a stale takeover).
+    Retry,
+    /// The record is marked `unknown`: retries get 502 until `idemproxy keys release`.
+    Hold,
+}
+
+/// Validated `[idempotency]`: the policy of the keyed requests it covers.
+#[derive(Debug, Clone)]
+pub struct IdempotencyConfig {
+    /// Key header name.
+    pub header: HeaderName,
+    /// Protected methods.
+    pub methods: Vec<Method>,
+    /// Whether protected methods must carry a key.
+    pub required: bool,
+    /// Key lifetime.
+    pub ttl: Duration,
+    /// Claim lease.
+    pub lock_timeout: Duration,
+    /// Longest key.
+    pub max_key_length: usize,
+    /// Largest keyed request body, bytes.
+    pub max_request_body: u64,
+    /// Largest stored response body, bytes.
+    pub max_stored_response: u64,
+    /// Scope headers, lower-case.
+    pub scope_headers: Vec<HeaderName>,
+    /// Fingerprint headers, lower-case.
+    pub fingerprint_headers: Vec<HeaderName>,
+    /// Statuses that release the claim.
+    pub release: ReleasePolicy,
+    /// Keyed requests without a scope header: refused or shared.
+    pub unscoped: Unscoped,
+    /// `Retry-After` of a 409 for a key in flight.
+    pub in_flight_retry_after: Duration,
+    /// Unknown outcomes: retried after the lease, or held.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Response headers never stored, lower-case.
+    pub never_store_headers: Vec<HeaderName>,
+}
+
+/// Which upstream statuses mean "not processed, run it again" and so release the claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleasePolicy {
+    /// Release every 5xx.
+    pub server_errors: bool,
+    /// Individual codes to release.
+    pub codes: Vec<u16>,
+}
+
+impl ReleasePolicy {
+    /// Whether a response with this status releases the claim rather than being stored.
+    pub fn releases(&self, status: http::StatusCode) -> bool {
+        (self.server_errors && status.is_server_error()) || self.codes.contains(&status.as_u16())
+    }
+}
+
+impl RawIdempotency {
+    /// Checks the `[idempotency]` section and converts it; the first problem found is returned.
+    pub fn validate(&self) -> Result<IdempotencyConfig, ConfigError> {
+        self.validate_at(SECTION)
+    }
+
+    /// Checks these settings and converts them, naming every key (in errors and in messages that refer
+    /// to a sibling key) under `prefix`: `idempotency` for the section, a route's own path for a route.
+    pub fn validate_at(&self, prefix: &str) -> Result<IdempotencyConfig, ConfigError> {
+        let key = |field: &str| format!("{prefix}.{field}");
+        positive(&key("lock_timeout"), self.lock_timeout)?;
+        if self.ttl <= self.lock_timeout {
+            return Err(ConfigError::new(
+                &key("ttl"),
+                format!("must be longer than {}", key("lock_timeout")),
+            ));
+        }
+        if self.scope_headers.is_empty() && self.unscoped == Unscoped::Reject {
+            return Err(ConfigError::new(
+                &key("scope_headers"),
+                format!(
+                    "is empty while {prefix}.unscoped = \"reject\", so every keyed request would be refused; \
+                     name the header that identifies the client (e.g. [\"authorization\"]), or set \
+                     {prefix}.unscoped = \"shared\" to let all clients share one scope"
+                ),
+            ));
+        }
+        if !(1..=4096).contains(&self.max_key_length) {
+            return Err(ConfigError::new(
+                &key("max_key_length"),
+                "must be between 1 and 4096",
+            ));
+        }
+        Ok(IdempotencyConfig {
+            header: parse_header(&key("header"), &self.header)?,
+            methods: self.methods(&key("methods"))?,
+            required: self.required,
+            ttl: self.ttl,
+            lock_timeout: self.lock_timeout,
+            max_key_length: self.max_key_length,
+            max_request_body: self.max_request_body.as_u64(),
+            max_stored_response: self.max_stored_response.as_u64(),
+            scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
+            fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
+            release: self.release(&key("release_statuses"))?,
+            unscoped: self.unscoped,
+            in_flight_retry_after: self.in_flight_retry_after(prefix)?,
+            on_unknown_outcome: self.on_unknown_outcome,
+            never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
+        })
+    }
+
+    fn in_flight_retry_after(&self, prefix: &str) -> Result<Duration, ConfigError> {
+        let value = self.in_flight_retry_after;
+        if value < Duration::from_secs(1) || value > self.lock_timeout.max(Duration::from_secs(1)) {
+            return Err(ConfigError::new(
+                &format!("{prefix}.in_flight_retry_after"),
+                format!("must be from 1s (Retry-After counts whole seconds) to {prefix}.lock_timeout"),
+            ));
+        }
+        Ok(value)
+    }
+
+    fn methods(&self, key: &str) -> Result<Vec<Method>, ConfigError> {
+        self.methods
+            .iter()
+            .map(|m| {
+                Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                    .map_err(|_| ConfigError::new(key, format!("{m:?} is not an HTTP method")))
+            })
+            .collect()
+    }
+
+    fn release(&self, key: &str) -> Result<ReleasePolicy, ConfigError> {
+        let mut policy = ReleasePolicy {
+            server_errors: false,
+            codes: Vec::new(),
+        };
+        for entry in &self.release_statuses {
+            if entry.eq_ignore_ascii_case("5xx") {
+                policy.server_errors = true;
+                continue;
+            }
+            match entry.parse::<u16>() {
+                Ok(code) if (100..=599).contains(&code) => policy.codes.push(code),
+                _ => {
+                    return Err(ConfigError::new(
+                        key,
+                        format!("{entry:?} is neither \"5xx\" nor a status code"),
+                    ));
+                }
+            }
+        }
+        Ok(policy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use http::Method;
+
+    use super::{OnUnknownOutcome, RawIdempotency, Unscoped};
+    use crate::config::Config;
+
+    #[test]
+    fn durations_and_sizes_parse() {
+        let config = Config::from_toml_str(
+            "[idempotency]\nttl = \"2h\"\nlock_timeout = \"5s\"\nmax_stored_response = \"1MiB\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.idempotency.ttl, Duration::from_secs(7200));
+        assert_eq!(config.idempotency.max_stored_response, 1024 * 1024);
+    }
+
+    #[test]
+    fn bad_duration_names_the_key() {
+        let err = Config::from_toml_str("[idempotency]\nttl = \"forever\"\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.ttl");
+    }
+
+    #[test]
+    fn ttl_must_exceed_lease() {
+        let err = Config::from_toml_str("[idempotency]\nttl = \"1s\"\nlock_timeout = \"2s\"\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.ttl");
+    }
+
+    #[test]
+    fn release_policy_parses_classes_and_codes() {
+        let config = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"5xx\", \"409\"]\n").unwrap();
+        let policy = &config.idempotency.release;
+        assert!(policy.releases(http::StatusCode::BAD_GATEWAY));
+        assert!(policy.releases(http::StatusCode::CONFLICT));
+        assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
+        let err = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.release_statuses");
+    }
+
+    #[test]
+    fn methods_are_read_in_any_case_and_header_names_checked() {
+        let config =
+            Config::from_toml_str("[idempotency]\nheader = \"X-Key\"\nmethods = [\"post\", \"PuT\"]\n")
+                .unwrap();
+        assert_eq!(config.idempotency.methods, vec![Method::POST, Method::PUT]);
+        assert_eq!(config.idempotency.header.as_str(), "x-key");
+        for (text, key) in [
+            ("methods = [\"PO ST\"]", "idempotency.methods"),
+            ("header = \"a b\"", "idempotency.header"),
+            ("scope_headers = [\"a b\"]", "idempotency.scope_headers"),
+            (
+                "fingerprint_headers = [\"a b\"]",
+                "idempotency.fingerprint_headers",
+            ),
+            ("max_key_length = 0", "idempotency.max_key_length"),
+            ("lock_timeout = \"0s\"", "idempotency.lock_timeout"),
+        ] {
+            let err = Config::from_toml_str(&format!("[idempotency]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn an_empty_scope_is_refused_unless_scopes_may_be_shared() {
+        let err = Config::from_toml_str("[idempotency]\nscope_headers = []\n").unwrap_err();
+        assert_eq!(err.key, "idempotency.scope_headers");
+        assert!(err.to_string().contains("unscoped"), "{err}");
+        let shared =
+            Config::from_toml_str("[idempotency]\nscope_headers = []\nunscoped = \"shared\"\n").unwrap();
+        assert_eq!(shared.idempotency.unscoped, Unscoped::Shared);
+        assert_eq!(
+            Config::from_toml_str("").unwrap().idempotency.unscoped,
+            Unscoped::Reject
+        );
+    }
+
+    #[test]
+    fn guarantee_settings_have_safe_defaults_and_named_errors() {
+        let config = Config::from_toml_str("").unwrap();
+        assert_eq!(config.idempotency.in_flight_retry_after, Duration::from_secs(1));
+        assert_eq!(config.idempotency.on_unknown_outcome, OnUnknownOutcome::Retry);
+        assert_eq!(
+            config.idempotency.never_store_headers,
+            vec![http::header::SET_COOKIE]
+        );
+        for (text, key) in [
+            (
+                "[idempotency]\nin_flight_retry_after = \"500ms\"",
+                "idempotency.in_flight_retry_after",
+            ),
+            (
+                "[idempotency]\nin_flight_retry_after = \"40s\"",
+                "idempotency.in_flight_retry_after",
+            ),
+            (
+                "[idempotency]\non_unknown_outcome = \"maybe\"",
+                "idempotency.on_unknown_outcome",
+            ),
+            (
+                "[idempotency]\nnever_store_headers = [\"a b\"]",
+                "idempotency.never_store_headers",
+            ),
+        ] {
+            let err = Config::from_toml_str(text).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn settings_validated_under_another_prefix_name_it_in_keys_and_messages() {
+        let short = RawIdempotency {
+            ttl: Duration::from_secs(1),
+            ..RawIdempotency::default()
+        };
+        let err = short.validate_at("routes[2]").unwrap_err();
+        assert_eq!(err.key, "routes[2].ttl");
+        assert_eq!(err.message, "must be longer than routes[2].lock_timeout");
+        let unscoped = RawIdempotency {
+            scope_headers: Vec::new(),
+            ..RawIdempotency::default()
+        };
+        let err = unscoped.validate_at("routes[2]").unwrap_err();
+        assert_eq!(err.key, "routes[2].scope_headers");
+        assert!(err.message.contains("routes[2].unscoped = \"shared\""), "{err}");
+        let section = RawIdempotency::default().validate().unwrap();
+        let route = RawIdempotency::default().validate_at("routes[0]").unwrap();
+        assert_eq!((section.ttl, section.methods), (route.ttl, route.methods));
+    }
+}

@@ -1,0 +1,69 @@
+//! The checks and conversions several sections validate with, run once at load. Each takes the dotted key
+//! its error names, so the section (or, later, a route) that calls it decides the name. Touches nothing
+//! but the value it is given.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::HeaderName;
+
+use super::ConfigError;
+
+/// A listener address like `0.0.0.0:8080`.
+pub(super) fn parse_addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
+    value
+        .parse()
+        .map_err(|_| ConfigError::new(key, format!("{value:?} is not an address like 0.0.0.0:8080")))
+}
+
+/// One header name, lower-cased as `http` keeps it.
+pub(super) fn parse_header(key: &str, value: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(value.as_bytes())
+        .map_err(|_| ConfigError::new(key, format!("{value:?} is not a header name")))
+}
+
+/// A list of header names; the first bad one is named.
+pub(super) fn parse_headers(key: &str, values: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    values.iter().map(|v| parse_header(key, v)).collect()
+}
+
+/// A duration that may not be zero.
+pub(super) fn positive(key: &str, value: Duration) -> Result<Duration, ConfigError> {
+    if value.is_zero() {
+        return Err(ConfigError::new(key, "must be greater than zero"));
+    }
+    Ok(value)
+}
+
+/// A count within `range`.
+pub(super) fn within(
+    key: &str,
+    value: usize,
+    range: std::ops::RangeInclusive<usize>,
+) -> Result<usize, ConfigError> {
+    if !range.contains(&value) {
+        return Err(ConfigError::new(
+            key,
+            format!("must be between {} and {}", range.start(), range.end()),
+        ));
+    }
+    Ok(value)
+}
+
+/// `#[serde(with = "bytes")]`: a byte count held as `u64`, read and printed as [`bytesize::ByteSize`]
+/// reads and prints it (`"4MiB"` in, `"4.0 MiB"` out), so a section whose only difference from its
+/// typed form would be `ByteSize` against `u64` needs no second struct.
+pub(super) mod bytes {
+    use bytesize::ByteSize;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(in crate::config) fn serialize<S: Serializer>(value: &u64, serializer: S) -> Result<S::Ok, S::Error> {
+        ByteSize(*value).serialize(serializer)
+    }
+
+    pub(in crate::config) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<u64, D::Error> {
+        ByteSize::deserialize(deserializer).map(|size| size.as_u64())
+    }
+}

@@ -1,0 +1,315 @@
+//! `[server]` and `[server.tls]`: the listeners, the bounds on what clients may hold, and shutdown.
+//! Validated once at load into [`ServerConfig`], which `server.rs` and `proxy.rs` run with. Reads the
+//! listener's certificate and key files here, so a bad file stops the start with a line naming its key.
+//! Two forms, because addresses become `SocketAddr`, sizes become `usize`, absent counts get defaults that
+//! depend on the machine or on other keys, and the TLS files become a rustls config.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use serde::{Deserialize, Serialize};
+
+use super::ConfigError;
+use super::parse::{parse_addr, positive, within};
+
+/// `[server]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawServer {
+    /// Proxy listener address.
+    pub listen: String,
+    /// Admin listener address (`/metrics`, `/healthz`, `/readyz`).
+    pub admin_listen: String,
+    /// How long in-flight requests may run to completion after a shutdown signal.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// TLS on the proxy listener; absent means cleartext (HTTP/1.1 and h2c).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RawServerTls>,
+    /// Bound on receiving a request's head (HTTP/1.1); the connection is closed when it runs out.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// Bound on receiving a keyed request's whole body, and on the silence between two chunks of a
+    /// passthrough request's body; 408 when it runs out.
+    #[serde(with = "humantime_serde")]
+    pub body_read_timeout: Duration,
+    /// Largest request head (request line and headers; the header list on HTTP/2); larger gets 431.
+    pub max_header_size: ByteSize,
+    /// Most header lines in one HTTP/1.1 request head; more gets 431.
+    pub max_headers: usize,
+    /// Most client connections open at once on the proxy listener; further ones wait to be accepted.
+    pub max_connections: usize,
+    /// Memory for keyed request bodies held at once, in all; a body that does not fit waits for room, then
+    /// gets 503.
+    pub max_buffered_bodies: ByteSize,
+    /// Threads serving client connections, each with its own runtime and upstream connections; absent
+    /// means one per available core.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<usize>,
+    /// How long a client may accept no bytes of its response before the proxy lets it go (its
+    /// connection ends; a keyed response is still read to the end and stored).
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: Duration,
+    /// Most keyed requests being executed at once (their work outlives their clients); more get 503.
+    /// Absent means `max_connections`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keyed_in_flight: Option<usize>,
+    /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room is
+    /// not retained.
+    pub max_buffered_responses: ByteSize,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        RawServer {
+            listen: "0.0.0.0:8080".into(),
+            admin_listen: "127.0.0.1:9090".into(),
+            shutdown_grace: Duration::from_secs(30),
+            tls: None,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            max_header_size: ByteSize::kib(64),
+            max_headers: 100,
+            max_connections: 1024,
+            max_buffered_bodies: ByteSize::mib(256),
+            workers: None,
+            write_timeout: Duration::from_secs(30),
+            max_keyed_in_flight: None,
+            max_buffered_responses: ByteSize::mib(256),
+        }
+    }
+}
+
+/// `[server.tls]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServerTls {
+    /// PEM certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+}
+
+/// Validated `[server]`.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Proxy listener address.
+    pub listen: std::net::SocketAddr,
+    /// Admin listener address.
+    pub admin_listen: std::net::SocketAddr,
+    /// Drain bound after a shutdown signal.
+    pub shutdown_grace: Duration,
+    /// The listener's TLS settings, when TLS is on.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Request head bound (HTTP/1.1).
+    pub header_read_timeout: Duration,
+    /// Request body bound.
+    pub body_read_timeout: Duration,
+    /// Largest request head, bytes.
+    pub max_header_size: usize,
+    /// Most header lines in an HTTP/1.1 request head.
+    pub max_headers: usize,
+    /// Most open client connections.
+    pub max_connections: usize,
+    /// Bytes of keyed request bodies held at once, in all.
+    pub max_buffered_bodies: usize,
+    /// Threads serving client connections.
+    pub workers: usize,
+    /// Longest a client may accept no response bytes.
+    pub write_timeout: Duration,
+    /// Most keyed requests executing at once.
+    pub max_keyed_in_flight: usize,
+    /// Bytes of keyed responses captured for storage at once, in all.
+    pub max_buffered_responses: usize,
+}
+
+impl RawServer {
+    /// Checks the section and converts it; the first problem found is returned.
+    pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
+        Ok(ServerConfig {
+            listen: parse_addr("server.listen", &self.listen)?,
+            admin_listen: parse_addr("server.admin_listen", &self.admin_listen)?,
+            shutdown_grace: self.shutdown_grace,
+            tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
+            header_read_timeout: positive("server.header_read_timeout", self.header_read_timeout)?,
+            body_read_timeout: positive("server.body_read_timeout", self.body_read_timeout)?,
+            max_header_size: self.max_header_size()?,
+            max_headers: within("server.max_headers", self.max_headers, 1..=10_000)?,
+            max_connections: within("server.max_connections", self.max_connections, 1..=1_000_000)?,
+            max_buffered_bodies: memory(self.max_buffered_bodies),
+            workers: self.workers()?,
+            write_timeout: positive("server.write_timeout", self.write_timeout)?,
+            max_keyed_in_flight: match self.max_keyed_in_flight {
+                Some(n) => within("server.max_keyed_in_flight", n, 1..=1_000_000)?,
+                None => self.max_connections,
+            },
+            max_buffered_responses: memory(self.max_buffered_responses),
+        })
+    }
+
+    fn workers(&self) -> Result<usize, ConfigError> {
+        match self.workers {
+            Some(workers) => within("server.workers", workers, 1..=1024),
+            None => Ok(std::thread::available_parallelism().map_or(1, usize::from)),
+        }
+    }
+
+    fn max_header_size(&self) -> Result<usize, ConfigError> {
+        let bytes = self.max_header_size.as_u64();
+        if !(8 * 1024..=16 * 1024 * 1024).contains(&bytes) {
+            return Err(ConfigError::new(
+                "server.max_header_size",
+                "must be between 8KiB and 16MiB",
+            ));
+        }
+        Ok(bytes as usize)
+    }
+}
+
+/// A memory budget in bytes; past what the platform can address it is as good as unbounded.
+fn memory(size: ByteSize) -> usize {
+    usize::try_from(size.as_u64()).unwrap_or(usize::MAX)
+}
+
+impl RawServerTls {
+    fn validate(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
+        for (key, path) in [
+            ("server.tls.cert_file", &self.cert_file),
+            ("server.tls.key_file", &self.key_file),
+        ] {
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    key,
+                    format!("cannot read file {}", path.display()),
+                ));
+            }
+        }
+        listener_tls(&self.cert_file, &self.key_file).map_err(|e| ConfigError::new("server.tls", e))
+    }
+}
+
+/// The listener's TLS: the certificate chain and private key from PEM files, rustls with the ring
+/// provider, ALPN offering `h2` then `http/1.1`.
+fn listener_tls(cert_file: &Path, key_file: &Path) -> Result<Arc<rustls::ServerConfig>, String> {
+    let chain = CertificateDer::pem_file_iter(cert_file)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("cannot read certificates from {}: {e}", cert_file.display()))?;
+    if chain.is_empty() {
+        return Err(format!("no certificate in {}", cert_file.display()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key_file)
+        .map_err(|e| format!("no usable private key in {}: {e}", key_file.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| format!("certificate and key do not fit together: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::config::Config;
+
+    #[test]
+    fn listener_tls_files_are_checked_at_load() {
+        let err = Config::from_toml_str(
+            "[server.tls]\ncert_file = \"/nonexistent/cert.pem\"\nkey_file = \"/nonexistent/key.pem\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "server.tls.cert_file");
+        let err = Config::from_toml_str(
+            "[server.tls]\ncert_file = \"/etc/hostname\"\nkey_file = \"/etc/hostname\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "server.tls", "{err}");
+        let err = Config::from_toml_str("[server.tls]\ncert_file = \"/etc/hostname\"\n").unwrap_err();
+        assert!(err.to_string().contains("key_file"), "{err}");
+    }
+
+    #[test]
+    fn a_matching_certificate_and_key_turn_tls_on_with_h2_offered_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        let toml = |cert: &std::path::Path, key: &std::path::Path| {
+            format!(
+                "[server.tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+                cert.display().to_string(),
+                key.display().to_string()
+            )
+        };
+        let config = Config::from_toml_str(&toml(&cert_file, &key_file)).unwrap();
+        let tls = config.server.tls.expect("TLS is on");
+        assert_eq!(tls.alpn_protocols, vec![b"h2".to_vec(), b"http/1.1".to_vec()]);
+        assert!(Config::from_toml_str("").unwrap().server.tls.is_none());
+        let swapped = Config::from_toml_str(&toml(&key_file, &cert_file)).unwrap_err();
+        assert_eq!(swapped.key, "server.tls", "{swapped}");
+    }
+
+    #[test]
+    fn client_bounds_parse_and_bad_ones_name_the_key() {
+        let config = Config::from_toml_str(
+            "[server]\nheader_read_timeout = \"2s\"\nbody_read_timeout = \"5s\"\n\
+             max_header_size = \"32KiB\"\nmax_headers = 20\nmax_connections = 10\n",
+        )
+        .unwrap();
+        assert_eq!(config.server.header_read_timeout, Duration::from_secs(2));
+        assert_eq!(config.server.body_read_timeout, Duration::from_secs(5));
+        assert_eq!(config.server.max_header_size, 32 * 1024);
+        assert_eq!(
+            (config.server.max_headers, config.server.max_connections),
+            (20, 10)
+        );
+        for (text, key) in [
+            ("header_read_timeout = \"0s\"", "server.header_read_timeout"),
+            ("body_read_timeout = \"0s\"", "server.body_read_timeout"),
+            ("max_header_size = \"1KiB\"", "server.max_header_size"),
+            ("max_headers = 0", "server.max_headers"),
+            ("max_connections = 0", "server.max_connections"),
+            ("max_buffered_bodies = \"1MiB\"", "server.max_buffered_bodies"),
+            ("workers = 0", "server.workers"),
+            ("workers = 1025", "server.workers"),
+        ] {
+            let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn workers_default_to_the_available_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        assert_eq!(Config::from_toml_str("").unwrap().server.workers, cores);
+        let config = Config::from_toml_str("[server]\nworkers = 3\n").unwrap();
+        assert_eq!(config.server.workers, 3);
+    }
+
+    #[test]
+    fn guarantee_bounds_have_safe_defaults_and_named_errors() {
+        let config = Config::from_toml_str("[server]\nmax_connections = 100\nworkers = 3\n").unwrap();
+        assert_eq!(config.server.write_timeout, Duration::from_secs(30));
+        assert_eq!(config.server.max_keyed_in_flight, 100);
+        for (text, key) in [
+            ("[server]\nwrite_timeout = \"0s\"", "server.write_timeout"),
+            ("[server]\nmax_keyed_in_flight = 0", "server.max_keyed_in_flight"),
+            (
+                "[server]\nmax_buffered_responses = \"1MiB\"",
+                "server.max_buffered_responses",
+            ),
+        ] {
+            let err = Config::from_toml_str(text).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! `[store]`: which database holds the key table and how it is reached. Validated once at load into
+//! [`StoreConfig`], which `store.rs` opens; reads the PostgreSQL URL here (its `sslmode` included) and
+//! checks that the CA file exists, so a bad URL stops the start with a line naming the key. Two forms,
+//! because the URL decides the backend, TLS and, for SQLite, the file and pool size.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::ConfigError;
+use super::parse::positive;
+
+/// The embedded store in the working directory: zero setup for a single instance.
+pub const DEFAULT_STORE_URL: &str = "sqlite://idemproxy.db";
+
+/// The largest `store.max_batch`: past a few hundred, a batch only adds latency.
+const MAX_BATCH_LIMIT: usize = 1000;
+
+/// `[store]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStore {
+    /// `sqlite://path/to/file.db` (embedded, single instance) or
+    /// `postgres://user:password@host:port/database`.
+    pub url: String,
+    /// Maximum connections in the pool.
+    pub pool_size: usize,
+    /// Most claims (and, apart, completions) sent to PostgreSQL in one statement when they arrive
+    /// together; 1 sends each on its own.
+    pub max_batch: usize,
+    /// Bound on any one store operation, including waiting for a pooled connection.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// What keyed requests get while the store is unreachable.
+    pub on_error: OnStoreError,
+    /// Apply pending migrations when `serve` starts.
+    pub migrate: bool,
+    /// PEM file of CA certificates trusted for the store's TLS (with `sslmode=require` in the URL), in
+    /// addition to the system's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<PathBuf>,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            url: DEFAULT_STORE_URL.into(),
+            pool_size: 16,
+            max_batch: 64,
+            timeout: Duration::from_secs(5),
+            on_error: OnStoreError::FailClosed,
+            migrate: true,
+            tls_ca_file: None,
+        }
+    }
+}
+
+/// Behaviour of keyed requests while the store is down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    /// Answer 503 and never forward.
+    FailClosed,
+    /// Forward without protection, and count it.
+    FailOpen,
+}
+
+/// Which database backs the key table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// A PostgreSQL server (`url`), shared by any number of replicas.
+    Postgres,
+    /// An embedded SQLite file, for a single instance.
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+    },
+}
+
+/// Validated `[store]`.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Which database, from the URL's scheme.
+    pub backend: StoreBackend,
+    /// Connection settings parsed from the URL.
+    pub url: String,
+    /// Maximum pooled connections.
+    pub pool_size: usize,
+    /// Most operations of one kind coalesced into one statement (PostgreSQL); 1 turns coalescing off.
+    pub max_batch: usize,
+    /// Bound on one store operation.
+    pub timeout: Duration,
+    /// Behaviour while the store is down.
+    pub on_error: OnStoreError,
+    /// Migrate at `serve` start.
+    pub migrate: bool,
+    /// Whether the URL asks for TLS (`sslmode=require`).
+    pub tls: bool,
+    /// Extra trusted CA certificates for the store's TLS.
+    pub tls_ca_file: Option<PathBuf>,
+}
+
+impl RawStore {
+    /// Checks the section and converts it; the first problem found is returned.
+    pub fn validate(&self) -> Result<StoreConfig, ConfigError> {
+        if let Some(path) = self.url.strip_prefix("sqlite://") {
+            return self.validate_sqlite(path);
+        }
+        let key = "store.url";
+        let url = url::Url::parse(&self.url).map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
+        if !matches!(url.scheme(), "postgres" | "postgresql") {
+            return Err(ConfigError::new(
+                key,
+                format!(
+                    "unsupported scheme {:?}; use sqlite://path/to/file.db or \
+                     postgres://user@host:port/database",
+                    url.scheme()
+                ),
+            ));
+        }
+        // tokio-postgres reads a URL without sslmode as `prefer`, so what the URL wrote is read here.
+        let tls = store_tls(&url)?;
+        self.url
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
+        if let Some(path) = &self.tls_ca_file {
+            if !tls {
+                return Err(ConfigError::new(
+                    "store.tls_ca_file",
+                    "only used with TLS: add sslmode=require to store.url",
+                ));
+            }
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    "store.tls_ca_file",
+                    format!("cannot read file {}", path.display()),
+                ));
+            }
+        }
+        if self.pool_size == 0 {
+            return Err(ConfigError::new("store.pool_size", "must be at least 1"));
+        }
+        positive("store.timeout", self.timeout)?;
+        Ok(StoreConfig {
+            backend: StoreBackend::Postgres,
+            url: self.url.clone(),
+            pool_size: self.pool_size,
+            max_batch: self.max_batch()?,
+            timeout: self.timeout,
+            on_error: self.on_error,
+            migrate: self.migrate,
+            tls,
+            tls_ca_file: self.tls_ca_file.clone(),
+        })
+    }
+
+    fn max_batch(&self) -> Result<usize, ConfigError> {
+        if !(1..=MAX_BATCH_LIMIT).contains(&self.max_batch) {
+            return Err(ConfigError::new(
+                "store.max_batch",
+                format!("must be from 1 (no coalescing) to {MAX_BATCH_LIMIT}"),
+            ));
+        }
+        Ok(self.max_batch)
+    }
+
+    /// `sqlite://idemproxy.db` is relative to the working directory, `sqlite:///var/lib/x.db` absolute.
+    fn validate_sqlite(&self, path: &str) -> Result<StoreConfig, ConfigError> {
+        let key = "store.url";
+        if path.is_empty() || path.ends_with('/') {
+            return Err(ConfigError::new(
+                key,
+                "sqlite:// needs a file path, e.g. sqlite://idemproxy.db or sqlite:///var/lib/idemproxy/keys.db",
+            ));
+        }
+        if path.contains('?') || path.contains('#') {
+            return Err(ConfigError::new(
+                key,
+                "sqlite:// takes a plain file path, without query or fragment",
+            ));
+        }
+        if self.tls_ca_file.is_some() {
+            return Err(ConfigError::new(
+                "store.tls_ca_file",
+                "only used with a PostgreSQL store over TLS",
+            ));
+        }
+        positive("store.timeout", self.timeout)?;
+        Ok(StoreConfig {
+            backend: StoreBackend::Sqlite {
+                path: PathBuf::from(path),
+            },
+            url: self.url.clone(),
+            pool_size: 1,
+            max_batch: self.max_batch()?,
+            timeout: self.timeout,
+            on_error: self.on_error,
+            migrate: self.migrate,
+            tls: false,
+            tls_ca_file: None,
+        })
+    }
+}
+
+/// Whether a PostgreSQL `store.url` asks for TLS, by the `sslmode` it writes (the last one, as the driver
+/// reads it): `require` does, `disable` or none does not. Other modes are refused rather than read as
+/// they are in libpq: `prefer` and `allow` would connect in clear text whenever the server does not offer
+/// TLS, which an attacker on the path can arrange; `verify-ca` and `verify-full` are what `require`
+/// already does here.
+fn store_tls(url: &url::Url) -> Result<bool, ConfigError> {
+    let mut tls = false;
+    for (_, mode) in url.query_pairs().filter(|(name, _)| name == "sslmode") {
+        tls = match mode.as_ref() {
+            "disable" => false,
+            "require" => true,
+            "verify-ca" | "verify-full" => {
+                return Err(ConfigError::new(
+                    "store.url",
+                    format!(
+                        "sslmode={mode} is not read by idemproxy; write sslmode=require, which verifies \
+                         the server's certificate and host name (against the system's CA certificates and \
+                         store.tls_ca_file) as libpq's verify-full does"
+                    ),
+                ));
+            }
+            _ => {
+                return Err(ConfigError::new(
+                    "store.url",
+                    format!(
+                        "sslmode={mode} is not supported: it would connect in clear text whenever the \
+                         server does not offer TLS; write sslmode=require for TLS (certificate and host \
+                         name verified) or sslmode=disable for clear text"
+                    ),
+                ));
+            }
+        };
+    }
+    Ok(tls)
+}
+
+/// Replaces the password of a URL with `***`; leaves anything unparsable alone.
+pub fn mask_url_password(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(mut url) if url.password().is_some() => {
+            let _ = url.set_password(Some("***"));
+            url.to_string()
+        }
+        _ => raw.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::{StoreBackend, mask_url_password};
+    use crate::config::{Config, ConfigError};
+
+    #[test]
+    fn the_embedded_store_is_the_default_and_its_url_is_a_file_path() {
+        let default = Config::from_toml_str("").unwrap();
+        assert_eq!(
+            default.store.backend,
+            StoreBackend::Sqlite {
+                path: PathBuf::from("idemproxy.db")
+            }
+        );
+        let absolute = Config::from_toml_str("[store]\nurl = \"sqlite:///var/lib/k.db\"\n").unwrap();
+        assert_eq!(
+            absolute.store.backend,
+            StoreBackend::Sqlite {
+                path: PathBuf::from("/var/lib/k.db")
+            }
+        );
+        for bad in ["sqlite://", "sqlite://dir/", "sqlite://k.db?mode=ro"] {
+            let err = Config::from_toml_str(&format!("[store]\nurl = \"{bad}\"\n")).unwrap_err();
+            assert_eq!(err.key, "store.url", "{bad}");
+        }
+        let err = Config::from_toml_str("[store]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err();
+        assert_eq!(err.key, "store.tls_ca_file");
+    }
+
+    #[test]
+    fn store_ca_file_needs_tls_and_a_readable_file() {
+        let err = Config::from_toml_str("[store]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err();
+        assert_eq!(err.key, "store.tls_ca_file");
+        let err = Config::from_toml_str(
+            "[store]\nurl = \"postgres://db/idem?sslmode=require\"\ntls_ca_file = \"/nonexistent.pem\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.key, "store.tls_ca_file");
+        let config =
+            Config::from_toml_str("[store]\nurl = \"postgres://db/idem?sslmode=require\"\n").unwrap();
+        assert!(config.store.tls);
+        assert!(!Config::from_toml_str("").unwrap().store.tls);
+    }
+
+    fn store_url(url: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(&format!("[store]\nurl = \"{url}\"\n"))
+    }
+
+    #[test]
+    fn sslmode_require_is_tls_and_disable_or_none_is_clear_text() {
+        assert!(store_url("postgres://db/idem?sslmode=require").unwrap().store.tls);
+        assert!(!store_url("postgres://db/idem?sslmode=disable").unwrap().store.tls);
+        assert!(!store_url("postgres://db/idem").unwrap().store.tls);
+        assert!(
+            !store_url("postgres://db/idem?application_name=x")
+                .unwrap()
+                .store
+                .tls
+        );
+        // The driver reads the last one; so does the check.
+        assert!(
+            store_url("postgres://db/idem?sslmode=disable&sslmode=require")
+                .unwrap()
+                .store
+                .tls
+        );
+    }
+
+    #[test]
+    fn sslmodes_that_may_fall_back_to_clear_text_are_refused() {
+        for mode in ["prefer", "allow", "Require", "bogus"] {
+            let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
+            assert_eq!(err.key, "store.url", "{mode}");
+            assert!(err.message.contains("clear text"), "{mode}: {err}");
+            assert!(err.message.contains("sslmode=require"), "{mode}: {err}");
+        }
+        let err = store_url("postgres://db/idem?sslmode=require&sslmode=prefer").unwrap_err();
+        assert_eq!(err.key, "store.url");
+    }
+
+    #[test]
+    fn sslmode_verify_full_and_verify_ca_point_to_require() {
+        for mode in ["verify-full", "verify-ca"] {
+            let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
+            assert_eq!(err.key, "store.url", "{mode}");
+            assert!(err.message.contains("write sslmode=require"), "{mode}: {err}");
+            assert!(err.message.contains("host name"), "{mode}: {err}");
+        }
+    }
+
+    #[test]
+    fn pool_batch_and_timeout_bounds_name_the_key_and_sqlite_keeps_one_connection() {
+        for (text, key) in [
+            ("url = \"postgres://db/idem\"\npool_size = 0", "store.pool_size"),
+            ("max_batch = 0", "store.max_batch"),
+            ("max_batch = 1001", "store.max_batch"),
+            ("timeout = \"0s\"", "store.timeout"),
+            ("url = \"mysql://db/idem\"", "store.url"),
+        ] {
+            let err = Config::from_toml_str(&format!("[store]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+        let sqlite = Config::from_toml_str("[store]\npool_size = 8\n").unwrap();
+        assert_eq!(sqlite.store.pool_size, 1);
+    }
+
+    #[test]
+    fn password_is_masked() {
+        assert_eq!(
+            mask_url_password("postgres://app:s3cret@db:5432/idem"),
+            "postgres://app:***@db:5432/idem"
+        );
+        let config = Config::from_toml_str("[store]\nurl = \"postgres://app:s3cret@db/idem\"\n").unwrap();
+        assert!(!config.to_masked_toml().contains("s3cret"));
+    }
+}
