@@ -21,14 +21,14 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use self::cache::ReplayCache;
+use self::cache::{Lookup, ReplayCache};
 use self::intake::budget::BodyBudget;
 use self::upstream::{Downstream, Upstream};
 use crate::body::ProxyBody;
 use crate::config::{Config, IdempotencyConfig, OnStoreError};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
-use crate::store::StoreHandle;
+use crate::store::{ClaimRequest, StoreHandle};
 
 /// Everything a request needs; shared behind an `Arc` by every connection and forwarding task of a worker.
 #[derive(Clone)]
@@ -189,6 +189,20 @@ impl Proxy {
                 "the request's task ended without a response".into(),
             ))
         })
+    }
+
+    /// A retry of a record this process has seen completed, answered without the store.
+    fn answer_from_cache(&self, claim: &ClaimRequest) -> Option<Handled> {
+        let answer = match self
+            .cache
+            .lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint)
+        {
+            Lookup::Replay(stored) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
+            Lookup::Mismatch => Err(ProxyError::KeyReused),
+            Lookup::Miss => return None,
+        };
+        self.metrics.replay_cache_hits.inc();
+        Some(answer)
     }
 }
 

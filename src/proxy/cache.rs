@@ -4,7 +4,7 @@
 //! earned). Holds completed records only: they
 //! change only by expiry, so a copy stays true until its deadline, which is never later than the record's
 //! `expires_at` by the store's clock (and never later than `replay_cache.max_age`). Bounded in bytes; the
-//! oldest entries go first. Touches nothing but its own map (and the hit counter).
+//! oldest entries go first. Touches nothing but its own map.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -13,9 +13,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Handled, Proxy, replay};
-use crate::error::ProxyError;
-use crate::metrics::Outcome;
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, StoredResponse};
 
 /// What an entry costs beyond its key and response bytes: the map slot at its load factor, the eviction
@@ -265,22 +262,6 @@ impl ReplayCache {
             }
             _ => None,
         }
-    }
-}
-
-impl Proxy {
-    /// A retry of a record this process has seen completed, answered without the store.
-    pub(crate) fn answer_from_cache(&self, claim: &ClaimRequest) -> Option<Handled> {
-        let answer = match self
-            .cache
-            .lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint)
-        {
-            Lookup::Replay(stored) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
-            Lookup::Mismatch => Err(ProxyError::KeyReused),
-            Lookup::Miss => return None,
-        };
-        self.metrics.replay_cache_hits.inc();
-        Some(answer)
     }
 }
 

@@ -22,7 +22,7 @@ use http::{Request, StatusCode};
 use tokio::time::Instant;
 
 use self::heartbeat::Heartbeat;
-use self::relay::{Held, ToStore};
+use self::relay::{Held, Relayed, ToStore};
 use super::cache::Fill;
 use super::upstream::stream_response;
 use super::{Answer, Handled, Proxy};
@@ -84,7 +84,14 @@ pub(crate) async fn execute(
         let answer = Ok((stream_response(response), Outcome::Executed));
         return release_then_answer(&proxy, &claim, head, answer).await;
     }
-    relay::relay(proxy, claim, response, head, heartbeat, fill).await;
+    match relay::relay(&proxy, &claim.id, response, head).await {
+        Relayed::Whole(record, held) => finish(&proxy, &claim, record, fill, held, heartbeat).await,
+        Relayed::Broken {
+            client,
+            error,
+            failure,
+        } => broken_body(&proxy, &claim, client, heartbeat, error, failure).await,
+    }
 }
 
 /// The upstream may have acted on the request, but no full answer came back. With
@@ -126,7 +133,14 @@ async fn hold(proxy: &Proxy, claim: &Claimed) {
 
 /// Stores the response, then lets the client have the rest of it. The client waits for the store at most
 /// `completion_hold`; past it the client gets the rest and the completion goes on (counted).
-async fn finish(proxy: &Proxy, claim: &Claimed, record: ToStore, held: Held, heartbeat: Heartbeat) {
+async fn finish(
+    proxy: &Proxy,
+    claim: &Claimed,
+    record: ToStore,
+    fill: Option<Fill>,
+    held: Held,
+    heartbeat: Heartbeat,
+) {
     let id = &claim.id;
     let captured = record.capture.finish();
     let stored = StoredResponse {
@@ -137,7 +151,7 @@ async fn finish(proxy: &Proxy, claim: &Claimed, record: ToStore, held: Held, hea
     if stored.body.is_none() {
         proxy.metrics.not_retained.inc();
     }
-    let storing = store_and_remember(proxy, claim, stored, record.fill);
+    let storing = store_and_remember(proxy, claim, stored, fill);
     tokio::pin!(storing);
     let in_time = tokio::time::timeout(proxy.completion_hold, &mut storing)
         .await

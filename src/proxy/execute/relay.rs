@@ -1,10 +1,10 @@
 //! Runs once a won claim's upstream answered with a response to keep: relays the body to the client
-//! first (over `execute/channel.rs`) and into the capture second (`execute/capture.rs`), holding back
-//! whatever completes the response until the record is stored. Owns the upstream body until its end; a
-//! client that leaves or stops reading is let go while the relay reads on.
+//! first (over `execute/channel.rs`) and into the capture second (`execute/capture.rs`), and holds back
+//! whatever completes the response, handing it to `execute.rs` with the record to store. Owns the
+//! upstream body until its end; a client that leaves or stops reading is let go while the relay reads on.
+//! Touches no store.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -15,12 +15,9 @@ use http_body_util::BodyExt;
 
 use super::capture::Capture;
 use super::channel::{self, Sender};
-use super::heartbeat::Heartbeat;
-use super::{Claimed, broken_body, finish};
 use crate::body::{self, BoxError, ProxyBody};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
-use crate::proxy::cache::Fill;
 use crate::proxy::upstream::pool::PooledBody;
 use crate::proxy::upstream::strip_hop_by_hop;
 use crate::proxy::{Answer, Proxy};
@@ -122,18 +119,28 @@ pub(super) struct ToStore {
     pub(super) status: u16,
     pub(super) headers: Vec<(String, Vec<u8>)>,
     pub(super) capture: Capture,
-    pub(super) fill: Option<Fill>,
 }
 
+/// How a relay ended.
+pub(super) enum Relayed {
+    /// The upstream body ended: the record to store, and what the client gets once it is stored.
+    Whole(ToStore, Held),
+    /// The upstream body broke off or stalled: nothing is stored, and the client must not take what it
+    /// got for a whole response (`Client::fail`).
+    Broken {
+        client: Client,
+        error: BoxError,
+        failure: ProxyError,
+    },
+}
+
+/// Relays the response to the client while capturing it, until the upstream body ends or breaks.
 pub(super) async fn relay(
-    proxy: Arc<Proxy>,
-    claim: Claimed,
+    proxy: &Proxy,
+    id: &RecordId,
     response: Response<PooledBody>,
     head: Answer,
-    heartbeat: Heartbeat,
-    fill: Option<Fill>,
-) {
-    let id = &claim.id;
+) -> Relayed {
     let (mut parts, mut upstream) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     let record = ToStore {
@@ -144,12 +151,11 @@ pub(super) async fn relay(
             proxy.captures.clone(),
             proxy.metrics.capture_budget_exhausted.clone(),
         ),
-        fill,
     };
     if http_body::Body::is_end_stream(&upstream) {
         drop(upstream);
         let held = Held::Head(head, Response::from_parts(parts, body::empty()));
-        return finish(&proxy, &claim, record, held, heartbeat).await;
+        return Relayed::Whole(record, held);
     }
     let declared = content_length(&parts.headers);
     let (sender, receiver) = channel::channel(DOWNSTREAM_FRAMES);
@@ -162,7 +168,6 @@ pub(super) async fn relay(
         status,
         headers,
         mut capture,
-        fill,
     } = record;
     let mut last = None;
     let mut received = 0u64;
@@ -178,7 +183,11 @@ pub(super) async fn relay(
                     Err(_) => {
                         let failure = ProxyError::UpstreamTimeout(idle);
                         let error = "upstream body stalled".into();
-                        return broken_body(&proxy, &claim, client, heartbeat, error, failure).await;
+                        return Relayed::Broken {
+                            client,
+                            error,
+                            failure,
+                        };
                     }
                 }
             }
@@ -188,7 +197,11 @@ pub(super) async fn relay(
             Some(Ok(frame)) => frame,
             Some(Err(error)) => {
                 let failure = ProxyError::UpstreamUnreachable(error.to_string());
-                return broken_body(&proxy, &claim, client, heartbeat, error.into(), failure).await;
+                return Relayed::Broken {
+                    client,
+                    error: error.into(),
+                    failure,
+                };
             }
         };
         if let Some(data) = frame.data_ref() {
@@ -197,21 +210,20 @@ pub(super) async fn relay(
         }
         // A frame held as the last one was not, since another follows.
         if let Some(earlier) = last.take() {
-            client.deliver(earlier, &proxy, id).await;
+            client.deliver(earlier, proxy, id).await;
         }
         if completes(&frame, &upstream, declared, received) {
             last = Some(frame);
         } else {
-            client.deliver(frame, &proxy, id).await;
+            client.deliver(frame, proxy, id).await;
         }
     }
     let record = ToStore {
         status,
         headers,
         capture,
-        fill,
     };
-    finish(&proxy, &claim, record, Held::End(client, last), heartbeat).await;
+    Relayed::Whole(record, Held::End(client, last))
 }
 
 /// The upstream body's next frame if it is there without waiting (it usually came in with the head).
