@@ -1,0 +1,215 @@
+//! The layout stays acyclic: no file under `src/` uses, directly or through other files, a file that uses
+//! it back, and the bottom layers (`metrics.rs`, the configuration, the shared helpers) use nothing above
+//! them. A use is any `crate::`, `super::` or `self::` path outside test modules, resolved to the file
+//! of the longest module it names.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::Path;
+
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+/// Every `.rs` file under `src/` (but `main.rs`), by module path (`proxy::execute`) → file text without its
+/// test modules.
+fn modules() -> BTreeMap<Vec<String>, (String, String)> {
+    fn walk(root: &Path, dir: &Path, found: &mut BTreeMap<Vec<String>, (String, String)>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(root, &path, found);
+                continue;
+            }
+            let relative = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            let Some(module) = relative.strip_suffix(".rs") else {
+                continue;
+            };
+            if module == "main" {
+                continue;
+            }
+            let segments = if module == "lib" {
+                Vec::new()
+            } else {
+                module.split('/').map(str::to_owned).collect()
+            };
+            let text = fs::read_to_string(&path).unwrap();
+            found.insert(
+                segments,
+                (format!("src/{relative}"), without_tests(&text).to_owned()),
+            );
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = BTreeMap::new();
+    walk(&root, &root, &mut found);
+    found
+}
+
+/// The text before the first test module.
+fn without_tests(text: &str) -> &str {
+    let end = ["#[cfg(test)]", "#[cfg(all(test", "mod tests {"]
+        .iter()
+        .filter_map(|marker| text.find(marker))
+        .min()
+        .unwrap_or(text.len());
+    &text[..end]
+}
+
+/// The module paths `text` (the file of module `me`) names with `crate::`, `super::` or `self::`,
+/// including each name inside a `{...}` group.
+fn named_paths(text: &str, me: &[String]) -> Vec<Vec<String>> {
+    let mut paths = Vec::new();
+    for base in ["crate::", "super::", "self::"] {
+        for (at, _) in text.match_indices(base) {
+            let before = text[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                continue;
+            }
+            let mut path: Vec<String> = match base {
+                "crate::" => Vec::new(),
+                "super::" => me[..me.len().saturating_sub(1)].to_vec(),
+                _ => me.to_vec(),
+            };
+            let rest = &text[at + base.len()..];
+            let end = rest
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                .unwrap_or(rest.len());
+            for segment in rest[..end].split("::").filter(|s| !s.is_empty()) {
+                if segment == "super" {
+                    path.pop();
+                } else {
+                    path.push(segment.to_owned());
+                }
+            }
+            if rest[end..].starts_with('{') {
+                let group = &rest[end + 1..rest[end..].find('}').map_or(rest.len(), |close| end + close)];
+                for item in group
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|i| !i.is_empty() && *i != "self")
+                {
+                    let mut inner = path.clone();
+                    inner.extend(
+                        item.split("::")
+                            .next()
+                            .map(|s| s.split(' ').next().unwrap_or(s).to_owned()),
+                    );
+                    paths.push(inner);
+                }
+            }
+            paths.push(path);
+        }
+    }
+    paths
+}
+
+/// Which file uses which, by file path.
+fn graph() -> Graph {
+    let modules = modules();
+    let file_of = |path: &[String]| {
+        (0..=path.len())
+            .rev()
+            .find_map(|n| modules.get(&path[..n]).map(|(file, _)| file.clone()))
+    };
+    let mut graph = Graph::new();
+    for (me, (file, text)) in &modules {
+        let uses = named_paths(text, me)
+            .iter()
+            .filter_map(|path| file_of(path))
+            .filter(|used| used != file && used != "src/lib.rs")
+            .collect();
+        graph.insert(file.clone(), uses);
+    }
+    graph
+}
+
+/// A cycle through `graph`, if there is one, as the files in order.
+fn find_cycle(graph: &Graph) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &Graph,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn no_file_uses_a_file_that_uses_it_back() {
+    let graph = graph();
+    assert!(graph.len() > 40, "only {} files found", graph.len());
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!("import cycle: {}", cycle.join(" → "));
+    }
+}
+
+#[test]
+fn the_bottom_layers_use_nothing_above_them() {
+    let graph = graph();
+    let bottom = |file: &str| {
+        [
+            "src/metrics.rs",
+            "src/body.rs",
+            "src/headers.rs",
+            "src/error_chain.rs",
+        ]
+        .contains(&file)
+            || file == "src/config.rs"
+            || file.starts_with("src/config/")
+    };
+    for (file, uses) in &graph {
+        if !bottom(file) {
+            continue;
+        }
+        let above: Vec<&String> = uses
+            .iter()
+            .filter(|used| !(used.starts_with("src/config") && file.starts_with("src/config")))
+            .collect();
+        assert!(above.is_empty(), "{file} uses {above:?}");
+    }
+}
+
+#[test]
+fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
+    let mut graph = Graph::new();
+    graph.insert("a".into(), ["b".to_owned()].into());
+    graph.insert("b".into(), ["c".to_owned()].into());
+    graph.insert("c".into(), BTreeSet::new());
+    assert_eq!(find_cycle(&graph), None);
+    graph.get_mut("c").unwrap().insert("a".into());
+    assert_eq!(find_cycle(&graph).unwrap().len(), 4);
+    let me = vec!["proxy".to_owned(), "claim".to_owned()];
+    let found = named_paths(
+        "use super::{Answer, replay};\nuse crate::store::Store;\nlet x = myself::thing;",
+        &me,
+    );
+    assert!(
+        found.contains(&vec!["proxy".to_owned(), "replay".to_owned()]),
+        "{found:?}"
+    );
+    assert!(
+        found.contains(&vec!["store".to_owned(), "Store".to_owned()]),
+        "{found:?}"
+    );
+    assert_eq!(found.len(), 4, "myself:: is not self::: {found:?}");
+}
