@@ -26,7 +26,7 @@ def problem(text):
 
 def finish(what):
     if problems:
-        for text in problems:
+        for text in dict.fromkeys(problems):
             print(f"  problem: {text}")
         sys.exit(1)
     print(f"  ok: {what}")
