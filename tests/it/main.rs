@@ -16,6 +16,7 @@ mod processes;
 mod protocols;
 mod proxy_basic;
 mod replay_cache;
+mod roles;
 mod store_coalesce;
 mod store_faults;
 mod store_pg;
