@@ -2,6 +2,7 @@
 
 mod support;
 
+mod access_log;
 mod admin;
 mod cli;
 mod concurrency;
