@@ -9,6 +9,7 @@ mod concurrency;
 mod encryption;
 mod guarantees;
 mod harness;
+mod health_cli;
 mod history;
 mod hostile;
 mod key_header;
