@@ -1,11 +1,14 @@
 //! The command line: `serve`, `migrate`, `check-config`, each taking the config file and the override
-//! flags that form the top configuration layer, and `keys`, the operator's runbook for single records.
+//! flags that form the top configuration layer, `keys`, the operator's runbook for single records, and
+//! `health`, the probe for a container's HEALTHCHECK.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::Overrides;
+use crate::health::Probe;
 
 /// Idempotency sidecar: executes each keyed request once and replays its response to retries.
 #[derive(Debug, Parser)]
@@ -27,6 +30,9 @@ pub enum Command {
     CheckConfig(ConfigArgs),
     /// Inspect and repair records in the configured store.
     Keys(KeysArgs),
+    /// Probe a running proxy's admin listener (for a container HEALTHCHECK): exit 0 when `/readyz`
+    /// (or with --live `/healthz`) answers 200, else 1 with one line saying what failed.
+    Health(HealthArgs),
 }
 
 impl Command {
@@ -37,6 +43,7 @@ impl Command {
                 (args.config.as_deref(), args.overrides())
             }
             Command::Keys(args) => (args.config.as_deref(), args.overrides()),
+            Command::Health(args) => (args.config.as_deref(), args.overrides()),
         }
     }
 }
@@ -99,6 +106,38 @@ pub enum KeysCommand {
     },
     /// Count records by state.
     Stats,
+}
+
+/// `idemproxy health`: where the admin listener is, read from the same layers as `serve`.
+#[derive(Debug, Args)]
+pub struct HealthArgs {
+    /// TOML configuration file.
+    #[arg(long, short, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Admin listen address (server.admin_listen); 0.0.0.0 and [::] are probed on loopback.
+    #[arg(long, value_name = "ADDR")]
+    pub admin_listen: Option<String>,
+    /// Probe liveness (`/healthz`) instead of readiness (`/readyz`).
+    #[arg(long)]
+    pub live: bool,
+    /// How long to wait for the answer, e.g. `2s`, `500ms`.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+impl HealthArgs {
+    /// The flags as the top configuration layer.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            admin_listen: self.admin_listen.clone(),
+            ..Overrides::default()
+        }
+    }
+
+    /// The endpoint to probe.
+    pub fn probe(&self) -> Probe {
+        if self.live { Probe::Live } else { Probe::Ready }
+    }
 }
 
 /// Where the configuration comes from.

@@ -21,7 +21,9 @@
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
-//!   `/healthz`, `/readyz`;
+//!   `/healthz`, `/readyz`; `health.rs` is `idemproxy health`, the probe of those two for a container;
+//! - `access.rs` writes the access log (`log.access`): one line per request, with the time it spent in
+//!   the store and upstream; `proxy/trace_context.rs` reads the caller's W3C `traceparent`;
 //! - `config.rs` loads the configuration, one file per section under `config/`; `cli.rs` is the command
 //!   line; `tls.rs` holds the store's TLS client settings; `shutdown.rs` turns signals into
 //!   cancellation; `keys.rs` is the operator's runbook (`idemproxy keys ...`).
@@ -30,6 +32,7 @@
 #![deny(clippy::print_stdout)]
 #![warn(missing_docs)]
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod cli;
@@ -37,6 +40,7 @@ pub mod config;
 pub mod error;
 pub mod error_chain;
 pub mod headers;
+pub mod health;
 pub mod keys;
 pub mod metrics;
 pub mod proxy;

@@ -1,11 +1,11 @@
 //! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
 //! the library. Exit codes: 0 done, 1 runtime failure (or a `keys` command that found nothing to act on or
-//! refused), 64 bad configuration.
+//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use idemproxy::cli::{Cli, Command, KeysArgs};
+use idemproxy::cli::{Cli, Command, HealthArgs, KeysArgs};
 use idemproxy::config::{Config, LogFormat};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -20,6 +20,9 @@ const EXIT_CONFIG: u8 = 64;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Health(args) = &cli.command {
+        return health(&cli.command, args);
+    }
     let (file, overrides) = cli.command.overrides();
     let config = match Config::load(file, &overrides) {
         Ok(config) => config,
@@ -71,6 +74,27 @@ fn keys(runtime: &tokio::runtime::Runtime, config: &Config, args: &KeysArgs) -> 
         }
         Err(error) => {
             eprintln!("idemproxy keys: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Probes a running proxy; any failure, a bad configuration included, is exit 1 (unhealthy), the one
+/// failure code a container HEALTHCHECK defines.
+fn health(command: &Command, args: &HealthArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("idemproxy health: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (file, overrides) = command.overrides();
+    let probe = idemproxy::health::run(file, &overrides, args.probe(), args.timeout);
+    match runtime.block_on(probe) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("idemproxy health: {error}");
             ExitCode::FAILURE
         }
     }

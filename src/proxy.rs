@@ -1,6 +1,8 @@
 //! The request path, for every request on the proxy listener. [`Proxy::handle`] never fails: it counts,
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
 //! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute.
+//! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
+//! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
 pub mod cache;
 pub mod claim;
@@ -9,6 +11,7 @@ pub mod intake;
 pub mod key;
 pub mod passthrough;
 pub mod replay;
+pub mod trace_context;
 pub mod upstream;
 
 use std::convert::Infallible;
@@ -24,6 +27,7 @@ use tracing::Instrument;
 use self::cache::{Lookup, ReplayCache};
 use self::intake::budget::BodyBudget;
 use self::upstream::{Downstream, Upstream};
+use crate::access::{self, Line};
 use crate::body::ProxyBody;
 use crate::config::{Config, IdempotencyConfig, OnStoreError};
 use crate::error::{Busy, ProxyError};
@@ -52,6 +56,8 @@ pub struct Proxy {
     pub(crate) write_timeout: Duration,
     /// Bound on one store operation, the first wait before an orphaned claim is given back.
     pub(crate) store_timeout: Duration,
+    /// Whether each request writes an access line (`log.access`).
+    pub(crate) access_log: bool,
 }
 
 /// The longest a client waits for its record to be stored (or less, `store.timeout`).
@@ -82,6 +88,7 @@ impl Proxy {
             completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
             write_timeout: config.server.write_timeout,
             store_timeout: config.store.timeout,
+            access_log: config.log.access,
         }
     }
 
@@ -106,12 +113,16 @@ impl Proxy {
             method = %request.method(),
             route = key::DEFAULT_SCOPE,
             outcome = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            parent_id = tracing::field::Empty,
         );
+        let line = self.open_line(&request, &span);
         let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
+        let inner = access::within(line.as_ref().map(Line::ledger), self.handle_inner(request, peer));
         let result = if span.is_disabled() {
-            self.handle_inner(request, peer).await
+            inner.await
         } else {
-            self.handle_inner(request, peer).instrument(span.clone()).await
+            inner.instrument(span.clone()).await
         };
         let _entered = span.enter();
         let (response, outcome) = match result {
@@ -135,7 +146,25 @@ impl Proxy {
                 "answered"
             );
         }
-        Ok(response)
+        Ok(match line {
+            Some(line) => line.answered(outcome, response),
+            None => response,
+        })
+    }
+
+    /// Puts the caller's trace context on the request's span, and opens its access line while the access
+    /// log is on. With the span disabled and the log off, does nothing.
+    fn open_line(&self, request: &Request<Incoming>, span: &tracing::Span) -> Option<Line> {
+        if span.is_disabled() && !self.access_log {
+            return None;
+        }
+        let trace = trace_context::parse(request.headers());
+        if let Some(trace) = trace {
+            span.record("trace_id", trace.trace_id);
+            span.record("parent_id", trace.parent_id);
+        }
+        self.access_log
+            .then(|| Line::open(request.method(), request.uri().path(), trace.map(|t| t.trace_id)))
     }
 
     async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: Downstream) -> Handled {
@@ -183,6 +212,7 @@ impl Proxy {
             metrics: self.metrics.clone(),
         };
         let keyed = self.clone().claim(intake, peer, head, slot);
+        let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
             Err(ProxyError::UpstreamUnreachable(

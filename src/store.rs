@@ -427,9 +427,11 @@ impl StoreHandle {
     ) -> Result<T, StoreError> {
         let started = Instant::now();
         let result = call.await;
+        let elapsed = started.elapsed();
+        crate::access::store_op(elapsed);
         // An undecryptable record is an answer from a working store, counted where it is found.
         let ok = matches!(&result, Ok(_) | Err(StoreError::Undecryptable(_)));
-        self.metrics.store_op(op, started.elapsed().as_secs_f64(), ok);
+        self.metrics.store_op(op, elapsed.as_secs_f64(), ok);
         if let Err(error) = &result {
             tracing::warn!(op = op.as_str(), %error, "store operation failed");
         }

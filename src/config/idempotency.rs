@@ -25,6 +25,9 @@ use super::parse::{parse_header, parse_headers, positive};
 /// The prefix of the section's own errors.
 const SECTION: &str = "idempotency";
 
+/// Headers `fingerprint_headers` may not name: each is new on every attempt of the same request.
+const NEVER_FINGERPRINTED: [&str; 3] = ["traceparent", "tracestate", "date"];
+
 /// `[idempotency]` as written (and, later, a route's settings merged over it).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -186,6 +189,7 @@ impl RawIdempotency {
                 ),
             ));
         }
+        self.check_fingerprint_headers(&key("fingerprint_headers"))?;
         if !(1..=4096).contains(&self.max_key_length) {
             return Err(ConfigError::new(
                 &key("max_key_length"),
@@ -209,6 +213,25 @@ impl RawIdempotency {
             on_unknown_outcome: self.on_unknown_outcome,
             never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
         })
+    }
+
+    /// Refuses headers that differ between a request and its retry by design: fingerprinting one would
+    /// turn every retry into a 422 mismatch.
+    fn check_fingerprint_headers(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(name) = self
+            .fingerprint_headers
+            .iter()
+            .find(|name| NEVER_FINGERPRINTED.iter().any(|n| n.eq_ignore_ascii_case(name)))
+        else {
+            return Ok(());
+        };
+        Err(ConfigError::new(
+            key,
+            format!(
+                "may not name {name:?}: it changes between a request and its retry (trace context is new \
+                 per attempt, Date is the send time), so every retry would be refused as a mismatch (422)"
+            ),
+        ))
     }
 
     fn in_flight_retry_after(&self, prefix: &str) -> Result<Duration, ConfigError> {
@@ -296,6 +319,17 @@ mod tests {
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
         let err = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
         assert_eq!(err.key, "idempotency.release_statuses");
+    }
+
+    #[test]
+    fn headers_new_on_every_retry_are_refused_as_fingerprint_headers() {
+        for name in ["traceparent", "TraceState", "date"] {
+            let toml = format!("[idempotency]\nfingerprint_headers = [\"content-type\", \"{name}\"]\n");
+            let err = Config::from_toml_str(&toml).unwrap_err();
+            assert_eq!(err.key, "idempotency.fingerprint_headers", "{name}");
+            assert!(err.to_string().contains("retry"), "{err}");
+            assert_eq!(err.to_string().lines().count(), 1, "{err}");
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `[log]`: the log line format and filter. Read once at start-up by `main.rs`, which sets up tracing
+//! `[log]`: the log line format and filter, and the access log. Read once at start-up by `main.rs`, which sets up tracing
 //! with it. The TOML form is already the typed form, and there is nothing to check that serde does not
 //! (the filter is read by `tracing-subscriber`, which skips what it cannot parse), so it is one struct
 //! without a `validate`.
@@ -13,6 +13,9 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// Filter in `RUST_LOG` syntax; the `RUST_LOG` variable overrides it.
     pub filter: String,
+    /// One line per finished request at INFO on the target `idemproxy::access` (JSON with
+    /// `format = "json"`); off by default.
+    pub access: bool,
 }
 
 impl Default for LogConfig {
@@ -20,6 +23,7 @@ impl Default for LogConfig {
         LogConfig {
             format: LogFormat::Text,
             filter: "info".into(),
+            access: false,
         }
     }
 }
@@ -51,6 +55,19 @@ mod tests {
             (json.log.format, json.log.filter.as_str()),
             (LogFormat::Json, "debug")
         );
+    }
+
+    #[test]
+    fn the_access_log_is_off_unless_asked_for() {
+        assert!(!Config::from_toml_str("").unwrap().log.access);
+        assert!(
+            Config::from_toml_str("[log]\naccess = true\n")
+                .unwrap()
+                .log
+                .access
+        );
+        let err = Config::from_toml_str("[log]\naccess = \"yes\"\n").unwrap_err();
+        assert_eq!(err.key, "log.access");
     }
 
     #[test]

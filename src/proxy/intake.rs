@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use self::budget::ReservedBody;
 use super::{Proxy, key};
+use crate::access;
 use crate::config::Unscoped;
 use crate::error::{Busy, ProxyError};
 use crate::store::{ClaimRequest, RecordId};
@@ -34,6 +35,7 @@ impl Proxy {
         let (parts, body) = request.into_parts();
         let body = self.read_body(&parts.headers, body).await?;
         let claim = self.claim_request(&parts, key, &body.bytes);
+        access::key(|| key::key_hash(&claim.id.scope, &claim.id.key));
         Ok(Intake { parts, claim, body })
     }
 

@@ -172,9 +172,9 @@ impl Upstream {
     pub async fn send(&self, request: Request<ProxyBody>) -> Result<Response<PooledBody>, UpstreamFailure> {
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(self.timeout, self.pool.send(request)).await;
-        self.metrics
-            .upstream_duration
-            .observe(started.elapsed().as_secs_f64());
+        let elapsed = started.elapsed();
+        self.metrics.upstream_duration.observe(elapsed.as_secs_f64());
+        crate::access::upstream(elapsed);
         match result {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(SendError::NotSent(why))) => Err(UpstreamFailure::NotDelivered(why)),

@@ -2,12 +2,14 @@
 
 mod support;
 
+mod access_log;
 mod admin;
 mod cli;
 mod concurrency;
 mod encryption;
 mod guarantees;
 mod harness;
+mod health_cli;
 mod history;
 mod hostile;
 mod key_header;

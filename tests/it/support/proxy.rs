@@ -282,8 +282,11 @@ async fn listening(pipe: ChildStderr, seen: Arc<Mutex<Vec<String>>>) -> Option<(
     Some((proxy?, admin?))
 }
 
+/// A listening address from a JSON log line, or from a text one (`log.format = "text"`).
 fn listening_addr(line: &str) -> Option<(&'static str, SocketAddr)> {
-    let event: serde_json::Value = serde_json::from_str(line).ok()?;
+    let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
+        return listening_addr_in_text(line);
+    };
     let fields = event.get("fields")?;
     let message = match fields.get("message")?.as_str()? {
         "proxy listening" => "proxy listening",
@@ -292,6 +295,29 @@ fn listening_addr(line: &str) -> Option<(&'static str, SocketAddr)> {
     };
     let addr = fields.get("addr")?.as_str()?.parse().ok()?;
     Some((message, addr))
+}
+
+fn listening_addr_in_text(line: &str) -> Option<(&'static str, SocketAddr)> {
+    let line = strip_ansi(line);
+    let message = ["proxy listening", "admin listening"]
+        .into_iter()
+        .find(|m| line.contains(&format!(": {m} ")))?;
+    let addr = line.split(' ').find_map(|field| field.strip_prefix("addr="))?;
+    Some((message, addr.parse().ok()?))
+}
+
+/// The line without its ANSI colour sequences (`ESC [ ... m`).
+pub fn strip_ansi(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
 }
 
 /// Sends in-process logs (`RUST_LOG`, else `info`) to the test's captured output.

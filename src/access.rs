@@ -1,0 +1,205 @@
+//! The access log (`log.access`): one event per finished request on the target `idemproxy::access`.
+//! `proxy.rs` opens a [`Line`] as a request arrives, and once the request is answered hands it the outcome
+//! and status with the response, whose body then carries it; the line is written when that body is
+//! dropped (after its last byte, or when the client goes), so its duration covers the whole response.
+//! While the request runs, the store handle ([`store_op`]), the upstream client ([`upstream`]) and intake
+//! ([`key`]) add to the request's [`Ledger`], a task-local that is set only while the log is on: with it
+//! off they pay one empty thread-local lookup, and nothing here allocates or reads a clock.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Response};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+
+use crate::body::{BoxError, ProxyBody};
+use crate::metrics::Outcome;
+
+/// The target access events are logged on, for `log.filter` / `RUST_LOG` to route or silence.
+pub const TARGET: &str = "idemproxy::access";
+
+/// The route name on every line until routes can name their own: the idempotency policy's.
+pub const DEFAULT_ROUTE: &str = "default";
+
+/// Status and outcome of a line whose request was dropped before it was answered (nginx's 499).
+const CLIENT_CLOSED: (&str, u16) = ("client_closed", 499);
+
+tokio::task_local! {
+    static LEDGER: Arc<Ledger>;
+}
+
+/// What one request spent where, added to by the layers it passes through.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    store_us: AtomicU64,
+    upstream_us: AtomicU64,
+    upstream_called: AtomicBool,
+    key_hash: OnceLock<String>,
+}
+
+/// Adds a store operation's time to the current request's ledger, if it has one.
+pub fn store_op(elapsed: Duration) {
+    let _ = LEDGER.try_with(|ledger| ledger.store_us.fetch_add(micros(elapsed), Ordering::Relaxed));
+}
+
+/// Adds the upstream call's time (to the response head) to the current request's ledger, if it has one.
+pub fn upstream(elapsed: Duration) {
+    let _ = LEDGER.try_with(|ledger| {
+        ledger.upstream_us.fetch_add(micros(elapsed), Ordering::Relaxed);
+        ledger.upstream_called.store(true, Ordering::Relaxed);
+    });
+}
+
+/// Notes the request's key hash, computed by `hash` only when the request has a ledger.
+pub fn key(hash: impl FnOnce() -> String) {
+    let _ = LEDGER.try_with(|ledger| {
+        ledger.key_hash.get_or_init(hash);
+    });
+}
+
+/// The current request's ledger, to carry onto a task the request spawns.
+pub fn current() -> Option<Arc<Ledger>> {
+    LEDGER.try_with(Arc::clone).ok()
+}
+
+/// Runs `work` with `ledger` as its request's ledger (as it is, without one).
+pub async fn within<F: Future>(ledger: Option<Arc<Ledger>>, work: F) -> F::Output {
+    match ledger {
+        Some(ledger) => LEDGER.scope(ledger, work).await,
+        None => work.await,
+    }
+}
+
+fn micros(elapsed: Duration) -> u64 {
+    u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn millis(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+/// One request's access line, written when dropped.
+#[derive(Debug)]
+pub struct Line {
+    started: Instant,
+    method: Method,
+    path: String,
+    trace_id: Option<String>,
+    ledger: Arc<Ledger>,
+    answered: Option<(Outcome, u16)>,
+}
+
+impl Line {
+    /// Opens the line of a request that has just arrived. `path` is the path alone: a query string can
+    /// carry secrets and never reaches the log.
+    pub fn open(method: &Method, path: &str, trace_id: Option<&str>) -> Line {
+        Line {
+            started: Instant::now(),
+            method: method.clone(),
+            path: path.to_owned(),
+            trace_id: trace_id.map(str::to_owned),
+            ledger: Arc::default(),
+            answered: None,
+        }
+    }
+
+    /// The ledger the request's work adds to.
+    pub fn ledger(&self) -> Arc<Ledger> {
+        self.ledger.clone()
+    }
+
+    /// Notes the answer; the line is written when the returned response's body is dropped.
+    pub fn answered(mut self, outcome: Outcome, response: Response<ProxyBody>) -> Response<ProxyBody> {
+        self.answered = Some((outcome, response.status().as_u16()));
+        response.map(|body| Logged { body, _line: self }.boxed())
+    }
+
+    fn write(&self) {
+        let (outcome, status) = match self.answered {
+            Some((outcome, status)) => (outcome.as_str(), status),
+            None => CLIENT_CLOSED,
+        };
+        let ledger = &self.ledger;
+        let upstream_ms = ledger
+            .upstream_called
+            .load(Ordering::Relaxed)
+            .then(|| millis(ledger.upstream_us.load(Ordering::Relaxed)));
+        tracing::info!(
+            target: TARGET,
+            parent: None,
+            method = %self.method,
+            path = %self.path,
+            route = DEFAULT_ROUTE,
+            outcome,
+            status,
+            key_hash = ledger.key_hash.get().map(String::as_str),
+            upstream_ms,
+            store_ms = millis(ledger.store_us.load(Ordering::Relaxed)),
+            duration_ms = millis(micros(self.started.elapsed())),
+            trace_id = self.trace_id.as_deref(),
+            "access"
+        );
+    }
+}
+
+impl Drop for Line {
+    fn drop(&mut self) {
+        self.write();
+    }
+}
+
+/// A response body that carries its request's line to the end.
+struct Logged {
+    body: ProxyBody,
+    _line: Line,
+}
+
+impl Body for Logged {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn work_within_a_ledger_adds_to_it_and_work_outside_adds_nowhere() {
+        store_op(Duration::from_millis(5));
+        let ledger = Arc::new(Ledger::default());
+        within(Some(ledger.clone()), async {
+            store_op(Duration::from_micros(1500));
+            store_op(Duration::from_micros(500));
+            upstream(Duration::from_millis(3));
+            key(|| "abc".to_owned());
+            key(|| "def".to_owned());
+            let spawned = within(current(), async { store_op(Duration::from_millis(1)) });
+            tokio::spawn(spawned).await.unwrap();
+        })
+        .await;
+        assert_eq!(ledger.store_us.load(Ordering::Relaxed), 3000);
+        assert_eq!(ledger.upstream_us.load(Ordering::Relaxed), 3000);
+        assert_eq!(ledger.key_hash.get().map(String::as_str), Some("abc"));
+        assert!(current().is_none());
+    }
+}
