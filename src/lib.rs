@@ -52,6 +52,7 @@ use tokio_util::task::TaskTracker;
 pub use config::Config;
 
 use crate::admin::Admin;
+use crate::config::ListenAddr;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::encrypted::EncryptedStore;
@@ -59,17 +60,22 @@ use crate::store::{Purpose, StoreError, StoreHandle};
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
 pub struct Listeners {
-    /// The proxy listener.
-    pub proxy: TcpListener,
-    /// The admin listener.
+    /// The proxy listener: TCP (`TcpListener::into`) or a unix socket.
+    pub proxy: server::ProxySocket,
+    /// The admin listener (TCP only).
     pub admin: TcpListener,
 }
 
 impl Listeners {
-    /// Binds both addresses of the configuration.
+    /// Binds both addresses of the configuration. A unix socket's file is made with
+    /// `server.socket_mode`, after removing a stale one nothing listens on.
     pub async fn bind(config: &Config) -> std::io::Result<Listeners> {
+        let proxy = match &config.server.listen {
+            ListenAddr::Tcp(addr) => TcpListener::bind(addr).await?.into(),
+            ListenAddr::Unix { path, mode } => server::ProxySocket::bind_unix(path, *mode)?,
+        };
         Ok(Listeners {
-            proxy: TcpListener::bind(config.server.listen).await?,
+            proxy,
             admin: TcpListener::bind(config.server.admin_listen).await?,
         })
     }
@@ -108,7 +114,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     }
     let proxy = Proxy::new(&config, store.clone(), metrics.clone(), tracker);
     let admin = Admin::new(metrics, store, shutdown.clone());
-    tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
+    tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.address, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
     let proxy = server::ProxyListener {
         listener: listeners.proxy,
