@@ -636,7 +636,7 @@ mod tests {
             }
             for label in label_names(&family) {
                 assert!(
-                    [label::OUTCOME, label::OP, label::STATUS].contains(&label),
+                    [label::OUTCOME, label::OP, label::STATUS, label::RESULT].contains(&label),
                     "{name}: {label}"
                 );
             }

@@ -32,8 +32,8 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use self::listener::ProxySocket;
 use self::listener::Accepted;
+pub use self::listener::ProxySocket;
 use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
 use self::write_deadline::WriteDeadline;
 use crate::admin::Admin;

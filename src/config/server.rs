@@ -144,6 +144,8 @@ pub struct ListenerTls {
     pub key_file: PathBuf,
     /// `server.tls.reload_interval`.
     pub reload_interval: Duration,
+    /// The two files' contents as loaded, certificate then key: a change is a difference from these.
+    pub loaded_pem: Arc<(Vec<u8>, Vec<u8>)>,
 }
 
 /// Validated `[server]`.
@@ -267,7 +269,15 @@ impl RawServerTls {
             }
         }
         let reload_interval = positive("server.tls.reload_interval", self.reload_interval)?;
-        let first = tls::certified_key(&self.cert_file, &self.key_file)
+        let read = |key: &str, path: &PathBuf| {
+            std::fs::read(path)
+                .map_err(|e| ConfigError::new(key, format!("cannot read {}: {e}", path.display())))
+        };
+        let pem = (
+            read("server.tls.cert_file", &self.cert_file)?,
+            read("server.tls.key_file", &self.key_file)?,
+        );
+        let first = tls::certified_key(&pem.0, &pem.1, &self.cert_file, &self.key_file)
             .map_err(|e| ConfigError::new("server.tls", e))?;
         let cert = Arc::new(SwappableCert::new(first));
         let config = tls::listener(cert.clone()).map_err(|e| ConfigError::new("server.tls", e))?;
@@ -277,6 +287,7 @@ impl RawServerTls {
             cert_file: self.cert_file.clone(),
             key_file: self.key_file.clone(),
             reload_interval,
+            loaded_pem: Arc::new(pem),
         })
     }
 }
@@ -320,7 +331,10 @@ mod tests {
         let config = Config::from_toml_str(&toml(&cert_file, &key_file)).unwrap();
         let tls = config.server.tls.expect("TLS is on");
         assert_eq!(tls.reload_interval, Duration::from_secs(10));
-        assert_eq!(tls.config.alpn_protocols, vec![b"h2".to_vec(), b"http/1.1".to_vec()]);
+        assert_eq!(
+            tls.config.alpn_protocols,
+            vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+        );
         assert!(Config::from_toml_str("").unwrap().server.tls.is_none());
         let swapped = Config::from_toml_str(&toml(&key_file, &cert_file)).unwrap_err();
         assert_eq!(swapped.key, "server.tls", "{swapped}");
@@ -379,5 +393,56 @@ mod tests {
             let err = Config::from_toml_str(text).unwrap_err();
             assert_eq!(err.key, key, "{err}");
         }
+    }
+
+    #[test]
+    fn a_unix_listener_takes_the_socket_mode_and_the_admin_listener_stays_tcp() {
+        use super::ListenAddr;
+        let config = Config::from_toml_str("[server]\nlisten = \"unix:/run/idemproxy.sock\"\n").unwrap();
+        assert_eq!(
+            config.server.listen,
+            ListenAddr::Unix {
+                path: "/run/idemproxy.sock".into(),
+                mode: 0o660
+            }
+        );
+        let config = Config::from_toml_str(
+            "[server]\nlisten = \"unix:/run/idemproxy.sock\"\nsocket_mode = \"0600\"\n",
+        )
+        .unwrap();
+        assert!(matches!(
+            config.server.listen,
+            ListenAddr::Unix { mode: 0o600, .. }
+        ));
+        for (text, key) in [
+            ("listen = \"unix:\"", "server.listen"),
+            ("admin_listen = \"unix:/run/admin.sock\"", "server.admin_listen"),
+            ("socket_mode = \"0999\"", "server.socket_mode"),
+            ("socket_mode = \"1777\"", "server.socket_mode"),
+            ("socket_mode = \"rw\"", "server.socket_mode"),
+        ] {
+            let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn the_certificate_reload_interval_must_be_positive() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        let toml = |interval: &str| {
+            format!(
+                "[server.tls]\ncert_file = {:?}\nkey_file = {:?}\nreload_interval = \"{interval}\"\n",
+                cert_file.display().to_string(),
+                key_file.display().to_string()
+            )
+        };
+        let config = Config::from_toml_str(&toml("2s")).unwrap();
+        assert_eq!(config.server.tls.unwrap().reload_interval, Duration::from_secs(2));
+        let err = Config::from_toml_str(&toml("0s")).unwrap_err();
+        assert_eq!(err.key, "server.tls.reload_interval", "{err}");
     }
 }

@@ -7,8 +7,8 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 
 use rustls::RootCertStore;
-use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::crypto::CryptoProvider;
+use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -50,14 +50,9 @@ pub fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, String> {
     Ok(roots)
 }
 
-/// A certificate chain and its private key, checked to belong together; what a listener presents.
-pub fn certified_key(cert_file: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, String> {
-    let read = |path: &Path| std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()));
-    certified_key_from_pem(&read(cert_file)?, &read(key_file)?, cert_file, key_file)
-}
-
-/// [`certified_key`] from the files' contents, already read; the paths only name them in errors.
-pub fn certified_key_from_pem(
+/// A certificate chain and its private key, from the PEM files' contents, checked to belong together:
+/// what a listener presents. The paths only name the files in errors.
+pub fn certified_key(
     cert_pem: &[u8],
     key_pem: &[u8],
     cert_file: &Path,

@@ -156,7 +156,10 @@ impl RawUpstream {
         let base = self.base()?;
         let host = base.host().unwrap_or_default();
         let https = base.scheme() == Some(&http::uri::Scheme::HTTPS);
-        let authority = format!("{host}:{}", base.port_u16().unwrap_or(if https { 443 } else { 80 }));
+        let authority = format!(
+            "{host}:{}",
+            base.port_u16().unwrap_or(if https { 443 } else { 80 })
+        );
         if !https {
             self.no_tls_section("an http:// URL")?;
             return Ok((UpstreamAddress::Http { authority }, base));
@@ -229,8 +232,8 @@ impl RawUpstreamTls {
     }
 
     fn client_config(&self) -> Result<rustls::ClientConfig, ConfigError> {
-        let roots = tls::roots(self.ca_file.as_deref())
-            .map_err(|e| ConfigError::new("upstream.tls.ca_file", e))?;
+        let roots =
+            tls::roots(self.ca_file.as_deref()).map_err(|e| ConfigError::new("upstream.tls.ca_file", e))?;
         if roots.is_empty() {
             return Err(ConfigError::new(
                 "upstream.tls.ca_file",
@@ -274,7 +277,13 @@ mod tests {
     fn the_upstream_url_is_a_base_without_path_or_query() {
         let config = Config::from_toml_str("[upstream]\nurl = \"http://svc:3000/\"\n").unwrap();
         assert_eq!(config.upstream.base.authority().unwrap().as_str(), "svc:3000");
-        for bad in ["http://svc/v1", "http://svc/?q=1", "http://", "https://svc"] {
+        for bad in [
+            "http://svc/v1",
+            "https://svc/?q=1",
+            "http://",
+            "ftp://svc",
+            "unix:",
+        ] {
             let err = Config::from_toml_str(&format!("[upstream]\nurl = \"{bad}\"\n")).unwrap_err();
             assert_eq!(err.key, "upstream.url", "{bad}");
         }
@@ -295,6 +304,117 @@ mod tests {
         ] {
             let err = Config::from_toml_str(&format!("[upstream]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    /// `[upstream]` with `url` and an `[upstream.tls]` of `tls` lines.
+    fn with_tls(url: &str, tls: &str) -> String {
+        format!("[upstream]\nurl = \"{url}\"\n[upstream.tls]\n{tls}\n")
+    }
+
+    fn path(path: &std::path::Path) -> String {
+        format!("{:?}", path.display().to_string())
+    }
+
+    #[test]
+    fn an_https_upstream_verifies_the_url_host_or_server_name_on_port_443_by_default() {
+        use super::UpstreamAddress;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = rcgen::generate_simple_self_signed(vec!["ca.test".into()]).unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca.cert.pem()).unwrap();
+        let ca_line = format!("ca_file = {}", path(&ca_file));
+        let config = Config::from_toml_str(&with_tls("https://10.0.0.1", &ca_line)).unwrap();
+        let UpstreamAddress::Https {
+            authority,
+            server_name,
+            tls,
+        } = &config.upstream.address
+        else {
+            panic!("{:?}", config.upstream.address)
+        };
+        assert_eq!(authority, "10.0.0.1:443");
+        assert_eq!(server_name.to_str(), "10.0.0.1");
+        assert_eq!(tls.alpn_protocols, vec![b"http/1.1".to_vec()]);
+        let named = with_tls(
+            "https://10.0.0.1:8443",
+            &format!("{ca_line}\nserver_name = \"api.internal\""),
+        );
+        let config = Config::from_toml_str(&named).unwrap();
+        let UpstreamAddress::Https { server_name, .. } = &config.upstream.address else {
+            panic!()
+        };
+        assert_eq!(server_name.to_str(), "api.internal");
+        assert_eq!(config.upstream.address.to_string(), "https://10.0.0.1:8443");
+    }
+
+    #[test]
+    fn a_unix_upstream_is_a_socket_path_and_takes_no_tls_section() {
+        let config = Config::from_toml_str("[upstream]\nurl = \"unix:/run/app.sock\"\n").unwrap();
+        assert_eq!(config.upstream.address.to_string(), "unix:/run/app.sock");
+        assert_eq!(config.upstream.base, "http://localhost/");
+        for url in ["unix:/run/app.sock", "http://svc"] {
+            let err = Config::from_toml_str(&with_tls(url, "server_name = \"svc\"")).unwrap_err();
+            assert_eq!(err.key, "upstream.tls", "{err}");
+        }
+    }
+
+    #[test]
+    fn bad_upstream_tls_settings_name_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let pair = rcgen::generate_simple_self_signed(vec!["client.test".into()]).unwrap();
+        let (cert, key, junk) = (
+            dir.path().join("cert.pem"),
+            dir.path().join("key.pem"),
+            dir.path().join("junk.pem"),
+        );
+        std::fs::write(&cert, pair.cert.pem()).unwrap();
+        std::fs::write(&key, pair.signing_key.serialize_pem()).unwrap();
+        std::fs::write(&junk, "not PEM\n").unwrap();
+        let other = rcgen::generate_simple_self_signed(vec!["other.test".into()]).unwrap();
+        let other_key = dir.path().join("other-key.pem");
+        std::fs::write(&other_key, other.signing_key.serialize_pem()).unwrap();
+        let ca = format!("ca_file = {}", path(&cert));
+        let ok = format!("{ca}\ncert_file = {}\nkey_file = {}", path(&cert), path(&key));
+        assert!(Config::from_toml_str(&with_tls("https://svc", &ok)).is_ok());
+        for (tls, key_name) in [
+            (
+                "ca_file = \"/nonexistent/ca.pem\"".to_owned(),
+                "upstream.tls.ca_file",
+            ),
+            (format!("ca_file = {}", path(&junk)), "upstream.tls.ca_file"),
+            (
+                format!("{ca}\ncert_file = {}", path(&cert)),
+                "upstream.tls.key_file",
+            ),
+            (
+                format!("{ca}\nkey_file = {}", path(&key)),
+                "upstream.tls.cert_file",
+            ),
+            (
+                format!("{ca}\ncert_file = {}\nkey_file = {}", path(&junk), path(&key)),
+                "upstream.tls.cert_file",
+            ),
+            (
+                format!("{ca}\ncert_file = {}\nkey_file = {}", path(&cert), path(&junk)),
+                "upstream.tls.key_file",
+            ),
+            (
+                format!(
+                    "{ca}\ncert_file = {}\nkey_file = {}",
+                    path(&cert),
+                    path(&other_key)
+                ),
+                "upstream.tls.key_file",
+            ),
+            (
+                format!("{ca}\nserver_name = \"not a name\""),
+                "upstream.tls.server_name",
+            ),
+            (format!("{ca}\nunknown = 1"), "upstream.tls.unknown"),
+        ] {
+            let err = Config::from_toml_str(&with_tls("https://svc", &tls)).unwrap_err();
+            assert_eq!(err.key, key_name, "{tls}: {err}");
         }
     }
 }

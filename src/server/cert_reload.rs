@@ -17,7 +17,7 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ListenerTls;
-use crate::config::tls::certified_key_from_pem;
+use crate::config::tls::certified_key;
 use crate::metrics::Metrics;
 
 /// What the two files held when last read: their contents, or why they could not be read.
@@ -25,7 +25,7 @@ type Seen = Result<(Vec<u8>, Vec<u8>), String>;
 
 /// Watches the files until `stop`.
 pub(super) async fn watch(tls: ListenerTls, metrics: Metrics, stop: CancellationToken) {
-    let mut taken = read(&tls).await;
+    let mut taken: Seen = Ok(tls.loaded_pem.as_ref().clone());
     let mut last = taken.clone();
     let mut ticks = tokio::time::interval_at(
         tokio::time::Instant::now() + tls.reload_interval,
@@ -60,9 +60,10 @@ async fn read(tls: &ListenerTls) -> Seen {
 
 /// Takes the pair `seen` holds, or refuses it.
 fn reload(tls: &ListenerTls, seen: &Seen, metrics: &Metrics) {
-    let loaded = seen.as_ref().map_err(Clone::clone).and_then(|(cert, key)| {
-        certified_key_from_pem(cert, key, &tls.cert_file, &tls.key_file)
-    });
+    let loaded = seen
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|(cert, key)| certified_key(cert, key, &tls.cert_file, &tls.key_file));
     match loaded {
         Ok(pair) => {
             tls.cert.swap(pair);
@@ -138,7 +139,11 @@ mod tests {
         assert_eq!(current(&tls.cert), served, "a mismatched pair is refused");
         // Ten more ticks read the same broken pair: nothing more is counted.
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(metrics.tls_reloads_error.get(), 1, "a change is counted once, not at every tick");
+        assert_eq!(
+            metrics.tls_reloads_error.get(),
+            1,
+            "a change is counted once, not at every tick"
+        );
         assert_eq!(metrics.tls_reloads_ok.get(), 1);
 
         stop.cancel();

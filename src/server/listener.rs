@@ -107,7 +107,8 @@ fn clear_stale(path: &Path) -> io::Result<()> {
 
 impl Drop for UnixSocket {
     fn drop(&mut self) {
-        let ours = std::fs::symlink_metadata(&self.path).is_ok_and(|meta| (meta.dev(), meta.ino()) == self.id);
+        let ours =
+            std::fs::symlink_metadata(&self.path).is_ok_and(|meta| (meta.dev(), meta.ino()) == self.id);
         if ours && let Err(error) = std::fs::remove_file(&self.path) {
             tracing::warn!(path = %self.path.display(), %error, "cannot remove the socket file");
         }

@@ -76,17 +76,24 @@ async fn a_stale_socket_file_is_replaced_but_a_live_socket_or_another_file_is_no
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("proxy.sock");
     drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
-    assert!(path.exists(), "a socket file left behind by a process that is gone");
+    assert!(
+        path.exists(),
+        "a socket file left behind by a process that is gone"
+    );
 
     let live = ProxySocket::bind_unix(&path, 0o660).expect("the stale file is replaced");
-    let refused = ProxySocket::bind_unix(&path, 0o660).err().expect("a live socket is refused");
+    let refused = ProxySocket::bind_unix(&path, 0o660)
+        .err()
+        .expect("a live socket is refused");
     assert_eq!(refused.kind(), std::io::ErrorKind::AddrInUse);
     assert!(refused.to_string().contains(path.to_str().unwrap()), "{refused}");
     drop(live);
     assert!(!path.exists(), "the listener removes its file when it closes");
 
     std::fs::write(&path, "not a socket").unwrap();
-    let refused = ProxySocket::bind_unix(&path, 0o660).err().expect("a regular file is refused");
+    let refused = ProxySocket::bind_unix(&path, 0o660)
+        .err()
+        .expect("a regular file is refused");
     assert_eq!(refused.kind(), std::io::ErrorKind::AlreadyExists);
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "not a socket");
 }
@@ -95,7 +102,10 @@ async fn a_stale_socket_file_is_replaced_but_a_live_socket_or_another_file_is_no
 async fn connect_tls(
     url: &str,
     ca: &TestCa,
-) -> (tokio_rustls::client::TlsStream<TcpStream>, CertificateDer<'static>) {
+) -> (
+    tokio_rustls::client::TlsStream<TcpStream>,
+    CertificateDer<'static>,
+) {
     let addr = url.strip_prefix("http://").unwrap();
     let tcp = TcpStream::connect(addr).await.unwrap();
     let name = ServerName::try_from("localhost").unwrap();
@@ -118,7 +128,10 @@ fn get(path: &str) -> http::Request<Full<Bytes>> {
 async fn a_replaced_listener_certificate_serves_new_connections_without_a_restart() {
     let env = TestEnv::new().await;
     let ca = TestCa::new("listener CA");
-    let (a, b) = (ca.issue("cert A", &["localhost"]), ca.issue("cert B", &["localhost"]));
+    let (a, b) = (
+        ca.issue("cert A", &["localhost"]),
+        ca.issue("cert B", &["localhost"]),
+    );
     let dir = tempfile::tempdir().unwrap();
     let (cert, key) = a.write(dir.path(), "listener");
     let mut tls = toml::Table::new();

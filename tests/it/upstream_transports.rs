@@ -3,7 +3,9 @@
 //! TLS, and every way of failing to connect is a 502 that names its cause.
 
 use crate::support::certs::{TestCa, toml_path};
-use crate::support::{InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, Upstream, keyed_post, poll_until};
+use crate::support::{
+    InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, Upstream, keyed_post, poll_until,
+};
 
 /// An https stub whose certificate `ca` issued for 127.0.0.1; with `client_ca`, it requires a client
 /// certificate that CA issued.
@@ -66,8 +68,11 @@ async fn an_upstream_requiring_a_client_certificate_accepts_ours_and_refuses_non
     let dir = tempfile::tempdir().unwrap();
     let ca_file = dir.path().join("ca.pem");
     std::fs::write(&ca_file, ca.pem()).unwrap();
-    let (cert, key) = ca.issue("idemproxy", &["idemproxy.test"]).write(dir.path(), "client");
-    let anonymous = InProcessProxy::start(&config(&env, &upstream, &[("ca_file", toml_path(&ca_file))])).await;
+    let (cert, key) = ca
+        .issue("idemproxy", &["idemproxy.test"])
+        .write(dir.path(), "client");
+    let anonymous =
+        InProcessProxy::start(&config(&env, &upstream, &[("ca_file", toml_path(&ca_file))])).await;
     let with_cert = config(
         &env,
         &upstream,

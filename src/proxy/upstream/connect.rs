@@ -54,9 +54,7 @@ pub async fn connect(address: &UpstreamAddress) -> Result<Stream, String> {
 }
 
 async fn tcp(authority: &str) -> Result<TcpStream, String> {
-    let stream = TcpStream::connect(authority)
-        .await
-        .map_err(|e| e.to_string())?;
+    let stream = TcpStream::connect(authority).await.map_err(|e| e.to_string())?;
     let _ = stream.set_nodelay(true);
     let keepalive = socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE);
     let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);

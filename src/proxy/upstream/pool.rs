@@ -170,8 +170,7 @@ impl Pool {
     }
 
     async fn connect(&self, room: OwnedSemaphorePermit) -> Result<SendRequest<ProxyBody>, SendError> {
-        let not_sent =
-            |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.address));
+        let not_sent = |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.address));
         let connecting = tokio::time::timeout(self.inner.connect_timeout, self.handshake());
         let (sender, connection) = match connecting.await {
             Ok(Ok(connected)) => connected,
@@ -198,7 +197,13 @@ impl Pool {
 
     async fn handshake(
         &self,
-    ) -> Result<(SendRequest<ProxyBody>, http1::Connection<TokioIo<Stream>, ProxyBody>), String> {
+    ) -> Result<
+        (
+            SendRequest<ProxyBody>,
+            http1::Connection<TokioIo<Stream>, ProxyBody>,
+        ),
+        String,
+    > {
         let stream = connect::connect(&self.inner.address).await?;
         http1::handshake(TokioIo::new(stream))
             .await

@@ -22,9 +22,7 @@ impl TestCa {
     pub fn new(name: &str) -> TestCa {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
         let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
         TestCa { issuer }
     }
@@ -37,9 +35,7 @@ impl TestCa {
     pub fn issue(&self, subject: &str, names: &[&str]) -> Leaf {
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         let mut params = CertificateParams::new(names).unwrap();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, subject);
+        params.distinguished_name.push(rcgen::DnType::CommonName, subject);
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         Leaf {

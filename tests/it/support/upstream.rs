@@ -96,7 +96,11 @@ impl Upstream {
             .expect("bind stub upstream");
         let addr = listener.local_addr().expect("stub upstream address");
         let upstream = Upstream::new(format!("http://{addr}"));
-        tokio::spawn(accept_loop(listener, upstream.state.clone(), upstream.executed.clone()));
+        tokio::spawn(accept_loop(
+            listener,
+            upstream.state.clone(),
+            upstream.executed.clone(),
+        ));
         upstream
     }
 
