@@ -5,14 +5,16 @@
 //!
 //! - `server.rs` accepts connections and hands each to a worker thread (`server.workers`), serving
 //!   HTTP/1.1 and HTTP/2, cleartext or TLS (as `config/server.rs` loaded it), and drains them at
-//!   shutdown; `server/slots.rs` caps the connections, `server/write_deadline.rs` lets go of clients that
-//!   stop reading;
+//!   shutdown; `server/listener.rs` is the TCP or unix socket it accepts from, `server/cert_reload.rs`
+//!   swaps in a changed TLS certificate, `server/slots.rs` caps the connections,
+//!   `server/write_deadline.rs` lets go of clients that stop reading;
 //! - `proxy.rs` routes each request: a request the proxy does not protect goes to `proxy/passthrough.rs`;
 //!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
 //!   read whole, the claim with its lease) → `proxy/cache.rs` (retries answered from memory) →
 //!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either
 //!   `proxy/replay.rs`, or `proxy/execute.rs`: the won claim's whole task, with its heartbeat, the
-//!   upstream call (`proxy/upstream.rs`), the relay and capture, and the fenced completion;
+//!   upstream call (`proxy/upstream.rs`, its pool and `proxy/upstream/connect.rs`: TCP, TLS or a unix
+//!   socket), the relay and capture, and the fenced completion;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
 //!   runner and migrations each in a file under `store/postgres/`) or `store/sqlite.rs` (embedded, the
 //!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
@@ -22,9 +24,10 @@
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
 //!   `/healthz`, `/readyz`;
-//! - `config.rs` loads the configuration, one file per section under `config/`; `cli.rs` is the command
-//!   line; `tls.rs` holds the store's TLS client settings; `shutdown.rs` turns signals into
-//!   cancellation; `keys.rs` is the operator's runbook (`idemproxy keys ...`).
+//! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
+//!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
+//!   `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
+//!   (`idemproxy keys ...`).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
