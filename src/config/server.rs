@@ -186,7 +186,7 @@ impl RawServer {
     pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
         Ok(ServerConfig {
             listen: self.listen()?,
-            admin_listen: parse_addr("server.admin_listen", &self.admin_listen)?,
+            admin_listen: self.admin_listen()?,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
             header_read_timeout: positive("server.header_read_timeout", self.header_read_timeout)?,
@@ -203,6 +203,16 @@ impl RawServer {
             },
             max_buffered_responses: memory(self.max_buffered_responses),
         })
+    }
+
+    fn admin_listen(&self) -> Result<SocketAddr, ConfigError> {
+        if self.admin_listen.starts_with("unix:") {
+            return Err(ConfigError::new(
+                "server.admin_listen",
+                "the admin listener is TCP only: give an address like 127.0.0.1:9090",
+            ));
+        }
+        parse_addr("server.admin_listen", &self.admin_listen)
     }
 
     fn listen(&self) -> Result<ListenAddr, ConfigError> {
