@@ -165,13 +165,13 @@ pub async fn serve(
         tls: tls.as_ref().map(|tls| TlsAcceptor::from(tls.config.clone())),
         deadline: deadline.clone(),
     };
-    let reloading = tls.map(|tls| {
-        let watch = cert_reload::watch(tls, proxy.metrics.clone(), shutdown.clone());
-        tokio::spawn(watch)
-    });
-    // The workers stop when this function ends however it ends: an error, or its future dropped.
+    // The workers (and the certificate reload) stop when this function ends however it ends: an error,
+    // or its future dropped.
     let _stop_workers = finished.clone().drop_guard();
     let mut workers = Workers::start(workers, &proxy, &serving, &clock, &finished)?;
+    if let Some(tls) = tls {
+        tokio::spawn(cert_reload::watch(tls, proxy.metrics.clone(), finished.clone()));
+    }
     let admin_stop = CancellationToken::new();
     let admin_slots = Slots::new(ADMIN_MAX_CONNECTIONS, limits.header_read_timeout, clock, None);
     let admin_loop = tokio::spawn(serve_admin(
@@ -193,9 +193,6 @@ pub async fn serve(
     // Closed now, so that new clients are refused rather than left in the backlog while draining (and a
     // unix socket's file removed).
     drop(listener);
-    if let Some(reloading) = reloading {
-        let _ = reloading.await;
-    }
     workers.stop_handing_over();
     drain(connections, &tracker, grace).await;
     finished.cancel();

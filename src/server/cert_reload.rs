@@ -1,9 +1,9 @@
-//! Runs beside the proxy listener while it has TLS, until shutdown: every `server.tls.reload_interval`
-//! reads `server.tls.cert_file` and `server.tls.key_file`, and when their contents changed, loads the new
-//! pair and swaps it in for new handshakes (connections already made keep theirs). A pair that does not
-//! load is refused: the old one keeps serving, an error naming the file is logged, and
-//! `idemproxy_tls_reloads_total{result}` counts either way. Touches those two files and the listener's
-//! [`SwappableCert`](crate::config::tls::SwappableCert).
+//! Runs beside the proxy listener while it has TLS, until the server has stopped: every
+//! `server.tls.reload_interval` reads `server.tls.cert_file` and `server.tls.key_file`, and when their
+//! contents changed, loads the new pair and swaps it in for new handshakes (connections already made keep
+//! theirs). A pair that does not load is refused: the old one keeps serving, an error naming the file is
+//! logged, and `idemproxy_tls_reloads_total{result}` counts either way. Touches those two files and the
+//! listener's [`SwappableCert`](crate::config::tls::SwappableCert).
 //!
 //! Polling the contents rather than watching for file events: Kubernetes updates a secret volume by
 //! swapping a `..data` symlink in the directory, which a watch on the file never sees; reading two small
