@@ -3,9 +3,9 @@
 //! here is read again after start; the typed config is passed down, never global.
 //!
 //! Each TOML section lives in its own file under `config/`, with its structs, defaults, checks and tests:
-//! `server.rs` (and the listener's TLS files), `upstream.rs`, `store.rs` (and the PostgreSQL URL),
+//! `server.rs` (and the listener's TLS files), `upstream.rs` (and the upstream's TLS files), `store.rs` (and the PostgreSQL URL),
 //! `idempotency.rs`, `sweeper.rs`, `log.rs`, `replay_cache.rs`, `encryption.rs` (and the keys);
-//! `parse.rs` holds the checks they share. A section whose TOML form is already its typed form is one
+//! `parse.rs` holds the checks they share, `tls.rs` the PEM files and rustls configs. A section whose TOML form is already its typed form is one
 //! struct; the others have a `Raw…` struct as written and a `…Config` as run. Nothing here imports from
 //! the rest of the crate: the store, the proxy and the server read this, never the other way round.
 
@@ -17,6 +17,7 @@ mod replay_cache;
 mod server;
 mod store;
 mod sweeper;
+pub mod tls;
 mod upstream;
 
 use std::path::Path;
@@ -29,10 +30,10 @@ pub use encryption::{EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEn
 pub use idempotency::{IdempotencyConfig, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped};
 pub use log::{LogConfig, LogFormat};
 pub use replay_cache::ReplayCacheConfig;
-pub use server::{RawServer, RawServerTls, ServerConfig};
+pub use server::{ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig, mask_url_password};
 pub use sweeper::SweeperConfig;
-pub use upstream::{RawUpstream, UpstreamConfig};
+pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
 
 /// A configuration error: one line naming the key and what is wrong with it.
 #[derive(Debug, thiserror::Error)]

@@ -5,14 +5,16 @@
 //!
 //! - `server.rs` accepts connections and hands each to a worker thread (`server.workers`), serving
 //!   HTTP/1.1 and HTTP/2, cleartext or TLS (as `config/server.rs` loaded it), and drains them at
-//!   shutdown; `server/slots.rs` caps the connections, `server/write_deadline.rs` lets go of clients that
-//!   stop reading;
+//!   shutdown; `server/listener.rs` is the TCP or unix socket it accepts from, `server/cert_reload.rs`
+//!   swaps in a changed TLS certificate, `server/slots.rs` caps the connections,
+//!   `server/write_deadline.rs` lets go of clients that stop reading;
 //! - `proxy.rs` routes each request: a request the proxy does not protect goes to `proxy/passthrough.rs`;
 //!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
 //!   read whole, the claim with its lease) → `proxy/cache.rs` (retries answered from memory) →
 //!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either
 //!   `proxy/replay.rs`, or `proxy/execute.rs`: the won claim's whole task, with its heartbeat, the
-//!   upstream call (`proxy/upstream.rs`), the relay and capture, and the fenced completion;
+//!   upstream call (`proxy/upstream.rs`, its pool and `proxy/upstream/connect.rs`: TCP, TLS or a unix
+//!   socket), the relay and capture, and the fenced completion;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
 //!   runner and migrations each in a file under `store/postgres/`) or `store/sqlite.rs` (embedded, the
 //!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
@@ -24,9 +26,10 @@
 //!   `/healthz`, `/readyz`; `health.rs` is `idemproxy health`, the probe of those two for a container;
 //! - `access.rs` writes the access log (`log.access`): one line per request, with the time it spent in
 //!   the store and upstream; `proxy/trace_context.rs` reads the caller's W3C `traceparent`;
-//! - `config.rs` loads the configuration, one file per section under `config/`; `cli.rs` is the command
-//!   line; `tls.rs` holds the store's TLS client settings; `shutdown.rs` turns signals into
-//!   cancellation; `keys.rs` is the operator's runbook (`idemproxy keys ...`).
+//! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
+//!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
+//!   `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
+//!   (`idemproxy keys ...`).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -56,6 +59,7 @@ use tokio_util::task::TaskTracker;
 pub use config::Config;
 
 use crate::admin::Admin;
+use crate::config::ListenAddr;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::encrypted::EncryptedStore;
@@ -63,17 +67,22 @@ use crate::store::{Purpose, StoreError, StoreHandle};
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
 pub struct Listeners {
-    /// The proxy listener.
-    pub proxy: TcpListener,
-    /// The admin listener.
+    /// The proxy listener: TCP (`TcpListener::into`) or a unix socket.
+    pub proxy: server::ProxySocket,
+    /// The admin listener (TCP only).
     pub admin: TcpListener,
 }
 
 impl Listeners {
-    /// Binds both addresses of the configuration.
+    /// Binds both addresses of the configuration. A unix socket's file is made with
+    /// `server.socket_mode`, after removing a stale one nothing listens on.
     pub async fn bind(config: &Config) -> std::io::Result<Listeners> {
+        let proxy = match &config.server.listen {
+            ListenAddr::Tcp(addr) => TcpListener::bind(addr).await?.into(),
+            ListenAddr::Unix { path, mode } => server::ProxySocket::bind_unix(path, *mode)?,
+        };
         Ok(Listeners {
-            proxy: TcpListener::bind(config.server.listen).await?,
+            proxy,
             admin: TcpListener::bind(config.server.admin_listen).await?,
         })
     }
@@ -112,7 +121,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     }
     let proxy = Proxy::new(&config, store.clone(), metrics.clone(), tracker);
     let admin = Admin::new(metrics, store, shutdown.clone());
-    tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.base, "proxy listening");
+    tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.address, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
     let proxy = server::ProxyListener {
         listener: listeners.proxy,

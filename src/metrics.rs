@@ -126,6 +126,11 @@ const WRITE_TIMEOUTS: Spec = Spec {
     name: "idemproxy_write_timeouts_total",
     help: "Clients let go because they accepted no response bytes for server.write_timeout.",
 };
+const TLS_RELOADS: Spec = Spec {
+    name: "idemproxy_tls_reloads_total",
+    help: "Changes to the server.tls certificate or key files seen, by whether the new pair was taken \
+           (ok) or refused, the old pair kept (error).",
+};
 // The sweeper.
 const EXPIRED_DELETED: Spec = Spec {
     name: "idemproxy_expired_keys_deleted_total",
@@ -150,6 +155,8 @@ mod label {
     pub const OP: &str = "op";
     /// A field of [`super::RecordCounts`], on `RECORDS`.
     pub const STATUS: &str = "status";
+    /// `ok` or `error`, on `TLS_RELOADS`.
+    pub const RESULT: &str = "result";
 }
 
 /// How a request ended, for `idemproxy_requests_total{outcome}`.
@@ -354,6 +361,10 @@ pub struct MetricSet {
     pub unknown_outcomes: IntCounter,
     /// `WRITE_TIMEOUTS`: clients let go for accepting no response bytes for `server.write_timeout`.
     pub write_timeouts: IntCounter,
+    /// `TLS_RELOADS{result="ok"}`: new listener certificates taken from changed files.
+    pub tls_reloads_ok: IntCounter,
+    /// `TLS_RELOADS{result="error"}`: changed listener certificate files refused, the old pair kept.
+    pub tls_reloads_error: IntCounter,
     /// `CAPTURE_BUDGET_EXHAUSTED`: responses not retained because `server.max_buffered_responses` was
     /// spent.
     pub capture_budget_exhausted: IntCounter,
@@ -380,7 +391,10 @@ impl MetricSet {
         let requests = counter_vec(r, &REQUESTS, label::OUTCOME);
         let store_errors = counter_vec(r, &STORE_ERRORS, label::OP);
         let store_duration = latency_histogram_vec(r, &STORE_DURATION, label::OP);
+        let tls_reloads = counter_vec(r, &TLS_RELOADS, label::RESULT);
         MetricSet {
+            tls_reloads_ok: tls_reloads.with_label_values(&["ok"]),
+            tls_reloads_error: tls_reloads.with_label_values(&["error"]),
             by_outcome: Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()])),
             by_op: StoreOp::ALL.map(|op| op_series(&store_errors, &store_duration, op)),
             requests,
@@ -622,7 +636,7 @@ mod tests {
             }
             for label in label_names(&family) {
                 assert!(
-                    [label::OUTCOME, label::OP, label::STATUS].contains(&label),
+                    [label::OUTCOME, label::OP, label::STATUS, label::RESULT].contains(&label),
                     "{name}: {label}"
                 );
             }

@@ -3,8 +3,12 @@
 //! builder: h2c with prior knowledge in cleartext, or negotiated by ALPN when the proxy listener has TLS.
 //! The proxy listener's [`Limits`] bound what one client can hold: open connections, time to send a
 //! request head, and the head's size. At the connection cap, idle connections make room for new ones
-//! (`server/slots.rs`); the admin listener has a small cap of its own, kept the same way.
+//! (`server/slots.rs`); the admin listener has a small cap of its own, kept the same way. The proxy
+//! listener is TCP or a unix socket (`server/listener.rs`); with TLS, its certificate is reloaded when its
+//! files change (`server/cert_reload.rs`).
 
+mod cert_reload;
+mod listener;
 mod slots;
 mod write_deadline;
 
@@ -22,17 +26,19 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use self::listener::Accepted;
+pub use self::listener::ProxySocket;
 use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
 use self::write_deadline::WriteDeadline;
 use crate::admin::Admin;
 use crate::body::ProxyBody;
-use crate::config::ServerConfig;
+use crate::config::{ListenerTls, ServerConfig};
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
 use crate::proxy::upstream::Downstream;
@@ -56,9 +62,9 @@ const ADMIN_MAX_CONNECTIONS: usize = 64;
 /// The proxy listener and what it needs to serve.
 pub struct ProxyListener {
     /// The bound socket.
-    pub listener: TcpListener,
+    pub listener: ProxySocket,
     /// TLS for its connections, if on.
-    pub tls: Option<Arc<rustls::ServerConfig>>,
+    pub tls: Option<ListenerTls>,
     /// What one client may hold.
     pub limits: Limits,
     /// Threads serving its connections.
@@ -156,12 +162,16 @@ pub async fn serve(
     };
     let serving = Serving {
         builder: limits.builder(),
-        tls: tls.map(TlsAcceptor::from),
+        tls: tls.as_ref().map(|tls| TlsAcceptor::from(tls.config.clone())),
         deadline: deadline.clone(),
     };
-    // The workers stop when this function ends however it ends: an error, or its future dropped.
+    // The workers (and the certificate reload) stop when this function ends however it ends: an error,
+    // or its future dropped.
     let _stop_workers = finished.clone().drop_guard();
     let mut workers = Workers::start(workers, &proxy, &serving, &clock, &finished)?;
+    if let Some(tls) = tls {
+        tokio::spawn(cert_reload::watch(tls, proxy.metrics.clone(), finished.clone()));
+    }
     let admin_stop = CancellationToken::new();
     let admin_slots = Slots::new(ADMIN_MAX_CONNECTIONS, limits.header_read_timeout, clock, None);
     let admin_loop = tokio::spawn(serve_admin(
@@ -176,11 +186,12 @@ pub async fn serve(
         admin_stop.clone(),
     ));
     let connections = GracefulShutdown::new();
-    accept_loop(&listener, &slots, &shutdown, |stream, addr, slot| {
-        workers.hand_over(stream, addr, slot, connections.watcher());
+    accept_loop(&listener, &slots, &shutdown, |accepted, slot| {
+        workers.hand_over(accepted, slot, connections.watcher());
     })
     .await;
-    // Closed now, so that new clients are refused rather than left in the backlog while draining.
+    // Closed now, so that new clients are refused rather than left in the backlog while draining (and a
+    // unix socket's file removed).
     drop(listener);
     workers.stop_handing_over();
     drain(connections, &tracker, grace).await;
@@ -198,7 +209,7 @@ async fn serve_admin(
     slots: Slots,
     stop: CancellationToken,
 ) {
-    accept_loop(&listener, &slots, &stop, |stream, _, slot| {
+    accept_loop(&listener, &slots, &stop, |(stream, _), slot| {
         let admin = admin.clone();
         let connection = Connection {
             builder: serving.builder.clone(),
@@ -224,19 +235,44 @@ async fn drain(connections: GracefulShutdown, tracker: &TaskTracker, grace: Dura
     }
 }
 
+/// A listening socket the accept loop takes connections from.
+trait Listener {
+    /// A connection just accepted.
+    type Accepted;
+
+    /// The next connection.
+    fn next(&self) -> impl Future<Output = std::io::Result<Self::Accepted>>;
+}
+
+impl Listener for TcpListener {
+    type Accepted = (TcpStream, SocketAddr);
+
+    fn next(&self) -> impl Future<Output = std::io::Result<Self::Accepted>> {
+        self.accept()
+    }
+}
+
+impl Listener for ProxySocket {
+    type Accepted = Accepted;
+
+    fn next(&self) -> impl Future<Output = std::io::Result<Accepted>> {
+        self.accept()
+    }
+}
+
 /// Accepts connections until `stop` and passes each to `dispatch` with its slot. While every slot is
 /// taken, the connection just accepted waits for one (an idle connection is evicted to make room) and
 /// further clients wait in the socket's backlog, holding no memory or descriptor of the process.
-async fn accept_loop(
-    listener: &TcpListener,
+async fn accept_loop<L: Listener>(
+    listener: &L,
     slots: &Slots,
     stop: &CancellationToken,
-    mut dispatch: impl FnMut(TcpStream, SocketAddr, Slot),
+    mut dispatch: impl FnMut(L::Accepted, Slot),
 ) {
     loop {
-        let (stream, addr) = tokio::select! {
+        let accepted = tokio::select! {
             _ = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
+            accepted = listener.next() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
                     tracing::warn!(%error, "accept failed");
@@ -248,8 +284,7 @@ async fn accept_loop(
         let Some(slot) = slots.take(stop).await else {
             return;
         };
-        let _ = stream.set_nodelay(true);
-        dispatch(stream, addr, slot);
+        dispatch(accepted, slot);
     }
 }
 
@@ -270,10 +305,15 @@ struct Deadline {
 
 /// A connection as it crosses to a worker's runtime: the socket leaves the accepting runtime's reactor.
 struct InTransit {
-    stream: std::net::TcpStream,
-    addr: SocketAddr,
+    stream: StdStream,
     slot: Slot,
     watcher: Watcher,
+}
+
+/// An accepted socket outside any runtime.
+enum StdStream {
+    Tcp(std::net::TcpStream, SocketAddr),
+    Unix(std::os::unix::net::UnixStream),
 }
 
 /// The worker threads, each a single-threaded runtime serving the connections handed to it with its
@@ -325,8 +365,12 @@ impl Workers {
     }
 
     /// Gives the connection to the next worker in turn.
-    fn hand_over(&mut self, stream: TcpStream, addr: SocketAddr, slot: Slot, watcher: Watcher) {
-        let stream = match stream.into_std() {
+    fn hand_over(&mut self, accepted: Accepted, slot: Slot, watcher: Watcher) {
+        let stream = match accepted {
+            Accepted::Tcp(stream, addr) => stream.into_std().map(|stream| StdStream::Tcp(stream, addr)),
+            Accepted::Unix(stream) => stream.into_std().map(StdStream::Unix),
+        };
+        let stream = match stream {
             Ok(stream) => stream,
             Err(error) => return tracing::debug!(%error, "accepted connection lost before serving"),
         };
@@ -334,7 +378,6 @@ impl Workers {
         self.next = self.next.wrapping_add(1);
         let in_transit = InTransit {
             stream,
-            addr,
             slot,
             watcher,
         };
@@ -368,19 +411,28 @@ async fn work(
     tokio::spawn(keep_a_timer_first(clock));
     while let Some(InTransit {
         stream,
-        addr,
         slot,
         watcher,
     }) = handoffs.recv().await
     {
-        let stream = match TcpStream::from_std(stream) {
+        let tls = serving.tls.is_some();
+        let (stream, downstream) = match stream {
+            StdStream::Tcp(stream, addr) => (
+                TcpStream::from_std(stream).map(Either::Left),
+                Downstream::new(addr, tls),
+            ),
+            StdStream::Unix(stream) => (
+                UnixStream::from_std(stream).map(Either::Right),
+                Downstream::unix(tls),
+            ),
+        };
+        let stream = match stream {
             Ok(stream) => stream,
             Err(error) => {
                 tracing::warn!(%error, "cannot serve an accepted connection");
                 continue;
             }
         };
-        let downstream = Downstream::new(addr, serving.tls.is_some());
         let proxy = proxy.clone();
         let connection = Connection {
             builder: serving.builder.clone(),
@@ -388,9 +440,11 @@ async fn work(
             watcher: Some(watcher),
             deadline: serving.deadline.clone(),
         };
-        tokio::spawn(connection.serve(stream, slot, move |request| {
-            proxy.clone().handle(request, downstream.clone())
-        }));
+        let handler = move |request| proxy.clone().handle(request, downstream.clone());
+        match stream {
+            Either::Left(tcp) => tokio::spawn(connection.serve(tcp, slot, handler)),
+            Either::Right(unix) => tokio::spawn(connection.serve(unix, slot, handler)),
+        };
     }
     finished.cancelled().await;
 }
@@ -423,8 +477,9 @@ struct Connection {
 
 impl Connection {
     /// Serves the connection until it ends or is evicted; its slot is freed after its socket is closed.
-    async fn serve<H, F>(self, stream: TcpStream, slot: Slot, handler: H)
+    async fn serve<S, H, F>(self, stream: S, slot: Slot, handler: H)
     where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
         H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {
@@ -435,8 +490,9 @@ impl Connection {
         drop(slot);
     }
 
-    async fn serve_http<H, F>(self, stream: Evictable<TcpStream>, tracked: Arc<Tracked>, handler: H)
+    async fn serve_http<S, H, F>(self, stream: Evictable<S>, tracked: Arc<Tracked>, handler: H)
     where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
         H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {

@@ -1,28 +1,32 @@
 //! `[server]` and `[server.tls]`: the listeners, the bounds on what clients may hold, and shutdown.
 //! Validated once at load into [`ServerConfig`], which `server.rs` and `proxy.rs` run with. Reads the
 //! listener's certificate and key files here, so a bad file stops the start with a line naming its key.
-//! Two forms, because addresses become `SocketAddr`, sizes become `usize`, absent counts get defaults that
-//! depend on the machine or on other keys, and the TLS files become a rustls config.
+//! Two forms, because addresses become a [`ListenAddr`] (TCP or a unix socket), sizes become `usize`,
+//! absent counts get defaults that depend on the machine or on other keys, and the TLS files become a
+//! rustls config whose certificate `server.rs` can swap when the files change.
 
-use std::path::{Path, PathBuf};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytesize::ByteSize;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::parse::{parse_addr, positive, within};
+use super::tls::{self, SwappableCert};
 
 /// `[server]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawServer {
-    /// Proxy listener address.
+    /// Proxy listener address: `host:port`, or `unix:/path/to.sock` for a unix stream socket.
     pub listen: String,
-    /// Admin listener address (`/metrics`, `/healthz`, `/readyz`).
+    /// Permissions of the proxy listener's unix socket file, in octal (only with a `unix:` listen).
+    pub socket_mode: String,
+    /// Admin listener address (`/metrics`, `/healthz`, `/readyz`); TCP only.
     pub admin_listen: String,
     /// How long in-flight requests may run to completion after a shutdown signal.
     #[serde(with = "humantime_serde")]
@@ -67,6 +71,7 @@ impl Default for RawServer {
     fn default() -> Self {
         RawServer {
             listen: "0.0.0.0:8080".into(),
+            socket_mode: "0660".into(),
             admin_listen: "127.0.0.1:9090".into(),
             shutdown_grace: Duration::from_secs(30),
             tls: None,
@@ -92,19 +97,68 @@ pub struct RawServerTls {
     pub cert_file: PathBuf,
     /// PEM private key (PKCS#8, PKCS#1 or SEC1).
     pub key_file: PathBuf,
+    /// How often both files are read to see whether they changed; a changed, valid pair is used for new
+    /// connections from then on, without a restart.
+    #[serde(with = "humantime_serde", default = "default_reload_interval")]
+    pub reload_interval: Duration,
+}
+
+fn default_reload_interval() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// Where the proxy listener listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// A TCP address.
+    Tcp(SocketAddr),
+    /// A unix stream socket at this path, with these permissions (`server.socket_mode`).
+    Unix {
+        /// The socket file.
+        path: PathBuf,
+        /// Its mode bits.
+        mode: u32,
+    },
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenAddr::Tcp(addr) => addr.fmt(f),
+            ListenAddr::Unix { path, .. } => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// The proxy listener's TLS: a rustls config presenting the pair `cert` holds, and the files that pair
+/// is read from again every `reload_interval`.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    /// What each connection's handshake runs with.
+    pub config: Arc<rustls::ServerConfig>,
+    /// The certificate and key new handshakes get.
+    pub cert: Arc<SwappableCert>,
+    /// `server.tls.cert_file`.
+    pub cert_file: PathBuf,
+    /// `server.tls.key_file`.
+    pub key_file: PathBuf,
+    /// `server.tls.reload_interval`.
+    pub reload_interval: Duration,
+    /// The two files' contents as loaded, certificate then key: a change is a difference from these.
+    pub loaded_pem: Arc<(Vec<u8>, Vec<u8>)>,
 }
 
 /// Validated `[server]`.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Proxy listener address.
-    pub listen: std::net::SocketAddr,
+    pub listen: ListenAddr,
     /// Admin listener address.
-    pub admin_listen: std::net::SocketAddr,
+    pub admin_listen: SocketAddr,
     /// Drain bound after a shutdown signal.
     pub shutdown_grace: Duration,
     /// The listener's TLS settings, when TLS is on.
-    pub tls: Option<Arc<rustls::ServerConfig>>,
+    pub tls: Option<ListenerTls>,
     /// Request head bound (HTTP/1.1).
     pub header_read_timeout: Duration,
     /// Request body bound.
@@ -131,8 +185,8 @@ impl RawServer {
     /// Checks the section and converts it; the first problem found is returned.
     pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
         Ok(ServerConfig {
-            listen: parse_addr("server.listen", &self.listen)?,
-            admin_listen: parse_addr("server.admin_listen", &self.admin_listen)?,
+            listen: self.listen()?,
+            admin_listen: self.admin_listen()?,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
             header_read_timeout: positive("server.header_read_timeout", self.header_read_timeout)?,
@@ -149,6 +203,31 @@ impl RawServer {
             },
             max_buffered_responses: memory(self.max_buffered_responses),
         })
+    }
+
+    fn admin_listen(&self) -> Result<SocketAddr, ConfigError> {
+        if self.admin_listen.starts_with("unix:") {
+            return Err(ConfigError::new(
+                "server.admin_listen",
+                "the admin listener is TCP only: give an address like 127.0.0.1:9090",
+            ));
+        }
+        parse_addr("server.admin_listen", &self.admin_listen)
+    }
+
+    fn listen(&self) -> Result<ListenAddr, ConfigError> {
+        let mode = socket_mode(&self.socket_mode)?;
+        match self.listen.strip_prefix("unix:") {
+            Some("") => Err(ConfigError::new(
+                "server.listen",
+                "a unix socket needs a path, like unix:/run/idemproxy.sock",
+            )),
+            Some(path) => Ok(ListenAddr::Unix {
+                path: path.into(),
+                mode,
+            }),
+            None => parse_addr("server.listen", &self.listen).map(ListenAddr::Tcp),
+        }
     }
 
     fn workers(&self) -> Result<usize, ConfigError> {
@@ -175,8 +254,19 @@ fn memory(size: ByteSize) -> usize {
     usize::try_from(size.as_u64()).unwrap_or(usize::MAX)
 }
 
+/// `server.socket_mode`: octal permission bits, at most `0777`.
+fn socket_mode(text: &str) -> Result<u32, ConfigError> {
+    match u32::from_str_radix(text, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        _ => Err(ConfigError::new(
+            "server.socket_mode",
+            format!("{text:?} is not octal permission bits like \"0660\""),
+        )),
+    }
+}
+
 impl RawServerTls {
-    fn validate(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
+    fn validate(&self) -> Result<ListenerTls, ConfigError> {
         for (key, path) in [
             ("server.tls.cert_file", &self.cert_file),
             ("server.tls.key_file", &self.key_file),
@@ -188,30 +278,28 @@ impl RawServerTls {
                 ));
             }
         }
-        listener_tls(&self.cert_file, &self.key_file).map_err(|e| ConfigError::new("server.tls", e))
+        let reload_interval = positive("server.tls.reload_interval", self.reload_interval)?;
+        let read = |key: &str, path: &PathBuf| {
+            std::fs::read(path)
+                .map_err(|e| ConfigError::new(key, format!("cannot read {}: {e}", path.display())))
+        };
+        let pem = (
+            read("server.tls.cert_file", &self.cert_file)?,
+            read("server.tls.key_file", &self.key_file)?,
+        );
+        let first = tls::certified_key(&pem.0, &pem.1, &self.cert_file, &self.key_file)
+            .map_err(|e| ConfigError::new("server.tls", e))?;
+        let cert = Arc::new(SwappableCert::new(first));
+        let config = tls::listener(cert.clone()).map_err(|e| ConfigError::new("server.tls", e))?;
+        Ok(ListenerTls {
+            config: Arc::new(config),
+            cert,
+            cert_file: self.cert_file.clone(),
+            key_file: self.key_file.clone(),
+            reload_interval,
+            loaded_pem: Arc::new(pem),
+        })
     }
-}
-
-/// The listener's TLS: the certificate chain and private key from PEM files, rustls with the ring
-/// provider, ALPN offering `h2` then `http/1.1`.
-fn listener_tls(cert_file: &Path, key_file: &Path) -> Result<Arc<rustls::ServerConfig>, String> {
-    let chain = CertificateDer::pem_file_iter(cert_file)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("cannot read certificates from {}: {e}", cert_file.display()))?;
-    if chain.is_empty() {
-        return Err(format!("no certificate in {}", cert_file.display()));
-    }
-    let key = PrivateKeyDer::from_pem_file(key_file)
-        .map_err(|e| format!("no usable private key in {}: {e}", key_file.display()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)
-        .map_err(|e| format!("certificate and key do not fit together: {e}"))?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
 }
 
 #[cfg(test)]
@@ -252,7 +340,11 @@ mod tests {
         };
         let config = Config::from_toml_str(&toml(&cert_file, &key_file)).unwrap();
         let tls = config.server.tls.expect("TLS is on");
-        assert_eq!(tls.alpn_protocols, vec![b"h2".to_vec(), b"http/1.1".to_vec()]);
+        assert_eq!(tls.reload_interval, Duration::from_secs(10));
+        assert_eq!(
+            tls.config.alpn_protocols,
+            vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+        );
         assert!(Config::from_toml_str("").unwrap().server.tls.is_none());
         let swapped = Config::from_toml_str(&toml(&key_file, &cert_file)).unwrap_err();
         assert_eq!(swapped.key, "server.tls", "{swapped}");
@@ -311,5 +403,56 @@ mod tests {
             let err = Config::from_toml_str(text).unwrap_err();
             assert_eq!(err.key, key, "{err}");
         }
+    }
+
+    #[test]
+    fn a_unix_listener_takes_the_socket_mode_and_the_admin_listener_stays_tcp() {
+        use super::ListenAddr;
+        let config = Config::from_toml_str("[server]\nlisten = \"unix:/run/idemproxy.sock\"\n").unwrap();
+        assert_eq!(
+            config.server.listen,
+            ListenAddr::Unix {
+                path: "/run/idemproxy.sock".into(),
+                mode: 0o660
+            }
+        );
+        let config = Config::from_toml_str(
+            "[server]\nlisten = \"unix:/run/idemproxy.sock\"\nsocket_mode = \"0600\"\n",
+        )
+        .unwrap();
+        assert!(matches!(
+            config.server.listen,
+            ListenAddr::Unix { mode: 0o600, .. }
+        ));
+        for (text, key) in [
+            ("listen = \"unix:\"", "server.listen"),
+            ("admin_listen = \"unix:/run/admin.sock\"", "server.admin_listen"),
+            ("socket_mode = \"0999\"", "server.socket_mode"),
+            ("socket_mode = \"1777\"", "server.socket_mode"),
+            ("socket_mode = \"rw\"", "server.socket_mode"),
+        ] {
+            let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
+            assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn the_certificate_reload_interval_must_be_positive() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        let toml = |interval: &str| {
+            format!(
+                "[server.tls]\ncert_file = {:?}\nkey_file = {:?}\nreload_interval = \"{interval}\"\n",
+                cert_file.display().to_string(),
+                key_file.display().to_string()
+            )
+        };
+        let config = Config::from_toml_str(&toml("2s")).unwrap();
+        assert_eq!(config.server.tls.unwrap().reload_interval, Duration::from_secs(2));
+        let err = Config::from_toml_str(&toml("0s")).unwrap_err();
+        assert_eq!(err.key, "server.tls.reload_interval", "{err}");
     }
 }

@@ -1,23 +1,31 @@
-//! `[upstream]`: the protected service. Validated once at load into [`UpstreamConfig`], which
-//! `proxy/forward.rs` and `proxy/pool.rs` run with. Two forms, because the URL becomes a `Uri` and the
-//! connection cap's default depends on `[server]`.
+//! `[upstream]` and `[upstream.tls]`: the protected service. Validated once at load into
+//! [`UpstreamConfig`], which `proxy/upstream.rs` and its pool run with. Reads the upstream's TLS files
+//! (CA bundle, client certificate and key) here, so a bad file stops the start with a line naming its key.
+//! Two forms, because the URL becomes an [`UpstreamAddress`] (TCP, TLS or a unix socket), the TLS files a
+//! rustls config, and the connection cap's default depends on `[server]`.
 
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::Uri;
+use rustls_pki_types::ServerName;
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::parse::{positive, within};
 use super::server::ServerConfig;
+use super::tls;
 
 /// `[upstream]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawUpstream {
-    /// Base URL of the protected service (`http://host:port`).
+    /// Base URL of the protected service: `http://host:port`, `https://host:port`, or
+    /// `unix:/path/to.sock` (HTTP/1.1 over a unix stream socket).
     pub url: String,
-    /// Bound on establishing a TCP connection to the upstream.
+    /// Bound on establishing a connection to the upstream (including the TLS handshake).
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// Bound on waiting for the response head, and on the gap between two body chunks.
@@ -28,6 +36,10 @@ pub struct RawUpstream {
     /// divided among the workers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<usize>,
+    /// TLS settings for an `https://` upstream; absent means the system's CA certificates, the URL's
+    /// host as the name, and no client certificate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RawUpstreamTls>,
 }
 
 impl Default for RawUpstream {
@@ -37,16 +49,80 @@ impl Default for RawUpstream {
             connect_timeout: Duration::from_secs(2),
             timeout: Duration::from_secs(60),
             max_connections: None,
+            tls: None,
         }
+    }
+}
+
+/// `[upstream.tls]`: only with an `https://` URL.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawUpstreamTls {
+    /// PEM CA certificates trusted beside the system's (which honour `SSL_CERT_FILE`); absent means
+    /// the system's only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// The name the upstream's certificate must carry, also sent as SNI; absent means the URL's host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
+    /// PEM client certificate chain presented to the upstream (mutual TLS), leaf first; set with
+    /// `key_file` or not at all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of `cert_file` (PKCS#8, PKCS#1 or SEC1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
+}
+
+/// Where the upstream listens, and how to reach it.
+#[derive(Clone)]
+pub enum UpstreamAddress {
+    /// Cleartext HTTP/1.1 over TCP to `host:port`.
+    Http {
+        /// `host:port` to connect to.
+        authority: String,
+    },
+    /// HTTP/1.1 over TLS over TCP to `host:port`.
+    Https {
+        /// `host:port` to connect to.
+        authority: String,
+        /// The name verified in the upstream's certificate and sent as SNI.
+        server_name: ServerName<'static>,
+        /// Trusted roots, client certificate, ALPN `http/1.1`.
+        tls: Arc<rustls::ClientConfig>,
+    },
+    /// Cleartext HTTP/1.1 over a unix stream socket.
+    Unix {
+        /// The socket's path.
+        path: PathBuf,
+    },
+}
+
+impl fmt::Display for UpstreamAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UpstreamAddress::Http { authority } => write!(f, "http://{authority}"),
+            UpstreamAddress::Https { authority, .. } => write!(f, "https://{authority}"),
+            UpstreamAddress::Unix { path } => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+impl fmt::Debug for UpstreamAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
 /// Validated `[upstream]`.
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
-    /// Scheme and authority of the upstream; requests keep their own path and query.
+    /// Where connections go.
+    pub address: UpstreamAddress,
+    /// Scheme and authority a request without a `Host` of its own is sent with (`http://localhost`
+    /// for a unix socket); requests keep their own path and query.
     pub base: Uri,
-    /// TCP connect bound.
+    /// Connect (and TLS handshake) bound.
     pub connect_timeout: Duration,
     /// Response head bound and body idle bound.
     pub timeout: Duration,
@@ -57,7 +133,7 @@ pub struct UpstreamConfig {
 impl RawUpstream {
     /// Checks the section and converts it; `server` supplies the connection cap's default.
     pub fn validate(&self, server: &ServerConfig) -> Result<UpstreamConfig, ConfigError> {
-        let base = self.base()?;
+        let (address, base) = self.address()?;
         positive("upstream.connect_timeout", self.connect_timeout)?;
         positive("upstream.timeout", self.timeout)?;
         let max_connections = match self.max_connections {
@@ -65,11 +141,57 @@ impl RawUpstream {
             None => server.max_connections.div_ceil(server.workers),
         };
         Ok(UpstreamConfig {
+            address,
             base,
             connect_timeout: self.connect_timeout,
             timeout: self.timeout,
             max_connections,
         })
+    }
+
+    fn address(&self) -> Result<(UpstreamAddress, Uri), ConfigError> {
+        if let Some(path) = self.url.strip_prefix("unix:") {
+            return Ok((self.unix(path)?, Uri::from_static("http://localhost")));
+        }
+        let base = self.base()?;
+        let host = base.host().unwrap_or_default();
+        let https = base.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let authority = format!(
+            "{host}:{}",
+            base.port_u16().unwrap_or(if https { 443 } else { 80 })
+        );
+        if !https {
+            self.no_tls_section("an http:// URL")?;
+            return Ok((UpstreamAddress::Http { authority }, base));
+        }
+        let section = self.tls.clone().unwrap_or_default();
+        let address = UpstreamAddress::Https {
+            authority,
+            server_name: section.server_name(host)?,
+            tls: Arc::new(section.client_config()?),
+        };
+        Ok((address, base))
+    }
+
+    fn unix(&self, path: &str) -> Result<UpstreamAddress, ConfigError> {
+        if path.is_empty() {
+            return Err(ConfigError::new(
+                "upstream.url",
+                "a unix socket URL needs a path, like unix:/run/app.sock",
+            ));
+        }
+        self.no_tls_section("a unix: URL")?;
+        Ok(UpstreamAddress::Unix { path: path.into() })
+    }
+
+    fn no_tls_section(&self, what: &str) -> Result<(), ConfigError> {
+        if self.tls.is_some() {
+            return Err(ConfigError::new(
+                "upstream.tls",
+                format!("is only for an https:// upstream.url, not {what}"),
+            ));
+        }
+        Ok(())
     }
 
     fn base(&self) -> Result<Uri, ConfigError> {
@@ -78,8 +200,12 @@ impl RawUpstream {
             .url
             .parse()
             .map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
-        if uri.scheme() != Some(&http::uri::Scheme::HTTP) {
-            return Err(ConfigError::new(key, "must be an http:// URL"));
+        let scheme = uri.scheme();
+        if scheme != Some(&http::uri::Scheme::HTTP) && scheme != Some(&http::uri::Scheme::HTTPS) {
+            return Err(ConfigError::new(
+                key,
+                "must be an http:// or https:// URL, or unix:/path/to.sock",
+            ));
         }
         if uri.authority().is_none() {
             return Err(ConfigError::new(key, "must name a host"));
@@ -91,6 +217,49 @@ impl RawUpstream {
             ));
         }
         Ok(uri)
+    }
+}
+
+impl RawUpstreamTls {
+    /// `server_name`, else the URL's host (an IP address is verified as one).
+    fn server_name(&self, host: &str) -> Result<ServerName<'static>, ConfigError> {
+        let (key, name) = match &self.server_name {
+            Some(name) => ("upstream.tls.server_name", name.as_str()),
+            None => ("upstream.url", host.trim_start_matches('[').trim_end_matches(']')),
+        };
+        ServerName::try_from(name.to_owned())
+            .map_err(|e| ConfigError::new(key, format!("{name:?} is not a TLS server name: {e}")))
+    }
+
+    fn client_config(&self) -> Result<rustls::ClientConfig, ConfigError> {
+        let roots =
+            tls::roots(self.ca_file.as_deref()).map_err(|e| ConfigError::new("upstream.tls.ca_file", e))?;
+        if roots.is_empty() {
+            return Err(ConfigError::new(
+                "upstream.tls.ca_file",
+                "no trusted CA certificates: the system has none (see SSL_CERT_FILE); set this file",
+            ));
+        }
+        let client = match (&self.cert_file, &self.key_file) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some((
+                tls::certificates(cert).map_err(|e| ConfigError::new("upstream.tls.cert_file", e))?,
+                tls::private_key(key).map_err(|e| ConfigError::new("upstream.tls.key_file", e))?,
+            )),
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    "upstream.tls.key_file",
+                    "must be set with upstream.tls.cert_file",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::new(
+                    "upstream.tls.cert_file",
+                    "must be set with upstream.tls.key_file",
+                ));
+            }
+        };
+        tls::http1_client(roots, client).map_err(|e| ConfigError::new("upstream.tls.key_file", e))
     }
 }
 
@@ -108,7 +277,13 @@ mod tests {
     fn the_upstream_url_is_a_base_without_path_or_query() {
         let config = Config::from_toml_str("[upstream]\nurl = \"http://svc:3000/\"\n").unwrap();
         assert_eq!(config.upstream.base.authority().unwrap().as_str(), "svc:3000");
-        for bad in ["http://svc/v1", "http://svc/?q=1", "http://", "https://svc"] {
+        for bad in [
+            "http://svc/v1",
+            "https://svc/?q=1",
+            "http://",
+            "ftp://svc",
+            "unix:",
+        ] {
             let err = Config::from_toml_str(&format!("[upstream]\nurl = \"{bad}\"\n")).unwrap_err();
             assert_eq!(err.key, "upstream.url", "{bad}");
         }
@@ -129,6 +304,117 @@ mod tests {
         ] {
             let err = Config::from_toml_str(&format!("[upstream]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    /// `[upstream]` with `url` and an `[upstream.tls]` of `tls` lines.
+    fn with_tls(url: &str, tls: &str) -> String {
+        format!("[upstream]\nurl = \"{url}\"\n[upstream.tls]\n{tls}\n")
+    }
+
+    fn path(path: &std::path::Path) -> String {
+        format!("{:?}", path.display().to_string())
+    }
+
+    #[test]
+    fn an_https_upstream_verifies_the_url_host_or_server_name_on_port_443_by_default() {
+        use super::UpstreamAddress;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = rcgen::generate_simple_self_signed(vec!["ca.test".into()]).unwrap();
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca.cert.pem()).unwrap();
+        let ca_line = format!("ca_file = {}", path(&ca_file));
+        let config = Config::from_toml_str(&with_tls("https://10.0.0.1", &ca_line)).unwrap();
+        let UpstreamAddress::Https {
+            authority,
+            server_name,
+            tls,
+        } = &config.upstream.address
+        else {
+            panic!("{:?}", config.upstream.address)
+        };
+        assert_eq!(authority, "10.0.0.1:443");
+        assert_eq!(server_name.to_str(), "10.0.0.1");
+        assert_eq!(tls.alpn_protocols, vec![b"http/1.1".to_vec()]);
+        let named = with_tls(
+            "https://10.0.0.1:8443",
+            &format!("{ca_line}\nserver_name = \"api.internal\""),
+        );
+        let config = Config::from_toml_str(&named).unwrap();
+        let UpstreamAddress::Https { server_name, .. } = &config.upstream.address else {
+            panic!()
+        };
+        assert_eq!(server_name.to_str(), "api.internal");
+        assert_eq!(config.upstream.address.to_string(), "https://10.0.0.1:8443");
+    }
+
+    #[test]
+    fn a_unix_upstream_is_a_socket_path_and_takes_no_tls_section() {
+        let config = Config::from_toml_str("[upstream]\nurl = \"unix:/run/app.sock\"\n").unwrap();
+        assert_eq!(config.upstream.address.to_string(), "unix:/run/app.sock");
+        assert_eq!(config.upstream.base, "http://localhost/");
+        for url in ["unix:/run/app.sock", "http://svc"] {
+            let err = Config::from_toml_str(&with_tls(url, "server_name = \"svc\"")).unwrap_err();
+            assert_eq!(err.key, "upstream.tls", "{err}");
+        }
+    }
+
+    #[test]
+    fn bad_upstream_tls_settings_name_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let pair = rcgen::generate_simple_self_signed(vec!["client.test".into()]).unwrap();
+        let (cert, key, junk) = (
+            dir.path().join("cert.pem"),
+            dir.path().join("key.pem"),
+            dir.path().join("junk.pem"),
+        );
+        std::fs::write(&cert, pair.cert.pem()).unwrap();
+        std::fs::write(&key, pair.signing_key.serialize_pem()).unwrap();
+        std::fs::write(&junk, "not PEM\n").unwrap();
+        let other = rcgen::generate_simple_self_signed(vec!["other.test".into()]).unwrap();
+        let other_key = dir.path().join("other-key.pem");
+        std::fs::write(&other_key, other.signing_key.serialize_pem()).unwrap();
+        let ca = format!("ca_file = {}", path(&cert));
+        let ok = format!("{ca}\ncert_file = {}\nkey_file = {}", path(&cert), path(&key));
+        assert!(Config::from_toml_str(&with_tls("https://svc", &ok)).is_ok());
+        for (tls, key_name) in [
+            (
+                "ca_file = \"/nonexistent/ca.pem\"".to_owned(),
+                "upstream.tls.ca_file",
+            ),
+            (format!("ca_file = {}", path(&junk)), "upstream.tls.ca_file"),
+            (
+                format!("{ca}\ncert_file = {}", path(&cert)),
+                "upstream.tls.key_file",
+            ),
+            (
+                format!("{ca}\nkey_file = {}", path(&key)),
+                "upstream.tls.cert_file",
+            ),
+            (
+                format!("{ca}\ncert_file = {}\nkey_file = {}", path(&junk), path(&key)),
+                "upstream.tls.cert_file",
+            ),
+            (
+                format!("{ca}\ncert_file = {}\nkey_file = {}", path(&cert), path(&junk)),
+                "upstream.tls.key_file",
+            ),
+            (
+                format!(
+                    "{ca}\ncert_file = {}\nkey_file = {}",
+                    path(&cert),
+                    path(&other_key)
+                ),
+                "upstream.tls.key_file",
+            ),
+            (
+                format!("{ca}\nserver_name = \"not a name\""),
+                "upstream.tls.server_name",
+            ),
+            (format!("{ca}\nunknown = 1"), "upstream.tls.unknown"),
+        ] {
+            let err = Config::from_toml_str(&with_tls("https://svc", &tls)).unwrap_err();
+            assert_eq!(err.key, key_name, "{tls}: {err}");
         }
     }
 }

@@ -2,6 +2,7 @@
 //! upstream request with clean headers, sends it over the worker's pool (`upstream/pool.rs`) under the
 //! configured timeouts, and classifies failures by whether the upstream may have received the request.
 
+mod connect;
 pub mod pool;
 
 use std::net::SocketAddr;
@@ -36,8 +37,9 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// shared by its requests.
 #[derive(Debug, Clone)]
 pub struct Downstream {
-    /// The client's IP address, as `X-Forwarded-For` names it.
-    ip: HeaderValue,
+    /// The client's IP address, as `X-Forwarded-For` names it; none for a client on a unix socket, which
+    /// has no address to name (its incoming `X-Forwarded-For` goes on as it came).
+    ip: Option<HeaderValue>,
     /// Whether the client connected over TLS.
     tls: bool,
 }
@@ -47,7 +49,12 @@ impl Downstream {
     pub fn new(addr: SocketAddr, tls: bool) -> Downstream {
         let ip = HeaderValue::from_str(&addr.ip().to_string())
             .expect("an IP address in text is a valid header value");
-        Downstream { ip, tls }
+        Downstream { ip: Some(ip), tls }
+    }
+
+    /// A client connected to the proxy's unix socket, over TLS or not: no IP address to forward.
+    pub fn unix(tls: bool) -> Downstream {
+        Downstream { ip: None, tls }
     }
 }
 
@@ -98,17 +105,14 @@ pub struct Upstream {
 impl Upstream {
     /// A client with keep-alive pooling and the configured connect timeout.
     pub fn new(config: &UpstreamConfig, metrics: Metrics) -> Upstream {
-        let base = &config.base;
-        let host = base.host().unwrap_or("localhost");
-        let authority = format!("{host}:{}", base.port_u16().unwrap_or(80));
         Upstream {
             pool: Pool::new(
-                authority,
+                config.address.clone(),
                 config.connect_timeout,
                 POOL_IDLE_TIMEOUT,
                 config.max_connections,
             ),
-            base: base.clone(),
+            base: config.base.clone(),
             timeout: config.timeout,
             metrics,
         }
@@ -248,14 +252,16 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<HeaderValue>) {
     // One lookup of the name both reads the chain so far and writes the new one.
-    match headers.entry(X_FORWARDED_FOR) {
-        Entry::Occupied(mut chain) => {
-            if let Some(longer) = forwarded_chain(chain.get().as_bytes(), peer.ip.as_bytes()) {
-                chain.insert(longer);
+    if let Some(ip) = &peer.ip {
+        match headers.entry(X_FORWARDED_FOR) {
+            Entry::Occupied(mut chain) => {
+                if let Some(longer) = forwarded_chain(chain.get().as_bytes(), ip.as_bytes()) {
+                    chain.insert(longer);
+                }
             }
-        }
-        Entry::Vacant(none) => {
-            none.insert(peer.ip.clone());
+            Entry::Vacant(none) => {
+                none.insert(ip.clone());
+            }
         }
     }
     let proto = if peer.tls { "https" } else { "http" };
@@ -330,8 +336,12 @@ mod tests {
     }
 
     fn upstream(base: &str) -> Upstream {
+        let base: Uri = base.parse().unwrap();
         let config = UpstreamConfig {
-            base: base.parse().unwrap(),
+            address: crate::config::UpstreamAddress::Http {
+                authority: base.authority().unwrap().to_string(),
+            },
+            base,
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
             max_connections: 16,
@@ -393,5 +403,17 @@ mod tests {
         let tls = Downstream::new("127.0.0.1:5000".parse().unwrap(), true);
         set_forwarded(&mut headers, &tls, None);
         assert_eq!(headers[&X_FORWARDED_PROTO], "https");
+    }
+
+    #[test]
+    fn a_unix_socket_client_adds_no_forwarded_for_and_keeps_the_incoming_one() {
+        let peer = Downstream::unix(false);
+        let mut headers = HeaderMap::new();
+        set_forwarded(&mut headers, &peer, None);
+        assert!(headers.get(&X_FORWARDED_FOR).is_none());
+        assert_eq!(headers[&X_FORWARDED_PROTO], "http");
+        headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
+        set_forwarded(&mut headers, &peer, None);
+        assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1");
     }
 }

@@ -15,7 +15,7 @@ use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, Test
 
 async fn listeners() -> Listeners {
     Listeners {
-        proxy: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        proxy: TcpListener::bind("127.0.0.1:0").await.unwrap().into(),
         admin: TcpListener::bind("127.0.0.1:0").await.unwrap(),
     }
 }

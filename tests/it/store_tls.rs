@@ -69,7 +69,7 @@ async fn store_certificate_for_another_name_is_refused() {
     // The certificate names localhost, not 127.0.0.1: the connection must not be trusted.
     let config = env.config().set("store.url", tls_url(&env, "127.0.0.1"));
     let listeners = idemproxy::Listeners {
-        proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().into(),
         admin: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
     };
     let config = idemproxy::Config::from_toml_str(&config.to_toml()).unwrap();

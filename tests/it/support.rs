@@ -1,5 +1,6 @@
 //! Test harness: a database, a stub upstream and the proxy, wired together per test.
 
+pub mod certs;
 pub mod cluster;
 pub mod history;
 pub mod http;

@@ -1,7 +1,9 @@
 //! Runs when a request goes upstream: hands it to an idle HTTP/1.1 connection to the upstream, or to a
 //! new one, and takes the connection back once its response body has been read to the end. Each worker
 //! has its own pool, so a request and the connection carrying it run on the same thread. Uses hyper's
-//! connection-level client: one task per connection, no pool-wide bookkeeping per request.
+//! connection-level client: one task per connection, no pool-wide bookkeeping per request. Connections
+//! are opened by `connect.rs` (TCP, TLS or a unix socket); reuse, the cap and the timeouts are the same
+//! for each.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Once, Weak};
@@ -14,15 +16,13 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use super::connect::{self, Stream};
 use crate::body::ProxyBody;
+use crate::config::UpstreamAddress;
 use crate::error_chain::error_chain;
-
-/// TCP keep-alive probes on upstream connections, so a vanished upstream host is noticed.
-const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
 
 /// Why the pool gave no response head.
 #[derive(Debug)]
@@ -36,15 +36,15 @@ pub enum SendError {
     Busy,
 }
 
-/// Idle connections to one upstream address.
+/// Idle connections to one upstream.
 #[derive(Clone)]
 pub struct Pool {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    /// `host:port` to connect to.
-    authority: String,
+    /// Where to connect, and how.
+    address: UpstreamAddress,
     connect_timeout: Duration,
     idle_timeout: Duration,
     /// Most recently used last.
@@ -65,17 +65,17 @@ struct Idle {
 }
 
 impl Pool {
-    /// An empty pool for `authority` holding at most `max_connections` open; connections left idle for
+    /// An empty pool for `address` holding at most `max_connections` open; connections left idle for
     /// `idle_timeout` are closed.
     pub fn new(
-        authority: String,
+        address: UpstreamAddress,
         connect_timeout: Duration,
         idle_timeout: Duration,
         max_connections: usize,
     ) -> Pool {
         Pool {
             inner: Arc::new(Inner {
-                authority,
+                address,
                 connect_timeout,
                 idle_timeout,
                 idle: Mutex::new(Vec::new()),
@@ -91,7 +91,7 @@ impl Pool {
     pub fn empty_copy(&self) -> Pool {
         let inner = &self.inner;
         Pool::new(
-            inner.authority.clone(),
+            inner.address.clone(),
             inner.connect_timeout,
             inner.idle_timeout,
             inner.max_connections,
@@ -105,7 +105,8 @@ impl Pool {
 
     /// Sends `request` (origin-form URI, `Host` set) and waits for the response head. A pooled
     /// connection that turns out to be closed before the request is written is discarded and the
-    /// request goes to the next one, or to a new connection.
+    /// request goes to the next one, or to a new connection. A new connection the upstream's TLS layer
+    /// refuses (a handshake alert, such as a missing client certificate) never delivered the request.
     pub async fn send(&self, mut request: Request<ProxyBody>) -> Result<Response<PooledBody>, SendError> {
         loop {
             let (mut sender, reused) = match self.checkout().await {
@@ -118,6 +119,12 @@ impl Pool {
                 Err(mut failed) => match failed.take_message() {
                     Some(unsent) if reused => request = unsent,
                     Some(_) => return Err(SendError::NotSent(error_chain(failed.error()))),
+                    None if !reused && connect::refused_handshake(failed.error()) => {
+                        let why = error_chain(failed.error());
+                        return Err(SendError::NotSent(format!(
+                            "upstream TLS handshake failed: {why}"
+                        )));
+                    }
                     None => return Err(SendError::Failed(error_chain(failed.error()))),
                 },
             }
@@ -154,7 +161,7 @@ impl Pool {
                 }
                 _ = &mut returned => {}
                 _ = tokio::time::sleep_until(deadline) => {
-                    tracing::warn!(authority = %self.inner.authority, max = self.inner.max_connections,
+                    tracing::warn!(upstream = %self.inner.address, max = self.inner.max_connections,
                         "every upstream connection stayed busy for the connect timeout");
                     return Err(SendError::Busy);
                 }
@@ -163,8 +170,7 @@ impl Pool {
     }
 
     async fn connect(&self, room: OwnedSemaphorePermit) -> Result<SendRequest<ProxyBody>, SendError> {
-        let not_sent =
-            |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.authority));
+        let not_sent = |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.address));
         let connecting = tokio::time::timeout(self.inner.connect_timeout, self.handshake());
         let (sender, connection) = match connecting.await {
             Ok(Ok(connected)) => connected,
@@ -194,16 +200,11 @@ impl Pool {
     ) -> Result<
         (
             SendRequest<ProxyBody>,
-            http1::Connection<TokioIo<TcpStream>, ProxyBody>,
+            http1::Connection<TokioIo<Stream>, ProxyBody>,
         ),
         String,
     > {
-        let stream = TcpStream::connect(self.inner.authority.as_str())
-            .await
-            .map_err(|e| e.to_string())?;
-        let _ = stream.set_nodelay(true);
-        let keepalive = socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE);
-        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        let stream = connect::connect(&self.inner.address).await?;
         http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| error_chain(&e))
@@ -300,7 +301,7 @@ impl Drop for PooledBody {
 mod tests {
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpListener;
+    use tokio::net::{TcpListener, TcpStream};
     use tokio::sync::mpsc;
 
     use super::*;
@@ -356,7 +357,12 @@ mod tests {
     }
 
     fn pool(authority: String, idle_timeout: Duration) -> Pool {
-        Pool::new(authority, Duration::from_secs(2), idle_timeout, 16)
+        Pool::new(
+            UpstreamAddress::Http { authority },
+            Duration::from_secs(2),
+            idle_timeout,
+            16,
+        )
     }
 
     fn get() -> Request<ProxyBody> {

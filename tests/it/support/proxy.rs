@@ -82,10 +82,20 @@ pub struct InProcessProxy {
 impl InProcessProxy {
     /// Starts the proxy and waits until `/readyz` answers 200. Its logs go to the test's output.
     pub async fn start(config: &ProxyConfig) -> InProcessProxy {
+        InProcessProxy::start_on(config, bind().await.into()).await
+    }
+
+    /// [`InProcessProxy::start`] with the proxy listening on `proxy`; `url` is `unix:<path>` for a unix
+    /// socket.
+    pub async fn start_on(config: &ProxyConfig, proxy: idemproxy::server::ProxySocket) -> InProcessProxy {
         init_tracing();
-        let proxy = bind().await;
         let admin = bind().await;
-        let url = base_url(proxy.local_addr().expect("proxy address"));
+        let local = proxy.local_addr().expect("proxy address");
+        let url = if local.starts_with("unix:") {
+            local
+        } else {
+            format!("http://{local}")
+        };
         let admin_url = base_url(admin.local_addr().expect("admin address"));
         let listeners = idemproxy::Listeners { proxy, admin };
         let shutdown = CancellationToken::new();

@@ -23,7 +23,6 @@
 use std::{
     collections::HashMap,
     convert::Infallible,
-    net::SocketAddr,
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
@@ -85,7 +84,7 @@ impl State {
 
 /// A running stub upstream; it lives as long as the test's runtime.
 pub struct Upstream {
-    addr: SocketAddr,
+    url: String,
     state: Arc<State>,
     executed: watch::Sender<usize>,
 }
@@ -96,18 +95,61 @@ impl Upstream {
             .await
             .expect("bind stub upstream");
         let addr = listener.local_addr().expect("stub upstream address");
-        let state = Arc::new(State::default());
-        let executed = watch::channel(0).0;
-        tokio::spawn(accept_loop(listener, state.clone(), executed.clone()));
+        let upstream = Upstream::new(format!("http://{addr}"));
+        tokio::spawn(accept_loop(
+            listener,
+            upstream.state.clone(),
+            upstream.executed.clone(),
+        ));
+        upstream
+    }
+
+    /// The stub over TLS on 127.0.0.1:0, with `tls` (its certificate, and any client certificate it
+    /// requires); its URL is `https://127.0.0.1:<port>`. Handshakes that fail are dropped unserved.
+    pub async fn start_tls(tls: Arc<rustls::ServerConfig>) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind stub upstream");
+        let addr = listener.local_addr().expect("stub upstream address");
+        let upstream = Upstream::new(format!("https://{addr}"));
+        let (state, executed) = (upstream.state.clone(), upstream.executed.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (acceptor, state, executed) = (acceptor.clone(), state.clone(), executed.clone());
+                tokio::spawn(async move {
+                    if let Ok(stream) = acceptor.accept(stream).await {
+                        serve(stream, state, executed).await;
+                    }
+                });
+            }
+        });
+        upstream
+    }
+
+    /// The stub on a unix socket at `path`; its URL is `unix:<path>`.
+    pub async fn start_unix(path: &std::path::Path) -> Upstream {
+        let listener = tokio::net::UnixListener::bind(path).expect("bind stub upstream socket");
+        let upstream = Upstream::new(format!("unix:{}", path.display()));
+        let (state, executed) = (upstream.state.clone(), upstream.executed.clone());
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(serve(stream, state.clone(), executed.clone()));
+            }
+        });
+        upstream
+    }
+
+    fn new(url: String) -> Upstream {
         Upstream {
-            addr,
-            state,
-            executed,
+            url,
+            state: Arc::new(State::default()),
+            executed: watch::channel(0).0,
         }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.url.clone()
     }
 
     /// Every request executed so far, in arrival order.
@@ -169,18 +211,22 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>, executed: watch::
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        state.connections.fetch_add(1, Ordering::SeqCst);
-        let state = state.clone();
-        let executed = executed.clone();
-        tokio::spawn(async move {
-            let serving = state.clone();
-            let service = service_fn(move |request| handle(request, serving.clone(), executed.clone()));
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-            state.closed.fetch_add(1, Ordering::SeqCst);
-        });
+        tokio::spawn(serve(stream, state.clone(), executed.clone()));
     }
+}
+
+/// Serves one connection, counting it open and then closed.
+async fn serve<S>(stream: S, state: Arc<State>, executed: watch::Sender<usize>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    state.connections.fetch_add(1, Ordering::SeqCst);
+    let serving = state.clone();
+    let service = service_fn(move |request| handle(request, serving.clone(), executed.clone()));
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+    state.closed.fetch_add(1, Ordering::SeqCst);
 }
 
 async fn handle(

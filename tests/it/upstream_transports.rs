@@ -1,0 +1,134 @@
+//! The upstream over TLS and over a unix socket: keyed requests execute once and replay, the upstream's
+//! certificate is verified against `upstream.tls.ca_file`, a client certificate is presented for mutual
+//! TLS, and every way of failing to connect is a 502 that names its cause.
+
+use crate::support::certs::{TestCa, toml_path};
+use crate::support::{
+    InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, Upstream, keyed_post, poll_until,
+};
+
+/// An https stub whose certificate `ca` issued for 127.0.0.1; with `client_ca`, it requires a client
+/// certificate that CA issued.
+async fn https_upstream(ca: &TestCa, client_ca: Option<&TestCa>) -> Upstream {
+    let leaf = ca.issue("upstream", &["127.0.0.1"]);
+    Upstream::start_tls(leaf.server_config(client_ca)).await
+}
+
+fn tls_table(entries: &[(&str, String)]) -> toml::Value {
+    let table: toml::Table = entries
+        .iter()
+        .map(|(key, value)| (key.to_string(), toml::Value::String(value.clone())))
+        .collect();
+    toml::Value::Table(table)
+}
+
+/// `env`'s store and `upstream`, with `[upstream.tls]` set to `tls`.
+fn config(env: &TestEnv, upstream: &Upstream, tls: &[(&str, String)]) -> ProxyConfig {
+    let config = ProxyConfig::new(&env.store.url(), &upstream.url());
+    if tls.is_empty() {
+        return config;
+    }
+    config.set("upstream.tls", tls_table(tls))
+}
+
+/// Asserts a keyed request executes once and its retry is replayed; returns what the upstream saw.
+async fn executes_once_and_replays(proxy: &InProcessProxy, upstream: &Upstream, key: &str) {
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", key, "{}")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let replay = Reply::of(keyed_post(&proxy.url, "/orders", key, "{}")).await;
+    assert!(replay.is_replay(), "{:?}", replay.headers);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.executions_for_key(key), 1);
+    let host = proxy.url.strip_prefix("http://").unwrap();
+    assert_eq!(
+        upstream.requests()[0].headers["host"],
+        host,
+        "the client's Host goes upstream"
+    );
+}
+
+#[tokio::test]
+async fn keyed_requests_run_once_and_replay_through_an_https_upstream() {
+    let env = TestEnv::new().await;
+    let ca = TestCa::new("upstream CA");
+    let upstream = https_upstream(&ca, None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let config = config(&env, &upstream, &[("ca_file", toml_path(&ca_file))]);
+    let proxy = InProcessProxy::start(&config).await;
+    executes_once_and_replays(&proxy, &upstream, "https-1").await;
+}
+
+#[tokio::test]
+async fn an_upstream_requiring_a_client_certificate_accepts_ours_and_refuses_none_with_a_502() {
+    let env = TestEnv::new().await;
+    let ca = TestCa::new("mutual CA");
+    let upstream = https_upstream(&ca, Some(&ca)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let (cert, key) = ca
+        .issue("idemproxy", &["idemproxy.test"])
+        .write(dir.path(), "client");
+    let anonymous =
+        InProcessProxy::start(&config(&env, &upstream, &[("ca_file", toml_path(&ca_file))])).await;
+    let with_cert = config(
+        &env,
+        &upstream,
+        &[
+            ("ca_file", toml_path(&ca_file)),
+            ("cert_file", toml_path(&cert)),
+            ("key_file", toml_path(&key)),
+        ],
+    );
+    let identified = InProcessProxy::start(&with_cert).await;
+
+    let refused = Reply::of(keyed_post(&anonymous.url, "/orders", "mtls-1", "{}")).await;
+    refused.assert_problem(502, "upstream-unreachable");
+    assert_eq!(upstream.executions(), 0);
+    // The refused handshake never delivered the request, so its claim was given back: the same key
+    // through the proxy with a certificate executes at once instead of waiting out a lease.
+    let accepted = Reply::of(keyed_post(&identified.url, "/orders", "mtls-1", "{}")).await;
+    assert_eq!(accepted.status, 201, "{}", accepted.text());
+    assert_eq!(upstream.executions_for_key("mtls-1"), 1);
+}
+
+#[tokio::test]
+async fn an_upstream_certificate_from_another_ca_is_a_502_and_the_log_names_the_cause() {
+    let env = TestEnv::new().await;
+    let upstream = https_upstream(&TestCa::new("the upstream's CA"), None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("other-ca.pem");
+    std::fs::write(&ca_file, TestCa::new("another CA").pem()).unwrap();
+    let proxy = ProxyProcess::spawn(&config(&env, &upstream, &[("ca_file", toml_path(&ca_file))])).await;
+
+    let reply = Reply::of(keyed_post(&proxy.url, "/orders", "wrong-ca", "{}")).await;
+    reply.assert_problem(502, "upstream-unreachable");
+    assert_eq!(upstream.executions(), 0);
+    let cause = "upstream TLS handshake failed: invalid peer certificate: UnknownIssuer";
+    poll_until("the log line naming the cause", || async {
+        proxy.stderr().contains(cause).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn keyed_requests_run_once_and_replay_through_a_unix_socket_upstream() {
+    let env = TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start_unix(&dir.path().join("app.sock")).await;
+    let proxy = InProcessProxy::start(&config(&env, &upstream, &[])).await;
+    executes_once_and_replays(&proxy, &upstream, "unix-1").await;
+}
+
+#[tokio::test]
+async fn a_unix_socket_upstream_that_does_not_exist_is_a_502() {
+    let env = TestEnv::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let missing = format!("unix:{}", dir.path().join("missing.sock").display());
+    let config = ProxyConfig::new(&env.store.url(), &missing);
+    let proxy = InProcessProxy::start(&config).await;
+    let reply = Reply::of(keyed_post(&proxy.url, "/orders", "no-socket", "{}")).await;
+    reply.assert_problem(502, "upstream-unreachable");
+}
