@@ -5,6 +5,7 @@
 use url::Url;
 
 use crate::cli::idemproxy;
+use crate::support::pg::base_url;
 use crate::support::{ProxyConfig, ProxyProcess, Reply, TestDb, Upstream, keyed_post, settled};
 
 /// Two login roles named after the test's database, dropped (after the database) when the test ends.
@@ -15,7 +16,7 @@ struct Roles {
 
 impl Roles {
     async fn create(db: &TestDb) -> Roles {
-        let database = database_name(db);
+        let database = db.name();
         let roles = Roles {
             owner: format!("{database}_owner"),
             serving: format!("{database}_serving"),
@@ -40,12 +41,7 @@ impl Roles {
 
     async fn drop_after(self, db: TestDb) {
         drop(db);
-        let mut admin = Url::parse(
-            &std::env::var("DATABASE_URL")
-                .unwrap_or_else(|_| "postgres://postgres@localhost:5432/postgres".to_string()),
-        )
-        .expect("DATABASE_URL is a URL");
-        admin.set_path("postgres");
+        let admin = base_url();
         let (client, connection) = tokio_postgres::connect(admin.as_str(), tokio_postgres::NoTls)
             .await
             .expect("connect to drop the roles");
@@ -53,11 +49,6 @@ impl Roles {
         let sql = format!("DROP ROLE IF EXISTS \"{}\", \"{}\"", self.owner, self.serving);
         client.batch_execute(&sql).await.expect("drop the roles");
     }
-}
-
-fn database_name(db: &TestDb) -> String {
-    let url = Url::parse(&db.url()).expect("test database URL");
-    url.path().trim_start_matches('/').to_owned()
 }
 
 fn as_role(db: &TestDb, role: &str) -> String {

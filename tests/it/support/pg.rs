@@ -52,6 +52,11 @@ impl TestDb {
         TestDb { name, admin_url }
     }
 
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The URL of this test's database.
     pub fn url(&self) -> String {
         let mut url = self.admin_url.clone();
@@ -133,7 +138,8 @@ async fn drop_database(admin_url: &Url, name: &str) {
     }
 }
 
-fn base_url() -> Url {
+/// The server's URL as the tests find it (`DATABASE_URL`, else localhost), naming its admin database.
+pub fn base_url() -> Url {
     let text = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_string());
     Url::parse(&text).unwrap_or_else(|e| panic!("DATABASE_URL is not a URL ({e}); {HOW_TO}"))
 }
