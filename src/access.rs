@@ -23,8 +23,8 @@ use crate::metrics::Outcome;
 /// The target access events are logged on, for `log.filter` / `RUST_LOG` to route or silence.
 pub const TARGET: &str = "idemproxy::access";
 
-/// The route name on every line until routes can name their own: the idempotency policy's.
-pub const DEFAULT_ROUTE: &str = "default";
+/// The route name of a line whose request was not routed (refused before routing).
+const UNROUTED: &str = "-";
 
 /// Status and outcome of a line whose request was dropped before it was answered (nginx's 499).
 const CLIENT_CLOSED: (&str, u16) = ("client_closed", 499);
@@ -40,6 +40,7 @@ pub struct Ledger {
     upstream_us: AtomicU64,
     upstream_called: AtomicBool,
     key_hash: OnceLock<String>,
+    route: OnceLock<String>,
 }
 
 /// Adds a store operation's time to the current request's ledger, if it has one.
@@ -59,6 +60,13 @@ pub fn upstream(elapsed: Duration) {
 pub fn key(hash: impl FnOnce() -> String) {
     let _ = LEDGER.try_with(|ledger| {
         ledger.key_hash.get_or_init(hash);
+    });
+}
+
+/// Notes the name of the route the current request took, if it has a ledger.
+pub fn route(name: &str) {
+    let _ = LEDGER.try_with(|ledger| {
+        ledger.route.get_or_init(|| name.to_owned());
     });
 }
 
@@ -134,7 +142,7 @@ impl Line {
             parent: None,
             method = %self.method,
             path = %self.path,
-            route = DEFAULT_ROUTE,
+            route = ledger.route.get().map_or(UNROUTED, String::as_str),
             outcome,
             status,
             key_hash = ledger.key_hash.get().map(String::as_str),

@@ -11,9 +11,11 @@
 
 mod encryption;
 mod idempotency;
+mod key_source;
 mod log;
 mod parse;
 mod replay_cache;
+mod routes;
 mod server;
 mod store;
 mod sweeper;
@@ -27,9 +29,13 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
 pub use encryption::{EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEncryption, is_key_id};
-pub use idempotency::{IdempotencyConfig, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped};
+pub use idempotency::{
+    FingerprintBody, IdempotencyConfig, OnInFlight, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped,
+};
+pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat};
 pub use replay_cache::ReplayCacheConfig;
+pub use routes::{DEFAULT_ROUTE, PathMatch, RawRoute, Route, RouteTable};
 pub use server::{ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig, mask_url_password};
 pub use sweeper::SweeperConfig;
@@ -88,6 +94,9 @@ pub struct RawConfig {
     pub replay_cache: ReplayCacheConfig,
     /// Encryption at rest of stored responses.
     pub encryption: RawEncryption,
+    /// Per-endpoint policies over `[idempotency]`, first match wins.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub routes: Vec<RawRoute>,
 }
 
 /// The validated configuration.
@@ -99,8 +108,10 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     /// The store.
     pub store: StoreConfig,
-    /// The idempotency policy.
+    /// The idempotency policy of requests no route matches.
     pub idempotency: IdempotencyConfig,
+    /// The routes, and `[idempotency]` as the default route.
+    pub routes: RouteTable,
     /// The expiry sweeper.
     pub sweeper: SweeperConfig,
     /// Logging.
@@ -164,7 +175,10 @@ impl Config {
         for secret in raw.encryption.keys.values_mut() {
             *secret = "***".into();
         }
-        toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+        let mut text =
+            toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"));
+        text.push_str(&self.routes.describe());
+        text
     }
 }
 
@@ -190,34 +204,47 @@ impl Overrides {
 impl RawConfig {
     /// Checks every value and converts it to its typed form; the first problem found is returned.
     pub fn validate(self) -> Result<Config, ConfigError> {
-        if self.server.max_buffered_bodies < self.idempotency.max_request_body {
-            return Err(ConfigError::new(
-                "server.max_buffered_bodies",
-                "must be at least idempotency.max_request_body",
-            ));
-        }
-        if self.server.max_buffered_responses < self.idempotency.max_stored_response {
-            return Err(ConfigError::new(
-                "server.max_buffered_responses",
-                "must be at least idempotency.max_stored_response",
-            ));
-        }
         let server = self.server.validate()?;
         let upstream = self.upstream.validate(&server)?;
         let store = self.store.validate()?;
         let idempotency = self.idempotency.validate()?;
+        let routes = RouteTable::new(&self.idempotency, idempotency.clone(), &self.routes)?;
+        self.check_buffers(&routes)?;
         self.sweeper.validate()?;
         Ok(Config {
             server,
             upstream,
             store,
             idempotency,
+            routes,
             sweeper: self.sweeper.clone(),
             log: self.log.clone(),
             replay_cache: self.replay_cache.clone(),
             encryption: self.encryption.validate()?,
             raw: self,
         })
+    }
+}
+
+impl RawConfig {
+    /// The buffers every request shares must hold the largest body and response of any one route.
+    fn check_buffers(&self, routes: &RouteTable) -> Result<(), ConfigError> {
+        let named = |route: &Route, field: &str| match route.name.as_str() {
+            DEFAULT_ROUTE => format!("idempotency.{field}"),
+            name => format!("the {field} of route {name:?}"),
+        };
+        let all = routes.routes.iter().chain(std::iter::once(&routes.default));
+        for route in all {
+            if self.server.max_buffered_bodies.as_u64() < route.policy.max_request_body {
+                let msg = format!("must be at least {}", named(route, "max_request_body"));
+                return Err(ConfigError::new("server.max_buffered_bodies", msg));
+            }
+            if self.server.max_buffered_responses.as_u64() < route.policy.max_stored_response {
+                let msg = format!("must be at least {}", named(route, "max_stored_response"));
+                return Err(ConfigError::new("server.max_buffered_responses", msg));
+            }
+        }
+        Ok(())
     }
 }
 

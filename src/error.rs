@@ -47,8 +47,8 @@ impl Busy {
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// A protected method came without a key while keys are required.
-    #[error("this request needs an {0} header")]
-    MissingKey(http::HeaderName),
+    #[error("this request needs {0}")]
+    MissingKey(String),
     /// The key header is malformed, too long, or repeated.
     #[error("invalid idempotency key: {0}")]
     InvalidKey(String),
@@ -183,7 +183,7 @@ impl ProxyError {
     /// the log with [`Display`](std::fmt::Display)).
     pub fn detail(&self) -> String {
         match self {
-            ProxyError::MissingKey(header) => format!("This request needs an {header} header."),
+            ProxyError::MissingKey(what) => format!("This request needs {what}."),
             ProxyError::InvalidKey(why) => format!("The idempotency key is invalid: {why}."),
             ProxyError::MissingScope(headers) => format!(
                 "A request with an idempotency key must carry a credential in one of \

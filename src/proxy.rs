@@ -29,7 +29,7 @@ use self::intake::budget::BodyBudget;
 use self::upstream::{Downstream, Upstream};
 use crate::access::{self, Line};
 use crate::body::ProxyBody;
-use crate::config::{Config, IdempotencyConfig, OnStoreError};
+use crate::config::{Config, OnStoreError, Route, RouteTable};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimRequest, StoreHandle};
@@ -37,7 +37,8 @@ use crate::store::{ClaimRequest, StoreHandle};
 /// Everything a request needs; shared behind an `Arc` by every connection and forwarding task of a worker.
 #[derive(Clone)]
 pub struct Proxy {
-    pub(crate) policy: IdempotencyConfig,
+    /// The routes and their policies; every request takes one.
+    pub(crate) routes: Arc<RouteTable>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
@@ -69,7 +70,7 @@ impl Proxy {
     /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them.
     pub fn new(config: &Config, store: StoreHandle, metrics: Metrics, tracker: TaskTracker) -> Proxy {
         Proxy {
-            policy: config.idempotency.clone(),
+            routes: Arc::new(config.routes.clone()),
             on_store_error: config.store.on_error,
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
@@ -111,7 +112,7 @@ impl Proxy {
         let span = tracing::info_span!(
             "request",
             method = %request.method(),
-            route = key::DEFAULT_SCOPE,
+            route = tracing::field::Empty,
             outcome = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             parent_id = tracing::field::Empty,
@@ -174,20 +175,28 @@ impl Proxy {
         if method == http::Method::CONNECT || method == http::Method::TRACE {
             return Err(ProxyError::MethodNotAllowed(method.clone()));
         }
-        if !self.policy.methods.contains(request.method()) {
+        let route = self.routes.select(method, request.uri().path()).clone();
+        tracing::Span::current().record("route", route.name.as_str());
+        access::route(&route.name);
+        if route.passthrough || !route.policy.methods.contains(method) {
             return self.passthrough(request, &peer).await;
         }
-        let headers = request.headers();
-        let Some(key) = key::parse_key(headers.get_all(&self.policy.header), self.policy.max_key_length)?
-        else {
-            if self.policy.required {
-                return Err(ProxyError::MissingKey(self.policy.header.clone()));
-            }
-            return self.passthrough(request, &peer).await;
+        let key = if route.policy.key.needs_body() {
+            None
+        } else {
+            let Some(key) =
+                key::source::from_head(&route.policy, request.method(), request.uri(), request.headers())?
+            else {
+                if route.policy.required {
+                    return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
+                }
+                return self.passthrough(request, &peer).await;
+            };
+            Some(key)
         };
         // A keyed request's state is many times a passthrough's; on the heap it stays out of the future
         // every request carries and moves.
-        Box::pin(self.protected(request, key, peer)).await
+        Box::pin(self.protected(request, route, key, peer)).await
     }
 
     /// A request with a key: intake (scope, body, fingerprint), then the replay cache, or the claim on a
@@ -195,10 +204,14 @@ impl Proxy {
     async fn protected(
         self: &Arc<Self>,
         request: Request<Incoming>,
-        key: String,
+        route: Arc<Route>,
+        key: Option<String>,
         peer: Downstream,
     ) -> Handled {
-        let intake = self.intake(request, key).await?;
+        let intake = match self.intake(request, route, key).await? {
+            Ok(intake) => intake,
+            Err(unkeyed) => return unkeyed.forward(self, &peer).await,
+        };
         if let Some(answer) = self.answer_from_cache(&intake.claim) {
             return answer;
         }

@@ -1,7 +1,7 @@
 //! Property tests of what the proxy parses from untrusted input: the key header, the scope and the
 //! fingerprint, and the configuration loader. Case counts stay modest so the suite stays fast.
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+use http::{HeaderMap, HeaderValue, Method, Uri};
 use idemproxy::config::Config;
 use idemproxy::error::ProxyError;
 use idemproxy::proxy::key::{fingerprint, parse_key, scope};
@@ -26,15 +26,20 @@ fn target() -> impl Strategy<Value = String> {
     "/[A-Za-z0-9._~%!$&'()*+,;=:@/-]{0,40}(\\?[A-Za-z0-9=&%-]{0,20})?"
 }
 
+fn policy() -> idemproxy::config::IdempotencyConfig {
+    idemproxy::config::RawIdempotency::default()
+        .validate()
+        .expect("the default policy is valid")
+}
+
 fn fp(method: &Method, target: &str, content_type: &[u8], body: &[u8]) -> [u8; 32] {
-    let names = [HeaderName::from_static("content-type")];
     let mut headers = HeaderMap::new();
     headers.insert(
         "content-type",
         HeaderValue::from_bytes(content_type).expect("valid header value"),
     );
     let uri: Uri = target.parse().expect("valid target");
-    fingerprint(method, &uri, &headers, &names, body)
+    fingerprint(&policy(), method, &uri, &headers, body)
 }
 
 fn auth(value: &[u8]) -> HeaderMap {
@@ -133,11 +138,11 @@ proptest! {
         a in prop::collection::vec(32u8..=255, 1..60).prop_filter("not DEL", |v| !v.contains(&127)),
         b in prop::collection::vec(32u8..=255, 1..60).prop_filter("not DEL", |v| !v.contains(&127)),
     ) {
-        let names = [HeaderName::from_static("authorization")];
-        let scope_a = scope(&auth(&a), &names);
-        prop_assert_eq!(&scope_a, &scope(&auth(&a), &names));
+        let policy = policy();
+        let scope_a = scope("default", &policy, &auth(&a));
+        prop_assert_eq!(&scope_a, &scope("default", &policy, &auth(&a)));
         if a != b {
-            prop_assert_ne!(&scope_a, &scope(&auth(&b), &names));
+            prop_assert_ne!(&scope_a, &scope("default", &policy, &auth(&b)));
         }
         let hex = scope_a.strip_prefix("default:").expect("route scope prefix");
         prop_assert!(hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()), "{scope_a}");

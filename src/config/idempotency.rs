@@ -20,7 +20,8 @@ use http::{HeaderName, Method};
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
-use super::parse::{parse_header, parse_headers, positive};
+use super::key_source::{KeySource, parse_pointer};
+use super::parse::{exact_size, parse_header, parse_headers, positive};
 
 /// The prefix of the section's own errors.
 const SECTION: &str = "idempotency";
@@ -47,8 +48,10 @@ pub struct RawIdempotency {
     /// Longest accepted key, in characters.
     pub max_key_length: usize,
     /// Largest request body of a keyed request (it is read whole to fingerprint it).
+    #[serde(serialize_with = "exact_size")]
     pub max_request_body: ByteSize,
     /// Largest response body kept for replay; larger responses are forwarded but not retained.
+    #[serde(serialize_with = "exact_size")]
     pub max_stored_response: ByteSize,
     /// Request headers whose values separate clients (hashed, never stored raw).
     pub scope_headers: Vec<String>,
@@ -66,6 +69,28 @@ pub struct RawIdempotency {
     pub on_unknown_outcome: OnUnknownOutcome,
     /// Response headers relayed to the first client but neither stored nor replayed.
     pub never_store_headers: Vec<String>,
+    /// Where the key comes from: `header:NAME`, `cloudevents`, `json:/pointer` or `template:…`; absent
+    /// means `header:` + `header`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// How the body counts in the fingerprint: its bytes, or its JSON meaning (key order and whitespace
+    /// ignored; a body that is not JSON counts by its bytes).
+    pub fingerprint_body: FingerprintBody,
+    /// JSON pointers to body fields the fingerprint leaves out (volatile fields such as timestamps);
+    /// needs `fingerprint_body = "json"`.
+    pub fingerprint_exclude: Vec<String>,
+    /// What a request gets while another with its key is in flight: 409 at once, or the original's
+    /// response once it completes.
+    pub on_in_flight: OnInFlight,
+    /// Longest a request waits for the original with `on_in_flight = "wait"` before it gets 409.
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
+    /// A cookie whose value, hashed, also separates clients (for browser-facing apps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope_cookie: Option<String>,
+    /// A response header telling the client when its key expires (an HTTP date); absent means none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_header: Option<String>,
 }
 
 impl Default for RawIdempotency {
@@ -86,8 +111,37 @@ impl Default for RawIdempotency {
             in_flight_retry_after: Duration::from_secs(1),
             on_unknown_outcome: OnUnknownOutcome::Retry,
             never_store_headers: vec!["set-cookie".into()],
+            key: None,
+            fingerprint_body: FingerprintBody::Bytes,
+            fingerprint_exclude: Vec::new(),
+            on_in_flight: OnInFlight::Reject,
+            wait_timeout: Duration::from_secs(10),
+            scope_cookie: None,
+            expires_header: None,
         }
     }
+}
+
+/// How a keyed request's body counts in its fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FingerprintBody {
+    /// Byte for byte.
+    Bytes,
+    /// By its JSON meaning: object key order and insignificant whitespace do not count, nor do the
+    /// fields `fingerprint_exclude` names. A body that does not parse as JSON counts byte for byte.
+    Json,
+}
+
+/// What a request gets while another request with its key is being executed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnInFlight {
+    /// 409 `key-in-flight` with `Retry-After`.
+    Reject,
+    /// Wait up to `wait_timeout` for the original and answer with its response (or execute, if it
+    /// failed); 409 if it does not end in time.
+    Wait,
 }
 
 /// What a keyed request that carries none of the scope headers gets.
@@ -144,6 +198,20 @@ pub struct IdempotencyConfig {
     pub on_unknown_outcome: OnUnknownOutcome,
     /// Response headers never stored, lower-case.
     pub never_store_headers: Vec<HeaderName>,
+    /// Where the key comes from.
+    pub key: KeySource,
+    /// How the body counts in the fingerprint.
+    pub fingerprint_body: FingerprintBody,
+    /// JSON pointers left out of the fingerprint (only with [`FingerprintBody::Json`]).
+    pub fingerprint_exclude: Vec<String>,
+    /// 409 at once, or wait for the original.
+    pub on_in_flight: OnInFlight,
+    /// Longest wait for the original.
+    pub wait_timeout: Duration,
+    /// A cookie that also separates clients.
+    pub scope_cookie: Option<String>,
+    /// The response header advertising the key's expiry, if any.
+    pub expires_header: Option<HeaderName>,
 }
 
 /// Which upstream statuses mean "not processed, run it again" and so release the claim.
@@ -179,7 +247,7 @@ impl RawIdempotency {
                 format!("must be longer than {}", key("lock_timeout")),
             ));
         }
-        if self.scope_headers.is_empty() && self.unscoped == Unscoped::Reject {
+        if self.scope_headers.is_empty() && self.scope_cookie.is_none() && self.unscoped == Unscoped::Reject {
             return Err(ConfigError::new(
                 &key("scope_headers"),
                 format!(
@@ -196,8 +264,10 @@ impl RawIdempotency {
                 "must be between 1 and 4096",
             ));
         }
+        let header = parse_header(&key("header"), &self.header)?;
         Ok(IdempotencyConfig {
-            header: parse_header(&key("header"), &self.header)?,
+            key: self.key_source(&key("key"), &header)?,
+            header,
             methods: self.methods(&key("methods"))?,
             required: self.required,
             ttl: self.ttl,
@@ -212,7 +282,56 @@ impl RawIdempotency {
             in_flight_retry_after: self.in_flight_retry_after(prefix)?,
             on_unknown_outcome: self.on_unknown_outcome,
             never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
+            fingerprint_body: self.fingerprint_body,
+            fingerprint_exclude: self.fingerprint_exclude(prefix)?,
+            on_in_flight: self.on_in_flight,
+            wait_timeout: positive(&key("wait_timeout"), self.wait_timeout)?,
+            scope_cookie: self.scope_cookie(&key("scope_cookie"))?,
+            expires_header: self
+                .expires_header
+                .as_deref()
+                .map(|name| parse_header(&key("expires_header"), name))
+                .transpose()?,
         })
+    }
+
+    fn key_source(&self, key: &str, header: &HeaderName) -> Result<KeySource, ConfigError> {
+        match &self.key {
+            Some(text) => KeySource::parse(key, text),
+            None => Ok(KeySource::header(header.clone())),
+        }
+    }
+
+    fn fingerprint_exclude(&self, prefix: &str) -> Result<Vec<String>, ConfigError> {
+        let key = format!("{prefix}.fingerprint_exclude");
+        if !self.fingerprint_exclude.is_empty() && self.fingerprint_body != FingerprintBody::Json {
+            return Err(ConfigError::new(
+                &key,
+                format!("names JSON fields, so it needs {prefix}.fingerprint_body = \"json\""),
+            ));
+        }
+        self.fingerprint_exclude
+            .iter()
+            .map(|pointer| match parse_pointer(&key, pointer)? {
+                p if p.is_empty() => Err(ConfigError::new(&key, "\"\" would leave out the whole body")),
+                p => Ok(p),
+            })
+            .collect()
+    }
+
+    fn scope_cookie(&self, key: &str) -> Result<Option<String>, ConfigError> {
+        let Some(name) = &self.scope_cookie else {
+            return Ok(None);
+        };
+        // A cookie name is an RFC 6265 token: visible ASCII without separators.
+        let token = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b));
+        if !token {
+            return Err(ConfigError::new(key, format!("{name:?} is not a cookie name")));
+        }
+        Ok(Some(name.clone()))
     }
 
     /// Refuses headers that differ between a request and its retry by design: fingerprinting one would

@@ -50,6 +50,24 @@ pub(super) fn within(
     Ok(value)
 }
 
+/// `#[serde(serialize_with = "exact_size")]`: a size printed so that reading it back gives the same
+/// number of bytes (`"4 MiB"`, `"1000001 B"`), where [`bytesize::ByteSize`]'s own form rounds. A route's
+/// settings are laid over its section's printed form, so the section's sizes must survive the trip.
+pub(super) fn exact_size<S: serde::Serializer>(
+    value: &bytesize::ByteSize,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let bytes = value.as_u64();
+    let text = match bytes {
+        0 => "0 B".to_owned(),
+        b if b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    };
+    serializer.serialize_str(&text)
+}
+
 /// `#[serde(with = "bytes")]`: a byte count held as `u64`, read and printed as [`bytesize::ByteSize`]
 /// reads and prints it (`"4MiB"` in, `"4.0 MiB"` out), so a section whose only difference from its
 /// typed form would be `ByteSize` against `u64` needs no second struct.

@@ -29,7 +29,12 @@ impl Proxy {
         head: Answer,
         _slot: OwnedSemaphorePermit,
     ) {
-        let Intake { parts, claim, body } = intake;
+        let Intake {
+            route,
+            parts,
+            claim,
+            body,
+        } = intake;
         let started = Instant::now();
         let result = match self.store.claim(&claim).await {
             Ok(result) => result,
@@ -48,7 +53,7 @@ impl Proxy {
         let answer = match decide(
             result,
             &claim.id.key,
-            self.policy.in_flight_retry_after,
+            route.policy.in_flight_retry_after,
             &self.metrics,
         ) {
             Ok(Decision::Execute) => {
@@ -62,6 +67,7 @@ impl Proxy {
                 let claimed = Claimed {
                     id: claim.id,
                     lease: claim.lease,
+                    route,
                 };
                 return execute::execute(self, claimed, request, head, fill).await;
             }

@@ -27,7 +27,7 @@ use super::cache::Fill;
 use super::upstream::stream_response;
 use super::{Answer, Handled, Proxy};
 use crate::body::{BoxError, ProxyBody};
-use crate::config::OnUnknownOutcome;
+use crate::config::{OnUnknownOutcome, Route};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::store::{RecordId, StoreError, StoredResponse};
@@ -44,6 +44,8 @@ pub(crate) struct Claimed {
     pub(crate) id: RecordId,
     /// How long the claim holds without a heartbeat (`lock_timeout` when it was claimed).
     pub(crate) lease: Duration,
+    /// The route the request took, whose policy decides what is stored and released.
+    pub(crate) route: Arc<Route>,
 }
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
@@ -79,12 +81,12 @@ pub(crate) async fn execute(
         let error = ProxyError::UpstreamInvalidResponse(response.status());
         return unknown_outcome(&proxy, &claim, head, error).await;
     }
-    if proxy.policy.release.releases(response.status()) {
+    if claim.route.policy.release.releases(response.status()) {
         heartbeat.stop();
         let answer = Ok((stream_response(response), Outcome::Executed));
         return release_then_answer(&proxy, &claim, head, answer).await;
     }
-    match relay::relay(&proxy, &claim.id, response, head).await {
+    match relay::relay(&proxy, &claim.id, &claim.route.policy, response, head).await {
         Relayed::Whole(record, held) => finish(&proxy, &claim, record, fill, held, heartbeat).await,
         Relayed::Broken {
             client,
@@ -102,7 +104,7 @@ pub(crate) async fn execute(
 async fn unknown_outcome(proxy: &Proxy, claim: &Claimed, head: Answer, error: ProxyError) {
     proxy.metrics.unknown_outcomes.inc();
     let key = &claim.id.key;
-    if proxy.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
+    if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
         tracing::warn!(%key, %error, "upstream outcome unknown; claim left to its lease");
         head.send(Err(error));
         return;
@@ -196,7 +198,7 @@ async fn broken_body(
     proxy.metrics.unknown_outcomes.inc();
     tracing::warn!(key = %claim.id.key, %error, "upstream body broke off; outcome unknown");
     client.fail(error, failure);
-    if proxy.policy.on_unknown_outcome == OnUnknownOutcome::Hold {
+    if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold {
         hold(proxy, claim).await;
     }
 }

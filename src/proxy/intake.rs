@@ -5,21 +5,26 @@
 
 pub mod budget;
 
+use std::sync::Arc;
+
 use http::{HeaderMap, HeaderName, Request, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use uuid::Uuid;
 
 use self::budget::ReservedBody;
-use super::{Proxy, key};
+use super::upstream::Downstream;
+use super::{Handled, Proxy, key};
 use crate::access;
-use crate::config::Unscoped;
+use crate::config::{IdempotencyConfig, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
 use crate::store::{ClaimRequest, RecordId};
 
 /// A keyed request taken in: its head, the claim to send, and its body (holding its share of the budget
 /// until it has gone upstream).
 pub(crate) struct Intake {
+    /// The route it took, whose policy it runs under.
+    pub(crate) route: Arc<Route>,
     /// The request line and headers.
     pub(crate) parts: request::Parts,
     /// The claim, with the lease and time to live it is made under.
@@ -28,54 +33,69 @@ pub(crate) struct Intake {
     pub(crate) body: ReservedBody,
 }
 
+/// A request whose key comes from its body, which holds none, on a route where keys are optional: it is
+/// forwarded unprotected with the body already read.
+pub(crate) struct Unkeyed {
+    parts: request::Parts,
+    body: ReservedBody,
+}
+
+impl Unkeyed {
+    /// Forwards it as a passthrough.
+    pub(crate) async fn forward(self, proxy: &Proxy, peer: &Downstream) -> Handled {
+        proxy.passthrough_read(self.parts, self.body, peer).await
+    }
+}
+
 impl Proxy {
-    /// Takes in a keyed request: scope check, body, then the claim it will make.
-    pub(crate) async fn intake(&self, request: Request<Incoming>, key: String) -> Result<Intake, ProxyError> {
-        self.check_scope(request.headers())?;
+    /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
+    /// the key when its source is in the head; a key taken from the body is read here, after the body.
+    pub(crate) async fn intake(
+        &self,
+        request: Request<Incoming>,
+        route: Arc<Route>,
+        key: Option<String>,
+    ) -> Result<Result<Intake, Unkeyed>, ProxyError> {
+        let policy = &route.policy;
+        if key.is_some() {
+            check_scope(policy, request.headers())?;
+        }
         let (parts, body) = request.into_parts();
-        let body = self.read_body(&parts.headers, body).await?;
-        let claim = self.claim_request(&parts, key, &body.bytes);
-        access::key(|| key::key_hash(&claim.id.scope, &claim.id.key));
-        Ok(Intake { parts, claim, body })
-    }
-
-    /// Refuses a keyed request that names no client in any scope header (unless scopes may be shared):
-    /// without one, every such client would share one scope, and one client's key would answer another's.
-    fn check_scope(&self, headers: &HeaderMap) -> Result<(), ProxyError> {
-        let policy = &self.policy;
-        if policy.unscoped == Unscoped::Shared || key::has_scope(headers, &policy.scope_headers) {
-            return Ok(());
-        }
-        let names: Vec<&str> = policy.scope_headers.iter().map(HeaderName::as_str).collect();
-        Err(ProxyError::MissingScope(names.join(", ")))
-    }
-
-    fn claim_request(&self, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {
-        let policy = &self.policy;
-        ClaimRequest {
-            id: RecordId {
-                scope: key::scope(&parts.headers, &policy.scope_headers),
-                key,
-                token: Uuid::new_v4(),
+        let body = self.read_body(policy, &parts.headers, body).await?;
+        let key = match key {
+            Some(key) => key,
+            None => match key::source::from_body(policy, &parts, &body.bytes)? {
+                Some(key) => {
+                    check_scope(policy, &parts.headers)?;
+                    key
+                }
+                None if policy.required => {
+                    return Err(ProxyError::MissingKey(key::source::describe(&policy.key)));
+                }
+                None => return Ok(Err(Unkeyed { parts, body })),
             },
-            fingerprint: key::fingerprint(
-                &parts.method,
-                &parts.uri,
-                &parts.headers,
-                &policy.fingerprint_headers,
-                body,
-            ),
-            lease: policy.lock_timeout,
-            ttl: policy.ttl,
-        }
+        };
+        let claim = claim_request(&route, &parts, key, &body.bytes);
+        access::key(|| key::key_hash(&claim.id.scope, &claim.id.key));
+        Ok(Ok(Intake {
+            route,
+            parts,
+            claim,
+            body,
+        }))
     }
 
     /// Reads a keyed request's body whole (its fingerprint must be known before the claim), refusing
     /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
     /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive. Room
     /// for the body is reserved from the shared body budget first; 503 when none comes in that time.
-    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<ReservedBody, ProxyError> {
-        let limit = self.policy.max_request_body;
+    async fn read_body(
+        &self,
+        policy: &IdempotencyConfig,
+        headers: &HeaderMap,
+        body: Incoming,
+    ) -> Result<ReservedBody, ProxyError> {
+        let limit = policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
         let declared = headers
             .get(header::CONTENT_LENGTH)
@@ -98,5 +118,38 @@ impl Proxy {
         };
         reservation.shrink_to(bytes.len());
         Ok(ReservedBody::new(bytes, reservation))
+    }
+}
+
+/// Refuses a keyed request that names no client in any scope header or the scope cookie (unless scopes
+/// may be shared): without one, every such client would share one scope, and one client's key would
+/// answer another's.
+fn check_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> Result<(), ProxyError> {
+    if policy.unscoped == Unscoped::Shared || key::has_scope(policy, headers) {
+        return Ok(());
+    }
+    let mut names: Vec<String> = policy
+        .scope_headers
+        .iter()
+        .map(HeaderName::as_str)
+        .map(str::to_owned)
+        .collect();
+    if let Some(cookie) = &policy.scope_cookie {
+        names.push(format!("cookie {cookie}"));
+    }
+    Err(ProxyError::MissingScope(names.join(", ")))
+}
+
+fn claim_request(route: &Route, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {
+    let policy = &route.policy;
+    ClaimRequest {
+        id: RecordId {
+            scope: key::scope(&route.scope, policy, &parts.headers),
+            key,
+            token: Uuid::new_v4(),
+        },
+        fingerprint: key::fingerprint(policy, &parts.method, &parts.uri, &parts.headers, body),
+        lease: policy.lock_timeout,
+        ttl: policy.ttl,
     }
 }

@@ -1,15 +1,16 @@
-//! Runs first for a protected request, before any store work: reads the idempotency key, derives the scope
-//! from the client's credentials, and fingerprints the request. Pure functions of the request; touches
-//! nothing else.
+//! Runs first for a protected request, before any store work: reads the idempotency key (from the
+//! route's key source, `key/source.rs`), derives the scope from the route's scope name and the client's
+//! credentials, and fingerprints the request under the route's policy. Pure functions of the request;
+//! touches nothing else.
+
+pub mod source;
 
 use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
+use crate::config::IdempotencyConfig;
 use crate::error::ProxyError;
-
-/// Route scope name; every request shares it until routes can name their own.
-pub const DEFAULT_SCOPE: &str = "default";
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
 ///
@@ -69,30 +70,43 @@ fn invalid(why: &str) -> ProxyError {
     ProxyError::InvalidKey(why.to_owned())
 }
 
-/// Whether the request names its client in at least one scope header (an empty value names no one).
-pub fn has_scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> bool {
-    scope_headers
+/// Whether the request names its client in at least one of the policy's scope headers (an empty value
+/// names no one).
+pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
+    policy
+        .scope_headers
         .iter()
         .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()))
 }
 
 /// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers'
 /// values, so clients with different credentials never share keys and credentials are never stored.
-pub fn scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
+pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
-    for name in scope_headers {
+    for name in &policy.scope_headers {
         hash_field(&mut hash, name.as_str().as_bytes());
         for value in headers.get_all(name) {
             hash_field(&mut hash, value.as_bytes());
         }
     }
-    format!("{DEFAULT_SCOPE}:{}", hex::encode(hash.finalize()))
+    format!("{scope_name}:{}", hex::encode(hash.finalize()))
+}
+
+/// The fingerprint of a request under its route's policy.
+pub fn fingerprint(
+    policy: &IdempotencyConfig,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> [u8; 32] {
+    fingerprint_of(method, uri, headers, &policy.fingerprint_headers, body)
 }
 
 /// SHA-256 over what makes two requests "the same": method, path with query, the fingerprint headers'
 /// values, and the body. Every field is length-prefixed so no two different requests hash alike by
 /// shifting bytes between fields.
-pub fn fingerprint(
+fn fingerprint_of(
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
@@ -177,14 +191,16 @@ mod tests {
 
     #[test]
     fn scope_separates_credentials_and_hides_them() {
-        let names = [HeaderName::from_static("authorization")];
+        let policy = crate::config::RawIdempotency::default().validate().unwrap();
         let mut a = HeaderMap::new();
         a.insert("authorization", HeaderValue::from_static("Bearer alice"));
         let mut b = HeaderMap::new();
         b.insert("authorization", HeaderValue::from_static("Bearer bob"));
-        assert_ne!(scope(&a, &names), scope(&b, &names));
-        assert_eq!(scope(&a, &names), scope(&a.clone(), &names));
-        assert!(!scope(&a, &names).contains("alice"));
+        assert_ne!(scope("r", &policy, &a), scope("r", &policy, &b));
+        assert_eq!(scope("r", &policy, &a), scope("r", &policy, &a.clone()));
+        assert_ne!(scope("r", &policy, &a), scope("s", &policy, &a));
+        assert!(scope("r", &policy, &a).starts_with("r:"));
+        assert!(!scope("r", &policy, &a).contains("alice"));
     }
 
     #[test]
@@ -202,6 +218,7 @@ mod tests {
         let names = [HeaderName::from_static("content-type")];
         let uri: Uri = "/pay?x=1".parse().unwrap();
         let headers = HeaderMap::new();
+        let fingerprint = fingerprint_of;
         let base = fingerprint(&Method::POST, &uri, &headers, &names, b"{}");
         assert_eq!(base, fingerprint(&Method::POST, &uri, &headers, &names, b"{}"));
         assert_ne!(base, fingerprint(&Method::PATCH, &uri, &headers, &names, b"{}"));

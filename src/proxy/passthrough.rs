@@ -41,6 +41,23 @@ impl Proxy {
         Ok((relayable(response)?, Outcome::Passthrough))
     }
 
+    /// Forwards a request its route protects but which carries no key in its body (keys optional there):
+    /// the body has been read already and goes upstream as it is.
+    pub(crate) async fn passthrough_read(
+        &self,
+        parts: request::Parts,
+        body: ReservedBody,
+        peer: &Downstream,
+    ) -> Handled {
+        let request = self.upstream.request(parts, body.into_body(), peer);
+        let response = self
+            .upstream
+            .send(request)
+            .await
+            .map_err(UpstreamFailure::into_error)?;
+        Ok((relayable(response)?, Outcome::Passthrough))
+    }
+
     /// The store could not decide the claim: refuse (fail_closed) or forward unprotected (fail_open).
     pub(crate) async fn store_down(
         &self,

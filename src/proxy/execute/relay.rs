@@ -16,6 +16,7 @@ use http_body_util::BodyExt;
 use super::capture::Capture;
 use super::channel::{self, Sender};
 use crate::body::{self, BoxError, ProxyBody};
+use crate::config::IdempotencyConfig;
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::upstream::pool::PooledBody;
@@ -138,6 +139,7 @@ pub(super) enum Relayed {
 pub(super) async fn relay(
     proxy: &Proxy,
     id: &RecordId,
+    policy: &IdempotencyConfig,
     response: Response<PooledBody>,
     head: Answer,
 ) -> Relayed {
@@ -145,9 +147,9 @@ pub(super) async fn relay(
     strip_hop_by_hop(&mut parts.headers);
     let record = ToStore {
         status: parts.status.as_u16(),
-        headers: storable_headers(&parts.headers, &proxy.policy.never_store_headers),
+        headers: storable_headers(&parts.headers, &policy.never_store_headers),
         capture: Capture::new(
-            proxy.policy.max_stored_response,
+            policy.max_stored_response,
             proxy.captures.clone(),
             proxy.metrics.capture_budget_exhausted.clone(),
         ),

@@ -23,7 +23,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderMap, HeaderValue};
 
 use super::recorder::Execution;
 
@@ -161,7 +161,10 @@ pub fn scope_of(authorization: &str) -> String {
     if let Ok(value) = HeaderValue::from_str(authorization) {
         headers.insert(http::header::AUTHORIZATION, value);
     }
-    idemproxy::proxy::key::scope(&headers, &[HeaderName::from_static("authorization")])
+    let policy = idemproxy::config::RawIdempotency::default()
+        .validate()
+        .expect("the default policy is valid");
+    idemproxy::proxy::key::scope("default", &policy, &headers)
 }
 
 /// The verdict: counts for the summary and every violation found.
