@@ -36,7 +36,7 @@ pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat};
 pub use replay_cache::ReplayCacheConfig;
 pub use routes::{DEFAULT_ROUTE, PathMatch, RawRoute, Route, RouteTable};
-pub use server::{ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};
+pub use server::{DEFAULT_PROBLEM_TYPE_BASE, ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig, mask_url_password};
 pub use sweeper::SweeperConfig;
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};

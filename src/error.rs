@@ -9,8 +9,8 @@ use http::{HeaderValue, Response, StatusCode, header};
 use crate::body::{self, ProxyBody};
 use crate::metrics::Outcome;
 
-/// Base of every problem `type` URI; the slug follows.
-pub const PROBLEM_BASE: &str = "https://idemproxy.dev/problems/";
+/// Base of every problem `type` URI unless `server.problem_type_base` names another; the slug follows.
+pub const PROBLEM_BASE: &str = crate::config::DEFAULT_PROBLEM_TYPE_BASE;
 
 /// What ran out when the proxy answers 503 `busy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,11 +270,16 @@ impl ProxyError {
         }
     }
 
-    /// The problem+json response for this error.
+    /// The problem+json response for this error, its `type` under [`PROBLEM_BASE`].
     pub fn into_response(self) -> Response<ProxyBody> {
+        self.into_problem(PROBLEM_BASE)
+    }
+
+    /// The problem+json response for this error, its `type` the slug appended to `base`.
+    pub fn into_problem(self, base: &str) -> Response<ProxyBody> {
         let status = self.status();
         let problem = serde_json::json!({
-            "type": format!("{PROBLEM_BASE}{}", self.slug()),
+            "type": format!("{base}{}", self.slug()),
             "title": self.title(),
             "status": status.as_u16(),
             "detail": self.detail(),

@@ -7,6 +7,7 @@
 pub mod cache;
 pub mod claim;
 pub mod execute;
+pub mod expiry;
 pub mod intake;
 pub mod key;
 pub mod passthrough;
@@ -59,6 +60,8 @@ pub struct Proxy {
     pub(crate) store_timeout: Duration,
     /// Whether each request writes an access line (`log.access`).
     pub(crate) access_log: bool,
+    /// What every problem `type` URI starts with (`server.problem_type_base`).
+    pub(crate) problem_base: Arc<str>,
 }
 
 /// The longest a client waits for its record to be stored (or less, `store.timeout`).
@@ -90,6 +93,7 @@ impl Proxy {
             write_timeout: config.server.write_timeout,
             store_timeout: config.store.timeout,
             access_log: config.log.access,
+            problem_base: config.server.problem_type_base.as_str().into(),
         }
     }
 
@@ -135,7 +139,7 @@ impl Proxy {
                     tracing::debug!(%error, "request refused");
                 }
                 let outcome = error.outcome();
-                (error.into_response(), outcome)
+                (error.into_problem(&self.problem_base), outcome)
             }
         };
         span.record("outcome", outcome.as_str());
@@ -212,7 +216,7 @@ impl Proxy {
             Ok(intake) => intake,
             Err(unkeyed) => return unkeyed.forward(self, &peer).await,
         };
-        if let Some(answer) = self.answer_from_cache(&intake.claim) {
+        if let Some(answer) = self.answer_from_cache(&intake.claim, &intake.route) {
             return answer;
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
@@ -235,12 +239,15 @@ impl Proxy {
     }
 
     /// A retry of a record this process has seen completed, answered without the store.
-    fn answer_from_cache(&self, claim: &ClaimRequest) -> Option<Handled> {
+    fn answer_from_cache(&self, claim: &ClaimRequest, route: &Route) -> Option<Handled> {
         let answer = match self
             .cache
             .lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint)
         {
-            Lookup::Replay(stored) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
+            Lookup::Replay(stored, expires_at) => replay::response(&stored).map(|mut response| {
+                expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
+                (response, Outcome::Replayed)
+            }),
             Lookup::Mismatch => Err(ProxyError::KeyReused),
             Lookup::Miss => return None,
         };

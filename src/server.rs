@@ -164,6 +164,7 @@ pub async fn serve(
         builder: limits.builder(),
         tls: tls.as_ref().map(|tls| TlsAcceptor::from(tls.config.clone())),
         deadline: deadline.clone(),
+        problem_base: proxy.problem_base.clone(),
     };
     // The workers (and the certificate reload) stop when this function ends however it ends: an error,
     // or its future dropped.
@@ -181,6 +182,7 @@ pub async fn serve(
             builder: limits.builder(),
             tls: None,
             deadline,
+            problem_base: proxy.problem_base.clone(),
         },
         admin_slots,
         admin_stop.clone(),
@@ -216,6 +218,7 @@ async fn serve_admin(
             tls: None,
             watcher: None,
             deadline: serving.deadline.clone(),
+            problem_base: serving.problem_base.clone(),
         };
         tokio::spawn(connection.serve(stream, slot, move |request| admin.clone().handle(request)));
     })
@@ -294,6 +297,8 @@ struct Serving {
     builder: auto::Builder<TokioExecutor>,
     tls: Option<TlsAcceptor>,
     deadline: Deadline,
+    /// `server.problem_type_base`, for the 503 of an evicted connection.
+    problem_base: Arc<str>,
 }
 
 /// The bound on a stalled write, and where its expiries are counted.
@@ -439,6 +444,7 @@ async fn work(
             tls: serving.tls.clone(),
             watcher: Some(watcher),
             deadline: serving.deadline.clone(),
+            problem_base: serving.problem_base.clone(),
         };
         let handler = move |request| proxy.clone().handle(request, downstream.clone());
         match stream {
@@ -473,6 +479,7 @@ struct Connection {
     tls: Option<TlsAcceptor>,
     watcher: Option<Watcher>,
     deadline: Deadline,
+    problem_base: Arc<str>,
 }
 
 impl Connection {
@@ -506,7 +513,8 @@ impl Connection {
                 }
             }
         };
-        let service = service_fn(move |request| answer(&tracked, &handler, request));
+        let base = self.problem_base.clone();
+        let service = service_fn(move |request| answer(&tracked, &handler, request, &base));
         let connection = self
             .builder
             .serve_connection(TokioIo::new(io), service)
@@ -532,6 +540,7 @@ fn answer<H, F>(
     tracked: &Arc<Tracked>,
     handler: &H,
     request: Request<Incoming>,
+    problem_base: &str,
 ) -> impl Future<Output = Result<Response<Guarded<ProxyBody>>, Infallible>> + use<H, F>
 where
     H: Fn(Request<Incoming>) -> F,
@@ -541,13 +550,15 @@ where
         Some(in_progress) => Either::Left(handler(request).map(move |answered| {
             answered.map(|response| response.map(|body| Guarded::new(body, Some(in_progress))))
         })),
-        None => Either::Right(future::ready(Ok(evicted().map(|body| Guarded::new(body, None))))),
+        None => Either::Right(future::ready(Ok(
+            evicted(problem_base).map(|body| Guarded::new(body, None))
+        ))),
     }
 }
 
 /// The answer to a request that arrived on a connection just evicted; nothing was forwarded.
-fn evicted() -> Response<ProxyBody> {
-    let mut response = ProxyError::Busy(Busy::Connections).into_response();
+fn evicted(problem_base: &str) -> Response<ProxyBody> {
+    let mut response = ProxyError::Busy(Busy::Connections).into_problem(problem_base);
     response
         .headers_mut()
         .insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));

@@ -18,6 +18,9 @@ use super::ConfigError;
 use super::parse::{parse_addr, positive, within};
 use super::tls::{self, SwappableCert};
 
+/// The base of problem `type` URIs unless `server.problem_type_base` names another.
+pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://idemproxy.dev/problems/";
+
 /// `[server]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -65,6 +68,9 @@ pub struct RawServer {
     /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room is
     /// not retained.
     pub max_buffered_responses: ByteSize,
+    /// What every problem+json `type` URI starts with; the problem's slug (`key-in-flight`, …) follows.
+    /// Point it at your own documentation of the errors clients may see.
+    pub problem_type_base: String,
 }
 
 impl Default for RawServer {
@@ -85,6 +91,7 @@ impl Default for RawServer {
             write_timeout: Duration::from_secs(30),
             max_keyed_in_flight: None,
             max_buffered_responses: ByteSize::mib(256),
+            problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.into(),
         }
     }
 }
@@ -179,6 +186,8 @@ pub struct ServerConfig {
     pub max_keyed_in_flight: usize,
     /// Bytes of keyed responses captured for storage at once, in all.
     pub max_buffered_responses: usize,
+    /// The base of problem `type` URIs.
+    pub problem_type_base: String,
 }
 
 impl RawServer {
@@ -202,7 +211,22 @@ impl RawServer {
                 None => self.max_connections,
             },
             max_buffered_responses: memory(self.max_buffered_responses),
+            problem_type_base: self.problem_type_base()?,
         })
+    }
+
+    fn problem_type_base(&self) -> Result<String, ConfigError> {
+        let base = &self.problem_type_base;
+        let absolute = base
+            .parse::<http::Uri>()
+            .is_ok_and(|uri| matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some());
+        if !absolute || base.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err(ConfigError::new(
+                "server.problem_type_base",
+                format!("{base:?} is not an absolute http(s) URI like \"https://docs.example.com/errors/\""),
+            ));
+        }
+        Ok(base.clone())
     }
 
     fn admin_listen(&self) -> Result<SocketAddr, ConfigError> {

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use tokio::time::Instant;
@@ -26,8 +26,8 @@ const HEADER_OVERHEAD: usize = 64;
 /// What the cache knows about a key.
 #[derive(Debug)]
 pub enum Lookup {
-    /// Completed with the same fingerprint: replay this.
-    Replay(Arc<StoredResponse>),
+    /// Completed with the same fingerprint: replay this. The time is no later than the record's expiry.
+    Replay(Arc<StoredResponse>, SystemTime),
     /// Completed with another fingerprint: the store would answer 422 too.
     Mismatch,
     /// Not known here (or no longer): ask the store.
@@ -64,6 +64,7 @@ struct Entry {
     fingerprint: [u8; 32],
     response: Arc<StoredResponse>,
     deadline: Instant,
+    expires_at: SystemTime,
     weight: usize,
     generation: u64,
 }
@@ -98,7 +99,7 @@ impl ReplayCache {
             return Lookup::Miss;
         }
         if entry.fingerprint == *fingerprint {
-            Lookup::Replay(entry.response.clone())
+            Lookup::Replay(entry.response.clone(), entry.expires_at)
         } else {
             Lookup::Mismatch
         }
@@ -118,6 +119,7 @@ impl ReplayCache {
             return;
         }
         let now = Instant::now();
+        let expires_at = SystemTime::now() + deadline.saturating_duration_since(now);
         let deadline = deadline.min(now + self.max_age);
         let name: Arc<str> = entry_name(scope, key).into();
         // The body may be a slice of a much larger receive buffer; keep only its own bytes.
@@ -135,6 +137,7 @@ impl ReplayCache {
             fingerprint,
             response: Arc::new(response),
             deadline,
+            expires_at,
             weight,
             generation: inner.generation,
         };
@@ -293,7 +296,7 @@ mod tests {
         let cache = cache();
         cache.insert("s", "k", FP, response(b"{\"id\":1}"), in_secs(60));
         match cache.lookup("s", "k", &FP) {
-            Lookup::Replay(stored) => assert_eq!(*stored, response(b"{\"id\":1}")),
+            Lookup::Replay(stored, _) => assert_eq!(*stored, response(b"{\"id\":1}")),
             other => panic!("expected a replay, got {other:?}"),
         }
     }
@@ -312,7 +315,7 @@ mod tests {
         let cache = cache();
         cache.insert("s", "k", FP, response(b"x"), in_secs(10));
         tokio::time::advance(Duration::from_millis(9_999)).await;
-        assert!(matches!(cache.lookup("s", "k", &FP), Lookup::Replay(_)));
+        assert!(matches!(cache.lookup("s", "k", &FP), Lookup::Replay(..)));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(matches!(cache.lookup("s", "k", &FP), Lookup::Miss));
         assert!(matches!(cache.lookup("s", "k", &OTHER_FP), Lookup::Miss));
@@ -345,7 +348,7 @@ mod tests {
         assert!(cache.bytes() <= 3 * one);
         assert!(matches!(cache.lookup("s", "k0", &FP), Lookup::Miss));
         assert!(matches!(cache.lookup("s", "k1", &FP), Lookup::Miss));
-        assert!(matches!(cache.lookup("s", "k4", &FP), Lookup::Replay(_)));
+        assert!(matches!(cache.lookup("s", "k4", &FP), Lookup::Replay(..)));
     }
 
     #[tokio::test(start_paused = true)]
@@ -355,7 +358,7 @@ mod tests {
         tokio::time::advance(Duration::from_secs(10)).await;
         cache.insert("s", "new", FP, response(b"y"), in_secs(10));
         assert_eq!(cache.len(), 1, "the expired entry is gone without a lookup");
-        assert!(matches!(cache.lookup("s", "new", &FP), Lookup::Replay(_)));
+        assert!(matches!(cache.lookup("s", "new", &FP), Lookup::Replay(..)));
     }
 
     #[tokio::test(start_paused = true)]
@@ -365,7 +368,7 @@ mod tests {
         let mut stored = response(b"");
         stored.body = Some(buffer.slice(0..10));
         cache.insert("s", "k", FP, stored, in_secs(60));
-        let Lookup::Replay(cached) = cache.lookup("s", "k", &FP) else {
+        let Lookup::Replay(cached, _) = cache.lookup("s", "k", &FP) else {
             panic!("expected a replay");
         };
         let body = cached.body.as_ref().expect("a body");

@@ -5,7 +5,7 @@
 //! (`passthrough.rs`). The table itself, [`decide`], is pure apart from logging and counting.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::execute::{self, Claimed};
 use super::intake::Intake;
 use super::upstream::Downstream;
-use super::{Answer, Proxy, replay};
+use super::{Answer, Proxy, expiry, replay};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoredResponse};
@@ -36,6 +36,7 @@ impl Proxy {
             body,
         } = intake;
         let started = Instant::now();
+        let sent = SystemTime::now();
         let result = match self.store.claim(&claim).await {
             Ok(result) => result,
             // The store answered, but with a record that must not be replayed; never forward either.
@@ -50,6 +51,13 @@ impl Proxy {
             }
         };
         let fill = self.cache.remember(&claim, &result, started);
+        let new_record = matches!(
+            result,
+            ClaimResult::Won {
+                kind: ClaimKind::New,
+                ..
+            }
+        );
         let answer = match decide(
             result,
             &claim.id.key,
@@ -65,13 +73,18 @@ impl Proxy {
                 }
                 let request = self.upstream.request(parts, body.into_body(), &peer);
                 let claimed = Claimed {
+                    expires_at: new_record.then(|| expiry::after(sent, claim.ttl)),
                     id: claim.id,
                     lease: claim.lease,
                     route,
                 };
                 return execute::execute(self, claimed, request, head, fill).await;
             }
-            Ok(Decision::Replay(stored)) => replay::response(&stored).map(|r| (r, Outcome::Replayed)),
+            Ok(Decision::Replay(stored, expires_in)) => replay::response(&stored).map(|mut response| {
+                let expires_at = expiry::after(sent, expires_in);
+                expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
+                (response, Outcome::Replayed)
+            }),
             Err(refusal) => Err(refusal),
         };
         head.send(answer);
@@ -120,8 +133,8 @@ async fn release_orphan(proxy: Arc<Proxy>, id: RecordId, lease: Duration) {
 pub enum Decision {
     /// This request holds the key: forward it.
     Execute,
-    /// Answer from the stored response.
-    Replay(StoredResponse),
+    /// Answer from the stored response; the record expires after the duration.
+    Replay(StoredResponse, Duration),
 }
 
 /// The decision table. Errors are the refusals (409, 422, 502 for a held outcome). A 409's `Retry-After`
@@ -153,8 +166,9 @@ fn held(existing: Existing, retry_hint: Duration) -> Result<Decision, ProxyError
         Existing::Completed {
             same_fingerprint: true,
             response,
+            expires_in,
             ..
-        } => Ok(Decision::Replay(response)),
+        } => Ok(Decision::Replay(response, expires_in)),
         Existing::Processing {
             same_fingerprint: true,
             lease_remaining,
@@ -209,7 +223,7 @@ mod tests {
         });
         assert!(matches!(
             decide(result, "k", HINT, &Metrics::new()),
-            Ok(Decision::Replay(_))
+            Ok(Decision::Replay(..))
         ));
     }
 

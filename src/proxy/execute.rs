@@ -16,16 +16,16 @@ mod heartbeat;
 mod relay;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use http::{Request, StatusCode};
+use http::{HeaderMap, Request, StatusCode};
 use tokio::time::Instant;
 
 use self::heartbeat::Heartbeat;
 use self::relay::{Held, Relayed, ToStore};
 use super::cache::Fill;
 use super::upstream::stream_response;
-use super::{Answer, Handled, Proxy};
+use super::{Answer, Handled, Proxy, expiry};
 use crate::body::{BoxError, ProxyBody};
 use crate::config::{OnUnknownOutcome, Route};
 use crate::error::ProxyError;
@@ -46,6 +46,8 @@ pub(crate) struct Claimed {
     pub(crate) lease: Duration,
     /// The route the request took, whose policy decides what is stored and released.
     pub(crate) route: Arc<Route>,
+    /// When the record expires, where this process knows it (a new record).
+    pub(crate) expires_at: Option<SystemTime>,
 }
 
 /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
@@ -86,7 +88,8 @@ pub(crate) async fn execute(
         let answer = Ok((stream_response(response), Outcome::Executed));
         return release_then_answer(&proxy, &claim, head, answer).await;
     }
-    match relay::relay(&proxy, &claim.id, &claim.route.policy, response, head).await {
+    let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
+    match relay::relay(&proxy, &claim.id, &claim.route.policy, response, head, stamp).await {
         Relayed::Whole(record, held) => finish(&proxy, &claim, record, fill, held, heartbeat).await,
         Relayed::Broken {
             client,

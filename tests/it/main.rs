@@ -20,6 +20,7 @@ mod protocols;
 mod proxy_basic;
 mod replay_cache;
 mod roles;
+mod routes;
 mod store_coalesce;
 mod store_faults;
 mod store_pg;

@@ -142,6 +142,7 @@ pub(super) async fn relay(
     policy: &IdempotencyConfig,
     response: Response<PooledBody>,
     head: Answer,
+    stamp: impl FnOnce(&mut HeaderMap),
 ) -> Relayed {
     let (mut parts, mut upstream) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
@@ -154,6 +155,8 @@ pub(super) async fn relay(
             proxy.metrics.capture_budget_exhausted.clone(),
         ),
     };
+    // What the proxy adds for this client only, after the stored headers are taken.
+    stamp(&mut parts.headers);
     if http_body::Body::is_end_stream(&upstream) {
         drop(upstream);
         let held = Held::Head(head, Response::from_parts(parts, body::empty()));

@@ -58,6 +58,22 @@ impl ProxyConfig {
         self
     }
 
+    /// Appends a `[[routes]]` entry, written as the TOML of its table (`name = "a"\npath = "/a"`).
+    pub fn route(mut self, table: &str) -> ProxyConfig {
+        let route: toml::Table = table
+            .parse()
+            .unwrap_or_else(|e| panic!("route {table:?} is not TOML: {e}"));
+        let routes = self
+            .table
+            .entry("routes")
+            .or_insert_with(|| toml::Value::Array(Vec::new()));
+        let toml::Value::Array(routes) = routes else {
+            unreachable!("routes is an array of tables")
+        };
+        routes.push(toml::Value::Table(route));
+        self
+    }
+
     pub fn to_toml(&self) -> String {
         toml::to_string(&self.table).expect("test config renders as TOML")
     }

@@ -1,0 +1,309 @@
+//! `[[routes]]` as clients see them: which policy a request gets by path and method, what each route's
+//! keys are unique within, the key expiry header, the problem type base, and the route table
+//! `check-config` prints.
+
+use std::time::SystemTime;
+
+use rstest::rstest;
+
+use crate::cli::idemproxy;
+use crate::support::http::{TEST_CREDENTIAL, client};
+use crate::support::{Backend, Reply, TestEnv, keyed_post};
+
+const PAYMENTS: &str = r#"
+name = "payments"
+path = "/payments"
+required = true
+ttl = "48h"
+"#;
+
+const HEALTH: &str = r#"
+name = "health"
+path_prefix = "/health"
+passthrough = true
+"#;
+
+const REFUNDS: &str = r#"
+name = "refunds"
+path = "/orders/*/refund"
+match_methods = ["POST"]
+methods = ["POST", "PUT"]
+"#;
+
+fn unkeyed_post(base: &str, path: &str) -> reqwest::RequestBuilder {
+    client()
+        .post(format!("{base}{path}"))
+        .header("authorization", TEST_CREDENTIAL)
+        .header("content-type", "application/json")
+        .body("{}")
+}
+
+#[rstest]
+#[tokio::test]
+async fn each_request_gets_the_policy_of_the_first_route_that_matches(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env.config().route(PAYMENTS).route(HEALTH).route(REFUNDS);
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let url = proxy.url.clone();
+
+    // payments requires a key; the default route does not.
+    Reply::of(unkeyed_post(&url, "/payments"))
+        .await
+        .assert_problem(400, "missing-key");
+    assert_eq!(Reply::of(unkeyed_post(&url, "/orders")).await.status, 201);
+    assert_eq!(
+        env.upstream.executions(),
+        1,
+        "only the unkeyed default-route request ran"
+    );
+
+    // A passthrough route forwards keyed requests every time.
+    for _ in 0..2 {
+        let reply = Reply::of(keyed_post(&url, "/health/deep", "hk-1", "{}")).await;
+        assert_eq!(reply.status, 201);
+        assert!(!reply.is_replay());
+    }
+    assert_eq!(env.upstream.executions_for_key("hk-1"), 2);
+
+    // The refund route protects PUT too, which the default route passes through.
+    let put = |path: &str| {
+        client()
+            .put(format!("{url}{path}"))
+            .header("idempotency-key", "put-1")
+            .header("authorization", TEST_CREDENTIAL)
+            .body("{}")
+    };
+    let first = Reply::of(put("/orders/7/refund")).await;
+    // match_methods = ["POST"]: a PUT is not this route's, so the default route passes it through.
+    assert_eq!(first.status, 201);
+    let again = Reply::of(put("/orders/7/refund")).await;
+    assert!(!again.is_replay(), "the default route does not protect PUT");
+    let posted = Reply::of(keyed_post(&url, "/orders/7/refund", "refund-1", "{}")).await;
+    let replayed = Reply::of(keyed_post(&url, "/orders/7/refund", "refund-1", "{}")).await;
+    assert_eq!(posted.status, 201);
+    assert!(replayed.is_replay(), "the refund route protects its POSTs");
+    assert_eq!(env.upstream.executions_for_key("refund-1"), 1);
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_key_is_unique_within_its_route_scope(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .route("name = \"a\"\npath_prefix = \"/a/\"")
+        .route("name = \"b\"\npath_prefix = \"/b/\"")
+        .route("name = \"v1\"\npath_prefix = \"/v1/\"\nscope = \"orders\"")
+        .route("name = \"v2\"\npath_prefix = \"/v2/\"\nscope = \"orders\"");
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let url = proxy.url.clone();
+
+    // One client, one key, two routes: two operations.
+    assert_eq!(
+        Reply::of(keyed_post(&url, "/a/x", "same", "{}")).await.status,
+        201
+    );
+    assert!(
+        !Reply::of(keyed_post(&url, "/b/x", "same", "{}"))
+            .await
+            .is_replay()
+    );
+    assert!(
+        Reply::of(keyed_post(&url, "/a/x", "same", "{}"))
+            .await
+            .is_replay()
+    );
+    assert_eq!(env.upstream.executions_for_key("same"), 2);
+
+    // Two routes sharing a scope name share their keys: the key used on v1 is taken on v2 (for another
+    // path, so another request: 422).
+    assert_eq!(
+        Reply::of(keyed_post(&url, "/v1/orders", "shared", "{}"))
+            .await
+            .status,
+        201
+    );
+    Reply::of(keyed_post(&url, "/v2/orders", "shared", "{}"))
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(env.upstream.executions_for_key("shared"), 1);
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_webhook_route_is_scoped_by_its_sender_not_by_a_credential(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .route("name = \"hooks\"\npath_prefix = \"/hooks/\"\nscope_headers = [\"x-sender\"]")
+        .route("name = \"events\"\npath_prefix = \"/events/\"\nscope_headers = []\nunscoped = \"shared\"");
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let url = proxy.url.clone();
+    let hook = |sender: Option<&str>, key: &str| {
+        let request = client()
+            .post(format!("{url}/hooks/in"))
+            .header("idempotency-key", key)
+            .body("{}");
+        match sender {
+            Some(sender) => request.header("x-sender", sender),
+            None => request,
+        }
+    };
+
+    assert_eq!(Reply::of(hook(Some("shop-a"), "d-1")).await.status, 201);
+    assert!(Reply::of(hook(Some("shop-a"), "d-1")).await.is_replay());
+    assert!(!Reply::of(hook(Some("shop-b"), "d-1")).await.is_replay());
+    assert_eq!(
+        env.upstream.executions_for_key("d-1"),
+        2,
+        "one execution per sender"
+    );
+    Reply::of(hook(None, "d-2"))
+        .await
+        .assert_problem(400, "missing-scope");
+
+    // With a shared scope no credential is needed, and every client shares the keys.
+    let event = || {
+        client()
+            .post(format!("{url}/events/in"))
+            .header("idempotency-key", "e-1")
+            .body("{}")
+    };
+    assert_eq!(Reply::of(event()).await.status, 201);
+    assert!(Reply::of(event()).await.is_replay());
+    assert_eq!(env.upstream.executions_for_key("e-1"), 1);
+}
+
+/// The expiry an `Idempotency-Expires` header announces, as seconds from now.
+fn expires_in(reply: &Reply) -> i64 {
+    let value = reply.header("idempotency-expires").expect("the expiry header");
+    let at = httpdate::parse_http_date(value).expect("an HTTP date");
+    let secs = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs() as i64;
+    secs(at) - secs(SystemTime::now())
+}
+
+#[rstest]
+#[tokio::test]
+async fn the_expiry_header_tells_each_client_when_its_route_forgets_the_key(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .set("idempotency.expires_header", "Idempotency-Expires")
+        .route(PAYMENTS);
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let url = proxy.url.clone();
+    let hour = 3600;
+
+    let first = Reply::of(keyed_post(&url, "/payments", "pay-1", "{}")).await;
+    assert_eq!(first.status, 201);
+    let left = expires_in(&first);
+    assert!((48 * hour - 60..=48 * hour).contains(&left), "48h route: {left}s");
+    let replay = Reply::of(keyed_post(&url, "/payments", "pay-1", "{}")).await;
+    assert!(replay.is_replay());
+    assert!(
+        (left - 60..=left).contains(&expires_in(&replay)),
+        "the same expiry on the replay"
+    );
+
+    let default = Reply::of(keyed_post(&url, "/orders", "ord-1", "{}")).await;
+    let left = expires_in(&default);
+    assert!(
+        (24 * hour - 60..=24 * hour).contains(&left),
+        "24h default: {left}s"
+    );
+
+    // Neither a refusal nor a passthrough names an expiry: no key is kept for them.
+    let refused = Reply::of(unkeyed_post(&url, "/payments")).await;
+    assert_eq!(refused.header("idempotency-expires"), None);
+    let passed = Reply::of(unkeyed_post(&url, "/orders")).await;
+    assert_eq!(passed.header("idempotency-expires"), None);
+}
+
+#[rstest]
+#[tokio::test]
+async fn problem_types_point_at_the_operators_documentation(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .set("server.problem_type_base", "https://docs.example.com/errors#")
+        .route(PAYMENTS);
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let reply = Reply::of(unkeyed_post(&proxy.url.clone(), "/payments")).await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(
+        reply.json()["type"],
+        "https://docs.example.com/errors#missing-key"
+    );
+}
+
+/// A temporary config file.
+fn config_file(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::Builder::new()
+        .suffix(".toml")
+        .tempfile()
+        .expect("temp config");
+    std::io::Write::write_all(&mut file, text.as_bytes()).expect("temp config written");
+    file
+}
+
+#[tokio::test]
+async fn check_config_prints_the_route_table_in_match_order() {
+    let file = config_file(&format!(
+        "[[routes]]\n{PAYMENTS}\n[[routes]]\n{HEALTH}\n[[routes]]\n{REFUNDS}\n"
+    ));
+    let output = idemproxy(&["check-config", "--config", file.path().to_str().unwrap()], &[]).await;
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let table: Vec<&str> = stdout
+        .lines()
+        .skip_while(|line| !line.starts_with("# Routes"))
+        .collect();
+    assert_eq!(table.len(), 5, "{stdout}");
+    assert!(
+        table[1].contains("0. \"payments\" * path = \"/payments\""),
+        "{stdout}"
+    );
+    assert!(
+        table[1].contains("(required)") && table[1].contains("ttl 2days"),
+        "{stdout}"
+    );
+    assert!(
+        table[2].contains("1. \"health\" * path_prefix = \"/health\": passthrough"),
+        "{stdout}"
+    );
+    assert!(
+        table[3].contains("2. \"refunds\" POST path = \"/orders/*/refund\""),
+        "{stdout}"
+    );
+    assert!(table[3].contains("protects POST,PUT"), "{stdout}");
+    assert!(
+        table[4].contains("-. \"default\" * (any other request)"),
+        "{stdout}"
+    );
+    assert!(stdout.parse::<toml::Table>().is_ok(), "check-config prints TOML");
+}
+
+#[tokio::test]
+async fn a_route_that_can_never_match_stops_the_start_with_one_line() {
+    let file = config_file(
+        "[[routes]]\nname = \"all\"\npath_prefix = \"/\"\n[[routes]]\nname = \"pay\"\npath = \"/pay\"\n",
+    );
+    let output = idemproxy(&["serve", "--config", file.path().to_str().unwrap()], &[]).await;
+    assert_eq!(output.status.code(), Some(64), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("routes[1]") && stderr.contains("routes[0]"),
+        "{stderr}"
+    );
+}
