@@ -52,7 +52,8 @@ pub enum ProxyError {
     /// The key header is malformed, too long, or repeated.
     #[error("invalid idempotency key: {0}")]
     InvalidKey(String),
-    /// A keyed request carries none of `idempotency.scope_headers` while `unscoped = "reject"`.
+    /// A keyed request carries none of its route's scope headers (nor its scope cookie) while
+    /// `unscoped = "reject"`; the text names the setting and what it lists.
     #[error("keyed request without any of the scope headers {0}")]
     MissingScope(String),
     /// The keyed request body is over `max_request_body`.
@@ -186,9 +187,9 @@ impl ProxyError {
             ProxyError::MissingKey(what) => format!("This request needs {what}."),
             ProxyError::InvalidKey(why) => format!("The idempotency key is invalid: {why}."),
             ProxyError::MissingScope(headers) => format!(
-                "A request with an idempotency key must carry a credential in one of \
-                 idempotency.scope_headers ({headers}), so that one client's key never answers \
-                 another's; or the proxy must be configured with idempotency.unscoped = \"shared\"."
+                "A request with an idempotency key must carry a credential in one of {headers}, so \
+                 that one client's key never answers another's; or the proxy must be configured with \
+                 unscoped = \"shared\" there."
             ),
             ProxyError::RequestTooLarge { limit } => {
                 format!("The request body is larger than {limit} bytes.")

@@ -16,7 +16,7 @@ use self::budget::ReservedBody;
 use super::upstream::Downstream;
 use super::{Handled, Proxy, key};
 use crate::access;
-use crate::config::{IdempotencyConfig, Route, Unscoped};
+use crate::config::{DEFAULT_ROUTE, IdempotencyConfig, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
 use crate::store::{ClaimRequest, RecordId};
 
@@ -58,7 +58,7 @@ impl Proxy {
     ) -> Result<Result<Intake, Unkeyed>, ProxyError> {
         let policy = &route.policy;
         if key.is_some() {
-            check_scope(policy, request.headers())?;
+            check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
         let body = self.read_body(policy, &parts.headers, body).await?;
@@ -66,7 +66,7 @@ impl Proxy {
             Some(key) => key,
             None => match key::source::from_body(policy, &parts, &body.bytes)? {
                 Some(key) => {
-                    check_scope(policy, &parts.headers)?;
+                    check_scope(&route, &parts.headers)?;
                     key
                 }
                 None if policy.required => {
@@ -124,10 +124,16 @@ impl Proxy {
 /// Refuses a keyed request that names no client in any scope header or the scope cookie (unless scopes
 /// may be shared): without one, every such client would share one scope, and one client's key would
 /// answer another's.
-fn check_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> Result<(), ProxyError> {
+fn check_scope(route: &Route, headers: &HeaderMap) -> Result<(), ProxyError> {
+    let policy = &route.policy;
     if policy.unscoped == Unscoped::Shared || key::has_scope(policy, headers) {
         return Ok(());
     }
+    Err(ProxyError::MissingScope(scope_setting(route, policy)))
+}
+
+/// The scope setting a refused request did not satisfy, as the `missing-scope` detail names it.
+fn scope_setting(route: &Route, policy: &IdempotencyConfig) -> String {
     let mut names: Vec<String> = policy
         .scope_headers
         .iter()
@@ -137,7 +143,11 @@ fn check_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> Result<(), Pr
     if let Some(cookie) = &policy.scope_cookie {
         names.push(format!("cookie {cookie}"));
     }
-    Err(ProxyError::MissingScope(names.join(", ")))
+    let names = names.join(", ");
+    match route.name.as_str() {
+        DEFAULT_ROUTE => format!("idempotency.scope_headers ({names})"),
+        name => format!("the scope headers of route {name:?} ({names})"),
+    }
 }
 
 fn claim_request(route: &Route, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {

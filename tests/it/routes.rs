@@ -164,9 +164,10 @@ async fn a_webhook_route_is_scoped_by_its_sender_not_by_a_credential(
         2,
         "one execution per sender"
     );
-    Reply::of(hook(None, "d-2"))
-        .await
-        .assert_problem(400, "missing-scope");
+    let refused = Reply::of(hook(None, "d-2")).await;
+    refused.assert_problem(400, "missing-scope");
+    let detail = refused.json()["detail"].as_str().unwrap_or_default().to_owned();
+    assert!(detail.contains("route \"hooks\" (x-sender)"), "{detail}");
 
     // With a shared scope no credential is needed, and every client shares the keys.
     let event = || {
@@ -327,4 +328,86 @@ async fn the_readme_route_example_prints_the_table_the_readme_shows() {
     let printed = &stdout[stdout.find("# Routes").expect("the route table")..];
     let shown = readme_block("`check-config`** prints the resolved table", "```\n");
     assert_eq!(printed, shown);
+}
+
+/// Sends a keyed POST whose response the upstream breaks off mid-body; the client sees it broken.
+async fn broken_post(base: &str, key: &str) {
+    let response = keyed_post(base, "/reset-mid-body", key, "{}").send().await;
+    let broken = match response {
+        Ok(response) => response.bytes().await.is_err(),
+        Err(_) => true,
+    };
+    assert!(broken, "the client must not see a complete body");
+}
+
+#[rstest]
+#[tokio::test]
+async fn each_route_option_applies_to_its_own_route_only(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .route("name = \"keep-503\"\npath = \"/status/503\"\nrelease_statuses = []")
+        .route(
+            "name = \"tenant\"\npath = \"/tenant\"\nfingerprint_headers = [\"content-type\", \"x-version\"]",
+        )
+        .route("name = \"small\"\npath = \"/small\"\nmax_request_body = \"16B\"")
+        .route(
+            "name = \"sessions\"\npath = \"/cookie\"\nnever_store_headers = [\"set-cookie\", \"x-session\"]",
+        )
+        .route("name = \"quick\"\npath = \"/reset-mid-body\"\nlock_timeout = \"1s\"\nttl = \"1h\"");
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let url = proxy.url.clone();
+    let post = |path: &str, key: &str| keyed_post(&url, path, key, "{}");
+
+    // release_statuses = []: a 503 is stored and replayed, where the default releases it.
+    assert_eq!(Reply::of(post("/status/503", "s-1")).await.status, 503);
+    assert!(Reply::of(post("/status/503", "s-1")).await.is_replay());
+    assert_eq!(env.upstream.executions_for_key("s-1"), 1);
+    assert_eq!(Reply::of(post("/status/502", "s-2")).await.status, 502);
+    assert!(!Reply::of(post("/status/502", "s-2")).await.is_replay());
+    assert_eq!(env.upstream.executions_for_key("s-2"), 2);
+
+    // A fingerprint header of one route: another value is another request (422) there only.
+    let versioned = |path: &str, version: &str| post(path, "v-1").header("x-version", version);
+    assert_eq!(Reply::of(versioned("/tenant", "1")).await.status, 201);
+    Reply::of(versioned("/tenant", "2"))
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(Reply::of(versioned("/other", "1")).await.status, 201);
+    assert!(Reply::of(versioned("/other", "2")).await.is_replay());
+
+    // max_request_body of one route.
+    let big = "x".repeat(100);
+    Reply::of(keyed_post(&url, "/small", "b-1", &big))
+        .await
+        .assert_problem(413, "request-too-large");
+    assert_eq!(
+        Reply::of(keyed_post(&url, "/large", "b-1", &big)).await.status,
+        201
+    );
+
+    // never_store_headers of one route: the replay there lacks x-session, the default's keeps it.
+    let first = Reply::of(post("/cookie", "c-1")).await;
+    assert!(first.header("x-session").is_some());
+    let replay = Reply::of(post("/cookie", "c-1")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.header("x-session"), None);
+
+    // lock_timeout of one route: an ambiguous failure holds the key for 1 s there, after which the
+    // retry runs again (a stale takeover); the default route's 30 s lease would still answer 409.
+    broken_post(&url, "r-1").await;
+    Reply::of(post("/reset-mid-body", "r-1"))
+        .await
+        .assert_problem(409, "key-in-flight");
+    crate::support::poll_until("the 1 s lease to run out", || async {
+        // Executed again, the retry is broken off mid-body like the original.
+        match Reply::try_of(post("/reset-mid-body", "r-1")).await {
+            Ok(reply) if reply.status == 409 => None,
+            _ => Some(()),
+        }
+    })
+    .await;
+    assert_eq!(env.upstream.executions_for_key("r-1"), 2);
 }
