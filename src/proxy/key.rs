@@ -1,8 +1,9 @@
 //! Runs first for a protected request, before any store work: reads the idempotency key (from the
-//! route's key source, `key/source.rs`), derives the scope from the route's scope name and the client's
+//! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope name and the client's
 //! credentials, and fingerprints the request under the route's policy. Pure functions of the request;
 //! touches nothing else.
 
+pub mod cloudevents;
 pub mod source;
 
 use http::header::GetAll;
@@ -53,7 +54,8 @@ fn unquote(raw: &str) -> Result<String, ProxyError> {
     }
 }
 
-fn check_key(key: &str, max_len: usize) -> Result<(), ProxyError> {
+/// Refuses a key that is empty, longer than `max_len`, or holds anything but visible ASCII.
+pub(crate) fn check_key(key: &str, max_len: usize) -> Result<(), ProxyError> {
     if key.is_empty() {
         return Err(invalid("empty"));
     }
