@@ -1,8 +1,11 @@
 //! Runs first for a protected request, before any store work: reads the idempotency key (from the
-//! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope name and the client's
-//! credentials, and fingerprints the request under the route's policy. Pure functions of the request;
-//! touches nothing else.
+//! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope
+//! name and the client's credentials, and
+//! fingerprints the request under the route's policy (a JSON body by its meaning with
+//! `fingerprint_body = "json"`, `key/canonical.rs`). Pure functions of the request; touches nothing
+//! else.
 
+pub mod canonical;
 pub mod cloudevents;
 pub mod source;
 
@@ -10,7 +13,7 @@ use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::config::IdempotencyConfig;
+use crate::config::{FingerprintBody, IdempotencyConfig};
 use crate::error::ProxyError;
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
@@ -94,7 +97,9 @@ pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) 
     format!("{scope_name}:{}", hex::encode(hash.finalize()))
 }
 
-/// The fingerprint of a request under its route's policy.
+/// The fingerprint of a request under its route's policy: SHA-256 over what makes two requests "the
+/// same": method, path with query, the fingerprint headers' values, and the body, byte for byte or (with
+/// `fingerprint_body = "json"`) by its JSON meaning.
 pub fn fingerprint(
     policy: &IdempotencyConfig,
     method: &Method,
@@ -102,12 +107,31 @@ pub fn fingerprint(
     headers: &HeaderMap,
     body: &[u8],
 ) -> [u8; 32] {
-    fingerprint_of(method, uri, headers, &policy.fingerprint_headers, body)
+    let mut hash = head_hash(method, uri, headers, &policy.fingerprint_headers);
+    match policy.fingerprint_body {
+        FingerprintBody::Bytes => hash_field(&mut hash, body),
+        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude),
+    }
+    hash.finalize().into()
 }
 
-/// SHA-256 over what makes two requests "the same": method, path with query, the fingerprint headers'
-/// values, and the body. Every field is length-prefixed so no two different requests hash alike by
-/// shifting bytes between fields.
+/// A body counted by its meaning when it parses as JSON, else by its bytes; a tag field says which, so
+/// the two never meet.
+fn hash_json_body(hash: &mut Sha256, body: &[u8], exclude: &[String]) {
+    match canonical::parse(body, exclude) {
+        Some(value) => {
+            hash_field(hash, b"json");
+            canonical::write(hash, &value);
+        }
+        None => {
+            hash_field(hash, b"bytes");
+            hash_field(hash, body);
+        }
+    }
+}
+
+/// The fingerprint with the body counted byte for byte.
+#[cfg(test)]
 fn fingerprint_of(
     method: &Method,
     uri: &Uri,
@@ -115,6 +139,14 @@ fn fingerprint_of(
     names: &[HeaderName],
     body: &[u8],
 ) -> [u8; 32] {
+    let mut hash = head_hash(method, uri, headers, names);
+    hash_field(&mut hash, body);
+    hash.finalize().into()
+}
+
+/// The hash of the request's head as the fingerprint counts it. Every field is length-prefixed so no two
+/// different requests hash alike by shifting bytes between fields.
+fn head_hash(method: &Method, uri: &Uri, headers: &HeaderMap, names: &[HeaderName]) -> Sha256 {
     let mut hash = Sha256::new();
     hash_field(&mut hash, method.as_str().as_bytes());
     let target = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
@@ -125,8 +157,7 @@ fn fingerprint_of(
             hash_field(&mut hash, value.as_bytes());
         }
     }
-    hash_field(&mut hash, body);
-    hash.finalize().into()
+    hash
 }
 
 /// A short name for a record in logs: the first 8 bytes of a SHA-256 over its scope and key, in hex.
@@ -203,6 +234,79 @@ mod tests {
         assert_ne!(scope("r", &policy, &a), scope("s", &policy, &a));
         assert!(scope("r", &policy, &a).starts_with("r:"));
         assert!(!scope("r", &policy, &a).contains("alice"));
+    }
+
+    fn json_policy(exclude: &[&str]) -> IdempotencyConfig {
+        crate::config::RawIdempotency {
+            fingerprint_body: FingerprintBody::Json,
+            fingerprint_exclude: exclude.iter().map(|p| (*p).to_owned()).collect(),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    fn json_fingerprint(policy: &IdempotencyConfig, body: &str) -> [u8; 32] {
+        let uri: Uri = "/pay".parse().unwrap();
+        fingerprint(policy, &Method::POST, &uri, &HeaderMap::new(), body.as_bytes())
+    }
+
+    #[test]
+    fn a_json_fingerprint_ignores_form_and_excluded_fields_only() {
+        let policy = json_policy(&["/sent_at"]);
+        let base = json_fingerprint(&policy, r#"{"amount":100,"currency":"eur","sent_at":1}"#);
+        let retry = json_fingerprint(
+            &policy,
+            "{\"sent_at\": 2,\n \"currency\": \"eur\", \"amount\": 100}",
+        );
+        assert_eq!(base, retry);
+        assert_ne!(
+            base,
+            json_fingerprint(&policy, r#"{"amount":999,"currency":"eur","sent_at":1}"#)
+        );
+        let bytes = crate::config::RawIdempotency::default().validate().unwrap();
+        assert_ne!(
+            json_fingerprint(&bytes, r#"{"a":1,"b":2}"#),
+            json_fingerprint(&bytes, r#"{"b":2,"a":1}"#),
+            "bytes mode counts the bytes"
+        );
+    }
+
+    #[test]
+    fn a_json_fingerprint_of_a_body_that_is_not_json_counts_its_bytes_apart_from_json() {
+        let policy = json_policy(&[]);
+        assert_eq!(
+            json_fingerprint(&policy, "a=1&b=2"),
+            json_fingerprint(&policy, "a=1&b=2")
+        );
+        assert_ne!(
+            json_fingerprint(&policy, "a=1&b=2"),
+            json_fingerprint(&policy, "b=2&a=1")
+        );
+        assert_ne!(json_fingerprint(&policy, "\"x\""), json_fingerprint(&policy, "x"));
+    }
+
+    #[test]
+    fn the_bytes_fingerprint_is_what_it_always_was() {
+        let policy = crate::config::RawIdempotency::default().validate().unwrap();
+        let uri: Uri = "/pay?x=1".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        let mut hash = Sha256::new();
+        for field in [
+            &b"POST"[..],
+            b"/pay?x=1",
+            b"content-type",
+            b"application/json",
+            b"{}",
+        ] {
+            hash_field(&mut hash, field);
+        }
+        let expected: [u8; 32] = hash.finalize().into();
+        assert_eq!(
+            fingerprint(&policy, &Method::POST, &uri, &headers, b"{}"),
+            expected
+        );
     }
 
     #[test]
