@@ -1,12 +1,13 @@
 //! Runs first for a protected request, before any store work: reads the idempotency key (from the
 //! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope
-//! name and the client's credentials, and
+//! name and the client's credentials (scope headers and the scope cookie, `key/cookie.rs`), and
 //! fingerprints the request under the route's policy (a JSON body by its meaning with
 //! `fingerprint_body = "json"`, `key/canonical.rs`). Pure functions of the request; touches nothing
 //! else.
 
 pub mod canonical;
 pub mod cloudevents;
+pub mod cookie;
 pub mod source;
 
 use http::header::GetAll;
@@ -75,17 +76,23 @@ fn invalid(why: &str) -> ProxyError {
     ProxyError::InvalidKey(why.to_owned())
 }
 
-/// Whether the request names its client in at least one of the policy's scope headers (an empty value
-/// names no one).
+/// Whether the request names its client in at least one of the policy's scope headers, or in the scope
+/// cookie (an empty value names no one).
 pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
-    policy
+    let by_header = policy
         .scope_headers
         .iter()
-        .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()))
+        .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()));
+    by_header
+        || policy
+            .scope_cookie
+            .as_deref()
+            .is_some_and(|name| cookie::values(headers, name).iter().any(|v| !v.is_empty()))
 }
 
-/// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers'
-/// values, so clients with different credentials never share keys and credentials are never stored.
+/// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers' values
+/// and the scope cookie's, so clients with different credentials never share keys and credentials are
+/// never stored.
 pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
     for name in &policy.scope_headers {
@@ -94,7 +101,20 @@ pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) 
             hash_field(&mut hash, value.as_bytes());
         }
     }
+    if let Some(name) = &policy.scope_cookie {
+        hash_cookie(&mut hash, name, headers);
+    }
     format!("{scope_name}:{}", hex::encode(hash.finalize()))
+}
+
+/// The scope cookie's part of the scope hash, after the headers' (which leave a scope without a cookie
+/// as it always was). It opens with a field that starts with a NUL byte, which no header name or value
+/// can hold, so where the headers' values end and the cookie's begin is never in doubt.
+fn hash_cookie(hash: &mut Sha256, name: &str, headers: &HeaderMap) {
+    hash_field(hash, format!("\0cookie:{name}").as_bytes());
+    for value in cookie::values(headers, name) {
+        hash_field(hash, value.as_bytes());
+    }
 }
 
 /// The fingerprint of a request under its route's policy: SHA-256 over what makes two requests "the
@@ -234,6 +254,90 @@ mod tests {
         assert_ne!(scope("r", &policy, &a), scope("s", &policy, &a));
         assert!(scope("r", &policy, &a).starts_with("r:"));
         assert!(!scope("r", &policy, &a).contains("alice"));
+    }
+
+    fn cookie_policy() -> IdempotencyConfig {
+        crate::config::RawIdempotency {
+            scope_cookie: Some("session".into()),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    fn with_cookie(line: &'static str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert("authorization", HeaderValue::from_static("Bearer app"));
+        headers.insert("cookie", HeaderValue::from_static(line));
+        headers
+    }
+
+    #[test]
+    fn the_scope_cookie_separates_sessions_and_hides_them() {
+        let policy = cookie_policy();
+        let alice = with_cookie("theme=dark; session=alice-session");
+        let bob = with_cookie("session=bob-session");
+        assert_ne!(scope("r", &policy, &alice), scope("r", &policy, &bob));
+        assert!(!scope("r", &policy, &alice).contains("alice"));
+        let same = with_cookie("session=\"alice-session\"; lang=en");
+        assert_eq!(scope("r", &policy, &alice), scope("r", &policy, &same));
+        let without = with_cookie("theme=dark");
+        assert_ne!(scope("r", &policy, &alice), scope("r", &policy, &without));
+    }
+
+    #[test]
+    fn a_scope_without_a_scope_cookie_is_what_it_always_was() {
+        let plain = crate::config::RawIdempotency::default().validate().unwrap();
+        let headers = with_cookie("session=s");
+        assert_ne!(
+            scope("r", &plain, &headers),
+            scope("r", &cookie_policy(), &headers)
+        );
+        let mut hash = Sha256::new();
+        hash_field(&mut hash, b"authorization");
+        hash_field(&mut hash, b"Bearer app");
+        assert_eq!(
+            scope("r", &plain, &headers),
+            format!("r:{}", hex::encode(hash.finalize()))
+        );
+    }
+
+    #[test]
+    fn a_cookie_value_never_passes_for_a_header_value() {
+        let policy = crate::config::RawIdempotency {
+            scope_cookie: Some("session".into()),
+            scope_headers: vec!["x-user".into(), "x-tenant".into()],
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        let mut in_header = HeaderMap::new();
+        in_header.insert("x-tenant", HeaderValue::from_static("s1"));
+        let mut in_cookie = HeaderMap::new();
+        in_cookie.insert("cookie", HeaderValue::from_static("session=s1"));
+        assert_ne!(scope("r", &policy, &in_header), scope("r", &policy, &in_cookie));
+    }
+
+    #[test]
+    fn the_scope_cookie_names_a_client() {
+        let policy = crate::config::RawIdempotency {
+            scope_cookie: Some("session".into()),
+            scope_headers: Vec::new(),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        let mut headers = HeaderMap::new();
+        assert!(!has_scope(&policy, &headers));
+        headers.insert("cookie", HeaderValue::from_static("theme=dark; session="));
+        assert!(!has_scope(&policy, &headers), "an empty cookie names no one");
+        headers.insert("cookie", HeaderValue::from_static("theme=dark; session=s1"));
+        assert!(has_scope(&policy, &headers));
+        let plain = crate::config::RawIdempotency::default().validate().unwrap();
+        assert!(
+            !has_scope(&plain, &headers),
+            "cookies count only when the policy names one"
+        );
     }
 
     fn json_policy(exclude: &[&str]) -> IdempotencyConfig {
