@@ -58,6 +58,24 @@ impl ProxyConfig {
         self
     }
 
+    /// Lays raw TOML over the config, for what `set` cannot write (`[[routes]]`): arrays of tables are
+    /// appended to any already there, tables are merged key by key, anything else replaces.
+    pub fn with_toml(mut self, text: &str) -> ProxyConfig {
+        let extra: toml::Table = text
+            .parse()
+            .unwrap_or_else(|e| panic!("test TOML does not parse: {e}\n{text}"));
+        for (key, value) in extra {
+            match (self.table.get_mut(&key), value) {
+                (Some(toml::Value::Array(have)), toml::Value::Array(more)) => have.extend(more),
+                (Some(toml::Value::Table(have)), toml::Value::Table(more)) => have.extend(more),
+                (_, value) => {
+                    self.table.insert(key, value);
+                }
+            }
+        }
+        self
+    }
+
     pub fn to_toml(&self) -> String {
         toml::to_string(&self.table).expect("test config renders as TOML")
     }
