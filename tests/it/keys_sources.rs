@@ -16,8 +16,7 @@ name = "github"
 path = "/webhooks/github"
 key = "header:X-GitHub-Delivery"
 required = true
-unscoped = "shared"
-scope_headers = []
+scope_headers = ["x-github-hook-id"]
 
 [[routes]]
 name = "stripe"
@@ -80,8 +79,9 @@ fn post(proxy: &InProcessProxy, path: &str) -> reqwest::RequestBuilder {
     client().post(format!("{}{path}", proxy.url))
 }
 
-fn github_delivery(proxy: &InProcessProxy, delivery: &str) -> reqwest::RequestBuilder {
+fn github_delivery(proxy: &InProcessProxy, hook: &str, delivery: &str) -> reqwest::RequestBuilder {
     post(proxy, "/webhooks/github")
+        .header("x-github-hook-id", hook)
         .header("x-github-delivery", delivery)
         .header("x-github-event", "push")
         .header("content-type", "application/json")
@@ -96,10 +96,10 @@ async fn keys_a_github_redelivery_is_replayed_and_runs_once(
     let env = TestEnv::on(backend).await;
     let proxy = start(&env).await;
     let delivery = "72d3162e-cc78-11e3-81ab-4c9367dc0958";
-    let first = Reply::of(github_delivery(&proxy, delivery)).await;
+    let first = Reply::of(github_delivery(&proxy, "4001", delivery)).await;
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(!first.is_replay());
-    let redelivery = Reply::of(github_delivery(&proxy, delivery)).await;
+    let redelivery = Reply::of(github_delivery(&proxy, "4001", delivery)).await;
     assert!(redelivery.is_replay(), "{:?}", redelivery.headers);
     assert_eq!(redelivery.body, first.body);
     assert_eq!(env.upstream.executions(), 1);
@@ -109,10 +109,23 @@ async fn keys_a_github_redelivery_is_replayed_and_runs_once(
         "the id reaches the app"
     );
 
-    let next = Reply::of(github_delivery(&proxy, "0b989ba4-242f-11e5-81e1-c7b6c2aafc6b")).await;
+    let next = Reply::of(github_delivery(
+        &proxy,
+        "4001",
+        "0b989ba4-242f-11e5-81e1-c7b6c2aafc6b",
+    ))
+    .await;
     assert_eq!(next.status, 201);
     assert!(!next.is_replay());
     assert_eq!(env.upstream.executions(), 2);
+
+    // Another webhook subscribed to the same event gets the same GUID: its own scope, its own run.
+    let other_hook = Reply::of(github_delivery(&proxy, "4002", delivery)).await;
+    assert!(!other_hook.is_replay());
+    assert_eq!(env.upstream.executions(), 3);
+    let unsigned = Reply::of(post(&proxy, "/webhooks/github").header("x-github-delivery", delivery)).await;
+    unsigned.assert_problem(400, "missing-scope");
+    assert_eq!(env.upstream.executions(), 3);
 }
 
 fn stripe_event(proxy: &InProcessProxy, body: &str) -> reqwest::RequestBuilder {
