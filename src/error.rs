@@ -52,6 +52,10 @@ pub enum ProxyError {
     /// The key header is malformed, too long, or repeated.
     #[error("invalid idempotency key: {0}")]
     InvalidKey(String),
+    /// A batch of CloudEvents (`application/cloudevents-batch+json`) on a route keyed by CloudEvents:
+    /// one request carries many events, so it has no one key.
+    #[error("a CloudEvents batch cannot be deduplicated as one request")]
+    CloudEventsBatch,
     /// A keyed request carries none of its route's scope headers (nor its scope cookie) while
     /// `unscoped = "reject"`; the text names the setting and what it lists.
     #[error("keyed request without any of the scope headers {0}")]
@@ -116,6 +120,7 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
+            | ProxyError::CloudEventsBatch
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_) => StatusCode::BAD_REQUEST,
             ProxyError::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -140,6 +145,7 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_) => "missing-key",
             ProxyError::InvalidKey(_) => "invalid-key",
+            ProxyError::CloudEventsBatch => "cloudevents-batch",
             ProxyError::MissingScope(_) => "missing-scope",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
             ProxyError::ClientBody(_) => "bad-request-body",
@@ -162,6 +168,7 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_) => "Idempotency key missing",
             ProxyError::InvalidKey(_) => "Idempotency key invalid",
+            ProxyError::CloudEventsBatch => "CloudEvents batch not accepted",
             ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
             ProxyError::ClientBody(_) => "Request body unreadable",
@@ -186,6 +193,12 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(what) => format!("This request needs {what}."),
             ProxyError::InvalidKey(why) => format!("The idempotency key is invalid: {why}."),
+            ProxyError::CloudEventsBatch => {
+                "This route deduplicates CloudEvents one event per request; a batch \
+                 (application/cloudevents-batch+json) holds many events and has no one key. Send each \
+                 event on its own, in binary or structured mode."
+                    .into()
+            }
             ProxyError::MissingScope(headers) => format!(
                 "A request with an idempotency key must carry a credential in one of {headers}, so \
                  that one client's key never answers another's; or the proxy must be configured with \
@@ -244,6 +257,7 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
+            | ProxyError::CloudEventsBatch
             | ProxyError::MissingScope(_)
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)

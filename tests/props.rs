@@ -251,3 +251,140 @@ proptest! {
         assert_one_line_naming_a_key(&text)?;
     }
 }
+
+/// Any JSON document of a few levels: every type, keys and strings with characters JSON escapes.
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value;
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        (-1e9f64..1e9).prop_map(Value::from),
+        "[ -~é\u{1F600}\n]{0,8}".prop_map(Value::from),
+    ];
+    leaf.prop_recursive(4, 40, 5, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+            prop::collection::btree_map("[a-z\"/~é]{0,4}", inner, 0..5)
+                .prop_map(|members| Value::Object(members.into_iter().collect())),
+        ]
+    })
+}
+
+/// `value` as another client might write it: object members in reverse order, whitespace everywhere.
+fn messy_json(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(messy_json).collect();
+            format!("[ {} ]", items.join(" ,\n "))
+        }
+        Value::Object(members) => {
+            let members: Vec<String> = members
+                .iter()
+                .rev()
+                .map(|(name, member)| format!("{} :\t{}", Value::from(name.as_str()), messy_json(member)))
+                .collect();
+            format!("{{\n  {}\n}}", members.join(",\n  "))
+        }
+        scalar => format!(" {scalar} "),
+    }
+}
+
+fn json_fp(body: &str) -> [u8; 32] {
+    let policy = idemproxy::config::RawIdempotency {
+        fingerprint_body: idemproxy::config::FingerprintBody::Json,
+        ..idemproxy::config::RawIdempotency::default()
+    }
+    .validate()
+    .expect("a JSON fingerprint policy is valid");
+    let uri: Uri = "/pay".parse().expect("valid target");
+    fingerprint(&policy, &Method::POST, &uri, &HeaderMap::new(), body.as_bytes())
+}
+
+/// The key a source reads from a request with these headers and body, keys up to `max` long.
+fn source_key(
+    source: &str,
+    max: usize,
+    headers: &[(&str, String)],
+    body: &[u8],
+) -> Result<Option<String>, ProxyError> {
+    let policy = idemproxy::config::RawIdempotency {
+        key: Some(source.to_owned()),
+        max_key_length: max,
+        ..idemproxy::config::RawIdempotency::default()
+    }
+    .validate()
+    .expect("a valid key source");
+    let mut request = http::Request::post("/events");
+    for (name, value) in headers {
+        request = request.header(*name, value.as_str());
+    }
+    let (parts, ()) = request.body(()).expect("a valid request").into_parts();
+    idemproxy::proxy::key::source::from_body(&policy, &parts, body)
+}
+
+fn assert_a_key_or_a_400(result: Result<Option<String>, ProxyError>) -> Result<(), TestCaseError> {
+    match result {
+        Ok(Some(key)) => {
+            prop_assert!(!key.is_empty() && key.len() <= MAX_KEY, "{key:?}");
+            prop_assert!(key.bytes().all(|b| b.is_ascii_graphic()), "{key:?}");
+        }
+        Ok(None) | Err(ProxyError::InvalidKey(_)) | Err(ProxyError::CloudEventsBatch) => {}
+        Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn a_re_serialised_json_body_has_the_same_json_fingerprint(value in json_value()) {
+        let compact = value.to_string();
+        let messy = messy_json(&value);
+        prop_assert_eq!(json_fp(&compact), json_fp(&messy), "{} vs {}", compact, messy);
+    }
+
+    #[test]
+    fn different_json_documents_have_different_json_fingerprints(a in json_value(), b in json_value()) {
+        if a != b {
+            prop_assert_ne!(json_fp(&a.to_string()), json_fp(&b.to_string()), "{} vs {}", a, b);
+        }
+    }
+
+    #[test]
+    fn body_key_sources_answer_any_body_with_a_valid_key_or_a_400(
+        body in prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..120),
+            json_value().prop_map(|v| v.to_string().into_bytes()),
+            json_value().prop_map(|v| serde_json::json!({"id": v, "source": "/s"}).to_string().into_bytes()),
+        ],
+        structured in any::<bool>(),
+    ) {
+        assert_a_key_or_a_400(source_key("json:/id", MAX_KEY, &[], &body))?;
+        assert_a_key_or_a_400(source_key("template:{method}{path}/{json:/id}", MAX_KEY, &[], &body))?;
+        let content_type = if structured { "application/cloudevents+json" } else { "application/json" };
+        let headers = [("content-type", content_type.to_owned())];
+        assert_a_key_or_a_400(source_key("cloudevents", MAX_KEY, &headers, &body))?;
+    }
+
+    #[test]
+    fn a_cloudevent_has_one_key_in_binary_and_structured_mode(
+        source in "[ -~é\u{1F600}]{1,12}",
+        id in "[ -~é\u{1F600}]{1,12}",
+    ) {
+        use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+        let binary = [
+            ("ce-source", utf8_percent_encode(&source, NON_ALPHANUMERIC).to_string()),
+            ("ce-id", utf8_percent_encode(&id, NON_ALPHANUMERIC).to_string()),
+        ];
+        let binary_key = source_key("cloudevents", 4096, &binary, b"{}");
+        let structured = [("content-type", "application/cloudevents+json".to_owned())];
+        let event = serde_json::json!({"specversion": "1.0", "source": source, "id": id});
+        let structured_key = source_key("cloudevents", 4096, &structured, event.to_string().as_bytes());
+        let key = binary_key.expect("a binary event's key").expect("a binary event has a key");
+        prop_assert!(key.bytes().all(|b| b.is_ascii_graphic()), "{key:?}");
+        prop_assert_eq!(Some(key), structured_key.expect("a structured event's key"));
+    }
+}

@@ -245,6 +245,47 @@ mod tests {
         }
     }
 
+    /// The ```toml blocks of the README's "Webhook and event receivers" section.
+    fn readme_receiver_examples() -> Vec<&'static str> {
+        const README: &str = include_str!("../../README.md");
+        let start = README
+            .find("\n## Webhook and event receivers\n")
+            .expect("README has a Webhook and event receivers section");
+        let section = &README[start + 1..];
+        let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+        section
+            .split("```toml\n")
+            .skip(1)
+            .map(|block| block.split("```").next().unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn every_receiver_example_in_the_readme_loads() {
+        let examples = readme_receiver_examples();
+        let mut names = Vec::new();
+        for example in &examples {
+            let config = crate::config::Config::from_toml_str(example)
+                .unwrap_or_else(|e| panic!("README example does not load: {e}\n{example}"));
+            assert!(!config.routes.routes.is_empty(), "{example}");
+            names.extend(config.routes.routes.iter().map(|r| r.name.clone()));
+        }
+        for name in [
+            "payments",
+            "github",
+            "stripe",
+            "standard-webhooks",
+            "shopify",
+            "knative-events",
+            "dapr-orders",
+        ] {
+            assert!(
+                names.iter().any(|n| n == name),
+                "no README example named {name}: {names:?}"
+            );
+        }
+    }
+
     #[test]
     fn pointers_follow_rfc_6901() {
         assert!(parse_pointer("k", "").is_ok());

@@ -1,15 +1,20 @@
 //! Runs first for a protected request, before any store work: reads the idempotency key (from the
-//! route's key source, `key/source.rs`), derives the scope from the route's scope name and the client's
-//! credentials, and fingerprints the request under the route's policy. Pure functions of the request;
-//! touches nothing else.
+//! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope
+//! name and the client's credentials (scope headers and the scope cookie, `key/cookie.rs`), and
+//! fingerprints the request under the route's policy (a JSON body by its meaning with
+//! `fingerprint_body = "json"`, `key/canonical.rs`). Pure functions of the request; touches nothing
+//! else.
 
+pub mod canonical;
+pub mod cloudevents;
+pub mod cookie;
 pub mod source;
 
 use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::config::IdempotencyConfig;
+use crate::config::{FingerprintBody, IdempotencyConfig};
 use crate::error::ProxyError;
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
@@ -53,7 +58,8 @@ fn unquote(raw: &str) -> Result<String, ProxyError> {
     }
 }
 
-fn check_key(key: &str, max_len: usize) -> Result<(), ProxyError> {
+/// Refuses a key that is empty, longer than `max_len`, or holds anything but visible ASCII.
+pub(crate) fn check_key(key: &str, max_len: usize) -> Result<(), ProxyError> {
     if key.is_empty() {
         return Err(invalid("empty"));
     }
@@ -70,17 +76,23 @@ fn invalid(why: &str) -> ProxyError {
     ProxyError::InvalidKey(why.to_owned())
 }
 
-/// Whether the request names its client in at least one of the policy's scope headers (an empty value
-/// names no one).
+/// Whether the request names its client in at least one of the policy's scope headers, or in the scope
+/// cookie (an empty value names no one).
 pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
-    policy
+    let by_header = policy
         .scope_headers
         .iter()
-        .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()))
+        .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()));
+    by_header
+        || policy
+            .scope_cookie
+            .as_deref()
+            .is_some_and(|name| cookie::values(headers, name).iter().any(|v| !v.is_empty()))
 }
 
-/// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers'
-/// values, so clients with different credentials never share keys and credentials are never stored.
+/// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers' values
+/// and the scope cookie's, so clients with different credentials never share keys and credentials are
+/// never stored.
 pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
     for name in &policy.scope_headers {
@@ -89,10 +101,25 @@ pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) 
             hash_field(&mut hash, value.as_bytes());
         }
     }
+    if let Some(name) = &policy.scope_cookie {
+        hash_cookie(&mut hash, name, headers);
+    }
     format!("{scope_name}:{}", hex::encode(hash.finalize()))
 }
 
-/// The fingerprint of a request under its route's policy.
+/// The scope cookie's part of the scope hash, after the headers' (which leave a scope without a cookie
+/// as it always was). It opens with a field that starts with a NUL byte, which no header name or value
+/// can hold, so where the headers' values end and the cookie's begin is never in doubt.
+fn hash_cookie(hash: &mut Sha256, name: &str, headers: &HeaderMap) {
+    hash_field(hash, format!("\0cookie:{name}").as_bytes());
+    for value in cookie::values(headers, name) {
+        hash_field(hash, value.as_bytes());
+    }
+}
+
+/// The fingerprint of a request under its route's policy: SHA-256 over what makes two requests "the
+/// same": method, path with query, the fingerprint headers' values, and the body, byte for byte or (with
+/// `fingerprint_body = "json"`) by its JSON meaning.
 pub fn fingerprint(
     policy: &IdempotencyConfig,
     method: &Method,
@@ -100,12 +127,31 @@ pub fn fingerprint(
     headers: &HeaderMap,
     body: &[u8],
 ) -> [u8; 32] {
-    fingerprint_of(method, uri, headers, &policy.fingerprint_headers, body)
+    let mut hash = head_hash(method, uri, headers, &policy.fingerprint_headers);
+    match policy.fingerprint_body {
+        FingerprintBody::Bytes => hash_field(&mut hash, body),
+        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude),
+    }
+    hash.finalize().into()
 }
 
-/// SHA-256 over what makes two requests "the same": method, path with query, the fingerprint headers'
-/// values, and the body. Every field is length-prefixed so no two different requests hash alike by
-/// shifting bytes between fields.
+/// A body counted by its meaning when it parses as JSON, else by its bytes; a tag field says which, so
+/// the two never meet.
+fn hash_json_body(hash: &mut Sha256, body: &[u8], exclude: &[String]) {
+    match canonical::parse(body, exclude) {
+        Some(value) => {
+            hash_field(hash, b"json");
+            canonical::write(hash, &value);
+        }
+        None => {
+            hash_field(hash, b"bytes");
+            hash_field(hash, body);
+        }
+    }
+}
+
+/// The fingerprint with the body counted byte for byte.
+#[cfg(test)]
 fn fingerprint_of(
     method: &Method,
     uri: &Uri,
@@ -113,6 +159,14 @@ fn fingerprint_of(
     names: &[HeaderName],
     body: &[u8],
 ) -> [u8; 32] {
+    let mut hash = head_hash(method, uri, headers, names);
+    hash_field(&mut hash, body);
+    hash.finalize().into()
+}
+
+/// The hash of the request's head as the fingerprint counts it. Every field is length-prefixed so no two
+/// different requests hash alike by shifting bytes between fields.
+fn head_hash(method: &Method, uri: &Uri, headers: &HeaderMap, names: &[HeaderName]) -> Sha256 {
     let mut hash = Sha256::new();
     hash_field(&mut hash, method.as_str().as_bytes());
     let target = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
@@ -123,8 +177,7 @@ fn fingerprint_of(
             hash_field(&mut hash, value.as_bytes());
         }
     }
-    hash_field(&mut hash, body);
-    hash.finalize().into()
+    hash
 }
 
 /// A short name for a record in logs: the first 8 bytes of a SHA-256 over its scope and key, in hex.
@@ -201,6 +254,163 @@ mod tests {
         assert_ne!(scope("r", &policy, &a), scope("s", &policy, &a));
         assert!(scope("r", &policy, &a).starts_with("r:"));
         assert!(!scope("r", &policy, &a).contains("alice"));
+    }
+
+    fn cookie_policy() -> IdempotencyConfig {
+        crate::config::RawIdempotency {
+            scope_cookie: Some("session".into()),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    fn with_cookie(line: &'static str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert("authorization", HeaderValue::from_static("Bearer app"));
+        headers.insert("cookie", HeaderValue::from_static(line));
+        headers
+    }
+
+    #[test]
+    fn the_scope_cookie_separates_sessions_and_hides_them() {
+        let policy = cookie_policy();
+        let alice = with_cookie("theme=dark; session=alice-session");
+        let bob = with_cookie("session=bob-session");
+        assert_ne!(scope("r", &policy, &alice), scope("r", &policy, &bob));
+        assert!(!scope("r", &policy, &alice).contains("alice"));
+        let same = with_cookie("session=\"alice-session\"; lang=en");
+        assert_eq!(scope("r", &policy, &alice), scope("r", &policy, &same));
+        let without = with_cookie("theme=dark");
+        assert_ne!(scope("r", &policy, &alice), scope("r", &policy, &without));
+    }
+
+    #[test]
+    fn a_scope_without_a_scope_cookie_is_what_it_always_was() {
+        let plain = crate::config::RawIdempotency::default().validate().unwrap();
+        let headers = with_cookie("session=s");
+        assert_ne!(
+            scope("r", &plain, &headers),
+            scope("r", &cookie_policy(), &headers)
+        );
+        let mut hash = Sha256::new();
+        hash_field(&mut hash, b"authorization");
+        hash_field(&mut hash, b"Bearer app");
+        assert_eq!(
+            scope("r", &plain, &headers),
+            format!("r:{}", hex::encode(hash.finalize()))
+        );
+    }
+
+    #[test]
+    fn a_cookie_value_never_passes_for_a_header_value() {
+        let policy = crate::config::RawIdempotency {
+            scope_cookie: Some("session".into()),
+            scope_headers: vec!["x-user".into(), "x-tenant".into()],
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        let mut in_header = HeaderMap::new();
+        in_header.insert("x-tenant", HeaderValue::from_static("s1"));
+        let mut in_cookie = HeaderMap::new();
+        in_cookie.insert("cookie", HeaderValue::from_static("session=s1"));
+        assert_ne!(scope("r", &policy, &in_header), scope("r", &policy, &in_cookie));
+    }
+
+    #[test]
+    fn the_scope_cookie_names_a_client() {
+        let policy = crate::config::RawIdempotency {
+            scope_cookie: Some("session".into()),
+            scope_headers: Vec::new(),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        let mut headers = HeaderMap::new();
+        assert!(!has_scope(&policy, &headers));
+        headers.insert("cookie", HeaderValue::from_static("theme=dark; session="));
+        assert!(!has_scope(&policy, &headers), "an empty cookie names no one");
+        headers.insert("cookie", HeaderValue::from_static("theme=dark; session=s1"));
+        assert!(has_scope(&policy, &headers));
+        let plain = crate::config::RawIdempotency::default().validate().unwrap();
+        assert!(
+            !has_scope(&plain, &headers),
+            "cookies count only when the policy names one"
+        );
+    }
+
+    fn json_policy(exclude: &[&str]) -> IdempotencyConfig {
+        crate::config::RawIdempotency {
+            fingerprint_body: FingerprintBody::Json,
+            fingerprint_exclude: exclude.iter().map(|p| (*p).to_owned()).collect(),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    fn json_fingerprint(policy: &IdempotencyConfig, body: &str) -> [u8; 32] {
+        let uri: Uri = "/pay".parse().unwrap();
+        fingerprint(policy, &Method::POST, &uri, &HeaderMap::new(), body.as_bytes())
+    }
+
+    #[test]
+    fn a_json_fingerprint_ignores_form_and_excluded_fields_only() {
+        let policy = json_policy(&["/sent_at"]);
+        let base = json_fingerprint(&policy, r#"{"amount":100,"currency":"eur","sent_at":1}"#);
+        let retry = json_fingerprint(
+            &policy,
+            "{\"sent_at\": 2,\n \"currency\": \"eur\", \"amount\": 100}",
+        );
+        assert_eq!(base, retry);
+        assert_ne!(
+            base,
+            json_fingerprint(&policy, r#"{"amount":999,"currency":"eur","sent_at":1}"#)
+        );
+        let bytes = crate::config::RawIdempotency::default().validate().unwrap();
+        assert_ne!(
+            json_fingerprint(&bytes, r#"{"a":1,"b":2}"#),
+            json_fingerprint(&bytes, r#"{"b":2,"a":1}"#),
+            "bytes mode counts the bytes"
+        );
+    }
+
+    #[test]
+    fn a_json_fingerprint_of_a_body_that_is_not_json_counts_its_bytes_apart_from_json() {
+        let policy = json_policy(&[]);
+        assert_eq!(
+            json_fingerprint(&policy, "a=1&b=2"),
+            json_fingerprint(&policy, "a=1&b=2")
+        );
+        assert_ne!(
+            json_fingerprint(&policy, "a=1&b=2"),
+            json_fingerprint(&policy, "b=2&a=1")
+        );
+        assert_ne!(json_fingerprint(&policy, "\"x\""), json_fingerprint(&policy, "x"));
+    }
+
+    #[test]
+    fn the_bytes_fingerprint_is_what_it_always_was() {
+        let policy = crate::config::RawIdempotency::default().validate().unwrap();
+        let uri: Uri = "/pay?x=1".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        let mut hash = Sha256::new();
+        for field in [
+            &b"POST"[..],
+            b"/pay?x=1",
+            b"content-type",
+            b"application/json",
+            b"{}",
+        ] {
+            hash_field(&mut hash, field);
+        }
+        let expected: [u8; 32] = hash.finalize().into();
+        assert_eq!(
+            fingerprint(&policy, &Method::POST, &uri, &headers, b"{}"),
+            expected
+        );
     }
 
     #[test]

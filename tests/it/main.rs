@@ -14,6 +14,7 @@ mod history;
 mod hostile;
 mod key_header;
 mod keys_cli;
+mod keys_sources;
 mod listener;
 mod processes;
 mod protocols;

@@ -1,44 +1,366 @@
 //! Reads a request's idempotency key from its route's key source: a header (the `Idempotency-Key`
-//! form: an sf-string or a bare token), a CloudEvent's source and id, a JSON pointer into the body, or a
-//! template joining such parts. [`from_head`] serves the sources found in the head, before the body is
-//! read; [`from_body`] the rest, once it has been. Pure functions of the request.
+//! form: an sf-string or a bare token), a CloudEvent's source and id (`key/cloudevents.rs`), a JSON
+//! pointer into the body, or a template joining such parts. [`from_head`] serves the sources found in the
+//! head, before the body is read; [`from_body`] the rest, once it has been. Every key, whatever its
+//! source, is 1 to `max_key_length` visible ASCII characters or a 400 `invalid-key`. Pure functions of
+//! the request; the body is parsed as JSON at most once, and only when a source asks for it.
+
+use std::cell::OnceCell;
 
 use http::request::Parts;
-use http::{HeaderMap, Method, Uri};
+use http::{HeaderMap, HeaderName, Method, Uri};
+use serde_json::Value;
 
-use super::parse_key;
-use crate::config::{IdempotencyConfig, KeySource};
+use super::cloudevents;
+use super::{check_key, parse_key};
+use crate::config::{IdempotencyConfig, KeyPart, KeySource};
 use crate::error::ProxyError;
 
 /// The key of a request whose source is in its head (`KeySource::needs_body` is false). `Ok(None)`
 /// when the request carries none.
 pub fn from_head(
     policy: &IdempotencyConfig,
-    _method: &Method,
-    _uri: &Uri,
+    method: &Method,
+    uri: &Uri,
     headers: &HeaderMap,
 ) -> Result<Option<String>, ProxyError> {
-    match &policy.key {
-        KeySource::Header(name) => parse_key(headers.get_all(name), policy.max_key_length),
-        other => Err(ProxyError::InvalidKey(format!(
-            "key source {other} is not read yet"
-        ))),
-    }
+    debug_assert!(!policy.key.needs_body(), "{} needs the body", policy.key);
+    Request::new(method, uri, headers, &[]).key(policy)
 }
 
-/// The key of a request whose source needs its body. `Ok(None)` when the request carries none.
+/// The key of a request whose source needs its body. `Ok(None)` when the request carries none: the
+/// body is not JSON, or holds nothing at the pointer, or no CloudEvent.
 pub fn from_body(
     policy: &IdempotencyConfig,
     parts: &Parts,
-    _body: &[u8],
+    body: &[u8],
 ) -> Result<Option<String>, ProxyError> {
-    from_head(policy, &parts.method, &parts.uri, &parts.headers)
+    Request::new(&parts.method, &parts.uri, &parts.headers, body).key(policy)
 }
 
 /// What a request on this source must carry, for the 400 `missing-key` detail.
 pub fn describe(source: &KeySource) -> String {
     match source {
-        KeySource::Header(name) => format!("an {name} header"),
-        other => format!("a key from {other}"),
+        KeySource::Header(name) => describe_header(name),
+        KeySource::CloudEvents => describe_part(&KeyPart::CloudEvents).unwrap_or_default(),
+        KeySource::Json(pointer) => describe_json(pointer),
+        KeySource::Template(parts) => {
+            let needed: Vec<String> = parts.iter().filter_map(describe_part).collect();
+            format!("{} (key = \"{source}\")", join_and(&needed))
+        }
+    }
+}
+
+fn describe_part(part: &KeyPart) -> Option<String> {
+    match part {
+        KeyPart::Header(name) => Some(describe_header(name)),
+        KeyPart::Json(pointer) => Some(describe_json(pointer)),
+        KeyPart::CloudEvents => Some(
+            "a CloudEvent id and source (ce-id and ce-source headers, or an application/cloudevents+json \
+             body)"
+                .into(),
+        ),
+        KeyPart::Literal(_) | KeyPart::Method | KeyPart::Path => None,
+    }
+}
+
+fn describe_header(name: &HeaderName) -> String {
+    let article = if name.as_str().starts_with(['a', 'e', 'i', 'o', 'x']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {name} header")
+}
+
+fn describe_json(pointer: &str) -> String {
+    if pointer.is_empty() {
+        return "a JSON string or number as the whole body".into();
+    }
+    format!("the JSON field {pointer} in the body")
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_and(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    }
+}
+
+/// The request as the key sources see it; its body is parsed as JSON on first use.
+struct Request<'a> {
+    method: &'a Method,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+    body: &'a [u8],
+    json: OnceCell<Option<Value>>,
+}
+
+impl<'a> Request<'a> {
+    fn new(method: &'a Method, uri: &'a Uri, headers: &'a HeaderMap, body: &'a [u8]) -> Request<'a> {
+        Request {
+            method,
+            uri,
+            headers,
+            body,
+            json: OnceCell::new(),
+        }
+    }
+
+    /// The body as JSON; `None` when it does not parse (hostile nesting included: serde_json stops at
+    /// 128 levels).
+    fn json(&self) -> Option<&Value> {
+        self.json
+            .get_or_init(|| serde_json::from_slice(self.body).ok())
+            .as_ref()
+    }
+
+    fn key(&self, policy: &IdempotencyConfig) -> Result<Option<String>, ProxyError> {
+        let max_len = policy.max_key_length;
+        let key = match &policy.key {
+            KeySource::Header(name) => return parse_key(self.headers.get_all(name), max_len),
+            KeySource::CloudEvents => self.cloudevent()?,
+            KeySource::Json(pointer) => self.json_field(pointer)?,
+            KeySource::Template(parts) => self.template(parts, max_len)?,
+        };
+        let Some(key) = key else {
+            return Ok(None);
+        };
+        check_key(&key, max_len)?;
+        Ok(Some(key))
+    }
+
+    fn cloudevent(&self) -> Result<Option<String>, ProxyError> {
+        cloudevents::key(self.headers, || self.json())
+    }
+
+    /// The value at `pointer` in a JSON body: a string as it is, a number as its JSON text.
+    fn json_field(&self, pointer: &str) -> Result<Option<String>, ProxyError> {
+        let Some(value) = self.json().and_then(|json| json.pointer(pointer)) else {
+            return Ok(None);
+        };
+        match value {
+            Value::String(text) => Ok(Some(text.clone())),
+            Value::Number(number) => Ok(Some(number.to_string())),
+            other => Err(ProxyError::InvalidKey(format!(
+                "the JSON field {pointer} is {}; a key must be a string or a number",
+                json_type(other)
+            ))),
+        }
+    }
+
+    /// The template's parts joined; `None` as soon as one is missing.
+    fn template(&self, parts: &[KeyPart], max_len: usize) -> Result<Option<String>, ProxyError> {
+        let mut key = String::new();
+        for part in parts {
+            let Some(value) = self.part(part, max_len)? else {
+                return Ok(None);
+            };
+            if !value.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(ProxyError::InvalidKey(format!(
+                    "the key part {part} holds characters other than visible ASCII"
+                )));
+            }
+            key.push_str(&value);
+        }
+        Ok(Some(key))
+    }
+
+    fn part(&self, part: &KeyPart, max_len: usize) -> Result<Option<String>, ProxyError> {
+        match part {
+            KeyPart::Literal(text) => Ok(Some(text.clone())),
+            KeyPart::Method => Ok(Some(self.method.as_str().to_owned())),
+            KeyPart::Path => Ok(Some(self.uri.path().to_owned())),
+            KeyPart::Header(name) => parse_key(self.headers.get_all(name), max_len).map_err(|e| match e {
+                ProxyError::InvalidKey(why) => ProxyError::InvalidKey(format!("{name}: {why}")),
+                other => other,
+            }),
+            KeyPart::Json(pointer) => self.json_field(pointer),
+            KeyPart::CloudEvents => self.cloudevent(),
+        }
+    }
+}
+
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderValue, Request as HttpRequest};
+
+    use super::*;
+    use crate::config::RawIdempotency;
+
+    fn policy(key: &str) -> IdempotencyConfig {
+        RawIdempotency {
+            key: Some(key.into()),
+            max_key_length: 40,
+            ..RawIdempotency::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    fn parts(uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut request = HttpRequest::post(uri);
+        for (name, value) in headers {
+            request = request.header(*name, HeaderValue::from_str(value).unwrap());
+        }
+        request.body(()).unwrap().into_parts().0
+    }
+
+    fn key(source: &str, headers: &[(&str, &str)], body: &str) -> Result<Option<String>, ProxyError> {
+        from_body(
+            &policy(source),
+            &parts("/hooks/pay?x=1", headers),
+            body.as_bytes(),
+        )
+    }
+
+    fn invalid(result: Result<Option<String>, ProxyError>) -> String {
+        match result {
+            Err(ProxyError::InvalidKey(why)) => why,
+            other => panic!("expected invalid-key, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_header_source_reads_the_header_in_both_forms() {
+        let policy = policy("header:x-github-delivery");
+        let read = |value: &str| {
+            let parts = parts("/", &[("x-github-delivery", value)]);
+            from_head(&policy, &parts.method, &parts.uri, &parts.headers)
+        };
+        assert_eq!(read("72d3162e").unwrap().as_deref(), Some("72d3162e"));
+        assert_eq!(read("\"72d3162e\"").unwrap().as_deref(), Some("72d3162e"));
+        assert!(matches!(read("a b"), Err(ProxyError::InvalidKey(_))));
+        let none = parts("/", &[]);
+        assert_eq!(
+            from_head(&policy, &none.method, &none.uri, &none.headers).unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn a_json_pointer_takes_strings_and_numbers() {
+        assert_eq!(
+            key("json:/id", &[], r#"{"id":"evt_1"}"#).unwrap().as_deref(),
+            Some("evt_1")
+        );
+        assert_eq!(
+            key("json:/data/object/id", &[], r#"{"data":{"object":{"id":42}}}"#)
+                .unwrap()
+                .as_deref(),
+            Some("42")
+        );
+        assert_eq!(
+            key("json:/a~1b/0", &[], r#"{"a/b":[-1.5]}"#).unwrap().as_deref(),
+            Some("-1.5")
+        );
+    }
+
+    #[test]
+    fn a_json_pointer_finds_no_key_in_a_body_without_one() {
+        for body in ["", "not json", "{\"other\":1}", "[1,2]", "{\"id\":", "\u{feff}{}"] {
+            assert_eq!(key("json:/id", &[], body).unwrap(), None, "{body:?}");
+        }
+    }
+
+    #[test]
+    fn a_json_field_of_another_type_is_an_invalid_key() {
+        for (body, kind) in [
+            (r#"{"id":null}"#, "null"),
+            (r#"{"id":true}"#, "a boolean"),
+            (r#"{"id":[1]}"#, "an array"),
+            (r#"{"id":{"a":1}}"#, "an object"),
+        ] {
+            let why = invalid(key("json:/id", &[], body));
+            assert!(why.contains(kind) && why.contains("/id"), "{why}");
+        }
+    }
+
+    #[test]
+    fn keys_from_the_body_obey_the_key_rules() {
+        assert!(invalid(key("json:/id", &[], r#"{"id":""}"#)).contains("empty"));
+        assert!(invalid(key("json:/id", &[], r#"{"id":"a b"}"#)).contains("visible ASCII"));
+        assert!(invalid(key("json:/id", &[], r#"{"id":"café"}"#)).contains("visible ASCII"));
+        let long = format!(r#"{{"id":"{}"}}"#, "a".repeat(41));
+        assert!(invalid(key("json:/id", &[], &long)).contains("longer than 40"));
+        let longest = format!(r#"{{"id":"{}"}}"#, "a".repeat(40));
+        assert!(key("json:/id", &[], &longest).unwrap().is_some());
+    }
+
+    #[test]
+    fn hostile_json_is_no_key_and_no_panic() {
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(key("json:/id", &[], &deep).unwrap(), None);
+        let deep_object = format!("{}1{}", "{\"id\":".repeat(5000), "}".repeat(5000));
+        assert_eq!(key("json:/id", &[], &deep_object).unwrap(), None);
+        assert_eq!(key("json:/id", &[], "{\"id\":\"\\ud800\"}").unwrap(), None);
+    }
+
+    #[test]
+    fn a_template_joins_its_parts() {
+        let source = "template:{method}:{path}:{header:x-hook}/{json:/id}";
+        let headers = [("x-hook", "h1")];
+        assert_eq!(
+            key(source, &headers, r#"{"id":7}"#).unwrap().as_deref(),
+            Some("POST:/hooks/pay:h1/7"),
+            "the path is taken without its query"
+        );
+    }
+
+    #[test]
+    fn a_template_with_a_part_missing_has_no_key() {
+        let source = "template:{header:x-hook}/{json:/id}";
+        assert_eq!(key(source, &[], r#"{"id":7}"#).unwrap(), None);
+        assert_eq!(key(source, &[("x-hook", "h1")], "{}").unwrap(), None);
+    }
+
+    #[test]
+    fn a_template_refuses_bad_parts_and_checks_the_whole_length() {
+        let source = "template:{header:x-hook}/{json:/id}";
+        let why = invalid(key(source, &[("x-hook", "h1")], r#"{"id":"a b"}"#));
+        assert!(why.contains("{json:/id}"), "{why}");
+        let why = invalid(key(source, &[("x-hook", "a,b")], r#"{"id":1}"#));
+        assert!(why.starts_with("x-hook: "), "{why}");
+        let long = format!(r#"{{"id":"{}"}}"#, "a".repeat(38));
+        assert!(invalid(key(source, &[("x-hook", "h1")], &long)).contains("longer than 40"));
+    }
+
+    #[test]
+    fn a_template_of_head_parts_is_read_from_the_head() {
+        let policy = policy("template:{method}{path}-{header:webhook-id}");
+        let parts = parts("/p?q", &[("webhook-id", "msg_1")]);
+        let key = from_head(&policy, &parts.method, &parts.uri, &parts.headers).unwrap();
+        assert_eq!(key.as_deref(), Some("POST/p-msg_1"));
+    }
+
+    #[test]
+    fn each_source_says_what_a_request_must_carry() {
+        let describe = |text: &str| describe(&KeySource::parse("k", text).unwrap());
+        assert_eq!(describe("header:Idempotency-Key"), "an idempotency-key header");
+        assert_eq!(describe("header:webhook-id"), "a webhook-id header");
+        assert_eq!(describe("json:/id"), "the JSON field /id in the body");
+        assert_eq!(
+            describe("cloudevents"),
+            "a CloudEvent id and source (ce-id and ce-source headers, or an application/cloudevents+json \
+             body)"
+        );
+        assert_eq!(
+            describe("template:{method}:{header:x-hook}/{json:/id}"),
+            "an x-hook header and the JSON field /id in the body (key = \
+             \"template:{method}:{header:x-hook}/{json:/id}\")"
+        );
     }
 }

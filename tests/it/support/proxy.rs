@@ -59,18 +59,25 @@ impl ProxyConfig {
     }
 
     /// Appends a `[[routes]]` entry, written as the TOML of its table (`name = "a"\npath = "/a"`).
-    pub fn route(mut self, table: &str) -> ProxyConfig {
-        let route: toml::Table = table
+    pub fn route(self, table: &str) -> ProxyConfig {
+        self.with_toml(&format!("[[routes]]\n{table}"))
+    }
+
+    /// Lays raw TOML over the config, for what `set` cannot write (`[[routes]]`): arrays of tables are
+    /// appended to any already there, tables are merged key by key, anything else replaces.
+    pub fn with_toml(mut self, text: &str) -> ProxyConfig {
+        let extra: toml::Table = text
             .parse()
-            .unwrap_or_else(|e| panic!("route {table:?} is not TOML: {e}"));
-        let routes = self
-            .table
-            .entry("routes")
-            .or_insert_with(|| toml::Value::Array(Vec::new()));
-        let toml::Value::Array(routes) = routes else {
-            unreachable!("routes is an array of tables")
-        };
-        routes.push(toml::Value::Table(route));
+            .unwrap_or_else(|e| panic!("test TOML does not parse: {e}\n{text}"));
+        for (key, value) in extra {
+            match (self.table.get_mut(&key), value) {
+                (Some(toml::Value::Array(have)), toml::Value::Array(more)) => have.extend(more),
+                (Some(toml::Value::Table(have)), toml::Value::Table(more)) => have.extend(more),
+                (_, value) => {
+                    self.table.insert(key, value);
+                }
+            }
+        }
         self
     }
 
