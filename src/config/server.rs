@@ -65,6 +65,10 @@ pub struct RawServer {
     /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room is
     /// not retained.
     pub max_buffered_responses: ByteSize,
+    /// Most requests waiting at once for the original with their key (`on_in_flight = "wait"`); more get
+    /// 409 at once. Absent means `max_connections`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<usize>,
 }
 
 impl Default for RawServer {
@@ -85,6 +89,7 @@ impl Default for RawServer {
             write_timeout: Duration::from_secs(30),
             max_keyed_in_flight: None,
             max_buffered_responses: ByteSize::mib(256),
+            max_waiting: None,
         }
     }
 }
@@ -179,6 +184,8 @@ pub struct ServerConfig {
     pub max_keyed_in_flight: usize,
     /// Bytes of keyed responses captured for storage at once, in all.
     pub max_buffered_responses: usize,
+    /// Most requests waiting for the original with their key.
+    pub max_waiting: usize,
 }
 
 impl RawServer {
@@ -202,6 +209,10 @@ impl RawServer {
                 None => self.max_connections,
             },
             max_buffered_responses: memory(self.max_buffered_responses),
+            max_waiting: match self.max_waiting {
+                Some(n) => within("server.max_waiting", n, 1..=1_000_000)?,
+                None => self.max_connections,
+            },
         })
     }
 
@@ -392,9 +403,11 @@ mod tests {
         let config = Config::from_toml_str("[server]\nmax_connections = 100\nworkers = 3\n").unwrap();
         assert_eq!(config.server.write_timeout, Duration::from_secs(30));
         assert_eq!(config.server.max_keyed_in_flight, 100);
+        assert_eq!(config.server.max_waiting, 100);
         for (text, key) in [
             ("[server]\nwrite_timeout = \"0s\"", "server.write_timeout"),
             ("[server]\nmax_keyed_in_flight = 0", "server.max_keyed_in_flight"),
+            ("[server]\nmax_waiting = 0", "server.max_waiting"),
             (
                 "[server]\nmax_buffered_responses = \"1MiB\"",
                 "server.max_buffered_responses",
