@@ -14,12 +14,14 @@
 //!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either
 //!   `proxy/replay.rs`, or `proxy/execute.rs`: the won claim's whole task, with its heartbeat, the
 //!   upstream call (`proxy/upstream.rs`, its pool and `proxy/upstream/connect.rs`: TCP, TLS or a unix
-//!   socket), the relay and capture, and the fenced completion;
+//!   socket), the relay and capture, and the fenced completion; on a route that waits, a key in flight
+//!   goes to `proxy/wait.rs`, which waits for the original and claims again;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
 //!   runner and migrations each in a file under `store/postgres/`) or `store/sqlite.rs` (embedded, the
 //!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
-//!   `store/encrypted.rs` seals stored responses around either backend, and `store/sweeper.rs` deletes
-//!   expired records in the background;
+//!   `store/encrypted.rs` seals stored responses around either backend, `store/sweeper.rs` deletes
+//!   expired records in the background, and `store/notify.rs` wakes waiting requests (fed across
+//!   replicas by `store/postgres/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
@@ -59,10 +61,11 @@ use tokio_util::task::TaskTracker;
 pub use config::Config;
 
 use crate::admin::Admin;
-use crate::config::ListenAddr;
+use crate::config::{ListenAddr, OnInFlight, StoreBackend};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::encrypted::EncryptedStore;
+use crate::store::notify::Waiters;
 use crate::store::{Purpose, StoreError, StoreHandle};
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
@@ -119,7 +122,18 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
         );
         tracker.spawn(sweeper);
     }
-    let proxy = Proxy::new(&config, store.clone(), metrics.clone(), tracker);
+    let waiters = Waiters::new();
+    if let Some(listener) = wait_listener(&config, &waiters, &metrics, &shutdown) {
+        tracker.spawn(listener);
+    }
+    let proxy = Proxy::new(
+        &config,
+        store.clone(),
+        metrics.clone(),
+        tracker,
+        waiters,
+        shutdown.clone(),
+    );
     let admin = Admin::new(metrics, store, shutdown.clone());
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.address, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
@@ -139,6 +153,29 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     )
     .await
     .map_err(RunError::Workers)
+}
+
+/// The listener that wakes this process's waiting requests when another replica settles their keys:
+/// only on PostgreSQL (an embedded store has no other replica) and only when some route waits.
+fn wait_listener(
+    config: &Config,
+    waiters: &std::sync::Arc<Waiters>,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) -> Option<impl Future<Output = ()> + use<>> {
+    let waits = config
+        .routes
+        .policies()
+        .any(|policy| policy.on_in_flight == OnInFlight::Wait);
+    let shared = matches!(config.store.backend, StoreBackend::Postgres);
+    (waits && shared).then(|| {
+        store::postgres::listen(
+            config.store.clone(),
+            waiters.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        )
+    })
 }
 
 /// Applies pending migrations and reports how many were applied.

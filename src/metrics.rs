@@ -58,6 +58,26 @@ const REPLAY_CACHE_HITS: Spec = Spec {
     help: "Keyed requests answered from the in-process replay cache (replays and mismatches), \
            without the store.",
 };
+// Waiting for a key in flight (`on_in_flight = "wait"`).
+const WAITS: Spec = Spec {
+    name: "idemproxy_waits_total",
+    help: "Requests that found their key in flight on a route with on_in_flight = \"wait\", by how \
+           their wait ended.",
+};
+const WAITING: Spec = Spec {
+    name: "idemproxy_waiting_requests",
+    help: "Requests waiting now for the original request with their key (server.max_waiting at most).",
+};
+const WAIT_LISTENER_CONNECTED: Spec = Spec {
+    name: "idemproxy_wait_listener_connected",
+    help: "1 while this process listens for other replicas' completions on its PostgreSQL \
+           connection for waiting requests, else 0.",
+};
+const WAIT_LISTENER_RECONNECTS: Spec = Spec {
+    name: "idemproxy_wait_listener_reconnects_total",
+    help: "Times the connection that listens for other replicas' completions was lost or could not \
+           be opened, and a new one was tried.",
+};
 // Claims.
 const STALE_TAKEOVERS: Spec = Spec {
     name: "idemproxy_stale_takeovers_total",
@@ -155,7 +175,7 @@ mod label {
     pub const OP: &str = "op";
     /// A field of [`super::RecordCounts`], on `RECORDS`.
     pub const STATUS: &str = "status";
-    /// `ok` or `error`, on `TLS_RELOADS`.
+    /// `ok` or `error`, on `TLS_RELOADS`; a [`super::WaitResult`], on `WAITS`.
     pub const RESULT: &str = "result";
 }
 
@@ -211,6 +231,51 @@ impl Outcome {
     }
 }
 
+/// How a request that waited for the original with its key ended, for `idemproxy_waits_total{result}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitResult {
+    /// The original completed: answered with its stored response.
+    Replayed,
+    /// The original was released (or its lease ran out): this request claimed the key and executed it.
+    Executed,
+    /// Answered otherwise once the original ended: held outcome (502), store unavailable, no slot to
+    /// execute in (503), or the key meanwhile used for another request (422).
+    Refused,
+    /// `wait_timeout` passed with the key still in flight: 409.
+    Timeout,
+    /// `server.max_waiting` requests were already waiting: 409 at once, without waiting.
+    RejectedFull,
+    /// The proxy began shutting down: 409 at once.
+    Shutdown,
+    /// The client went away while waiting.
+    ClientGone,
+}
+
+impl WaitResult {
+    const ALL: [WaitResult; 7] = [
+        WaitResult::Replayed,
+        WaitResult::Executed,
+        WaitResult::Refused,
+        WaitResult::Timeout,
+        WaitResult::RejectedFull,
+        WaitResult::Shutdown,
+        WaitResult::ClientGone,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitResult::Replayed => "replayed",
+            WaitResult::Executed => "executed",
+            WaitResult::Refused => "refused",
+            WaitResult::Timeout => "timeout",
+            WaitResult::RejectedFull => "rejected_full",
+            WaitResult::Shutdown => "shutdown",
+            WaitResult::ClientGone => "client_gone",
+        }
+    }
+}
+
 /// A store operation, for the `op` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreOp {
@@ -232,10 +297,12 @@ pub enum StoreOp {
     Find,
     /// Counting records by state.
     Stats,
+    /// Telling other replicas that a record on a wait route settled (PostgreSQL `NOTIFY`).
+    Notify,
 }
 
 impl StoreOp {
-    const ALL: [StoreOp; 9] = [
+    const ALL: [StoreOp; 10] = [
         StoreOp::Claim,
         StoreOp::Heartbeat,
         StoreOp::Complete,
@@ -245,6 +312,7 @@ impl StoreOp {
         StoreOp::Sweep,
         StoreOp::Find,
         StoreOp::Stats,
+        StoreOp::Notify,
     ];
 
     /// The label value.
@@ -259,6 +327,7 @@ impl StoreOp {
             StoreOp::Sweep => "sweep",
             StoreOp::Find => "find",
             StoreOp::Stats => "stats",
+            StoreOp::Notify => "notify",
         }
     }
 }
@@ -374,6 +443,14 @@ pub struct MetricSet {
     /// `ORPHAN_CLAIMS_RELEASED`: claims that a request won after it stopped waiting for the store,
     /// given back by their token.
     pub orphan_claims_released: IntCounter,
+    /// The series of `WAITS`, by [`WaitResult`] in declaration order.
+    by_wait_result: [IntCounter; WaitResult::ALL.len()],
+    /// `WAITING`: requests waiting for the original with their key.
+    pub waiting: IntGauge,
+    /// `WAIT_LISTENER_CONNECTED`: 1 while the wait listener's connection listens.
+    pub wait_listener_connected: IntGauge,
+    /// `WAIT_LISTENER_RECONNECTS`: the wait listener's lost or failed connections.
+    pub wait_listener_reconnects: IntCounter,
 }
 
 impl Metrics {
@@ -392,7 +469,12 @@ impl MetricSet {
         let store_errors = counter_vec(r, &STORE_ERRORS, label::OP);
         let store_duration = latency_histogram_vec(r, &STORE_DURATION, label::OP);
         let tls_reloads = counter_vec(r, &TLS_RELOADS, label::RESULT);
+        let waits = counter_vec(r, &WAITS, label::RESULT);
         MetricSet {
+            by_wait_result: WaitResult::ALL.map(|result| waits.with_label_values(&[result.as_str()])),
+            waiting: gauge(r, &WAITING),
+            wait_listener_connected: gauge(r, &WAIT_LISTENER_CONNECTED),
+            wait_listener_reconnects: counter(r, &WAIT_LISTENER_RECONNECTS),
             tls_reloads_ok: tls_reloads.with_label_values(&["ok"]),
             tls_reloads_error: tls_reloads.with_label_values(&["error"]),
             by_outcome: Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()])),
@@ -447,6 +529,11 @@ impl MetricSet {
             | Outcome::UpstreamError
             | Outcome::Held => None,
         }
+    }
+
+    /// Counts a request's wait for the original with its key, by how it ended.
+    pub fn wait_ended(&self, result: WaitResult) {
+        self.by_wait_result[result as usize].inc();
     }
 
     /// Observes one store operation's latency, and counts it if it failed.
@@ -585,6 +672,25 @@ mod tests {
             );
             assert!(text.contains(&errors), "{errors} missing from {text}");
             assert!(text.contains(&timed), "{timed} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn every_wait_result_is_counted_under_its_own_label() {
+        let metrics = Metrics::new();
+        for (n, result) in WaitResult::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.wait_ended(result);
+            }
+        }
+        let text = String::from_utf8(metrics.render()).unwrap();
+        for (n, result) in WaitResult::ALL.into_iter().enumerate() {
+            let line = format!(
+                "idemproxy_waits_total{{result=\"{}\"}} {}",
+                result.as_str(),
+                n + 1
+            );
+            assert!(text.contains(&line), "{line} missing from {text}");
         }
     }
 

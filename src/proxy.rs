@@ -1,6 +1,8 @@
 //! The request path, for every request on the proxy listener. [`Proxy::handle`] never fails: it counts,
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
-//! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute.
+//! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute,
+//! or, on a route with `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide
+//! again.
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
@@ -14,6 +16,7 @@ pub mod passthrough;
 pub mod replay;
 pub mod trace_context;
 pub mod upstream;
+pub mod wait;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,6 +25,7 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::{Semaphore, oneshot};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -30,9 +34,10 @@ use self::intake::budget::BodyBudget;
 use self::upstream::{Downstream, Upstream};
 use crate::access::{self, Line};
 use crate::body::ProxyBody;
-use crate::config::{Config, OnStoreError, Route, RouteTable};
+use crate::config::{Config, OnStoreError, Route, RouteTable, StoreBackend};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
+use crate::store::notify::Waiters;
 use crate::store::{ClaimRequest, StoreHandle};
 
 /// Everything a request needs; shared behind an `Arc` by every connection and forwarding task of a worker.
@@ -62,6 +67,15 @@ pub struct Proxy {
     pub(crate) access_log: bool,
     /// What every problem `type` URI starts with (`server.problem_type_base`).
     pub(crate) problem_base: Arc<str>,
+    /// The requests waiting for a key in flight, by record; shared by every worker (and the listener).
+    pub(crate) waiters: Arc<Waiters>,
+    /// One permit per request waiting for a key in flight (`server.max_waiting`), shared by every worker.
+    pub(crate) waiting: Arc<Semaphore>,
+    /// Whether settlements on wait routes are announced to other processes through the store (only a
+    /// store that several replicas share has any).
+    pub(crate) announce: bool,
+    /// Cancelled when the proxy begins shutting down; waiting requests are answered then.
+    pub(crate) shutdown: CancellationToken,
 }
 
 /// The longest a client waits for its record to be stored (or less, `store.timeout`).
@@ -70,8 +84,16 @@ const COMPLETION_HOLD_MAX: Duration = Duration::from_secs(2);
 type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
 
 impl Proxy {
-    /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them.
-    pub fn new(config: &Config, store: StoreHandle, metrics: Metrics, tracker: TaskTracker) -> Proxy {
+    /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them,
+    /// `waiters` is where waiting requests are woken, and `shutdown` ends their waits.
+    pub fn new(
+        config: &Config,
+        store: StoreHandle,
+        metrics: Metrics,
+        tracker: TaskTracker,
+        waiters: Arc<Waiters>,
+        shutdown: CancellationToken,
+    ) -> Proxy {
         Proxy {
             routes: Arc::new(config.routes.clone()),
             on_store_error: config.store.on_error,
@@ -94,6 +116,10 @@ impl Proxy {
             store_timeout: config.store.timeout,
             access_log: config.log.access,
             problem_base: config.server.problem_type_base.as_str().into(),
+            waiters,
+            waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
+            announce: matches!(config.store.backend, StoreBackend::Postgres),
+            shutdown,
         }
     }
 
@@ -228,7 +254,12 @@ impl Proxy {
             head,
             metrics: self.metrics.clone(),
         };
-        let keyed = self.clone().claim(intake, peer, head, slot);
+        let proxy = self.clone();
+        let keyed = async move {
+            if let Some(in_flight) = proxy.clone().claim(intake, peer, head, slot).await {
+                proxy.wait(in_flight).await;
+            }
+        };
         let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
@@ -276,6 +307,11 @@ impl Answer {
             self.metrics.record(outcome);
         }
         delivered
+    }
+
+    /// Returns once the client has gone (its request's handler was dropped).
+    pub(crate) async fn closed(&mut self) {
+        self.head.closed().await;
     }
 }
 

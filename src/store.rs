@@ -4,6 +4,7 @@
 
 mod coalesce;
 pub mod encrypted;
+pub mod notify;
 pub mod postgres;
 pub mod sqlite;
 pub mod sweeper;
@@ -352,6 +353,12 @@ pub trait Store: Send + Sync + 'static {
     async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError>;
     /// Counts the records by state.
     async fn stats(&self) -> Result<RecordStats, StoreError>;
+    /// Tells the other processes on this store that a record settled, so their waiting requests
+    /// re-check it (`store/notify.rs` makes the announcement). A store served by one process has no one
+    /// to tell: its waiters are woken in-process, and this does nothing.
+    async fn announce(&self, _announcement: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// The store as the request path uses it: every call timed and counted by operation.
@@ -418,6 +425,12 @@ impl StoreHandle {
     /// See [`Store::stats`].
     pub async fn stats(&self) -> Result<RecordStats, StoreError> {
         self.measured(StoreOp::Stats, self.inner.stats()).await
+    }
+
+    /// See [`Store::announce`].
+    pub async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        self.measured(StoreOp::Notify, self.inner.announce(announcement))
+            .await
     }
 
     async fn measured<T>(

@@ -71,6 +71,10 @@ pub struct RawServer {
     /// What every problem+json `type` URI starts with; the problem's slug (`key-in-flight`, …) follows.
     /// Point it at your own documentation of the errors clients may see.
     pub problem_type_base: String,
+    /// Most requests waiting at once for the original with their key (`on_in_flight = "wait"`); more get
+    /// 409 at once. Absent means `max_connections`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<usize>,
 }
 
 impl Default for RawServer {
@@ -92,6 +96,7 @@ impl Default for RawServer {
             max_keyed_in_flight: None,
             max_buffered_responses: ByteSize::mib(256),
             problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.into(),
+            max_waiting: None,
         }
     }
 }
@@ -188,6 +193,8 @@ pub struct ServerConfig {
     pub max_buffered_responses: usize,
     /// The base of problem `type` URIs.
     pub problem_type_base: String,
+    /// Most requests waiting for the original with their key.
+    pub max_waiting: usize,
 }
 
 impl RawServer {
@@ -212,6 +219,10 @@ impl RawServer {
             },
             max_buffered_responses: memory(self.max_buffered_responses),
             problem_type_base: self.problem_type_base()?,
+            max_waiting: match self.max_waiting {
+                Some(n) => within("server.max_waiting", n, 1..=1_000_000)?,
+                None => self.max_connections,
+            },
         })
     }
 
@@ -416,9 +427,11 @@ mod tests {
         let config = Config::from_toml_str("[server]\nmax_connections = 100\nworkers = 3\n").unwrap();
         assert_eq!(config.server.write_timeout, Duration::from_secs(30));
         assert_eq!(config.server.max_keyed_in_flight, 100);
+        assert_eq!(config.server.max_waiting, 100);
         for (text, key) in [
             ("[server]\nwrite_timeout = \"0s\"", "server.write_timeout"),
             ("[server]\nmax_keyed_in_flight = 0", "server.max_keyed_in_flight"),
+            ("[server]\nmax_waiting = 0", "server.max_waiting"),
             (
                 "[server]\nmax_buffered_responses = \"1MiB\"",
                 "server.max_buffered_responses",

@@ -2,7 +2,9 @@
 //! the claim statement, feeds the replay cache from what it found, and decides with the decision table of
 //! the design (execute, replay, 409, 422, 502 for a held outcome); a won claim goes on to `execute.rs`, a
 //! completed one to `replay.rs`, and a store that did not answer to fail_closed or fail_open
-//! (`passthrough.rs`). The table itself, [`decide`], is pure apart from logging and counting.
+//! (`passthrough.rs`). On a route with `on_in_flight = "wait"`, a key found in flight is handed back
+//! instead of refused, for `wait.rs` to wait and claim again through [`Proxy::claim_round`]. The table
+//! itself, [`decide`], is pure apart from logging and counting.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -10,47 +12,128 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
+use super::cache::Fill;
 use super::execute::{self, Claimed};
 use super::intake::Intake;
 use super::upstream::Downstream;
 use super::{Answer, Proxy, expiry, replay};
-use crate::error::ProxyError;
+use crate::config::{OnInFlight, Route};
+use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
+use crate::store::notify::{Subscription, Topic};
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoredResponse};
+
+/// A keyed request taken in, between its claim statements: what it needs to be executed or answered.
+pub(crate) struct Keyed {
+    /// The request and the claim it makes.
+    pub(crate) intake: Intake,
+    /// Who sent it.
+    pub(crate) peer: Downstream,
+    /// Where its answer goes.
+    pub(crate) head: Answer,
+}
+
+/// A request on a route that waits whose key was found in flight (processing under a live lease, for
+/// the same request): handed to `wait.rs`.
+pub(crate) struct InFlight {
+    /// The request, untouched, body included: it may still have to be executed.
+    pub(crate) keyed: Keyed,
+    /// When the lease seen by the claim statement runs out, by this process's clock (no earlier than by
+    /// the store's, since the store measured the lease left before its answer travelled here).
+    pub(crate) lease_end: Instant,
+    /// The request's interest in its record's settlement, made before the statement was sent.
+    pub(crate) subscription: Subscription,
+}
+
+/// What one claim statement led to.
+pub(crate) enum Round {
+    /// The key is in flight and the request may wait (it came with a subscription).
+    InFlight(Box<InFlight>),
+    /// The claim was won: the request is to be executed ([`Proxy::execute_won`]).
+    Won(Box<Won>),
+    /// Answered from the stored response.
+    Replayed,
+    /// Answered with a refusal, or as the store being unavailable.
+    Refused,
+}
+
+/// A claim this request won, not executed yet.
+pub(crate) struct Won {
+    keyed: Keyed,
+    /// An instant before the claim statement was sent.
+    started: Instant,
+    /// The same moment by the wall clock, for the key's expiry.
+    sent: SystemTime,
+    /// Whether the claim made a new record (whose expiry is then `ttl` after the statement).
+    new_record: bool,
+    /// The replay cache entry the completion may make.
+    fill: Option<Fill>,
+    /// The request's `server.max_keyed_in_flight` slot, if it holds one.
+    slot: Option<OwnedSemaphorePermit>,
+}
 
 impl Proxy {
     /// The keyed lifecycle from the claim on. It runs on its own task: once the claim statement is sent,
     /// a client that disconnects can no longer cancel anything, so a won claim is always executed and
-    /// completed (or released) instead of being left to its lease. The answer goes to `head`.
+    /// completed (or released) instead of being left to its lease. The answer goes to `head`, unless the
+    /// route waits and the key is in flight: then the request comes back for `Proxy::wait`, its
+    /// `server.max_keyed_in_flight` slot given up.
     pub(crate) async fn claim(
         self: Arc<Self>,
         intake: Intake,
         peer: Downstream,
         head: Answer,
-        _slot: OwnedSemaphorePermit,
-    ) {
-        let Intake {
-            route,
-            parts,
-            claim,
-            body,
-        } = intake;
+        slot: OwnedSemaphorePermit,
+    ) -> Option<Box<InFlight>> {
+        let subscription = self.subscribe(&intake.route, &intake.claim.id);
+        let keyed = Keyed { intake, peer, head };
+        match self.claim_round(keyed, Some(slot), subscription).await {
+            Round::InFlight(in_flight) => Some(in_flight),
+            Round::Won(won) => {
+                self.execute_won(*won).await;
+                None
+            }
+            Round::Replayed | Round::Refused => None,
+        }
+    }
+
+    /// On a route that waits, the request's interest in its record, taken before the first claim
+    /// statement: a settlement that commits after the statement read the record wakes it, whatever
+    /// the statement found. Routes that do not wait pay nothing.
+    fn subscribe(&self, route: &Route, id: &RecordId) -> Option<Subscription> {
+        (route.policy.on_in_flight == OnInFlight::Wait)
+            .then(|| self.waiters.subscribe(Topic::of(&id.scope, &id.key)))
+    }
+
+    /// Sends the claim statement and answers what it can: a replay or a refusal. A won claim is handed
+    /// back to be executed, with `slot`, the request's `server.max_keyed_in_flight` slot if it holds one.
+    /// With a `subscription` (a route that waits), every wake before the statement is marked seen first,
+    /// and a key in flight is handed back rather than refused.
+    pub(crate) async fn claim_round(
+        self: &Arc<Self>,
+        keyed: Keyed,
+        slot: Option<OwnedSemaphorePermit>,
+        mut subscription: Option<Subscription>,
+    ) -> Round {
+        if let Some(subscription) = &mut subscription {
+            subscription.mark_seen();
+        }
         let started = Instant::now();
         let sent = SystemTime::now();
-        let result = match self.store.claim(&claim).await {
+        let result = match self.store.claim(&keyed.intake.claim).await {
             Ok(result) => result,
-            // The store answered, but with a record that must not be replayed; never forward either.
-            Err(StoreError::Undecryptable(_)) => {
-                head.send(Err(ProxyError::RecordUnreadable));
-                return;
-            }
-            Err(error) => {
-                tokio::spawn(release_orphan(self.clone(), claim.id.clone(), claim.lease));
-                head.send(self.store_down(parts, body, &peer, error).await);
-                return;
-            }
+            Err(error) => return self.unanswered(keyed, error).await,
         };
-        let fill = self.cache.remember(&claim, &result, started);
+        if let Some(subscription) = subscription
+            && let Some(lease_remaining) = in_flight(&result)
+        {
+            return Round::InFlight(Box::new(InFlight {
+                keyed,
+                lease_end: Instant::now() + lease_remaining,
+                subscription,
+            }));
+        }
+        let fill = self.cache.remember(&keyed.intake.claim, &result, started);
         let new_record = matches!(
             result,
             ClaimResult::Won {
@@ -58,36 +141,81 @@ impl Proxy {
                 ..
             }
         );
-        let answer = match decide(
-            result,
-            &claim.id.key,
-            route.policy.in_flight_retry_after,
-            &self.metrics,
-        ) {
-            Ok(Decision::Execute) => {
-                let waited = started.elapsed();
-                if waited > claim.lease / 2 {
-                    let late = self.claimed_too_late(&claim, waited).await;
-                    head.send(self.store_down(parts, body, &peer, late).await);
-                    return;
-                }
-                let request = self.upstream.request(parts, body.into_body(), &peer);
-                let claimed = Claimed {
-                    expires_at: new_record.then(|| expiry::after(sent, claim.ttl)),
-                    id: claim.id,
-                    lease: claim.lease,
-                    route,
-                };
-                return execute::execute(self, claimed, request, head, fill).await;
+        let policy = &keyed.intake.route.policy;
+        let key = &keyed.intake.claim.id.key;
+        match decide(result, key, policy.in_flight_retry_after, &self.metrics) {
+            Ok(Decision::Execute) => Round::Won(Box::new(Won {
+                keyed,
+                started,
+                sent,
+                new_record,
+                fill,
+                slot,
+            })),
+            Ok(Decision::Replay(stored, expires_in)) => {
+                let replay = replay::response(&stored).map(|mut response| {
+                    let expires_at = expiry::after(sent, expires_in);
+                    expiry::stamp(response.headers_mut(), policy, Some(expires_at));
+                    (response, Outcome::Replayed)
+                });
+                keyed.head.send(replay);
+                Round::Replayed
             }
-            Ok(Decision::Replay(stored, expires_in)) => replay::response(&stored).map(|mut response| {
-                let expires_at = expiry::after(sent, expires_in);
-                expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
-                (response, Outcome::Replayed)
-            }),
-            Err(refusal) => Err(refusal),
+            Err(refusal) => {
+                keyed.head.send(Err(refusal));
+                Round::Refused
+            }
+        }
+    }
+
+    /// A claim statement that failed. An undecryptable record is an answer that must be neither
+    /// replayed nor forwarded; anything else is a store that did not answer: its claim may still commit
+    /// (given back later by `release_orphan`), and the request goes to fail_closed or fail_open.
+    async fn unanswered(self: &Arc<Self>, keyed: Keyed, error: StoreError) -> Round {
+        let Keyed { intake, peer, head } = keyed;
+        if let StoreError::Undecryptable(_) = error {
+            head.send(Err(ProxyError::RecordUnreadable));
+            return Round::Refused;
+        }
+        let claim = &intake.claim;
+        tokio::spawn(release_orphan(self.clone(), claim.id.clone(), claim.lease));
+        head.send(self.store_down(intake.parts, intake.body, &peer, error).await);
+        Round::Refused
+    }
+
+    /// Executes a won claim to the end; `true` if it was executed. Not when the claim came too late,
+    /// nor when the request holds no slot (it waited) and finds none free: then the claim is given back.
+    pub(crate) async fn execute_won(self: &Arc<Self>, won: Won) -> bool {
+        let Keyed { intake, peer, head } = won.keyed;
+        let Intake {
+            route,
+            parts,
+            claim,
+            body,
+        } = intake;
+        let waited = won.started.elapsed();
+        if waited > claim.lease / 2 {
+            let late = self.claimed_too_late(&route, &claim, waited).await;
+            head.send(self.store_down(parts, body, &peer, late).await);
+            return false;
+        }
+        let slot = won
+            .slot
+            .or_else(|| self.keyed_slots.clone().try_acquire_owned().ok());
+        let Some(_slot) = slot else {
+            self.give_back(&route, &claim.id).await;
+            head.send(Err(ProxyError::Busy(Busy::KeyedInFlight)));
+            return false;
         };
-        head.send(answer);
+        let request = self.upstream.request(parts, body.into_body(), &peer);
+        let claimed = Claimed {
+            expires_at: won.new_record.then(|| expiry::after(won.sent, claim.ttl)),
+            id: claim.id,
+            lease: claim.lease,
+            route,
+        };
+        execute::execute(self.clone(), claimed, request, head, won.fill).await;
+        true
     }
 
     /// A won claim whose answer came after more than half its lease (the lease started no earlier than the
@@ -95,17 +223,39 @@ impl Proxy {
     /// extension, a third of a lease after forwarding, might come after the lease ran out, and another
     /// proxy could take the key over while the upstream works. So the claim is given back (fenced by its
     /// token) and the request is answered as if the store had not answered in time.
-    async fn claimed_too_late(&self, claim: &ClaimRequest, waited: Duration) -> StoreError {
+    async fn claimed_too_late(&self, route: &Route, claim: &ClaimRequest, waited: Duration) -> StoreError {
         tracing::warn!(
             key = %claim.id.key,
             waited_ms = waited.as_millis() as u64,
             lease_ms = claim.lease.as_millis() as u64,
             "claim answered after more than half its lease; not forwarded on it"
         );
-        if let Err(error) = self.store.release(&claim.id).await {
-            tracing::warn!(key = %claim.id.key, %error, "releasing the late claim failed; it expires with its lease");
-        }
+        self.give_back(route, &claim.id).await;
         StoreError::Timeout(waited)
+    }
+
+    /// Releases a won claim that will not be executed (fenced by its token), and wakes whoever waits
+    /// for it, so that one of them can execute instead.
+    async fn give_back(&self, route: &Route, id: &RecordId) {
+        match self.store.release(id).await {
+            Ok(true) => self.settled(route, id).await,
+            Ok(false) => {}
+            Err(error) => {
+                tracing::warn!(key = %id.key, %error, "giving the claim back failed; it expires with its lease")
+            }
+        }
+    }
+}
+
+/// The lease left on a record the claim found processing for the same request; `None` for any other
+/// answer.
+fn in_flight(result: &ClaimResult) -> Option<Duration> {
+    match result {
+        ClaimResult::Held(Existing::Processing {
+            same_fingerprint: true,
+            lease_remaining,
+        }) => Some(*lease_remaining),
+        _ => None,
     }
 }
 
@@ -173,7 +323,7 @@ fn held(existing: Existing, retry_hint: Duration) -> Result<Decision, ProxyError
             same_fingerprint: true,
             lease_remaining,
         } => Err(ProxyError::KeyInFlight {
-            retry_after: lease_remaining.min(retry_hint).max(Duration::from_secs(1)),
+            retry_after: in_flight_retry_after(lease_remaining, retry_hint),
         }),
         Existing::Unknown {
             same_fingerprint: true,
@@ -183,6 +333,12 @@ fn held(existing: Existing, retry_hint: Duration) -> Result<Decision, ProxyError
         | Existing::Unknown { .. }
         | Existing::Failed => Err(ProxyError::KeyReused),
     }
+}
+
+/// The `Retry-After` of a 409 for a key in flight: `retry_hint` (`idempotency.in_flight_retry_after`),
+/// or the lease left if that is shorter, at least a second.
+pub(crate) fn in_flight_retry_after(lease_remaining: Duration, retry_hint: Duration) -> Duration {
+    lease_remaining.min(retry_hint).max(Duration::from_secs(1))
 }
 
 #[cfg(test)]

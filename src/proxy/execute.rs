@@ -9,7 +9,11 @@
 //! or HTTP/2 body, or, for an empty body, the head itself — until the completion (and the replay cache's
 //! copy) is done, for at most `min(store.timeout, 2 s)`. So a client that has read the whole response
 //! and retries at once gets the replay, never a 409.
+//!
+//! On a route with `on_in_flight = "wait"`, a record that settled (completed, released or held) is
+//! announced to the requests waiting for it (`execute/announce.rs`), once the store has it.
 
+mod announce;
 mod capture;
 mod channel;
 mod heartbeat;
@@ -115,29 +119,37 @@ async fn unknown_outcome(proxy: &Proxy, claim: &Claimed, head: Answer, error: Pr
     tracing::warn!(%key, %error, "upstream outcome unknown; holding the key until released");
     let holding = hold(proxy, claim);
     tokio::pin!(holding);
-    let in_time = tokio::time::timeout(proxy.completion_hold, &mut holding)
-        .await
-        .is_ok();
+    let in_time = tokio::time::timeout(proxy.completion_hold, &mut holding).await;
     head.send(Err(error));
-    if !in_time {
-        holding.await;
+    let held = match in_time {
+        Ok(held) => held,
+        Err(_) => holding.await,
+    };
+    if held {
+        proxy.settled(&claim.route, &claim.id).await;
     }
 }
 
-/// Marks the record unknown, trying for up to the lease while the store does not answer.
-async fn hold(proxy: &Proxy, claim: &Claimed) {
+/// Marks the record unknown, trying for up to the lease while the store does not answer; `true` once
+/// it is held.
+async fn hold(proxy: &Proxy, claim: &Claimed) -> bool {
     let id = &claim.id;
     match until_answered(claim.lease, || proxy.store.hold(id)).await {
-        Ok(true) => {}
-        Ok(false) => lost_claim(proxy, id, "hold"),
+        Ok(true) => true,
+        Ok(false) => {
+            lost_claim(proxy, id, "hold");
+            false
+        }
         Err(error) => {
-            tracing::error!(key = %id.key, %error, "holding the key failed; claim left to its lease")
+            tracing::error!(key = %id.key, %error, "holding the key failed; claim left to its lease");
+            false
         }
     }
 }
 
 /// Stores the response, then lets the client have the rest of it. The client waits for the store at most
-/// `completion_hold`; past it the client gets the rest and the completion goes on (counted).
+/// `completion_hold`; past it the client gets the rest and the completion goes on (counted). Whoever
+/// waits for the record is told last, off the client's path.
 async fn finish(
     proxy: &Proxy,
     claim: &Claimed,
@@ -158,32 +170,39 @@ async fn finish(
     }
     let storing = store_and_remember(proxy, claim, stored, fill);
     tokio::pin!(storing);
-    let in_time = tokio::time::timeout(proxy.completion_hold, &mut storing)
-        .await
-        .is_ok();
-    if !in_time {
+    let in_time = tokio::time::timeout(proxy.completion_hold, &mut storing).await;
+    if in_time.is_err() {
         proxy.metrics.completion_hold_expired.inc();
         tracing::warn!(key = %id.key, hold = ?proxy.completion_hold,
             "record not stored within the hold; the client gets the rest of its response first");
     }
     held.release(proxy, id).await;
-    if !in_time {
-        storing.await;
-    }
+    let completed = match in_time {
+        Ok(completed) => completed,
+        Err(_) => storing.await,
+    };
     heartbeat.stop();
     drop(captured.reservation);
+    if completed {
+        proxy.settled(&claim.route, id).await;
+    }
 }
 
-/// Completes the record and, once it is stored, puts it in the replay cache.
-async fn store_and_remember(proxy: &Proxy, claim: &Claimed, stored: StoredResponse, fill: Option<Fill>) {
+/// Completes the record and, once it is stored, puts it in the replay cache; `true` once it is stored.
+async fn store_and_remember(
+    proxy: &Proxy,
+    claim: &Claimed,
+    stored: StoredResponse,
+    fill: Option<Fill>,
+) -> bool {
     let id = &claim.id;
-    if complete(proxy, claim, &stored).await
-        && let Some(fill) = fill
-    {
+    let completed = complete(proxy, claim, &stored).await;
+    if completed && let Some(fill) = fill {
         proxy
             .cache
             .insert(&id.scope, &id.key, fill.fingerprint, stored, fill.deadline);
     }
+    completed
 }
 
 /// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), or if it
@@ -201,8 +220,8 @@ async fn broken_body(
     proxy.metrics.unknown_outcomes.inc();
     tracing::warn!(key = %claim.id.key, %error, "upstream body broke off; outcome unknown");
     client.fail(error, failure);
-    if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold {
-        hold(proxy, claim).await;
+    if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold && hold(proxy, claim).await {
+        proxy.settled(&claim.route, &claim.id).await;
     }
 }
 /// Stores the response under the claim's fence, retrying a store that does not answer for up to the lease
@@ -224,25 +243,31 @@ async fn complete(proxy: &Proxy, claim: &Claimed, stored: &StoredResponse) -> bo
 
 /// Releases the claim before answering, so that a retry sent right after the answer finds the key free.
 /// When the store is away the client is not kept waiting on it: it is answered at once, and the release
-/// is tried again afterwards (see [`until_answered`]).
+/// is tried again afterwards (see [`until_answered`]). Whoever waits for the record is told after the
+/// answer.
 async fn release_then_answer(proxy: &Proxy, claim: &Claimed, head: Answer, answer: Handled) {
     let id = &claim.id;
     match proxy.store.release(id).await {
-        Ok(true) => {}
-        Ok(false) => lost_claim(proxy, id, "release"),
+        Ok(true) => {
+            head.send(answer);
+            proxy.settled(&claim.route, id).await;
+        }
+        Ok(false) => {
+            lost_claim(proxy, id, "release");
+            head.send(answer);
+        }
         Err(error) => {
             tracing::warn!(key = %id.key, %error, "release failed; answering, then retrying");
             head.send(answer);
-            return release(proxy, claim).await;
+            release(proxy, claim).await;
         }
     }
-    head.send(answer);
 }
 
 async fn release(proxy: &Proxy, claim: &Claimed) {
     let id = &claim.id;
     match until_answered(claim.lease, || proxy.store.release(id)).await {
-        Ok(true) => {}
+        Ok(true) => proxy.settled(&claim.route, id).await,
         Ok(false) => lost_claim(proxy, id, "release"),
         Err(error) => {
             tracing::warn!(key = %id.key, %error, "release failed; claim left to its lease")

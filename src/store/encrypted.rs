@@ -318,6 +318,10 @@ impl Store for EncryptedStore {
     async fn stats(&self) -> Result<RecordStats, StoreError> {
         self.inner.stats().await
     }
+
+    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        self.inner.announce(announcement).await
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //! - `claim.rs`: the claim (CLAIM, TAKE, CLAIM_BATCH) and how each round's row settles it;
 //! - `complete.rs`: the completion (COMPLETE, COMPLETE_BATCH);
 //! - `fenced.rs`: the holder's other writes and an operator's release, fenced by the claim's token;
+//! - `listen.rs`: NOTIFY after a record of a wait route settled, and the LISTEN connection that wakes
+//!   this process's waiting requests (`on_in_flight = "wait"`);
 //! - `maintenance.rs`: the sweeper's SWEEP and the operator tools' FIND and STATS;
 //! - `rows.rs`: what those statements' rows mean in the store's types;
 //! - `migrations.rs`: the schema, from `migrations/postgres`.
@@ -18,6 +20,7 @@ mod claim;
 mod complete;
 mod connect;
 mod fenced;
+mod listen;
 mod maintenance;
 mod migrations;
 mod rows;
@@ -37,36 +40,48 @@ use claim::FirstRound;
 use complete::Completion;
 use runner::Db;
 
-/// The PostgreSQL-backed [`Store`]. Claims and completions that arrive together are coalesced into one
-/// statement each (`store.max_batch`); everything else runs one statement per operation.
+pub use listen::listen;
+
+/// The PostgreSQL-backed [`Store`]. Claims, completions and announcements that arrive together are
+/// coalesced into one statement each (`store.max_batch`); everything else runs one statement per
+/// operation.
 pub struct PostgresStore {
     db: Arc<Db>,
     claims: Option<Coalescer<ClaimRequest, FirstRound>>,
     completions: Option<Coalescer<Completion, Result<bool, StoreError>>>,
+    announcements: Option<Coalescer<String, Result<(), StoreError>>>,
 }
 
 impl PostgresStore {
     /// Builds the pool; connections open lazily, so this succeeds while the database is down.
     pub fn connect(config: &StoreConfig) -> Result<PostgresStore, StoreError> {
         let db = Arc::new(Db::new(connect::pool(config)?, config.timeout));
-        let (claims, completions) = if config.max_batch > 1 {
-            let in_flight = batches_in_flight(config.pool_size);
-            let claims = Coalescer::new(config.max_batch, in_flight, {
-                let db = Arc::clone(&db);
-                move |requests| Box::pin(claim::batch(Arc::clone(&db), requests)) as BatchFuture<_>
+        if config.max_batch <= 1 {
+            return Ok(PostgresStore {
+                db,
+                claims: None,
+                completions: None,
+                announcements: None,
             });
-            let completions = Coalescer::new(config.max_batch, in_flight, {
-                let db = Arc::clone(&db);
-                move |items| Box::pin(complete::batch(Arc::clone(&db), items)) as BatchFuture<_>
-            });
-            (Some(claims), Some(completions))
-        } else {
-            (None, None)
-        };
+        }
+        let in_flight = batches_in_flight(config.pool_size);
+        let claims = Coalescer::new(config.max_batch, in_flight, {
+            let db = Arc::clone(&db);
+            move |requests| Box::pin(claim::batch(Arc::clone(&db), requests)) as BatchFuture<_>
+        });
+        let completions = Coalescer::new(config.max_batch, in_flight, {
+            let db = Arc::clone(&db);
+            move |items| Box::pin(complete::batch(Arc::clone(&db), items)) as BatchFuture<_>
+        });
+        let announcements = Coalescer::new(config.max_batch, 1, {
+            let db = Arc::clone(&db);
+            move |items| Box::pin(listen::announce_batch(Arc::clone(&db), items)) as BatchFuture<_>
+        });
         Ok(PostgresStore {
             db,
-            claims,
-            completions,
+            claims: Some(claims),
+            completions: Some(completions),
+            announcements: Some(announcements),
         })
     }
 
@@ -151,6 +166,17 @@ impl Store for PostgresStore {
     async fn stats(&self) -> Result<RecordStats, StoreError> {
         maintenance::stats(&self.db).await
     }
+
+    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        let Some(announcements) = &self.announcements else {
+            return listen::announce(&self.db, announcement).await;
+        };
+        match timeout(self.db.timeout(), announcements.submit(announcement.to_owned())).await {
+            Ok(Some(sent)) => sent,
+            Ok(None) => Err(unanswered()),
+            Err(_) => Err(StoreError::Timeout(self.db.timeout())),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -170,9 +196,9 @@ mod tests {
         };
         let single = crate::Config::from_toml_str(&toml(1)).unwrap().store;
         let store = PostgresStore::connect(&single).unwrap();
-        assert!(store.claims.is_none() && store.completions.is_none());
+        assert!(store.claims.is_none() && store.completions.is_none() && store.announcements.is_none());
         let batched = crate::Config::from_toml_str(&toml(8)).unwrap().store;
         let store = PostgresStore::connect(&batched).unwrap();
-        assert!(store.claims.is_some() && store.completions.is_some());
+        assert!(store.claims.is_some() && store.completions.is_some() && store.announcements.is_some());
     }
 }

@@ -33,3 +33,4 @@ mod storm;
 mod sweeper;
 mod upstream_faults;
 mod upstream_transports;
+mod wait;

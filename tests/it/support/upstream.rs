@@ -3,6 +3,8 @@
 //! The path picks the behaviour:
 //! - `/status/<code>`: answers `<code>` with a short text body; first waits for its gate when the
 //!   request names one in `x-gate`.
+//! - `/fail-first/<code>`: the first request on this path answers `<code>` (after its gate, when it names
+//!   one in `x-gate`); every later one answers like an unknown path (201, `created`).
 //! - `/slow`: answers 201 (head and body) once the test opens the request's gate.
 //! - `/stream`: sends the head and `FIRST_CHUNK`, then `REST_CHUNK` once the request's gate is open.
 //!
@@ -21,7 +23,7 @@
 //!   `x-upstream-exec: <n>` and `x-custom: value`.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     convert::Infallible,
     sync::{
         Arc, Mutex,
@@ -70,6 +72,8 @@ struct State {
     closed: AtomicUsize,
     requests: Mutex<Vec<Recorded>>,
     gates: Mutex<HashMap<String, watch::Sender<bool>>>,
+    /// Paths of `/fail-first/<code>` requests seen so far.
+    failed_first: Mutex<HashSet<String>>,
 }
 
 impl State {
@@ -287,6 +291,7 @@ async fn respond(recorded: &Recorded, state: &State) -> Response<Body> {
             param("bytes").and_then(|n| n.parse().ok()).unwrap_or(0),
             state.gate(&gate_name(recorded, "held")),
         ),
+        _ if path.starts_with("/fail-first/") => fail_first(recorded, state, path).await,
         _ => match path.strip_prefix("/status/").and_then(|c| c.parse().ok()) {
             Some(code) if recorded.headers.contains_key("x-gate") => {
                 wait_open(state.gate(&gate_name(recorded, "status"))).await;
@@ -295,6 +300,17 @@ async fn respond(recorded: &Recorded, state: &State) -> Response<Body> {
             Some(code) => status(code),
             None => created(recorded),
         },
+    }
+}
+
+async fn fail_first(recorded: &Recorded, state: &State, path: &str) -> Response<Body> {
+    let first = state.failed_first.lock().unwrap().insert(path.to_string());
+    if recorded.headers.contains_key("x-gate") {
+        wait_open(state.gate(&gate_name(recorded, "fail-first"))).await;
+    }
+    match path.strip_prefix("/fail-first/").and_then(|c| c.parse().ok()) {
+        Some(code) if first => status(code),
+        _ => created(recorded),
     }
 }
 

@@ -1,0 +1,157 @@
+//! Runs when a keyed request on a route with `on_in_flight = "wait"` finds its key in flight (processing
+//! under a live lease, for the same request), on the request's own task: instead of 409 it waits for the
+//! original, holding its body but no `server.max_keyed_in_flight` slot, at most `server.max_waiting` at
+//! once (beyond: 409 at once). Touches the store only through claim statements (`claim.rs`), one per
+//! wake-up, never by polling.
+//!
+//! A waiter re-checks its record when it is woken — the original completed, was released or held, here
+//! or on another replica (`store/notify.rs`), or the listener for other replicas lost its connection —
+//! and once when the lease it last saw runs out, since a dead original never announces anything (that
+//! re-check takes the key over). A re-check tries the replay cache, then sends one claim statement:
+//! completed → the replay; released or stale → this request claims and executes it (of many waiters
+//! exactly one wins, the others wait again); held → 502; still in flight → it waits again, within the
+//! same deadline. `wait_timeout` after it began waiting it gets the 409 it would have got at once; at
+//! shutdown, or when its client goes, at once.
+//!
+//! No settlement is missed between the claim statement that found the key in flight and the wait: the
+//! request subscribed to its record before that statement was sent, and each re-check marks earlier
+//! wakes seen before its statement, so any settlement committed after the statement read the record
+//! wakes it again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::{Instant, sleep_until};
+
+use super::Proxy;
+use super::claim::{InFlight, Round, Won, in_flight_retry_after};
+use crate::error::ProxyError;
+use crate::metrics::{Metrics, WaitResult};
+
+/// The least time before a lease re-check: a lease the store reports as (nearly) over is re-checked
+/// after this, not in a loop.
+const LEASE_RECHECK_MIN: Duration = Duration::from_millis(50);
+
+/// How a wait ended.
+enum Ended {
+    /// The request has been answered.
+    Answered(WaitResult),
+    /// The request won the claim and is to be executed.
+    Won(Box<Won>),
+}
+
+/// Why a waiter woke up.
+enum Woken {
+    /// Its record may have settled, or the lease it saw ran out: re-check.
+    Recheck,
+    /// The wait is over without an answer (`wait_timeout`, shutdown, or the client went away): 409.
+    Stop(WaitResult),
+}
+
+impl Proxy {
+    /// Waits for the original of a request whose key is in flight, then answers or executes it as the
+    /// record's fate decides; every wait is counted by how it ended. An execution starts only once the
+    /// request has stopped counting as waiting.
+    pub(crate) async fn wait(self: Arc<Self>, in_flight: Box<InFlight>) {
+        let Ok(permit) = self.waiting.clone().try_acquire_owned() else {
+            tracing::debug!(key = %in_flight.keyed.intake.claim.id.key, "too many requests waiting; 409");
+            self.metrics.wait_ended(WaitResult::RejectedFull);
+            conflict(in_flight);
+            return;
+        };
+        let waiting = Waiting::enter(&self.metrics, permit);
+        let ended = self.wait_rounds(in_flight).await;
+        drop(waiting);
+        let result = match ended {
+            Ended::Answered(result) => result,
+            Ended::Won(won) => match self.execute_won(*won).await {
+                true => WaitResult::Executed,
+                false => WaitResult::Refused,
+            },
+        };
+        self.metrics.wait_ended(result);
+    }
+
+    /// Waits and re-checks until the record's fate answers the request, or the wait ends.
+    async fn wait_rounds(self: &Arc<Self>, mut in_flight: Box<InFlight>) -> Ended {
+        let deadline = Instant::now() + in_flight.keyed.intake.route.policy.wait_timeout;
+        loop {
+            if let Woken::Stop(result) = self.until_woken(&mut in_flight, deadline).await {
+                conflict(in_flight);
+                return Ended::Answered(result);
+            }
+            if let Some(answer) =
+                self.answer_from_cache(&in_flight.keyed.intake.claim, &in_flight.keyed.intake.route)
+            {
+                let result = if answer.is_ok() {
+                    WaitResult::Replayed
+                } else {
+                    WaitResult::Refused
+                };
+                in_flight.keyed.head.send(answer);
+                return Ended::Answered(result);
+            }
+            let InFlight {
+                keyed, subscription, ..
+            } = *in_flight;
+            in_flight = match self.claim_round(keyed, None, Some(subscription)).await {
+                Round::InFlight(again) => again,
+                Round::Won(won) => return Ended::Won(won),
+                Round::Replayed => return Ended::Answered(WaitResult::Replayed),
+                Round::Refused => return Ended::Answered(WaitResult::Refused),
+            };
+        }
+    }
+
+    /// Sleeps until the next reason to re-check or to stop. Shutdown and a gone client come first, then
+    /// the deadline, so a wake that comes with them does not start another round.
+    async fn until_woken(&self, in_flight: &mut InFlight, deadline: Instant) -> Woken {
+        let lease_over = in_flight.lease_end.max(Instant::now() + LEASE_RECHECK_MIN);
+        let InFlight {
+            keyed, subscription, ..
+        } = in_flight;
+        tokio::select! {
+            biased;
+            _ = self.shutdown.cancelled() => Woken::Stop(WaitResult::Shutdown),
+            _ = keyed.head.closed() => Woken::Stop(WaitResult::ClientGone),
+            _ = sleep_until(deadline) => Woken::Stop(WaitResult::Timeout),
+            _ = subscription.woken() => Woken::Recheck,
+            _ = sleep_until(lease_over) => Woken::Recheck,
+        }
+    }
+}
+
+/// Answers a waiter 409 `key-in-flight`, as if it had not waited, its `Retry-After` from the lease it
+/// last saw. A client that has gone has it counted all the same.
+fn conflict(in_flight: Box<InFlight>) {
+    let left = in_flight.lease_end.saturating_duration_since(Instant::now());
+    let hint = in_flight.keyed.intake.route.policy.in_flight_retry_after;
+    let retry_after = in_flight_retry_after(left, hint);
+    in_flight
+        .keyed
+        .head
+        .send(Err(ProxyError::KeyInFlight { retry_after }));
+}
+
+/// A request counted in `idemproxy_waiting_requests`, holding its `server.max_waiting` permit.
+struct Waiting<'a> {
+    metrics: &'a Metrics,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl<'a> Waiting<'a> {
+    fn enter(metrics: &'a Metrics, permit: OwnedSemaphorePermit) -> Waiting<'a> {
+        metrics.waiting.inc();
+        Waiting {
+            metrics,
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.metrics.waiting.dec();
+    }
+}
