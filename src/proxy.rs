@@ -240,7 +240,8 @@ impl Proxy {
     ) -> Handled {
         let intake = match self.intake(request, route, key).await? {
             Ok(intake) => intake,
-            Err(unkeyed) => return unkeyed.forward(self, &peer).await,
+            // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
+            Err(unkeyed) => return Box::pin(unkeyed.forward(self, &peer)).await,
         };
         if let Some(answer) = self.answer_from_cache(&intake.claim, &intake.route) {
             return answer;
@@ -257,7 +258,10 @@ impl Proxy {
         let proxy = self.clone();
         let keyed = async move {
             if let Some(in_flight) = proxy.clone().claim(intake, peer, head, slot).await {
-                proxy.wait(in_flight).await;
+                // The wait (and the execution it may lead to) is as large as the claim's own future;
+                // on the heap, only the requests that wait pay for it, and the task every keyed request
+                // spawns stays the size of the claim alone.
+                Box::pin(proxy.wait(in_flight)).await;
             }
         };
         let keyed = access::within(access::current(), keyed);

@@ -214,7 +214,9 @@ impl Proxy {
             lease: claim.lease,
             route,
         };
-        execute::execute(self.clone(), claimed, request, head, won.fill).await;
+        // The execution's future is many kilobytes; on the heap, the claim task that every keyed request
+        // spawns (and tokio copies as it starts and finishes) stays small.
+        Box::pin(execute::execute(self.clone(), claimed, request, head, won.fill)).await;
         true
     }
 
