@@ -49,13 +49,7 @@ impl Proxy {
         body: ReservedBody,
         peer: &Downstream,
     ) -> Handled {
-        let request = self.upstream.request(parts, body.into_body(), peer);
-        let response = self
-            .upstream
-            .send(request)
-            .await
-            .map_err(UpstreamFailure::into_error)?;
-        Ok((relayable(response)?, Outcome::Passthrough))
+        self.forward_read(parts, body, peer, Outcome::Passthrough).await
     }
 
     /// The store could not decide the claim: refuse (fail_closed) or forward unprotected (fail_open).
@@ -71,13 +65,25 @@ impl Proxy {
         }
         self.metrics.unprotected.inc();
         tracing::warn!(%error, "store unavailable; forwarding without idempotency (fail_open)");
+        self.forward_read(parts, body, peer, Outcome::StoreUnavailable)
+            .await
+    }
+
+    /// Forwards a request whose body has been read whole, unprotected, counted as `outcome`.
+    async fn forward_read(
+        &self,
+        parts: request::Parts,
+        body: ReservedBody,
+        peer: &Downstream,
+        outcome: Outcome,
+    ) -> Handled {
         let request = self.upstream.request(parts, body.into_body(), peer);
         let response = self
             .upstream
             .send(request)
             .await
             .map_err(UpstreamFailure::into_error)?;
-        Ok((relayable(response)?, Outcome::StoreUnavailable))
+        Ok((relayable(response)?, outcome))
     }
 }
 

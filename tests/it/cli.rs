@@ -14,7 +14,7 @@ pub async fn idemproxy(args: &[&str], env: &[(&str, &str)]) -> Output {
 }
 
 /// A temporary TOML file holding `text`, removed on drop.
-fn config_file(text: &str) -> tempfile::NamedTempFile {
+pub fn config_file(text: &str) -> tempfile::NamedTempFile {
     let mut file = tempfile::Builder::new()
         .suffix(".toml")
         .tempfile()

@@ -6,7 +6,7 @@ use std::time::SystemTime;
 
 use rstest::rstest;
 
-use crate::cli::idemproxy;
+use crate::cli::{config_file, idemproxy};
 use crate::support::http::{TEST_CREDENTIAL, client};
 use crate::support::{Backend, Reply, TestEnv, keyed_post};
 
@@ -245,16 +245,6 @@ async fn problem_types_point_at_the_operators_documentation(
         reply.json()["type"],
         "https://docs.example.com/errors#missing-key"
     );
-}
-
-/// A temporary config file.
-fn config_file(text: &str) -> tempfile::NamedTempFile {
-    let mut file = tempfile::Builder::new()
-        .suffix(".toml")
-        .tempfile()
-        .expect("temp config");
-    std::io::Write::write_all(&mut file, text.as_bytes()).expect("temp config written");
-    file
 }
 
 #[tokio::test]
