@@ -298,7 +298,7 @@ impl RawIdempotency {
     fn key_source(&self, key: &str, header: &HeaderName) -> Result<KeySource, ConfigError> {
         match &self.key {
             Some(text) => KeySource::parse(key, text),
-            None => Ok(KeySource::header(header.clone())),
+            None => Ok(KeySource::Header(header.clone())),
         }
     }
 

@@ -42,11 +42,6 @@ pub enum KeyPart {
 }
 
 impl KeySource {
-    /// The default source: the `header` setting.
-    pub fn header(name: HeaderName) -> KeySource {
-        KeySource::Header(name)
-    }
-
     /// Parses `key = "…"`, naming `key` in errors.
     pub fn parse(key: &str, text: &str) -> Result<KeySource, ConfigError> {
         let text = text.trim();

@@ -255,15 +255,7 @@ impl Route {
             None => true,
             Some(PathMatch::Exact(exact)) => path == exact,
             Some(PathMatch::Prefix(start)) => path.starts_with(start.as_str()),
-            Some(PathMatch::Glob(segments)) => {
-                let mut parts = path.split('/');
-                let all = segments.iter().all(|want| match (want, parts.next()) {
-                    (_, None) => false,
-                    (None, Some(part)) => !part.is_empty(),
-                    (Some(want), Some(part)) => want == part,
-                });
-                all && parts.next().is_none()
-            }
+            Some(PathMatch::Glob(segments)) => glob_matches(segments, path),
         }
     }
 
@@ -334,17 +326,7 @@ fn covers_path(earlier: Option<&PathMatch>, later: Option<&PathMatch>) -> bool {
             };
             literal.starts_with(start.as_str())
         }
-        (PathMatch::Glob(mine), PathMatch::Exact(path)) => {
-            let probe = Route {
-                name: String::new(),
-                scope: String::new(),
-                path: Some(PathMatch::Glob(mine.clone())),
-                methods: None,
-                passthrough: true,
-                policy: placeholder_policy(),
-            };
-            probe.matches(&Method::GET, path)
-        }
+        (PathMatch::Glob(mine), PathMatch::Exact(path)) => glob_matches(mine, path),
         (PathMatch::Glob(mine), PathMatch::Glob(theirs)) => {
             mine.len() == theirs.len()
                 && mine.iter().zip(theirs).all(|(a, b)| match (a, b) {
@@ -357,10 +339,15 @@ fn covers_path(earlier: Option<&PathMatch>, later: Option<&PathMatch>) -> bool {
     }
 }
 
-fn placeholder_policy() -> IdempotencyConfig {
-    RawIdempotency::default()
-        .validate()
-        .expect("the default [idempotency] is valid")
+/// Whether `path` has exactly the glob's segments, a `*` (`None`) standing for any non-empty one.
+fn glob_matches(segments: &[Option<String>], path: &str) -> bool {
+    let mut parts = path.split('/');
+    let all = segments.iter().all(|want| match (want, parts.next()) {
+        (_, None) => false,
+        (None, Some(part)) => !part.is_empty(),
+        (Some(want), Some(part)) => want == part,
+    });
+    all && parts.next().is_none()
 }
 
 /// The section as a dictionary of its settings, for routes to be laid over.
