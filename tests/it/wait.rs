@@ -65,6 +65,18 @@ async fn waits(proxy: &InProcessProxy, result: &str) -> f64 {
     metric(&proxy.admin_url, "idemproxy_waits_total", &[("result", result)]).await
 }
 
+/// `idemproxy_waits_total{result}` once it has reached `n`. A wait is counted when it ends, which for a
+/// waiter that executes is after its whole execution, a moment after its client has the response.
+async fn waits_reach(proxy: &InProcessProxy, result: &str, n: f64) -> f64 {
+    metric_reaches(
+        &proxy.admin_url,
+        "idemproxy_waits_total",
+        &[("result", result)],
+        n,
+    )
+    .await
+}
+
 /// Starts a proxy on PostgreSQL and returns once its wait listener listens, so that its first
 /// connection's wake-up does not fall into a test's measurements.
 async fn listening(config: &ProxyConfig) -> InProcessProxy {
@@ -99,7 +111,7 @@ async fn a_hundred_waiting_duplicates_get_the_one_execution_and_no_409(
     assert!(!original.is_replay());
     assert_all_replay(&replies(duplicates).await, &original);
     assert_eq!(env.upstream.executions(), 1);
-    assert_eq!(waits(&proxy, "replayed").await, 100.0);
+    assert_eq!(waits_reach(&proxy, "replayed", 100.0).await, 100.0);
 }
 
 /// Holds the original for `hold` while `n` duplicates wait on it; the claim statements that cost.
@@ -162,8 +174,8 @@ async fn a_released_original_is_run_again_by_exactly_one_waiter(
         executed[0],
     );
     assert_eq!(env.upstream.executions(), 2);
-    assert_eq!(waits(&proxy, "executed").await, 1.0);
-    assert_eq!(waits(&proxy, "replayed").await, 9.0);
+    assert_eq!(waits_reach(&proxy, "executed", 1.0).await, 1.0);
+    assert_eq!(waits_reach(&proxy, "replayed", 9.0).await, 9.0);
 }
 
 #[rstest]
@@ -179,7 +191,7 @@ async fn a_wait_longer_than_wait_timeout_gets_409_with_retry_after(
     let duplicate = Reply::of(gated(&proxy.url, "/slow", "k", "g")).await;
     duplicate.assert_problem(409, "key-in-flight");
     assert!(duplicate.retry_after() >= 1);
-    assert_eq!(waits(&proxy, "timeout").await, 1.0);
+    assert_eq!(waits_reach(&proxy, "timeout", 1.0).await, 1.0);
 
     env.upstream.release("g");
     assert_eq!(original.await.unwrap().status, 201);
@@ -200,7 +212,7 @@ async fn beyond_max_waiting_a_duplicate_gets_409_at_once(
     // Answered while the original is still held, and not by the wait timing out.
     let third = Reply::of(gated(&proxy.url, "/slow", "k", "g")).await;
     third.assert_problem(409, "key-in-flight");
-    assert_eq!(waits(&proxy, "rejected_full").await, 1.0);
+    assert_eq!(waits_reach(&proxy, "rejected_full", 1.0).await, 1.0);
     assert_eq!(waits(&proxy, "timeout").await, 0.0);
 
     env.upstream.release("g");
@@ -225,7 +237,7 @@ async fn waiters_on_another_replica_get_the_replay() {
     assert_eq!(original.status, 201);
     assert_all_replay(&replies(duplicates).await, &original);
     assert_eq!(env.upstream.executions(), 1);
-    assert_eq!(waits(&second, "replayed").await, 10.0);
+    assert_eq!(waits_reach(&second, "replayed", 10.0).await, 10.0);
     let claims = metric(&second.admin_url, CLAIMS.0, CLAIMS.1).await - claims_before;
     let notifies = [("op", "notify")];
     let notified = metric(&first.admin_url, CLAIMS.0, &notifies).await;
@@ -300,7 +312,7 @@ async fn shutdown_answers_waiters_at_once_and_does_not_delay_the_drain(
     for reply in replies(duplicates).await {
         reply.assert_problem(409, "key-in-flight");
     }
-    assert_eq!(waits(&proxy, "shutdown").await, 5.0);
+    assert_eq!(waits_reach(&proxy, "shutdown", 5.0).await, 5.0);
     env.upstream.release("g");
 
     assert_eq!(original.await.unwrap().status, 201);
@@ -339,7 +351,11 @@ async fn a_waiter_takes_over_the_key_of_a_dead_original_once_its_lease_runs_out(
         assert_eq!(reply.body, executed[0].body);
     }
     assert_eq!(env.upstream.executions(), 2);
-    assert_eq!(waits(&proxy, "executed").await, 1.0, "it waited for the lease");
+    assert_eq!(
+        waits_reach(&proxy, "executed", 1.0).await,
+        1.0,
+        "it waited for the lease"
+    );
     assert_eq!(
         metric(&proxy.admin_url, "idemproxy_stale_takeovers_total", &[]).await,
         1.0
