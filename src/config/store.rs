@@ -87,7 +87,8 @@ pub struct StoreConfig {
     pub url: String,
     /// Maximum pooled connections.
     pub pool_size: usize,
-    /// Most operations of one kind coalesced into one statement (PostgreSQL); 1 turns coalescing off.
+    /// Most claims and completions coalesced into one statement (PostgreSQL) or transaction (SQLite, each
+    /// kind apart); 1 turns coalescing off.
     pub max_batch: usize,
     /// Bound on one store operation.
     pub timeout: Duration,

@@ -1,4 +1,4 @@
-//! Coalescing of concurrent store operations of one kind (claims, completions) into batches, so that many
+//! Coalescing of concurrent store operations (claims, completions) into batches, so that many
 //! keys cost one statement and one commit instead of one each. Natural batching, no timer: an operation
 //! that finds no batch running starts one at once, alone, and pays no wait; operations that arrive while
 //! a batch runs queue, and the next batch to finish takes them all (up to `max_batch`) in one go. So

@@ -1,14 +1,15 @@
 //! The PostgreSQL key table. Runs on the request path (claim) and in the forwarding task (heartbeat,
 //! complete, release); touches only the `idemproxy` schema. Every statement is a named constant, prepared
-//! once per pooled connection, except the coalesced batches, which are planned for each call; every
-//! operation is bounded by `store.timeout`, and a connection that timed out is dropped instead of going
-//! back to the pool. The database clock (`now()`) is the only clock.
+//! once per pooled connection, whose connection plans by index only (`connect.rs`); every operation is
+//! bounded by `store.timeout`, and a connection that timed out is dropped instead of going back to the
+//! pool. The database clock (`now()`) is the only clock.
 //!
 //! This file wires the parts into [`PostgresStore`]; each part has one job, its statements beside it:
-//! - `connect.rs`: `store.url` with our defaults, TLS, the pool;
+//! - `connect.rs`: `store.url` with our defaults, TLS, the pool and its index-only planning;
 //! - `runner.rs`: one bounded statement (timeout, retry on serialization failure, error mapping);
-//! - `claim.rs`: the claim (CLAIM, TAKE, CLAIM_BATCH) and how each round's row settles it;
-//! - `complete.rs`: the completion (COMPLETE, COMPLETE_BATCH);
+//! - `claim.rs`: the claim (CLAIM, TAKE) and how each round's row settles it;
+//! - `complete.rs`: the completion (COMPLETE);
+//! - `write.rs`: claims and completions that arrive together, in one statement (WRITE_BATCH);
 //! - `fenced.rs`: the holder's other writes and an operator's release, fenced by the claim's token;
 //! - `listen.rs`: NOTIFY after a record of a wait route settled, and the LISTEN connection that wakes
 //!   this process's waiting requests (`on_in_flight = "wait"`);
@@ -16,6 +17,7 @@
 //! - `rows.rs`: what those statements' rows mean in the store's types;
 //! - `migrations.rs`: the schema, from `migrations/postgres`.
 
+#[macro_use]
 mod claim;
 mod complete;
 mod connect;
@@ -25,6 +27,7 @@ mod maintenance;
 mod migrations;
 mod rows;
 mod runner;
+mod write;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,19 +39,18 @@ use super::{
     ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
 };
 use crate::config::StoreConfig;
-use claim::FirstRound;
 use complete::Completion;
 use runner::Db;
+use write::{Write, Written};
 
 pub use listen::listen;
 
-/// The PostgreSQL-backed [`Store`]. Claims, completions and announcements that arrive together are
-/// coalesced into one statement each (`store.max_batch`); everything else runs one statement per
+/// The PostgreSQL-backed [`Store`]. Claims and completions that arrive together are coalesced into one
+/// statement (`store.max_batch`), and so are announcements; everything else runs one statement per
 /// operation.
 pub struct PostgresStore {
     db: Arc<Db>,
-    claims: Option<Coalescer<ClaimRequest, FirstRound>>,
-    completions: Option<Coalescer<Completion, Result<bool, StoreError>>>,
+    writes: Option<Coalescer<Write, Written>>,
     announcements: Option<Coalescer<String, Result<(), StoreError>>>,
 }
 
@@ -59,19 +61,13 @@ impl PostgresStore {
         if config.max_batch <= 1 {
             return Ok(PostgresStore {
                 db,
-                claims: None,
-                completions: None,
+                writes: None,
                 announcements: None,
             });
         }
-        let in_flight = batches_in_flight(config.pool_size);
-        let claims = Coalescer::new(config.max_batch, in_flight, {
+        let writes = Coalescer::new(config.max_batch, batches_in_flight(config.pool_size), {
             let db = Arc::clone(&db);
-            move |requests| Box::pin(claim::batch(Arc::clone(&db), requests)) as BatchFuture<_>
-        });
-        let completions = Coalescer::new(config.max_batch, in_flight, {
-            let db = Arc::clone(&db);
-            move |items| Box::pin(complete::batch(Arc::clone(&db), items)) as BatchFuture<_>
+            move |writes| Box::pin(write::batch(Arc::clone(&db), writes)) as BatchFuture<_>
         });
         let announcements = Coalescer::new(config.max_batch, 1, {
             let db = Arc::clone(&db);
@@ -79,8 +75,7 @@ impl PostgresStore {
         });
         Ok(PostgresStore {
             db,
-            claims: Some(claims),
-            completions: Some(completions),
+            writes: Some(writes),
             announcements: Some(announcements),
         })
     }
@@ -92,9 +87,20 @@ impl PostgresStore {
     }
 }
 
-/// Most batches of each kind (claims, completions) running at once: a quarter of the pool, so coalesced
-/// statements leave connections for everything else (heartbeats, requests that claim alone). More than
-/// one runs only while a full batch waits (see `coalesce`).
+impl PostgresStore {
+    /// Runs `write` in the next write batch, within `store.timeout`.
+    async fn write(&self, writes: &Coalescer<Write, Written>, write: Write) -> Result<Written, StoreError> {
+        match timeout(self.db.timeout(), writes.submit(write)).await {
+            Ok(Some(written)) => Ok(written),
+            Ok(None) => Err(unanswered()),
+            Err(_) => Err(StoreError::Timeout(self.db.timeout())),
+        }
+    }
+}
+
+/// Most write batches running at once: a quarter of the pool, so coalesced statements leave connections
+/// for everything else (heartbeats, requests that claim alone). More than one runs only while a full
+/// batch waits (see `coalesce`).
 fn batches_in_flight(pool_size: usize) -> usize {
     (pool_size / 4).max(1)
 }
@@ -102,15 +108,14 @@ fn batches_in_flight(pool_size: usize) -> usize {
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        let Some(claims) = &self.claims else {
+        let Some(writes) = &self.writes else {
             return claim::alone(&self.db, request).await;
         };
-        match timeout(self.db.timeout(), claims.submit(request.clone())).await {
-            Ok(Some(Ok(Some(decided)))) => Ok(decided),
-            Ok(Some(Ok(None))) => claim::alone(&self.db, request).await,
-            Ok(Some(Err(error))) => Err(error),
-            Ok(None) => Err(unanswered()),
-            Err(_) => Err(StoreError::Timeout(self.db.timeout())),
+        match self.write(writes, Write::Claim(request.clone())).await? {
+            Written::Claim(Ok(Some(decided))) => Ok(decided),
+            Written::Claim(Ok(None)) => claim::alone(&self.db, request).await,
+            Written::Claim(Err(error)) => Err(error),
+            Written::Complete(_) => Err(unanswered()),
         }
     }
 
@@ -119,21 +124,16 @@ impl Store for PostgresStore {
     }
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
-        let Some(completions) = self
-            .completions
-            .as_ref()
-            .filter(|_| complete::batchable(response))
-        else {
+        let Some(writes) = self.writes.as_ref().filter(|_| complete::batchable(response)) else {
             return complete::alone(&self.db, id, response).await;
         };
         let completion = Completion {
             id: id.clone(),
             response: response.clone(),
         };
-        match timeout(self.db.timeout(), completions.submit(completion)).await {
-            Ok(Some(stored)) => stored,
-            Ok(None) => Err(unanswered()),
-            Err(_) => Err(StoreError::Timeout(self.db.timeout())),
+        match self.write(writes, Write::Complete(completion)).await? {
+            Written::Complete(stored) => stored,
+            Written::Claim(_) => Err(unanswered()),
         }
     }
 
@@ -196,9 +196,9 @@ mod tests {
         };
         let single = crate::Config::from_toml_str(&toml(1)).unwrap().store;
         let store = PostgresStore::connect(&single).unwrap();
-        assert!(store.claims.is_none() && store.completions.is_none() && store.announcements.is_none());
+        assert!(store.writes.is_none() && store.announcements.is_none());
         let batched = crate::Config::from_toml_str(&toml(8)).unwrap().store;
         let store = PostgresStore::connect(&batched).unwrap();
-        assert!(store.claims.is_some() && store.completions.is_some() && store.announcements.is_some());
+        assert!(store.writes.is_some() && store.announcements.is_some());
     }
 }

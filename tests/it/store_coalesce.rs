@@ -361,3 +361,179 @@ async fn a_response_too_large_to_batch_is_stored_whole() {
         }
     }
 }
+
+/// What a claim or a completion answered, for one queue holding both kinds.
+#[derive(Debug)]
+enum Answer {
+    Claim(ClaimResult),
+    Complete(bool),
+}
+
+type Operation<'a> = std::pin::Pin<Box<dyn Future<Output = Answer> + Send + 'a>>;
+
+#[tokio::test]
+async fn claims_and_completions_that_arrive_together_share_one_commit() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let done = keys("done", 20);
+    let mut running = Vec::new();
+    for key in done.iter().map(String::as_str).chain(["purged"]) {
+        let claim = request(key, 1, LONG, DAY);
+        won(&*store, &claim).await;
+        running.push(claim);
+    }
+    // A record an operator purged while its request ran: its completion finds nothing to store and
+    // must not bring the record back.
+    let purged = running.pop().unwrap();
+    let deleted = db
+        .client()
+        .await
+        .execute("DELETE FROM idemproxy.records WHERE key = 'purged'", &[])
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let fresh = keys("fresh", 20);
+    let claims: Vec<ClaimRequest> = fresh.iter().map(|k| request(k, 1, LONG, DAY)).collect();
+    let stored = response(b"stored");
+
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "gate").await;
+    let (store_ref, stored_ref) = (&store, &stored);
+    let completions = running.iter().chain([&purged]).map(|c| -> Operation<'_> {
+        Box::pin(async move { Answer::Complete(store_ref.complete(&c.id, stored_ref).await.unwrap()) })
+    });
+    let claimed = claims.iter().map(|c| -> Operation<'_> {
+        Box::pin(async move { Answer::Claim(store_ref.claim(c).await.unwrap()) })
+    });
+    let operations: Vec<Operation<'_>> = completions.chain(claimed).collect();
+    let answers = behind(gate, operations).await;
+    holder.await.unwrap();
+
+    let (completed, claimed) = answers.split_at(running.len() + 1);
+    for answer in &completed[..running.len()] {
+        assert!(matches!(answer, Answer::Complete(true)), "{answer:?}");
+    }
+    assert!(
+        matches!(completed[running.len()], Answer::Complete(false)),
+        "the purged record's completion stores nothing"
+    );
+    for answer in claimed {
+        assert!(
+            matches!(
+                answer,
+                Answer::Claim(ClaimResult::Won {
+                    attempt: 1,
+                    kind: ClaimKind::New
+                })
+            ),
+            "{answer:?}"
+        );
+    }
+    let mut written = done.clone();
+    written.extend(fresh.iter().cloned());
+    assert_eq!(
+        writing_transactions(&db, &written).await,
+        1,
+        "20 completions and 20 new claims, one transaction"
+    );
+    let purged_rows: i64 = db
+        .client()
+        .await
+        .query_one("SELECT count(*) FROM idemproxy.records WHERE key = 'purged'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(purged_rows, 0, "a completion never inserts a record");
+    for key in &done {
+        match store.claim(&request(key, 1, LONG, DAY)).await.unwrap() {
+            ClaimResult::Held(Existing::Completed { response, .. }) => assert_eq!(response, stored),
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+}
+
+/// Tuples read from the key table and its primary key since the database was created, once every
+/// backend of the store has exited (a backend reports its counts as it exits).
+async fn key_table_tuples_read(db: &TestDb) -> i64 {
+    let client = db.client().await;
+    for _ in 0..100 {
+        let open: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND application_name = 'idemproxy'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    client
+        .batch_execute("SELECT pg_stat_clear_snapshot()")
+        .await
+        .unwrap();
+    client
+        .query_one(
+            "SELECT coalesce(t.seq_tup_read, 0) + coalesce(i.idx_tup_read, 0)
+             FROM pg_stat_user_tables t JOIN pg_stat_user_indexes i USING (relid)
+             WHERE t.schemaname = 'idemproxy' AND t.relname = 'records' AND i.indexrelname = 'records_pkey'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Claims `n` new keys at once, then completes them at once: batches and single statements alike.
+async fn claim_and_complete(store: &Arc<dyn Store>, prefix: &str, n: usize) {
+    let claims: Vec<ClaimRequest> = keys(prefix, n).iter().map(|k| request(k, 1, LONG, DAY)).collect();
+    for result in join_all(claims.iter().map(|c| store.claim(c))).await {
+        assert!(matches!(result, Ok(ClaimResult::Won { .. })), "{result:?}");
+    }
+    let stored = response(b"ok");
+    for result in join_all(claims.iter().map(|c| store.complete(&c.id, &stored))).await {
+        assert!(result.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn plans_made_while_the_key_table_was_empty_still_find_each_record_by_its_key() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    // An empty table, vacuumed, and no analyze to come: every plan made now sees a table of no pages,
+    // where scanning it whole looks cheaper than any index.
+    let client = db.client().await;
+    client
+        .batch_execute("ALTER TABLE idemproxy.records SET (autovacuum_enabled = false)")
+        .await
+        .unwrap();
+    client.batch_execute("VACUUM idemproxy.records").await.unwrap();
+    // Enough runs of every statement, alone and batched, for each connection to settle on its plans.
+    for round in 0..12 {
+        claim_and_complete(&store, &format!("empty-{round}"), 1 + round % 6).await;
+    }
+    // The table grows to 50,000 records behind those plans' back.
+    db.client()
+        .await
+        .batch_execute(
+            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                 locked_until, created_at, expires_at, updated_at)
+             SELECT 'default:bulk', 'bulk-' || g, '\\x00', 'completed', gen_random_uuid(), 1, 'new',
+                 now(), now(), now() + interval '1 day', now()
+             FROM generate_series(1, 50000) AS g",
+        )
+        .await
+        .unwrap();
+    for round in 0..12 {
+        claim_and_complete(&store, &format!("full-{round}"), 1 + round % 6).await;
+    }
+    drop(store);
+    // Some 80 writes after the table grew: by key, a few tuples each; one scan would read 50,000.
+    let read = key_table_tuples_read(&db).await;
+    assert!(
+        read < 5_000,
+        "{read} tuples read: a statement scanned the key table"
+    );
+}

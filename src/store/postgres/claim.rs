@@ -1,12 +1,11 @@
 //! The claim: which request executes a key. Runs on the request path, once per keyed request, alone or
 //! coalesced with others (`store.max_batch`); touches only the records of the keys being claimed. A claim
 //! takes one or more rounds of CLAIM then TAKE on one connection; a coalesced claim's first round is
-//! CLAIM_BATCH, shared with every claim in its batch, and a request that round leaves undecided goes on
-//! to claim alone. Each round's row is settled here: won, held by a record that cannot be taken, or
+//! WRITE_BATCH (`batch.rs`), shared with every claim and completion in its batch, and a request that
+//! round leaves undecided goes on to claim alone. Each round's row is settled here: won, held by a record that cannot be taken, or
 //! undecided (the record looked claimable, so the next statement must decide).
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use deadpool_postgres::Object;
@@ -14,9 +13,9 @@ use tokio::time::timeout;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
-use super::rows::{Seen, View, corrupt, decode, decode_batched};
-use super::runner::{Db, backend, retry_serialization};
-use crate::store::{ClaimRequest, ClaimResult, Existing, StoreError};
+use super::rows::{Seen, View, corrupt, decode};
+use super::runner::{Db, retry_serialization};
+use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, StoreError};
 
 /// Columns describing a record `r` as seen by the statement (with `same_fingerprint`, which each
 /// statement words for its own parameters).
@@ -111,36 +110,6 @@ const TAKE: &str = concat!(
     won_or_record!()
 );
 
-/// CLAIM's first round for many requests at once (coalesced): one statement and one commit for all of
-/// them. Each new key is won by the INSERT, as in CLAIM; every other request gets its record as of the
-/// statement's snapshot. The inputs come sorted by (scope, key), so concurrent batches insert in one
-/// order and never deadlock each other. Of two requests for one key in the same batch, one wins and the
-/// other sees no record (the snapshot predates the statement's own insert); like a request whose CLAIM
-/// saw no record, it goes on to claim alone. One row per input; `n` is its 1-based position.
-const CLAIM_BATCH: &str = concat!(
-    "WITH input AS (
-        SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::uuid[], $5::float8[], $6::float8[])
-            WITH ORDINALITY AS u(scope, key, fingerprint, token, lease, ttl, n)
-    ), won AS (
-        INSERT INTO idemproxy.records AS r
-            (scope, key, fingerprint, status, token, attempt, claim_kind,
-             locked_until, created_at, expires_at, updated_at)
-        SELECT scope, key, fingerprint, 'processing', token, 1, 'new',
-               now() + make_interval(secs => lease), now(), now() + make_interval(secs => ttl), now()
-        FROM input ORDER BY n
-        ON CONFLICT (scope, key) DO NOTHING
-        RETURNING r.token, r.attempt, r.claim_kind
-    )
-    SELECT i.n, w.token IS NOT NULL AS won, r.scope IS NOT NULL AS seen,
-           coalesce(w.attempt, r.attempt) AS attempt, coalesce(w.claim_kind, r.claim_kind) AS claim_kind,
-           r.fingerprint = i.fingerprint AS same_fingerprint, ",
-    view_columns!(),
-    " FROM input i
-    LEFT JOIN won w ON w.token = i.token
-    LEFT JOIN idemproxy.records r ON w.token IS NULL AND r.scope = i.scope AND r.key = i.key
-    ORDER BY i.n"
-);
-
 /// How many claim rounds to try before answering "in flight" to a key that changes under every read.
 const CLAIM_ROUNDS: usize = 3;
 
@@ -152,17 +121,6 @@ pub(super) async fn alone(db: &Db, request: &ClaimRequest) -> Result<ClaimResult
     let client = db.client().await?;
     let result = timeout(db.timeout(), rounds(&client, request)).await;
     db.finish(client, result)
-}
-
-/// A batch of claims: one alone runs the whole claim; more run CLAIM_BATCH.
-pub(super) async fn batch(db: Arc<Db>, requests: Vec<ClaimRequest>) -> Vec<FirstRound> {
-    if let [request] = requests.as_slice() {
-        return vec![alone(&db, request).await.map(Some)];
-    }
-    match together(&db, &requests).await {
-        Ok(decided) => decided.into_iter().map(Ok).collect(),
-        Err(error) => requests.iter().map(|_| Err(error.clone())).collect(),
-    }
 }
 
 async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
@@ -188,14 +146,9 @@ async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, 
     }))
 }
 
-async fn together(db: &Db, requests: &[ClaimRequest]) -> Result<Vec<Option<ClaimResult>>, StoreError> {
-    let batch = ClaimBatch::new(requests);
-    let rows = db.query_planned(CLAIM_BATCH, &batch.params()).await?;
-    batch.answers(rows.iter().map(|row| decode_batched(row).map_err(backend)))
-}
-
-/// CLAIM_BATCH's arguments: the requests sorted by (scope, key), one array per column.
-struct ClaimBatch<'a> {
+/// WRITE_BATCH's claim arguments: the requests sorted by (scope, key), one array per column, so that
+/// concurrent batches insert new keys in one order and never deadlock each other.
+pub(super) struct ClaimBatch<'a> {
     requests: &'a [ClaimRequest],
     order: Vec<&'a ClaimRequest>,
     scopes: Vec<&'a str>,
@@ -207,7 +160,7 @@ struct ClaimBatch<'a> {
 }
 
 impl<'a> ClaimBatch<'a> {
-    fn new(requests: &'a [ClaimRequest]) -> ClaimBatch<'a> {
+    pub(super) fn new(requests: &'a [ClaimRequest]) -> ClaimBatch<'a> {
         let mut order: Vec<&ClaimRequest> = requests.iter().collect();
         order.sort_by(|a, b| (&a.id.scope, &a.id.key).cmp(&(&b.id.scope, &b.id.key)));
         ClaimBatch {
@@ -222,8 +175,8 @@ impl<'a> ClaimBatch<'a> {
         }
     }
 
-    /// `$1` to `$6`, typed as CLAIM_BATCH casts them.
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
+    /// WRITE_BATCH's `$1` to `$6`, typed as it casts them.
+    pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
         [
             (&self.scopes, Type::TEXT_ARRAY),
             (&self.keys, Type::TEXT_ARRAY),
@@ -234,23 +187,34 @@ impl<'a> ClaimBatch<'a> {
         ]
     }
 
-    /// Every request's answer, in the callers' order, from CLAIM_BATCH's rows (each row: the 1-based
-    /// position of its input in the sorted order, and what it saw); `None` where the request must go on
-    /// to claim alone.
-    fn answers(
+    /// Every request's answer, in the callers' order: won if its token is among the tokens the batch
+    /// inserted, else decided by the record it saw (`seen`: 1-based positions in the sorted order, each
+    /// with the record as of the statement's snapshot); `None` where the request must go on to claim
+    /// alone (it saw no record, or one that looked claimable).
+    pub(super) fn answers(
         &self,
-        rows: impl IntoIterator<Item = Result<(i64, Option<Seen>), StoreError>>,
+        won: &HashSet<Uuid>,
+        seen: impl IntoIterator<Item = (i64, View)>,
     ) -> Result<Vec<Option<ClaimResult>>, StoreError> {
         let mut decided: HashMap<Uuid, ClaimResult> = HashMap::with_capacity(self.order.len());
-        for row in rows {
-            let (n, seen) = row?;
+        for (n, view) in seen {
             let request = usize::try_from(n - 1)
                 .ok()
                 .and_then(|i| self.order.get(i))
                 .ok_or_else(corrupt)?;
-            if let Some(result) = settle(seen) {
+            if let Some(result) = settle(Some(Seen::Record(view))) {
                 decided.insert(request.id.token, result);
             }
+        }
+        for token in won {
+            if !self.requests.iter().any(|r| r.id.token == *token) {
+                return Err(corrupt());
+            }
+            let new = ClaimResult::Won {
+                attempt: 1,
+                kind: ClaimKind::New,
+            };
+            decided.insert(*token, new);
         }
         Ok(self
             .requests
@@ -281,9 +245,8 @@ fn claimable(view: &View) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::runner::assert_typed_params;
     use super::*;
-    use crate::store::{ClaimKind, RecordId};
+    use crate::store::RecordId;
 
     fn request(scope: &str, key: &str, token: u128) -> ClaimRequest {
         ClaimRequest {
@@ -384,24 +347,21 @@ mod tests {
     }
 
     #[test]
-    fn batch_arguments_fit_the_statements_casts() {
-        let requests = [request("s", "k", 1), request("s", "j", 2)];
-        assert_typed_params(CLAIM_BATCH, &ClaimBatch::new(&requests).params());
-    }
-
-    #[test]
     fn batch_rows_answer_their_requests_in_the_callers_order() {
         let requests = [request("b", "1", 1), request("a", "1", 2), request("c", "1", 3)];
         let batch = ClaimBatch::new(&requests);
-        let won = Seen::Won {
-            attempt: 1,
-            kind: ClaimKind::New,
-        };
-        let held = Seen::Record(view("unknown", false, 0, true));
-        // Sorted: a (token 2), b (token 1), c (token 3); c saw no record.
-        let rows = vec![Ok((1, Some(held))), Ok((2, Some(won))), Ok((3, None))];
-        let answers = batch.answers(rows).unwrap();
-        assert!(matches!(answers[0], Some(ClaimResult::Won { attempt: 1, .. })));
+        // Sorted: a (token 2), b (token 1), c (token 3). b was inserted by the batch, a saw a record
+        // held as unknown, c saw no record.
+        let won = HashSet::from([Uuid::from_u128(1)]);
+        let seen = [(1, view("unknown", false, 0, true))];
+        let answers = batch.answers(&won, seen).unwrap();
+        assert!(matches!(
+            answers[0],
+            Some(ClaimResult::Won {
+                attempt: 1,
+                kind: ClaimKind::New
+            })
+        ));
         assert!(matches!(
             answers[1],
             Some(ClaimResult::Held(Existing::Unknown { .. }))
@@ -410,33 +370,31 @@ mod tests {
     }
 
     #[test]
-    fn a_request_without_a_row_claims_alone() {
+    fn a_request_that_saw_a_claimable_record_claims_alone() {
         let requests = [request("a", "1", 1), request("a", "2", 2)];
         let batch = ClaimBatch::new(&requests);
-        let won = Seen::Won {
-            attempt: 1,
-            kind: ClaimKind::New,
-        };
-        let answers = batch.answers(vec![Ok((2, Some(won)))]).unwrap();
-        assert!(answers[0].is_none());
-        assert!(answers[1].is_some());
+        let seen = [
+            (1, view("failed", false, 0, true)),
+            (2, view("processing", false, 900, true)),
+        ];
+        let answers = batch.answers(&HashSet::new(), seen).unwrap();
+        assert!(answers[0].is_none(), "released: TAKE decides");
+        assert!(matches!(
+            answers[1],
+            Some(ClaimResult::Held(Existing::Processing { .. }))
+        ));
     }
 
     #[test]
-    fn a_row_for_a_position_outside_the_batch_is_refused() {
+    fn a_row_for_a_position_or_token_outside_the_batch_is_refused() {
         let requests = [request("a", "1", 1), request("a", "2", 2)];
         let batch = ClaimBatch::new(&requests);
         for n in [0, 3, -1] {
-            let answers = batch.answers(vec![Ok((n, None))]);
+            let answers = batch.answers(&HashSet::new(), [(n, view("failed", false, 0, true))]);
             assert!(matches!(answers, Err(StoreError::Backend(_))), "position {n}");
         }
-    }
-
-    #[test]
-    fn a_row_that_does_not_decode_fails_the_whole_batch() {
-        let requests = [request("a", "1", 1), request("a", "2", 2)];
-        let batch = ClaimBatch::new(&requests);
-        let rows = vec![Ok((1, None)), Err(StoreError::Backend("bad row".into()))];
-        assert!(matches!(batch.answers(rows), Err(StoreError::Backend(m)) if m == "bad row"));
+        let stranger = HashSet::from([Uuid::from_u128(7)]);
+        let answers = batch.answers(&stranger, []);
+        assert!(matches!(answers, Err(StoreError::Backend(_))), "token");
     }
 }

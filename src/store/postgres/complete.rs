@@ -1,17 +1,14 @@
 //! The completion: a claim's response stored for replay, fenced by the claim's token. Runs at the end of
 //! the relay task, once per executed keyed request; touches only the completing record. Completions that
-//! arrive together are coalesced (`store.max_batch`) into one COMPLETE_BATCH; one alone, or one whose
-//! body is large, runs COMPLETE.
-
-use std::collections::HashSet;
-use std::sync::Arc;
+//! arrive together are coalesced (`store.max_batch`) with claims into one WRITE_BATCH (`write.rs`); one
+//! alone, or one whose body is large, runs COMPLETE.
 
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
 use super::fenced;
 use super::rows::corrupt;
-use super::runner::{Db, backend};
+use super::runner::Db;
 use crate::store::{RecordId, StoreError, StoredResponse};
 
 /// Stores the response. Fenced: a slow original whose claim was taken over matches no row.
@@ -20,20 +17,6 @@ const COMPLETE: &str = "UPDATE idemproxy.records
         response_status = $4, response_header_names = $5, response_header_values = $6,
         response_body = $7, body_retained = $8
     WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'";
-
-/// COMPLETE for many records at once (coalesced), fenced per record exactly like COMPLETE. Header lists
-/// travel flattened in `$5`/`$6`; each record's are the slice `first_header..=last_header` (1-based, empty
-/// when `first_header > last_header`). Returns the token of every record it completed.
-const COMPLETE_BATCH: &str = "UPDATE idemproxy.records AS r
-    SET status = 'completed', locked_until = now(), updated_at = now(),
-        response_status = c.status,
-        response_header_names = ($5::text[])[c.first_header:c.last_header],
-        response_header_values = ($6::bytea[])[c.first_header:c.last_header],
-        response_body = c.body, body_retained = c.retained
-    FROM unnest($1::text[], $2::text[], $3::uuid[], $4::int2[], $7::int4[], $8::int4[], $9::bytea[],
-                $10::bool[]) AS c(scope, key, token, status, first_header, last_header, body, retained)
-    WHERE r.scope = c.scope AND r.key = c.key AND r.token = c.token AND r.status = 'processing'
-    RETURNING r.token";
 
 /// Completions with a body over this size are stored alone, so one statement never carries many large
 /// bodies at once.
@@ -62,31 +45,10 @@ pub(super) async fn alone(db: &Db, id: &RecordId, response: &StoredResponse) -> 
     fenced::execute(db, COMPLETE, id, &[&status, &names, &values, &body, &retained]).await
 }
 
-/// A batch of completions: one alone runs COMPLETE; more run COMPLETE_BATCH.
-pub(super) async fn batch(db: Arc<Db>, items: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-    if let [item] = items.as_slice() {
-        return vec![alone(&db, &item.id, &item.response).await];
-    }
-    match together(&db, &items).await {
-        Ok(completed) => items
-            .iter()
-            .map(|c| Ok(completed.contains(&c.id.token)))
-            .collect(),
-        Err(error) => items.iter().map(|_| Err(error.clone())).collect(),
-    }
-}
-
-async fn together(db: &Db, items: &[Completion]) -> Result<HashSet<Uuid>, StoreError> {
-    let batch = CompleteBatch::new(items)?;
-    let rows = db.query_planned(COMPLETE_BATCH, &batch.params()).await?;
-    rows.iter()
-        .map(|row| row.try_get::<_, Uuid>(0).map_err(backend))
-        .collect()
-}
-
-/// COMPLETE_BATCH's arguments: one array per column, in the items' order, and every item's headers
-/// flattened into one list of names and one of values.
-struct CompleteBatch<'a> {
+/// WRITE_BATCH's completion arguments: one array per column, in the items' order, and every item's
+/// headers flattened into one list of names and one of values; each item's headers are the 1-based slice
+/// `first_header..=last_header` of those lists (empty when `first_header > last_header`).
+pub(super) struct CompleteBatch<'a> {
     scopes: Vec<&'a str>,
     keys: Vec<&'a str>,
     tokens: Vec<Uuid>,
@@ -100,7 +62,10 @@ struct CompleteBatch<'a> {
 }
 
 impl<'a> CompleteBatch<'a> {
-    fn new(items: &'a [Completion]) -> Result<CompleteBatch<'a>, StoreError> {
+    pub(super) fn new(
+        items: impl Iterator<Item = &'a Completion> + Clone,
+    ) -> Result<CompleteBatch<'a>, StoreError> {
+        let items: Vec<&'a Completion> = items.collect();
         let headers = items.iter().flat_map(|c| &c.response.headers);
         let (firsts, lasts) = header_slices(items.iter().map(|c| c.response.headers.len()))?;
         Ok(CompleteBatch {
@@ -117,8 +82,8 @@ impl<'a> CompleteBatch<'a> {
         })
     }
 
-    /// `$1` to `$10`, typed as COMPLETE_BATCH casts them.
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 10] {
+    /// WRITE_BATCH's `$7` to `$16`, typed as it casts them.
+    pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 10] {
         [
             (&self.scopes, Type::TEXT_ARRAY),
             (&self.keys, Type::TEXT_ARRAY),
@@ -152,7 +117,6 @@ fn header_slices(counts: impl ExactSizeIterator<Item = usize>) -> Result<(Vec<i3
 mod tests {
     use bytes::Bytes;
 
-    use super::super::runner::assert_typed_params;
     use super::*;
 
     fn completion(token: u128, headers: &[(&str, &str)], body: Option<&str>) -> Completion {
@@ -211,7 +175,7 @@ mod tests {
             completion(2, &[], None),
             completion(3, &[("c", "3"), ("a", ""), ("d", "4")], Some("")),
         ];
-        let batch = CompleteBatch::new(&items).unwrap();
+        let batch = CompleteBatch::new(items.iter()).unwrap();
         for (i, item) in items.iter().enumerate() {
             let names = slice(&batch.names, batch.firsts[i], batch.lasts[i]);
             let values = slice(&batch.values, batch.firsts[i], batch.lasts[i]);
@@ -225,19 +189,5 @@ mod tests {
         assert_eq!(batch.statuses, [201, 202, 203]);
         assert_eq!(batch.bodies, [Some(&b"one"[..]), None, Some(&b""[..])]);
         assert_eq!(batch.retained, [true, false, true]);
-    }
-
-    #[test]
-    fn batch_arguments_fit_the_statements_casts() {
-        let items = [completion(1, &[("a", "1")], Some("x")), completion(2, &[], None)];
-        assert_typed_params(COMPLETE_BATCH, &CompleteBatch::new(&items).unwrap().params());
-    }
-
-    #[test]
-    fn completions_are_fenced_by_the_claims_token_alone_and_batched() {
-        assert!(COMPLETE.contains("WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'processing'"));
-        assert!(COMPLETE_BATCH.contains(
-            "WHERE r.scope = c.scope AND r.key = c.key AND r.token = c.token AND r.status = 'processing'"
-        ));
     }
 }

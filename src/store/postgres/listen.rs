@@ -58,7 +58,7 @@ pub(super) async fn announce_batch(db: Arc<Db>, items: Vec<String>) -> Vec<Resul
         [one] => announce(&db, one).await,
         _ => {
             let params: [(&(dyn ToSql + Sync), Type); 1] = [(&items, Type::TEXT_ARRAY)];
-            db.query_planned(NOTIFY_BATCH, &params).await.map(drop)
+            db.query_batch(NOTIFY_BATCH, &params).await.map(drop)
         }
     };
     items.iter().map(|_| result.clone()).collect()

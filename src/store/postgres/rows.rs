@@ -1,4 +1,4 @@
-//! What a row means: the rows of CLAIM, TAKE and CLAIM_BATCH (`claim.rs`) and of FIND and STATS
+//! What a row means: the rows of CLAIM and TAKE (`claim.rs`), WRITE_BATCH (`write.rs`) and FIND and STATS
 //! (`maintenance.rs`), decoded into the store's types by the columns those statements select. Runs after
 //! each of those statements; touches nothing but the row.
 
@@ -57,7 +57,11 @@ pub(super) fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
         let attempt = row.try_get("attempt")?;
         return Ok(Seen::Won { attempt, kind });
     }
-    Ok(Seen::Record(View {
+    Ok(Seen::Record(view(row)?))
+}
+
+fn view(row: &Row) -> Result<View, tokio_postgres::Error> {
+    Ok(View {
         status: row.try_get("status")?,
         same_fingerprint: row.try_get("same_fingerprint")?,
         lease_ms: row.try_get("lease_ms")?,
@@ -65,16 +69,29 @@ pub(super) fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
         ttl_ms: row.try_get("ttl_ms")?,
         token: row.try_get("record_token")?,
         response: decode_response(row)?,
-    }))
+    })
 }
 
-/// One row of CLAIM_BATCH: the input's position, and what its request saw (`None`: no record).
-pub(super) fn decode_batched(row: &Row) -> Result<(i64, Option<Seen>), tokio_postgres::Error> {
-    let n = row.try_get("n")?;
-    if !row.try_get::<_, bool>("won")? && !row.try_get::<_, bool>("seen")? {
-        return Ok((n, None));
+/// One row of WRITE_BATCH.
+pub(super) enum BatchRow {
+    /// A claim that inserted its new key, by its token.
+    Won(Uuid),
+    /// A completion that stored its response, by its claim's token.
+    Completed(Uuid),
+    /// The record a claim input saw (by its 1-based position in the sorted claims).
+    Seen(i64, View),
+}
+
+pub(super) fn decode_batch_row(row: &Row) -> Result<BatchRow, StoreError> {
+    match row.try_get::<_, &str>("outcome").map_err(backend)? {
+        "won" => Ok(BatchRow::Won(row.try_get("token").map_err(backend)?)),
+        "completed" => Ok(BatchRow::Completed(row.try_get("token").map_err(backend)?)),
+        "seen" => Ok(BatchRow::Seen(
+            row.try_get("n").map_err(backend)?,
+            view(row).map_err(backend)?,
+        )),
+        _ => Err(corrupt()),
     }
-    Ok((n, Some(decode(row)?)))
 }
 
 fn decode_response(row: &Row) -> Result<Option<StoredResponse>, tokio_postgres::Error> {

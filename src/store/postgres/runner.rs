@@ -73,19 +73,21 @@ impl Db {
         self.finish(client, result)
     }
 
-    /// Runs a batch statement within `store.timeout`, unprepared: the database plans it for this call's
-    /// own arguments and the table as it is now. A prepared statement's generic plan, once chosen while
-    /// the table was small, would go on scanning the whole table for every batch as the table grows.
-    pub(super) async fn query_planned(
+    /// Runs a coalesced batch statement within `store.timeout`, prepared once per connection with the
+    /// parameter types its casts name. Its plan stays an index lookup per record however the table grows,
+    /// because the connection plans by index only (`connect::INDEX_PLANS`).
+    pub(super) async fn query_batch(
         &self,
         sql: &'static str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
+        let types: Vec<Type> = params.iter().map(|(_, ty)| ty.clone()).collect();
+        let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
         let client = self.client().await?;
-        let result = timeout(
-            self.timeout,
-            retry_serialization(|| client.query_typed(sql, params)),
-        )
+        let result = timeout(self.timeout, async {
+            let statement = client.prepare_typed_cached(sql, &types).await?;
+            retry_serialization(|| client.query(&statement, &values)).await
+        })
         .await;
         self.finish(client, result)
     }
@@ -270,6 +272,6 @@ mod tests {
         let timed_out = |error: StoreError| matches!(error, StoreError::Timeout(t) if t == db.timeout());
         assert!(timed_out(db.query("SELECT 1", &[]).await.unwrap_err()));
         assert!(timed_out(db.execute("SELECT 1", &[]).await.unwrap_err()));
-        assert!(timed_out(db.query_planned("SELECT 1", &[]).await.unwrap_err()));
+        assert!(timed_out(db.query_batch("SELECT 1", &[]).await.unwrap_err()));
     }
 }
