@@ -11,18 +11,21 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use crate::config::StoreConfig;
 use crate::store::StoreError;
 
-/// Set on every pooled connection as it opens: the key table is reached by its indexes only. Every
-/// statement the store sends is prepared once per connection and soon runs on a generic plan, kept until
-/// the table's statistics change. A plan made while the table is empty (new, or vacuumed empty) finds a
-/// sequential scan, or a hash or merge join over the whole table, cheaper than an index lookup, and
-/// would go on using it as the table grows to millions of rows until the next ANALYZE. With these off,
-/// such plans cost more than any other, so each record is found through the primary key (the sweeper's
-/// through the expiry index) whatever the table's size when the plan was made. Statements with no index
-/// to use (the operator tools' STATS) still scan, as before; JIT compilation is off, because the cost
-/// such a plan carries for its disabled scan would otherwise have every run of it compiled (over 100 ms
-/// of LLVM work for a count over an empty table), and none of the store's statements gains from it.
+/// Set on every pooled connection as it opens: the key table is reached by its indexes only, and each
+/// prepared statement runs on its generic plan, made once per connection. A plan made while the table
+/// is empty (new, or vacuumed empty) finds a sequential scan, or a hash or merge join over the whole
+/// table, cheaper than an index lookup, and a generic plan would go on using it as the table grows to
+/// millions of rows until the next ANALYZE. With these off, such plans cost more than any other, so each
+/// record is found through the primary key whatever the table's size when the plan was made, and the
+/// plan need not be made again for every call (PostgreSQL would otherwise plan each small coalesced
+/// batch for its own arguments, at a cost larger than running it). Statements with no index to use (the
+/// operator tools' STATS) still scan, as before; the sweeper's statement, whose best plan depends on
+/// the size of the expired backlog, is sent unprepared and planned for every call. JIT compilation is
+/// off, because the cost such a plan carries for its disabled scan would otherwise have every run of it
+/// compiled (over 100 ms of LLVM work for a count over an empty table), and none of the store's
+/// statements gains from it.
 pub(super) const INDEX_PLANS: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; \
-     SET enable_mergejoin = off; SET jit = off";
+     SET enable_mergejoin = off; SET jit = off; SET plan_cache_mode = force_generic_plan";
 
 /// The pool of `store.pool_size` connections; none is opened until one is asked for, so this succeeds
 /// while the database is down. Each connection plans by index only ([`INDEX_PLANS`]) from its start.

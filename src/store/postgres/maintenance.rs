@@ -10,6 +10,7 @@ use crate::store::{RecordInfo, RecordStats, StoreError};
 /// work instead of queueing on each other's rows, and leaves alone a row a claim is taking right now;
 /// the outer WHERE re-checks each row under its lock, so a record re-claimed since the inner read stays.
 /// A processing record goes only once its lease has run out too: its holder may still complete it.
+/// Sent unprepared: how best to join the expired rows to their keys depends on how many there are.
 const SWEEP: &str = "DELETE FROM idemproxy.records AS r
     WHERE (r.scope, r.key) IN (
         SELECT scope, key FROM idemproxy.records
@@ -43,7 +44,7 @@ const STATS: &str = "SELECT
 
 pub(super) async fn sweep(db: &Db, batch: u32) -> Result<u64, StoreError> {
     let limit = i64::from(batch);
-    db.execute(SWEEP, &[&limit]).await
+    db.execute_unprepared(SWEEP, &[&limit]).await
 }
 
 pub(super) async fn find(db: &Db, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {

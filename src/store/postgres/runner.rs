@@ -92,6 +92,20 @@ impl Db {
         self.finish(client, result)
     }
 
+    /// Runs one statement within `store.timeout`, unprepared, and returns how many rows it changed: the
+    /// database plans it for this call's arguments and the table as it is now. For statements whose best
+    /// plan depends on how much of the table they touch (the sweeper's), which a connection's generic
+    /// plans (`connect::INDEX_PLANS`) would fix once for every size.
+    pub(super) async fn execute_unprepared(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let result = timeout(self.timeout, retry_serialization(|| client.execute(sql, params))).await;
+        self.finish(client, result)
+    }
+
     /// Runs one statement within `store.timeout` and returns how many rows it changed.
     pub(super) async fn execute(
         &self,
@@ -272,6 +286,9 @@ mod tests {
         let timed_out = |error: StoreError| matches!(error, StoreError::Timeout(t) if t == db.timeout());
         assert!(timed_out(db.query("SELECT 1", &[]).await.unwrap_err()));
         assert!(timed_out(db.execute("SELECT 1", &[]).await.unwrap_err()));
+        assert!(timed_out(
+            db.execute_unprepared("SELECT 1", &[]).await.unwrap_err()
+        ));
         assert!(timed_out(db.query_batch("SELECT 1", &[]).await.unwrap_err()));
     }
 }
