@@ -149,7 +149,7 @@ async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, 
 /// WRITE_BATCH's claim arguments: the requests sorted by (scope, key), one array per column, so that
 /// concurrent batches insert new keys in one order and never deadlock each other.
 pub(super) struct ClaimBatch<'a> {
-    requests: &'a [ClaimRequest],
+    requests: Vec<&'a ClaimRequest>,
     order: Vec<&'a ClaimRequest>,
     scopes: Vec<&'a str>,
     keys: Vec<&'a str>,
@@ -160,8 +160,9 @@ pub(super) struct ClaimBatch<'a> {
 }
 
 impl<'a> ClaimBatch<'a> {
-    pub(super) fn new(requests: &'a [ClaimRequest]) -> ClaimBatch<'a> {
-        let mut order: Vec<&ClaimRequest> = requests.iter().collect();
+    pub(super) fn new(requests: impl Iterator<Item = &'a ClaimRequest>) -> ClaimBatch<'a> {
+        let requests: Vec<&'a ClaimRequest> = requests.collect();
+        let mut order = requests.clone();
         order.sort_by(|a, b| (&a.id.scope, &a.id.key).cmp(&(&b.id.scope, &b.id.key)));
         ClaimBatch {
             requests,
@@ -335,7 +336,7 @@ mod tests {
     #[test]
     fn batch_inputs_go_in_scope_then_key_order_so_concurrent_batches_insert_alike() {
         let requests = [request("b", "1", 1), request("a", "2", 2), request("a", "1", 3)];
-        let batch = ClaimBatch::new(&requests);
+        let batch = ClaimBatch::new(requests.iter());
         assert_eq!(batch.scopes, ["a", "a", "b"]);
         assert_eq!(batch.keys, ["1", "2", "1"]);
         let tokens: Vec<u128> = batch.tokens.iter().map(|t| t.as_u128()).collect();
@@ -349,7 +350,7 @@ mod tests {
     #[test]
     fn batch_rows_answer_their_requests_in_the_callers_order() {
         let requests = [request("b", "1", 1), request("a", "1", 2), request("c", "1", 3)];
-        let batch = ClaimBatch::new(&requests);
+        let batch = ClaimBatch::new(requests.iter());
         // Sorted: a (token 2), b (token 1), c (token 3). b was inserted by the batch, a saw a record
         // held as unknown, c saw no record.
         let won = HashSet::from([Uuid::from_u128(1)]);
@@ -372,7 +373,7 @@ mod tests {
     #[test]
     fn a_request_that_saw_a_claimable_record_claims_alone() {
         let requests = [request("a", "1", 1), request("a", "2", 2)];
-        let batch = ClaimBatch::new(&requests);
+        let batch = ClaimBatch::new(requests.iter());
         let seen = [
             (1, view("failed", false, 0, true)),
             (2, view("processing", false, 900, true)),
@@ -388,7 +389,7 @@ mod tests {
     #[test]
     fn a_row_for_a_position_or_token_outside_the_batch_is_refused() {
         let requests = [request("a", "1", 1), request("a", "2", 2)];
-        let batch = ClaimBatch::new(&requests);
+        let batch = ClaimBatch::new(requests.iter());
         for n in [0, 3, -1] {
             let answers = batch.answers(&HashSet::new(), [(n, view("failed", false, 0, true))]);
             assert!(matches!(answers, Err(StoreError::Backend(_))), "position {n}");

@@ -62,9 +62,7 @@ pub(super) struct CompleteBatch<'a> {
 }
 
 impl<'a> CompleteBatch<'a> {
-    pub(super) fn new(
-        items: impl Iterator<Item = &'a Completion> + Clone,
-    ) -> Result<CompleteBatch<'a>, StoreError> {
+    pub(super) fn new(items: impl Iterator<Item = &'a Completion>) -> Result<CompleteBatch<'a>, StoreError> {
         let items: Vec<&'a Completion> = items.collect();
         let headers = items.iter().flat_map(|c| &c.response.headers);
         let (firsts, lasts) = header_slices(items.iter().map(|c| c.response.headers.len()))?;

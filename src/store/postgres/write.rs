@@ -118,20 +118,15 @@ pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
             Write::Complete(c) => Written::Complete(complete::alone(&db, &c.id, &c.response).await),
         }];
     }
-    let (claims, completions): (Vec<&Write>, Vec<&Write>) =
-        writes.iter().partition(|w| matches!(w, Write::Claim(_)));
-    let claims: Vec<ClaimRequest> = claims
-        .into_iter()
-        .filter_map(|w| match w {
-            Write::Claim(request) => Some(request.clone()),
-            Write::Complete(_) => None,
-        })
-        .collect();
-    let completions = completions.into_iter().filter_map(|w| match w {
-        Write::Complete(c) => Some(c),
+    let claims = writes.iter().filter_map(|w| match w {
+        Write::Claim(request) => Some(request),
+        Write::Complete(_) => None,
+    });
+    let completions = writes.iter().filter_map(|w| match w {
+        Write::Complete(completion) => Some(completion),
         Write::Claim(_) => None,
     });
-    match together(&db, &claims, completions).await {
+    match together(&db, claims, completions).await {
         Ok((mut claimed, completed)) => {
             claimed.reverse();
             writes
@@ -156,8 +151,8 @@ pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
 /// records completed.
 async fn together<'a>(
     db: &Db,
-    claims: &[ClaimRequest],
-    completions: impl Iterator<Item = &'a Completion> + Clone,
+    claims: impl Iterator<Item = &'a ClaimRequest>,
+    completions: impl Iterator<Item = &'a Completion>,
 ) -> Result<(Vec<Option<ClaimResult>>, HashSet<Uuid>), StoreError> {
     let claim_batch = ClaimBatch::new(claims);
     let complete_batch = CompleteBatch::new(completions)?;
@@ -221,7 +216,7 @@ mod tests {
                 body: Some(Bytes::from_static(b"x")),
             },
         }];
-        let claim_batch = ClaimBatch::new(&claims);
+        let claim_batch = ClaimBatch::new(claims.iter());
         let complete_batch = CompleteBatch::new(completions.iter()).unwrap();
         assert_typed_params(WRITE_BATCH, &params(&claim_batch, &complete_batch));
     }
