@@ -20,7 +20,8 @@ use crate::store::StoreError;
 /// plan need not be made again for every call (PostgreSQL would otherwise plan each small coalesced
 /// batch for its own arguments, at a cost larger than running it). Statements with no index to use (the
 /// operator tools' STATS) still scan, as before; the sweeper's statement, whose best plan depends on
-/// the size of the expired backlog, is sent unprepared and planned for every call. JIT compilation is
+/// the size of the expired backlog, is sent unprepared, so its plan is made anew at every call from the
+/// table's statistics as they are then. JIT compilation is
 /// off, because the cost such a plan carries for its disabled scan would otherwise have every run of it
 /// compiled (over 100 ms of LLVM work for a count over an empty table), and none of the store's
 /// statements gains from it.

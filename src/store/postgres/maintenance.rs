@@ -20,18 +20,33 @@ const SWEEP: &str = "DELETE FROM idemproxy.records AS r
         FOR UPDATE SKIP LOCKED)
       AND r.expires_at <= now() AND (r.status <> 'processing' OR r.locked_until <= now())";
 
-/// An operator's view of the records holding a key. Without a scope this scans the table: it serves the
+/// An operator's view of the records holding a key, by the condition that follows it. It serves the
 /// runbook, never the request path.
-const FIND: &str = "SELECT scope, key, status, attempt, claim_kind, token,
-        (extract(epoch FROM created_at) * 1000)::bigint AS created_ms,
-        (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms,
-        (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms,
-        (extract(epoch FROM locked_until) * 1000)::bigint AS locked_ms,
-        (extract(epoch FROM now()) * 1000)::bigint AS now_ms,
-        response_status, octet_length(response_body)::bigint AS body_bytes, body_retained
-    FROM idemproxy.records
-    WHERE key = $1 AND ($2::text IS NULL OR scope = $2)
-    ORDER BY scope";
+macro_rules! find {
+    ($condition:literal) => {
+        concat!(
+            "SELECT scope, key, status, attempt, claim_kind, token,
+                (extract(epoch FROM created_at) * 1000)::bigint AS created_ms,
+                (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms,
+                (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms,
+                (extract(epoch FROM locked_until) * 1000)::bigint AS locked_ms,
+                (extract(epoch FROM now()) * 1000)::bigint AS now_ms,
+                response_status, octet_length(response_body)::bigint AS body_bytes, body_retained
+            FROM idemproxy.records
+            WHERE ",
+            $condition,
+            " ORDER BY scope"
+        )
+    };
+}
+
+/// A key's record in one scope: one primary-key lookup.
+const FIND_IN_SCOPE: &str = find!("key = $1 AND scope = $2");
+
+/// A key's records in every scope: a scan of the primary key, whose second column is the key. Two
+/// statements rather than one with an optional scope, because a connection's generic plan
+/// (`connect::INDEX_PLANS`) cannot tell whether the scope is given and would scan for both.
+const FIND: &str = find!("key = $1");
 
 /// Records by state, expired ones apart. Portable aggregate (no FILTER clause).
 const STATS: &str = "SELECT
@@ -48,7 +63,10 @@ pub(super) async fn sweep(db: &Db, batch: u32) -> Result<u64, StoreError> {
 }
 
 pub(super) async fn find(db: &Db, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
-    let rows = db.query(FIND, &[&key, &scope]).await?;
+    let rows = match scope {
+        Some(scope) => db.query(FIND_IN_SCOPE, &[&key, &scope]).await?,
+        None => db.query(FIND, &[&key]).await?,
+    };
     rows.iter()
         .map(|row| record_info(row).map_err(backend)?.ok_or_else(corrupt))
         .collect()

@@ -92,10 +92,10 @@ impl Db {
         self.finish(client, result)
     }
 
-    /// Runs one statement within `store.timeout`, unprepared, and returns how many rows it changed: the
-    /// database plans it for this call's arguments and the table as it is now. For statements whose best
-    /// plan depends on how much of the table they touch (the sweeper's), which a connection's generic
-    /// plans (`connect::INDEX_PLANS`) would fix once for every size.
+    /// Runs one statement within `store.timeout`, unprepared, and returns how many rows it changed. It is
+    /// parsed and planned at every call, so its plan follows the table's statistics as they are now; a
+    /// prepared statement keeps the plan made on its connection the first time. For the sweeper's, whose
+    /// best plan depends on how many records are expired.
     pub(super) async fn execute_unprepared(
         &self,
         sql: &'static str,
