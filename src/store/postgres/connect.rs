@@ -21,12 +21,16 @@ use crate::store::StoreError;
 /// batch for its own arguments, at a cost larger than running it). Statements with no index to use (the
 /// operator tools' STATS) still scan, as before; the sweeper's statement, whose best plan depends on
 /// the size of the expired backlog, is sent unprepared, so its plan is made anew at every call from the
-/// table's statistics as they are then. JIT compilation is
-/// off, because the cost such a plan carries for its disabled scan would otherwise have every run of it
-/// compiled (over 100 ms of LLVM work for a count over an empty table), and none of the store's
-/// statements gains from it.
-pub(super) const INDEX_PLANS: &str = "SET enable_seqscan = off; SET enable_hashjoin = off; \
-     SET enable_mergejoin = off; SET jit = off; SET plan_cache_mode = force_generic_plan";
+/// table's statistics as they are then. JIT compilation is off, because the cost such a plan carries
+/// for its disabled scan would otherwise have every run of it compiled (over 100 ms of LLVM work for a
+/// count over an empty table), and none of the store's statements gains from it.
+///
+/// Each setting is applied only if the server has it, so a Postgres-compatible server without one
+/// (whose planner is its own) still connects.
+pub(super) const INDEX_PLANS: &str = "SELECT count(set_config(name, setting, false))
+    FROM (VALUES ('enable_seqscan', 'off'), ('enable_hashjoin', 'off'), ('enable_mergejoin', 'off'),
+                 ('jit', 'off'), ('plan_cache_mode', 'force_generic_plan')) AS s(name, setting)
+    WHERE name IN (SELECT name FROM pg_settings)";
 
 /// The pool of `store.pool_size` connections; none is opened until one is asked for, so this succeeds
 /// while the database is down. Each connection plans by index only ([`INDEX_PLANS`]) from its start.
