@@ -1,9 +1,10 @@
 //! The claim: which request executes a key. Runs on the request path, once per keyed request, alone or
 //! coalesced with others (`store.max_batch`); touches only the records of the keys being claimed. A claim
 //! takes one or more rounds of CLAIM then TAKE on one connection; a coalesced claim's first round is
-//! WRITE_BATCH (`batch.rs`), shared with every claim and completion in its batch, and a request that
-//! round leaves undecided goes on to claim alone. Each round's row is settled here: won, held by a record that cannot be taken, or
-//! undecided (the record looked claimable, so the next statement must decide).
+//! WRITE_BATCH (`write.rs`), shared with every claim and completion in its batch, and a request that
+//! round leaves undecided goes on to claim alone. Each round's row is settled here: won, held by a
+//! record that cannot be taken, or undecided (the record looked claimable, so the next statement must
+//! decide).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -197,30 +198,31 @@ impl<'a> ClaimBatch<'a> {
         won: &HashSet<Uuid>,
         seen: impl IntoIterator<Item = (i64, View)>,
     ) -> Result<Vec<Option<ClaimResult>>, StoreError> {
-        let mut decided: HashMap<Uuid, ClaimResult> = HashMap::with_capacity(self.order.len());
+        let mut views: HashMap<Uuid, View> = HashMap::with_capacity(self.order.len());
         for (n, view) in seen {
             let request = usize::try_from(n - 1)
                 .ok()
                 .and_then(|i| self.order.get(i))
                 .ok_or_else(corrupt)?;
-            if let Some(result) = settle(Some(Seen::Record(view))) {
-                decided.insert(request.id.token, result);
-            }
+            views.insert(request.id.token, view);
         }
-        for token in won {
-            if !self.requests.iter().any(|r| r.id.token == *token) {
-                return Err(corrupt());
-            }
-            let new = ClaimResult::Won {
-                attempt: 1,
-                kind: ClaimKind::New,
-            };
-            decided.insert(*token, new);
+        let inserted = self.requests.iter().filter(|r| won.contains(&r.id.token));
+        if inserted.count() != won.len() {
+            return Err(corrupt());
         }
         Ok(self
             .requests
             .iter()
-            .map(|r| decided.remove(&r.id.token))
+            .map(|r| {
+                if won.contains(&r.id.token) {
+                    Some(ClaimResult::Won {
+                        attempt: 1,
+                        kind: ClaimKind::New,
+                    })
+                } else {
+                    settle(views.remove(&r.id.token).map(Seen::Record))
+                }
+            })
             .collect())
     }
 }

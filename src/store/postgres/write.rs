@@ -127,12 +127,12 @@ pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
         Write::Claim(_) => None,
     });
     match together(&db, claims, completions).await {
-        Ok((mut claimed, completed)) => {
-            claimed.reverse();
+        Ok((claimed, completed)) => {
+            let mut claimed = claimed.into_iter();
             writes
                 .iter()
                 .map(|w| match w {
-                    Write::Claim(_) => Written::Claim(Ok(claimed.pop().flatten())),
+                    Write::Claim(_) => Written::Claim(Ok(claimed.next().flatten())),
                     Write::Complete(c) => Written::Complete(Ok(completed.contains(&c.id.token))),
                 })
                 .collect()
