@@ -362,6 +362,59 @@ async fn a_response_too_large_to_batch_is_stored_whole() {
     }
 }
 
+/// A record rewritten after a batch's snapshot but before the batch writes it, as its own claim's
+/// heartbeat does while the request runs: the completion still stores its response, and the record is
+/// completed, not left `processing` for another replica to take over and run again.
+#[tokio::test]
+async fn a_completion_still_stores_its_response_when_a_heartbeat_rewrites_the_record_under_its_batch() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let keys = keys("beat", 4);
+    let mut claims = Vec::new();
+    for key in keys.iter().map(String::as_str).chain(["gate"]) {
+        let claim = request(key, 1, LONG, DAY);
+        won(&*store, &claim).await;
+        claims.push(claim);
+    }
+    let gate_claim = claims.pop().unwrap();
+    let gate = Gate::row_lock(&db, "gate").await;
+    let holder = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move { store.complete(&gate_claim.id, &response(b"gate")).await }
+    });
+    db.wait_for_a_lock_waiter().await;
+    // The heartbeat's statement, in a transaction that commits only once the batch waits for it.
+    let heartbeat = Gate::begin(&db).await;
+    let renewed = heartbeat
+        .transaction
+        .execute(
+            "UPDATE idemproxy.records SET locked_until = locked_until + interval '1 minute',
+                 updated_at = now()
+             WHERE key = $1 AND token = $2 AND status = 'processing'",
+            &[&keys[0], &claims[0].id.token],
+        )
+        .await
+        .expect("renew the lease");
+    assert_eq!(renewed, 1);
+
+    let stored = response(b"stored");
+    let mut all = pin!(join_all(claims.iter().map(|c| store.complete(&c.id, &stored))));
+    assert!(futures_util::poll!(&mut all).is_pending(), "the slot is held");
+    gate.open().await;
+    assert!(holder.await.unwrap().unwrap(), "the gate's own completion");
+    db.wait_for_a_lock_waiter().await;
+    heartbeat.open().await;
+    let completed = all.await;
+
+    assert!(completed.iter().all(|r| *r.as_ref().unwrap()), "{completed:?}");
+    for key in &keys {
+        match store.claim(&request(key, 1, LONG, DAY)).await.unwrap() {
+            ClaimResult::Held(Existing::Completed { response, .. }) => assert_eq!(response, stored),
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+}
+
 /// What a claim or a completion answered, for one queue holding both kinds.
 #[derive(Debug)]
 enum Answer {

@@ -23,13 +23,15 @@ use crate::store::StoreError;
 /// the size of the expired backlog, is sent unprepared, so its plan is made anew at every call from the
 /// table's statistics as they are then. JIT compilation is off, because the cost such a plan carries
 /// for its disabled scan would otherwise have every run of it compiled (over 100 ms of LLVM work for a
-/// count over an empty table), and none of the store's statements gains from it.
+/// count over an empty table), and none of the store's statements gains from it. Memoizing is off:
+/// the lookups of one statement are by distinct keys, so a cache of their results is only overhead.
 ///
 /// Each setting is applied only if the server has it, so a Postgres-compatible server without one
 /// (whose planner is its own) still connects.
 pub(super) const INDEX_PLANS: &str = "SELECT count(set_config(name, setting, false))
     FROM (VALUES ('enable_seqscan', 'off'), ('enable_hashjoin', 'off'), ('enable_mergejoin', 'off'),
-                 ('jit', 'off'), ('plan_cache_mode', 'force_generic_plan')) AS s(name, setting)
+                 ('enable_memoize', 'off'), ('jit', 'off'), ('plan_cache_mode', 'force_generic_plan'))
+        AS s(name, setting)
     WHERE name IN (SELECT name FROM pg_settings)";
 
 /// The pool of `store.pool_size` connections; none is opened until one is asked for, so this succeeds

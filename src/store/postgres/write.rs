@@ -25,19 +25,21 @@ use crate::store::{ClaimRequest, ClaimResult, StoreError};
 /// - A new key is won by the INSERT, decided by the primary key, exactly as CLAIM decides it; the
 ///   statement returns the winners' tokens. Inputs go in (scope, key) order, so concurrent batches insert
 ///   in one order and never deadlock each other.
-/// - Every claim input is also looked up by its key (one index lookup each: LATERAL with OFFSET 0 keeps
-///   it a per-input lookup) and reported as of the statement's snapshot, which predates the statement's
-///   own insert and update: a request whose key another request of the batch inserted sees no record and
-///   goes on to claim alone, as one whose record looks claimable does.
+/// - Every claim input the INSERT did not win is also looked up by its key (one index lookup each:
+///   LATERAL with OFFSET 0 keeps it a per-input lookup) and reported as of the statement's snapshot,
+///   which predates the statement's own insert and update: a request whose key another request of the
+///   batch inserted sees no record and goes on to claim alone, as one whose record looks claimable does.
+///   A winner needs no lookup: its answer is its token among those the INSERT returned.
 /// - A completion stores its response fenced by its claim's token, exactly as COMPLETE does: only a
 ///   record still `processing` under that token changes; the statement returns the tokens of the records
-///   it completed. Each record is found by its own index lookup, which also locks it (LATERAL with
-///   OFFSET 0, as for the claims; a version committed since the snapshot is re-checked under the lock),
-///   and is then written through ON CONFLICT DO UPDATE on the primary key, which the locked record
-///   always meets, so no completion ever inserts a row. Written as an UPDATE joined to the inputs
-///   instead, the plan would be the planner's choice, and a plan made while the table was small scans
-///   the whole primary key for every batch. Header lists travel flattened in `$11` and `$12`, each
-///   completion's the slice `first_header..=last_header`.
+///   it completed. Each record is found by its own index lookup (LATERAL with OFFSET 0, as for the
+///   claims), which yields the row's physical address, and the UPDATE reaches the row by that address
+///   (a TID scan): the lookup's LATERAL fixes the join order, so no plan, however small the table when
+///   it was made, scans the whole primary key for every batch, and no completion ever inserts a row.
+///   A row changed since the snapshot is re-checked as UPDATE always does; a completion the statement
+///   did not confirm is tried once more alone (`batch`), so a record rewritten under the batch (its own
+///   claim's heartbeat) is never left `processing`. Header lists travel flattened in `$11` and `$12`,
+///   each completion's the slice `first_header..=last_header`.
 ///
 /// No request can be in one batch with the completion its claim would replay: a response is handed to
 /// its client only once its completion has committed, so a retry's claim reaches a later statement.
@@ -55,29 +57,23 @@ const WRITE_BATCH: &str = concat!(
         ON CONFLICT (scope, key) DO NOTHING
         RETURNING r.token
     ), completed AS (
-        INSERT INTO idemproxy.records AS r
-            (scope, key, fingerprint, status, token, attempt, claim_kind, locked_until, created_at,
-             expires_at, updated_at, response_status, response_header_names, response_header_values,
-             response_body, body_retained)
-        SELECT c.scope, c.key, x.fingerprint, 'completed', c.token, x.attempt, x.claim_kind, now(),
-               x.created_at, x.expires_at, now(), c.status,
-               ($11::text[])[c.first_header:c.last_header], ($12::bytea[])[c.first_header:c.last_header],
-               c.body, c.retained
-        FROM unnest($7::text[], $8::text[], $9::uuid[], $10::int2[], $13::int4[], $14::int4[],
-                    $15::bytea[], $16::bool[])
-            AS c(scope, key, token, status, first_header, last_header, body, retained)
-        CROSS JOIN LATERAL (
-            SELECT * FROM idemproxy.records x
-            WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token AND x.status = 'processing'
-            OFFSET 0 FOR NO KEY UPDATE
-        ) x
-        ON CONFLICT (scope, key) DO UPDATE
-        SET status = 'completed', locked_until = now(), updated_at = now(),
-            response_status = excluded.response_status,
-            response_header_names = excluded.response_header_names,
-            response_header_values = excluded.response_header_values,
-            response_body = excluded.response_body, body_retained = excluded.body_retained
-        WHERE r.token = excluded.token AND r.status = 'processing'
+        UPDATE idemproxy.records AS r
+        SET status = 'completed', locked_until = now(), updated_at = now(), response_status = f.status,
+            response_header_names = ($11::text[])[f.first_header:f.last_header],
+            response_header_values = ($12::bytea[])[f.first_header:f.last_header],
+            response_body = f.body, body_retained = f.retained
+        FROM (
+            SELECT x.tid, c.*
+            FROM unnest($7::text[], $8::text[], $9::uuid[], $10::int2[], $13::int4[], $14::int4[],
+                        $15::bytea[], $16::bool[])
+                AS c(scope, key, token, status, first_header, last_header, body, retained)
+            CROSS JOIN LATERAL (
+                SELECT x.ctid AS tid FROM idemproxy.records x
+                WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token AND x.status = 'processing'
+                OFFSET 0
+            ) x
+        ) f
+        WHERE r.ctid = f.tid AND r.token = f.token AND r.status = 'processing'
         RETURNING r.token
     )
     SELECT 'won' AS outcome, NULL::bigint AS n, w.token, NULL::boolean AS same_fingerprint,
@@ -95,7 +91,8 @@ const WRITE_BATCH: &str = concat!(
     " FROM claim i
     CROSS JOIN LATERAL (
         SELECT * FROM idemproxy.records x WHERE x.scope = i.scope AND x.key = i.key OFFSET 0
-    ) r"
+    ) r
+    WHERE i.token <> ALL (ARRAY(SELECT token FROM won))"
 );
 
 /// One operation for the write batch.
@@ -110,7 +107,11 @@ pub(super) enum Written {
     Complete(Result<bool, StoreError>),
 }
 
-/// A batch of writes: one alone runs alone; more run WRITE_BATCH. One answer per write, in order.
+/// A batch of writes: one alone runs alone; more run WRITE_BATCH. One answer per write, in order. A
+/// completion WRITE_BATCH did not confirm runs once more alone, as COMPLETE: the batch finds each record
+/// as of its snapshot, and one rewritten since by another transaction that kept it `processing` under
+/// the same token (a heartbeat) may be passed over; COMPLETE judges the record as it is now. A completion
+/// fenced out for real (a takeover) costs that one more statement.
 pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
     if let [write] = writes.as_slice() {
         return vec![match write {
@@ -129,13 +130,15 @@ pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
     match together(&db, claims, completions).await {
         Ok((claimed, completed)) => {
             let mut claimed = claimed.into_iter();
-            writes
-                .iter()
-                .map(|w| match w {
+            let mut answers = Vec::with_capacity(writes.len());
+            for write in &writes {
+                answers.push(match write {
                     Write::Claim(_) => Written::Claim(Ok(claimed.next().flatten())),
-                    Write::Complete(c) => Written::Complete(Ok(completed.contains(&c.id.token))),
-                })
-                .collect()
+                    Write::Complete(c) if completed.contains(&c.id.token) => Written::Complete(Ok(true)),
+                    Write::Complete(c) => Written::Complete(complete::alone(&db, &c.id, &c.response).await),
+                });
+            }
+            answers
         }
         Err(error) => writes
             .iter()
@@ -226,6 +229,8 @@ mod tests {
         assert!(WRITE_BATCH.contains(
             "WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token AND x.status = 'processing'"
         ));
-        assert!(WRITE_BATCH.contains("WHERE r.token = excluded.token AND r.status = 'processing'"));
+        assert!(
+            WRITE_BATCH.contains("WHERE r.ctid = f.tid AND r.token = f.token AND r.status = 'processing'")
+        );
     }
 }
