@@ -10,6 +10,7 @@
 //! - `claim.rs`: the claim (CLAIM, TAKE) and how each round's row settles it;
 //! - `complete.rs`: the completion (COMPLETE);
 //! - `write.rs`: claims and completions that arrive together, in one statement (WRITE_BATCH);
+//! - `address.rs`: where the rows the write batch's claims inserted are, for their completions;
 //! - `fenced.rs`: the holder's other writes and an operator's release, fenced by the claim's token;
 //! - `listen.rs`: NOTIFY after a record of a wait route settled, and the LISTEN connection that wakes
 //!   this process's waiting requests (`on_in_flight = "wait"`);
@@ -17,6 +18,7 @@
 //! - `rows.rs`: what those statements' rows mean in the store's types;
 //! - `migrations.rs`: the schema, from `migrations/postgres`.
 
+mod address;
 #[macro_use]
 mod claim;
 mod complete;
@@ -39,6 +41,7 @@ use super::{
     ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
 };
 use crate::config::StoreConfig;
+use address::Addresses;
 use complete::Completion;
 use runner::Db;
 use write::{Write, Written};
@@ -50,6 +53,7 @@ pub use listen::listen;
 /// operation.
 pub struct PostgresStore {
     db: Arc<Db>,
+    addresses: Arc<Addresses>,
     writes: Option<Coalescer<Write, Written>>,
     announcements: Option<Coalescer<String, Result<(), StoreError>>>,
 }
@@ -58,16 +62,20 @@ impl PostgresStore {
     /// Builds the pool; connections open lazily, so this succeeds while the database is down.
     pub fn connect(config: &StoreConfig) -> Result<PostgresStore, StoreError> {
         let db = Arc::new(Db::new(connect::pool(config)?, config.timeout));
+        let addresses = Arc::new(Addresses::default());
         if config.max_batch <= 1 {
             return Ok(PostgresStore {
                 db,
+                addresses,
                 writes: None,
                 announcements: None,
             });
         }
         let writes = Coalescer::new(config.max_batch, batches_in_flight(config.pool_size), {
-            let db = Arc::clone(&db);
-            move |writes| Box::pin(write::batch(Arc::clone(&db), writes)) as BatchFuture<_>
+            let (db, addresses) = (Arc::clone(&db), Arc::clone(&addresses));
+            move |writes| {
+                Box::pin(write::batch(Arc::clone(&db), Arc::clone(&addresses), writes)) as BatchFuture<_>
+            }
         });
         let announcements = Coalescer::new(config.max_batch, 1, {
             let db = Arc::clone(&db);
@@ -75,6 +83,7 @@ impl PostgresStore {
         });
         Ok(PostgresStore {
             db,
+            addresses,
             writes: Some(writes),
             announcements: Some(announcements),
         })
@@ -119,17 +128,21 @@ impl Store for PostgresStore {
         }
     }
 
+    /// A heartbeat writes a new version of the record elsewhere, so its address is forgotten.
     async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
+        self.addresses.take(&id.token);
         fenced::heartbeat(&self.db, id, lease).await
     }
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
+        let address = self.addresses.take(&id.token);
         let Some(writes) = self.writes.as_ref().filter(|_| complete::batchable(response)) else {
             return complete::alone(&self.db, id, response).await;
         };
         let completion = Completion {
             id: id.clone(),
             response: response.clone(),
+            address,
         };
         match self.write(writes, Write::Complete(completion)).await? {
             Written::Complete(stored) => stored,
@@ -138,10 +151,12 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.addresses.take(&id.token);
         fenced::release(&self.db, id).await
     }
 
     async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.addresses.take(&id.token);
         fenced::hold(&self.db, id).await
     }
 

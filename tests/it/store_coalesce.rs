@@ -539,6 +539,110 @@ async fn key_table_tuples_read(db: &TestDb) -> i64 {
         .get(0)
 }
 
+/// The completions of claims that won in one batch reach their records by the addresses the batch's
+/// INSERT returned: one batch of 20 completions reads no record through the primary key.
+#[tokio::test]
+async fn completions_of_batched_claims_reach_their_records_without_a_lookup_by_key() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let claims: Vec<ClaimRequest> = keys("addressed", 20)
+        .iter()
+        .map(|k| request(k, 1, LONG, DAY))
+        .collect();
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "claims-gate").await;
+    let claimed = behind(gate, claims.iter().map(|c| store.claim(c))).await;
+    holder.await.unwrap();
+    for result in &claimed {
+        assert!(matches!(result, Ok(ClaimResult::Won { .. })), "{result:?}");
+    }
+    let stored = response(b"addressed");
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "completions-gate").await;
+    let completed = behind(gate, claims.iter().map(|c| store.complete(&c.id, &stored))).await;
+    holder.await.unwrap();
+    assert!(completed.iter().all(|r| *r.as_ref().unwrap()), "{completed:?}");
+    drop(store);
+
+    // The two gates' claims read their gates' records, 10 tuples in all; a lookup per completion would
+    // read 20 more.
+    let read = key_table_tuples_read(&db).await;
+    assert!(
+        read < 20,
+        "{read} tuples read: the completions looked their records up"
+    );
+    let keys: Vec<String> = claims.iter().map(|c| c.id.key.clone()).collect();
+    assert_eq!(
+        writing_transactions(&db, &keys).await,
+        1,
+        "one batch of completions"
+    );
+    let store = coalescing_store(&db).await;
+    for claim in &claims {
+        match store.claim(&request(&claim.id.key, 1, LONG, DAY)).await.unwrap() {
+            ClaimResult::Held(Existing::Completed { response, .. }) => assert_eq!(response, stored),
+            other => panic!("{}: {other:?}", claim.id.key),
+        }
+    }
+}
+
+/// An address is only a hint: a completion whose record was rewritten since its claim (the address now
+/// holds a dead version) still stores its response, and one whose record another claim took over, or an
+/// operator deleted, stores nothing and brings nothing back.
+#[tokio::test]
+async fn a_completion_whose_address_went_stale_is_judged_by_its_record_as_it_is() {
+    let db = TestDb::create().await;
+    let store = coalescing_store(&db).await;
+    let claims: Vec<ClaimRequest> = keys("stale", 6)
+        .iter()
+        .map(|k| request(k, 1, LONG, DAY))
+        .collect();
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "claims-gate").await;
+    let claimed = behind(gate, claims.iter().map(|c| store.claim(c))).await;
+    holder.await.unwrap();
+    assert!(
+        claimed.iter().all(|r| matches!(r, Ok(ClaimResult::Won { .. }))),
+        "{claimed:?}"
+    );
+    let client = db.client().await;
+    for (statement, key) in [
+        (
+            "UPDATE idemproxy.records SET locked_until = locked_until + interval '1 minute'",
+            "stale-0",
+        ),
+        (
+            "UPDATE idemproxy.records SET token = gen_random_uuid()",
+            "stale-1",
+        ),
+        ("DELETE FROM idemproxy.records", "stale-2"),
+    ] {
+        let changed = client
+            .execute(
+                &format!("{statement} WHERE scope = 'default:test' AND key = $1"),
+                &[&key],
+            )
+            .await
+            .unwrap();
+        assert_eq!(changed, 1, "{statement}");
+    }
+
+    let stored = response(b"stored");
+    let (gate, holder) = hold_the_claim_slot(&db, &store, "completions-gate").await;
+    let completed = behind(gate, claims.iter().map(|c| store.complete(&c.id, &stored))).await;
+    holder.await.unwrap();
+    let completed: Vec<bool> = completed.into_iter().map(Result::unwrap).collect();
+    assert_eq!(completed, [true, false, false, true, true, true]);
+    for (claim, stored_it) in claims.iter().zip(&completed) {
+        let key = &claim.id.key;
+        match store.claim(&request(key, 1, LONG, DAY)).await.unwrap() {
+            ClaimResult::Held(Existing::Completed { response, .. }) if *stored_it => {
+                assert_eq!(response, stored, "{key}")
+            }
+            ClaimResult::Held(Existing::Processing { .. }) if key == "stale-1" => {}
+            ClaimResult::Won { .. } if key == "stale-2" => {}
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+}
+
 /// Claims `n` new keys at once, then completes them at once: batches and single statements alike.
 async fn claim_and_complete(store: &Arc<dyn Store>, prefix: &str, n: usize) {
     let claims: Vec<ClaimRequest> = keys(prefix, n).iter().map(|k| request(k, 1, LONG, DAY)).collect();

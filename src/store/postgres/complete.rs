@@ -6,6 +6,7 @@
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
+use super::address::Tid;
 use super::fenced;
 use super::rows::corrupt;
 use super::runner::Db;
@@ -22,10 +23,11 @@ const COMPLETE: &str = "UPDATE idemproxy.records
 /// bodies at once.
 const BATCHED_BODY_LIMIT: usize = 64 * 1024;
 
-/// A completion waiting for its batch.
+/// A completion waiting for its batch, with its record's address if its claim was batched.
 pub(super) struct Completion {
     pub(super) id: RecordId,
     pub(super) response: StoredResponse,
+    pub(super) address: Option<Tid>,
 }
 
 /// Whether a response may wait for a batch: it has no body, or one of at most `BATCHED_BODY_LIMIT`.
@@ -59,6 +61,7 @@ pub(super) struct CompleteBatch<'a> {
     lasts: Vec<i32>,
     bodies: Vec<Option<&'a [u8]>>,
     retained: Vec<bool>,
+    addresses: Vec<Option<Tid>>,
 }
 
 impl<'a> CompleteBatch<'a> {
@@ -77,11 +80,12 @@ impl<'a> CompleteBatch<'a> {
             lasts,
             bodies: items.iter().map(|c| c.response.body.as_deref()).collect(),
             retained: items.iter().map(|c| c.response.body.is_some()).collect(),
+            addresses: items.iter().map(|c| c.address).collect(),
         })
     }
 
-    /// WRITE_BATCH's `$7` to `$16`, typed as it casts them.
-    pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 10] {
+    /// WRITE_BATCH's `$7` to `$17`, typed as it casts them.
+    pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 11] {
         [
             (&self.scopes, Type::TEXT_ARRAY),
             (&self.keys, Type::TEXT_ARRAY),
@@ -93,6 +97,7 @@ impl<'a> CompleteBatch<'a> {
             (&self.lasts, Type::INT4_ARRAY),
             (&self.bodies, Type::BYTEA_ARRAY),
             (&self.retained, Type::BOOL_ARRAY),
+            (&self.addresses, Type::TID_ARRAY),
         ]
     }
 }
@@ -132,6 +137,7 @@ mod tests {
                     .collect(),
                 body: body.map(|b| Bytes::copy_from_slice(b.as_bytes())),
             },
+            address: None,
         }
     }
 

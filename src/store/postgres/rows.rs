@@ -8,6 +8,7 @@ use bytes::Bytes;
 use tokio_postgres::Row;
 use uuid::Uuid;
 
+use super::address::Tid;
 use super::runner::backend;
 use crate::store::{
     ClaimKind, Existing, RecordInfo, RecordStats, RecordStatus, StoreError, StoredResponse, epoch_ms,
@@ -74,8 +75,8 @@ fn view(row: &Row) -> Result<View, tokio_postgres::Error> {
 
 /// One row of WRITE_BATCH.
 pub(super) enum BatchRow {
-    /// A claim that inserted its new key, by its token.
-    Won(Uuid),
+    /// A claim that inserted its new key, by its token, with the address of the row it inserted.
+    Won(Uuid, Tid),
     /// A completion that stored its response, by its claim's token.
     Completed(Uuid),
     /// The record a claim input saw (by its 1-based position in the sorted claims).
@@ -84,7 +85,10 @@ pub(super) enum BatchRow {
 
 pub(super) fn decode_batch_row(row: &Row) -> Result<BatchRow, StoreError> {
     match row.try_get::<_, &str>("outcome").map_err(backend)? {
-        "won" => Ok(BatchRow::Won(row.try_get("token").map_err(backend)?)),
+        "won" => Ok(BatchRow::Won(
+            row.try_get("token").map_err(backend)?,
+            row.try_get("address").map_err(backend)?,
+        )),
         "completed" => Ok(BatchRow::Completed(row.try_get("token").map_err(backend)?)),
         "seen" => Ok(BatchRow::Seen(
             row.try_get("n").map_err(backend)?,

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
+use super::address::Addresses;
 use super::claim::{self, ClaimBatch, FirstRound};
 use super::complete::{self, CompleteBatch, Completion};
 use super::rows::{BatchRow, corrupt, decode_batch_row};
@@ -55,7 +56,7 @@ const WRITE_BATCH: &str = concat!(
                now() + make_interval(secs => lease), now(), now() + make_interval(secs => ttl), now()
         FROM claim ORDER BY n
         ON CONFLICT (scope, key) DO NOTHING
-        RETURNING r.token
+        RETURNING r.token, r.ctid
     ), completed AS (
         UPDATE idemproxy.records AS r
         SET status = 'completed', locked_until = now(), updated_at = now(), response_status = f.status,
@@ -63,30 +64,29 @@ const WRITE_BATCH: &str = concat!(
             response_header_values = ($12::bytea[])[f.first_header:f.last_header],
             response_body = f.body, body_retained = f.retained
         FROM (
-            SELECT x.tid, c.*
+            SELECT coalesce(c.address, (
+                       SELECT x.ctid FROM idemproxy.records x
+                       WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token
+                         AND x.status = 'processing'
+                   )) AS tid, c.*
             FROM unnest($7::text[], $8::text[], $9::uuid[], $10::int2[], $13::int4[], $14::int4[],
-                        $15::bytea[], $16::bool[])
-                AS c(scope, key, token, status, first_header, last_header, body, retained)
-            CROSS JOIN LATERAL (
-                SELECT x.ctid AS tid FROM idemproxy.records x
-                WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token AND x.status = 'processing'
-                OFFSET 0
-            ) x
+                        $15::bytea[], $16::bool[], $17::tid[])
+                AS c(scope, key, token, status, first_header, last_header, body, retained, address)
         ) f
         WHERE r.ctid = f.tid AND r.token = f.token AND r.status = 'processing'
         RETURNING r.token
     )
-    SELECT 'won' AS outcome, NULL::bigint AS n, w.token, NULL::boolean AS same_fingerprint,
+    SELECT 'won' AS outcome, NULL::bigint AS n, w.token, w.ctid AS address, NULL::boolean AS same_fingerprint,
            NULL::text AS status, NULL::bigint AS lease_ms, NULL::boolean AS expired,
            NULL::bigint AS ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names,
            NULL::bytea[] AS response_header_values, NULL::bytea AS response_body,
            NULL::boolean AS body_retained, NULL::uuid AS record_token
     FROM won w
     UNION ALL
-    SELECT 'completed', NULL, c.token, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    SELECT 'completed', NULL, c.token, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
     FROM completed c
     UNION ALL
-    SELECT 'seen', i.n, NULL, r.fingerprint = i.fingerprint, ",
+    SELECT 'seen', i.n, NULL, NULL, r.fingerprint = i.fingerprint, ",
     view_columns!(),
     " FROM claim i
     CROSS JOIN LATERAL (
@@ -111,8 +111,9 @@ pub(super) enum Written {
 /// completion WRITE_BATCH did not confirm runs once more alone, as COMPLETE: the batch finds each record
 /// as of its snapshot, and one rewritten since by another transaction that kept it `processing` under
 /// the same token (a heartbeat) may be passed over; COMPLETE judges the record as it is now. A completion
-/// fenced out for real (a takeover) costs that one more statement.
-pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
+/// fenced out for real (a takeover) costs that one more statement. The addresses of the rows the batch's
+/// claims inserted go to `addresses`, for their completions.
+pub(super) async fn batch(db: Arc<Db>, addresses: Arc<Addresses>, writes: Vec<Write>) -> Vec<Written> {
     if let [write] = writes.as_slice() {
         return vec![match write {
             Write::Claim(request) => Written::Claim(claim::alone(&db, request).await.map(Some)),
@@ -127,7 +128,7 @@ pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
         Write::Complete(completion) => Some(completion),
         Write::Claim(_) => None,
     });
-    match together(&db, claims, completions).await {
+    match together(&db, &addresses, claims, completions).await {
         Ok((claimed, completed)) => {
             let mut claimed = claimed.into_iter();
             let mut answers = Vec::with_capacity(writes.len());
@@ -151,9 +152,10 @@ pub(super) async fn batch(db: Arc<Db>, writes: Vec<Write>) -> Vec<Written> {
 }
 
 /// Runs WRITE_BATCH: every claim's first-round answer in the claims' order, and the tokens of the
-/// records completed.
+/// records completed; keeps the addresses of the rows inserted.
 async fn together<'a>(
     db: &Db,
+    addresses: &Addresses,
     claims: impl Iterator<Item = &'a ClaimRequest>,
     completions: impl Iterator<Item = &'a Completion>,
 ) -> Result<(Vec<Option<ClaimResult>>, HashSet<Uuid>), StoreError> {
@@ -163,10 +165,13 @@ async fn together<'a>(
         .query_batch(WRITE_BATCH, &params(&claim_batch, &complete_batch))
         .await?;
     let (mut won, mut completed) = (HashSet::new(), HashSet::new());
-    let mut seen = HashMap::new();
+    let (mut inserted, mut seen) = (Vec::new(), HashMap::new());
     for row in &rows {
         let first = match decode_batch_row(row)? {
-            BatchRow::Won(token) => won.insert(token),
+            BatchRow::Won(token, address) => {
+                inserted.push((token, address));
+                won.insert(token)
+            }
             BatchRow::Completed(token) => completed.insert(token),
             BatchRow::Seen(n, view) => seen.insert(n, view).is_none(),
         };
@@ -174,10 +179,12 @@ async fn together<'a>(
             return Err(corrupt());
         }
     }
-    Ok((claim_batch.answers(&won, seen)?, completed))
+    let answers = claim_batch.answers(&won, seen)?;
+    addresses.remember(inserted);
+    Ok((answers, completed))
 }
 
-/// `$1` to `$16`: the claims' then the completions' arguments.
+/// `$1` to `$17`: the claims' then the completions' arguments.
 fn params<'b>(
     claims: &'b ClaimBatch<'_>,
     completions: &'b CompleteBatch<'_>,
@@ -218,6 +225,7 @@ mod tests {
                 headers: vec![("a".into(), b"1".to_vec())],
                 body: Some(Bytes::from_static(b"x")),
             },
+            address: None,
         }];
         let claim_batch = ClaimBatch::new(claims.iter());
         let complete_batch = CompleteBatch::new(completions.iter()).unwrap();
@@ -227,7 +235,8 @@ mod tests {
     #[test]
     fn completions_are_fenced_by_the_claims_token_when_found_and_when_written() {
         assert!(WRITE_BATCH.contains(
-            "WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token AND x.status = 'processing'"
+            "WHERE x.scope = c.scope AND x.key = c.key AND x.token = c.token
+                         AND x.status = 'processing'"
         ));
         assert!(
             WRITE_BATCH.contains("WHERE r.ctid = f.tid AND r.token = f.token AND r.status = 'processing'")
