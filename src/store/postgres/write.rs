@@ -21,11 +21,11 @@ use super::rows::{BatchRow, corrupt, decode_batch_row};
 use super::runner::Db;
 use crate::store::{ClaimRequest, ClaimResult, StoreError};
 
-/// Claims (`$1` to `$6`, sorted by scope and key) and completions (`$7` to `$16`) in one statement.
+/// Claims (`$1` to `$6`, sorted by scope and key) and completions (`$7` to `$17`) in one statement.
 ///
 /// - A new key is won by the INSERT, decided by the primary key, exactly as CLAIM decides it; the
-///   statement returns the winners' tokens. Inputs go in (scope, key) order, so concurrent batches insert
-///   in one order and never deadlock each other.
+///   statement returns the winners' tokens and their rows' addresses. Inputs go in (scope, key) order,
+///   so concurrent batches insert in one order and never deadlock each other.
 /// - Every claim input the INSERT did not win is also looked up by its key (one index lookup each:
 ///   LATERAL with OFFSET 0 keeps it a per-input lookup) and reported as of the statement's snapshot,
 ///   which predates the statement's own insert and update: a request whose key another request of the
@@ -33,14 +33,17 @@ use crate::store::{ClaimRequest, ClaimResult, StoreError};
 ///   A winner needs no lookup: its answer is its token among those the INSERT returned.
 /// - A completion stores its response fenced by its claim's token, exactly as COMPLETE does: only a
 ///   record still `processing` under that token changes; the statement returns the tokens of the records
-///   it completed. Each record is found by its own index lookup (LATERAL with OFFSET 0, as for the
-///   claims), which yields the row's physical address, and the UPDATE reaches the row by that address
-///   (a TID scan): the lookup's LATERAL fixes the join order, so no plan, however small the table when
-///   it was made, scans the whole primary key for every batch, and no completion ever inserts a row.
-///   A row changed since the snapshot is re-checked as UPDATE always does; a completion the statement
-///   did not confirm is tried once more alone (`batch`), so a record rewritten under the batch (its own
-///   claim's heartbeat) is never left `processing`. Header lists travel flattened in `$11` and `$12`,
-///   each completion's the slice `first_header..=last_header`.
+///   it completed. The UPDATE reaches each record by its row's address (a TID scan): the address its
+///   claim's INSERT returned, when the claim was won in a batch (`$17`, kept by the store per token),
+///   else the one a lookup by key finds (a subquery, one index lookup). The UPDATE joins the key table
+///   on nothing but that address and the token, neither of them indexed, so the planner has no index
+///   to scan the table through whole, however small the table when the plan was made; and no
+///   completion ever inserts a row. A row changed since the snapshot is re-checked as UPDATE always
+///   does, but PostgreSQL refuses, on that re-check, a version at another address than the one asked
+///   for; so a completion the statement did not confirm is tried once more alone (`batch`), and a record
+///   rewritten under the batch (its own claim's heartbeat) is never left `processing`, whatever the
+///   address. Header lists travel flattened in `$11` and `$12`, each completion's the slice
+///   `first_header..=last_header`.
 ///
 /// No request can be in one batch with the completion its claim would replay: a response is handed to
 /// its client only once its completion has committed, so a retry's claim reaches a later statement.
