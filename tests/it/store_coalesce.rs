@@ -47,6 +47,20 @@ fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i}")).collect()
 }
 
+/// Claims `keys` one at a time (each alone), every one a new key won.
+async fn won_one_by_one<'k>(
+    store: &Arc<dyn Store>,
+    keys: impl IntoIterator<Item = &'k str>,
+) -> Vec<ClaimRequest> {
+    let mut claims = Vec::new();
+    for key in keys {
+        let claim = request(key, 1, LONG, DAY);
+        won(&**store, &claim).await;
+        claims.push(claim);
+    }
+    claims
+}
+
 /// Holds a lock that the store's statement for `gate` waits on, until `open` is called.
 struct Gate {
     _connection: tokio::task::JoinHandle<()>,
@@ -115,6 +129,16 @@ async fn behind<T>(gate: Gate, operations: impl IntoIterator<Item = impl Future<
     );
     gate.open().await;
     all.await
+}
+
+/// Claims new keys in one batch, behind a held slot, every one won.
+async fn won_in_one_batch(db: &TestDb, store: &Arc<dyn Store>, claims: &[ClaimRequest]) {
+    let (gate, holder) = hold_the_claim_slot(db, store, "claims-gate").await;
+    let claimed = behind(gate, claims.iter().map(|c| store.claim(c))).await;
+    holder.await.unwrap();
+    for result in &claimed {
+        assert!(matches!(result, Ok(ClaimResult::Won { .. })), "{result:?}");
+    }
 }
 
 /// Starts `key`'s claim (alone, in the batch slot) and waits until it is blocked on the gate.
@@ -260,12 +284,11 @@ async fn completions_that_arrive_together_store_each_response_fenced_by_its_toke
     let db = TestDb::create().await;
     let store = coalescing_store(&db).await;
     let keys = keys("done", 30);
-    let mut claims = Vec::new();
-    for key in keys.iter().map(String::as_str).chain(["gate", "taken-over"]) {
-        let claim = request(key, 1, LONG, DAY);
-        won(&*store, &claim).await;
-        claims.push(claim);
-    }
+    let mut claims = won_one_by_one(
+        &store,
+        keys.iter().map(String::as_str).chain(["gate", "taken-over"]),
+    )
+    .await;
     // Responses of every shape: no headers, several, a body not retained, an empty body, binary.
     let responses: Vec<StoredResponse> = (0..keys.len())
         .map(|i| StoredResponse {
@@ -370,12 +393,7 @@ async fn a_completion_still_stores_its_response_when_a_heartbeat_rewrites_the_re
     let db = TestDb::create().await;
     let store = coalescing_store(&db).await;
     let keys = keys("beat", 4);
-    let mut claims = Vec::new();
-    for key in keys.iter().map(String::as_str).chain(["gate"]) {
-        let claim = request(key, 1, LONG, DAY);
-        won(&*store, &claim).await;
-        claims.push(claim);
-    }
+    let mut claims = won_one_by_one(&store, keys.iter().map(String::as_str).chain(["gate"])).await;
     let gate_claim = claims.pop().unwrap();
     let gate = Gate::row_lock(&db, "gate").await;
     let holder = tokio::spawn({
@@ -429,12 +447,7 @@ async fn claims_and_completions_that_arrive_together_share_one_commit() {
     let db = TestDb::create().await;
     let store = coalescing_store(&db).await;
     let done = keys("done", 20);
-    let mut running = Vec::new();
-    for key in done.iter().map(String::as_str).chain(["purged"]) {
-        let claim = request(key, 1, LONG, DAY);
-        won(&*store, &claim).await;
-        running.push(claim);
-    }
+    let mut running = won_one_by_one(&store, done.iter().map(String::as_str).chain(["purged"])).await;
     // A record an operator purged while its request ran: its completion finds nothing to store and
     // must not bring the record back.
     let purged = running.pop().unwrap();
@@ -549,12 +562,7 @@ async fn completions_of_batched_claims_reach_their_records_without_a_lookup_by_k
         .iter()
         .map(|k| request(k, 1, LONG, DAY))
         .collect();
-    let (gate, holder) = hold_the_claim_slot(&db, &store, "claims-gate").await;
-    let claimed = behind(gate, claims.iter().map(|c| store.claim(c))).await;
-    holder.await.unwrap();
-    for result in &claimed {
-        assert!(matches!(result, Ok(ClaimResult::Won { .. })), "{result:?}");
-    }
+    won_in_one_batch(&db, &store, &claims).await;
     let stored = response(b"addressed");
     let (gate, holder) = hold_the_claim_slot(&db, &store, "completions-gate").await;
     let completed = behind(gate, claims.iter().map(|c| store.complete(&c.id, &stored))).await;
