@@ -47,6 +47,11 @@ fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i}")).collect()
 }
 
+/// Claims of `n` keys named after `prefix`, one request each.
+fn new_claims(prefix: &str, n: usize) -> Vec<ClaimRequest> {
+    keys(prefix, n).iter().map(|k| request(k, 1, LONG, DAY)).collect()
+}
+
 /// Claims `keys` one at a time (each alone), every one a new key won.
 async fn won_one_by_one<'k>(
     store: &Arc<dyn Store>,
@@ -558,10 +563,7 @@ async fn key_table_tuples_read(db: &TestDb) -> i64 {
 async fn completions_of_batched_claims_reach_their_records_without_a_lookup_by_key() {
     let db = TestDb::create().await;
     let store = coalescing_store(&db).await;
-    let claims: Vec<ClaimRequest> = keys("addressed", 20)
-        .iter()
-        .map(|k| request(k, 1, LONG, DAY))
-        .collect();
+    let claims = new_claims("addressed", 20);
     won_in_one_batch(&db, &store, &claims).await;
     let stored = response(b"addressed");
     let (gate, holder) = hold_the_claim_slot(&db, &store, "completions-gate").await;
@@ -599,17 +601,8 @@ async fn completions_of_batched_claims_reach_their_records_without_a_lookup_by_k
 async fn a_completion_whose_address_went_stale_is_judged_by_its_record_as_it_is() {
     let db = TestDb::create().await;
     let store = coalescing_store(&db).await;
-    let claims: Vec<ClaimRequest> = keys("stale", 6)
-        .iter()
-        .map(|k| request(k, 1, LONG, DAY))
-        .collect();
-    let (gate, holder) = hold_the_claim_slot(&db, &store, "claims-gate").await;
-    let claimed = behind(gate, claims.iter().map(|c| store.claim(c))).await;
-    holder.await.unwrap();
-    assert!(
-        claimed.iter().all(|r| matches!(r, Ok(ClaimResult::Won { .. }))),
-        "{claimed:?}"
-    );
+    let claims = new_claims("stale", 6);
+    won_in_one_batch(&db, &store, &claims).await;
     let client = db.client().await;
     for (statement, key) in [
         (
@@ -653,7 +646,7 @@ async fn a_completion_whose_address_went_stale_is_judged_by_its_record_as_it_is(
 
 /// Claims `n` new keys at once, then completes them at once: batches and single statements alike.
 async fn claim_and_complete(store: &Arc<dyn Store>, prefix: &str, n: usize) {
-    let claims: Vec<ClaimRequest> = keys(prefix, n).iter().map(|k| request(k, 1, LONG, DAY)).collect();
+    let claims = new_claims(prefix, n);
     for result in join_all(claims.iter().map(|c| store.claim(c))).await {
         assert!(matches!(result, Ok(ClaimResult::Won { .. })), "{result:?}");
     }
