@@ -14,6 +14,7 @@ mod idempotency;
 mod key_source;
 mod log;
 mod parse;
+mod redis;
 mod replay_cache;
 mod routes;
 mod server;
@@ -34,6 +35,7 @@ pub use idempotency::{
 };
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat};
+pub use redis::{RawRedis, RedisTarget};
 pub use replay_cache::ReplayCacheConfig;
 pub use routes::{DEFAULT_ROUTE, PathMatch, RawRoute, Route, RouteTable};
 pub use server::{DEFAULT_PROBLEM_TYPE_BASE, ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};

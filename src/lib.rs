@@ -17,9 +17,10 @@
 //!   socket), the relay and capture, and the fenced completion; on a route that waits, a key in flight
 //!   goes to `proxy/wait.rs`, which waits for the original and claims again;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
-//!   runner and migrations each in a file under `store/postgres/`) or `store/sqlite.rs` (embedded, the
-//!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
-//!   `store/encrypted.rs` seals stored responses around either backend, `store/sweeper.rs` deletes
+//!   runner and migrations each in a file under `store/postgres/`), `store/redis.rs` (a Redis server or
+//!   cluster, its scripts under `store/redis/lua/`) or `store/sqlite.rs` (embedded, the default) holds
+//!   the key table, `store/coalesce.rs` batches what arrives together,
+//!   `store/encrypted.rs` seals stored responses around any backend, `store/sweeper.rs` deletes
 //!   expired records in the background, and `store/notify.rs` wakes waiting requests (fed across
 //!   replicas by `store/postgres/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
@@ -113,7 +114,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     let backend = EncryptedStore::wrap(backend, config.encryption.as_ref(), &metrics);
     let store = StoreHandle::new(backend, metrics.clone());
     let tracker = TaskTracker::new();
-    if config.sweeper.enabled {
+    // Redis deletes expired records itself (their TTL): there is nothing to sweep.
+    let self_expiring = matches!(config.store.backend, StoreBackend::Redis(_));
+    if config.sweeper.enabled && !self_expiring {
         let sweeper = store::sweeper::run(
             store.clone(),
             config.sweeper.clone(),

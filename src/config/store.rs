@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::parse::positive;
+use super::redis::{RawRedis, RedisTarget, is_redis_url};
 
 /// The embedded store in the working directory: zero setup for a single instance.
 pub const DEFAULT_STORE_URL: &str = "sqlite://idemproxy.db";
@@ -21,8 +22,9 @@ const MAX_BATCH_LIMIT: usize = 1000;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawStore {
-    /// `sqlite://path/to/file.db` (embedded, single instance) or
-    /// `postgres://user:password@host:port/database`.
+    /// `sqlite://path/to/file.db` (embedded, single instance),
+    /// `postgres://user:password@host:port/database`, `redis://host:port` (or `rediss://`) or
+    /// `redis+cluster://host1:port,host2:port`.
     pub url: String,
     /// Maximum connections in the pool.
     pub pool_size: usize,
@@ -40,6 +42,8 @@ pub struct RawStore {
     /// addition to the system's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_ca_file: Option<PathBuf>,
+    /// `[store.redis]`: only read with a Redis `url`.
+    pub redis: RawRedis,
 }
 
 impl Default for RawStore {
@@ -52,6 +56,7 @@ impl Default for RawStore {
             on_error: OnStoreError::FailClosed,
             migrate: true,
             tls_ca_file: None,
+            redis: RawRedis::default(),
         }
     }
 }
@@ -76,6 +81,8 @@ pub enum StoreBackend {
         /// The database file.
         path: PathBuf,
     },
+    /// A Redis server or Redis Cluster, shared by any number of replicas.
+    Redis(RedisTarget),
 }
 
 /// Validated `[store]`.
@@ -96,7 +103,7 @@ pub struct StoreConfig {
     pub on_error: OnStoreError,
     /// Migrate at `serve` start.
     pub migrate: bool,
-    /// Whether the URL asks for TLS (`sslmode=require`).
+    /// Whether the URL asks for TLS (`sslmode=require`, `rediss://`).
     pub tls: bool,
     /// Extra trusted CA certificates for the store's TLS.
     pub tls_ca_file: Option<PathBuf>,
@@ -106,16 +113,22 @@ impl RawStore {
     /// Checks the section and converts it; the first problem found is returned.
     pub fn validate(&self) -> Result<StoreConfig, ConfigError> {
         if let Some(path) = self.url.strip_prefix("sqlite://") {
+            self.redis_unused()?;
             return self.validate_sqlite(path);
         }
+        if is_redis_url(&self.url) {
+            return self.validate_redis();
+        }
+        self.redis_unused()?;
         let key = "store.url";
         let url = url::Url::parse(&self.url).map_err(|e| ConfigError::new(key, format!("not a URL: {e}")))?;
         if !matches!(url.scheme(), "postgres" | "postgresql") {
             return Err(ConfigError::new(
                 key,
                 format!(
-                    "unsupported scheme {:?}; use sqlite://path/to/file.db or \
-                     postgres://user@host:port/database",
+                    "unsupported scheme {:?}; use sqlite://path/to/file.db, \
+                     postgres://user@host:port/database, redis://host:port or \
+                     redis+cluster://host1:port,host2:port",
                     url.scheme()
                 ),
             ));
@@ -164,6 +177,48 @@ impl RawStore {
             ));
         }
         Ok(self.max_batch)
+    }
+
+    /// A Redis server or cluster; `pool_size` does not apply (one multiplexed connection per node).
+    fn validate_redis(&self) -> Result<StoreConfig, ConfigError> {
+        positive("store.timeout", self.timeout)?;
+        let target = self.redis.validate(&self.url, self.timeout)?;
+        if let Some(path) = &self.tls_ca_file {
+            if !target.tls {
+                return Err(ConfigError::new(
+                    "store.tls_ca_file",
+                    "only used with TLS: write rediss:// (or rediss+cluster://) in store.url",
+                ));
+            }
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    "store.tls_ca_file",
+                    format!("cannot read file {}", path.display()),
+                ));
+            }
+        }
+        Ok(StoreConfig {
+            tls: target.tls,
+            backend: StoreBackend::Redis(target),
+            url: self.url.clone(),
+            pool_size: 1,
+            max_batch: self.max_batch()?,
+            timeout: self.timeout,
+            on_error: self.on_error,
+            migrate: self.migrate,
+            tls_ca_file: self.tls_ca_file.clone(),
+        })
+    }
+
+    /// `[store.redis]` set for a store that is not Redis is a mistake worth a line, not silence.
+    fn redis_unused(&self) -> Result<(), ConfigError> {
+        if self.redis != RawRedis::default() {
+            return Err(ConfigError::new(
+                "store.redis",
+                "only used with a Redis store (store.url = \"redis://...\" or \"redis+cluster://...\")",
+            ));
+        }
+        Ok(())
     }
 
     /// `sqlite://idemproxy.db` is relative to the working directory, `sqlite:///var/lib/x.db` absolute.
@@ -247,7 +302,23 @@ pub fn mask_url_password(raw: &str) -> String {
             let _ = url.set_password(Some("***"));
             url.to_string()
         }
-        _ => raw.to_owned(),
+        Ok(_) => raw.to_owned(),
+        // A cluster URL's list of nodes is not one authority, so `url` refuses it: mask by hand.
+        Err(_) => mask_userinfo(raw),
+    }
+}
+
+/// `scheme://user:password@rest` with the password replaced; anything else unchanged.
+fn mask_userinfo(raw: &str) -> String {
+    let Some((scheme, rest)) = raw.split_once("://") else {
+        return raw.to_owned();
+    };
+    let Some((userinfo, hosts)) = rest.rsplit_once('@') else {
+        return raw.to_owned();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{hosts}"),
+        None => raw.to_owned(),
     }
 }
 
@@ -367,5 +438,13 @@ mod tests {
         );
         let config = Config::from_toml_str("[store]\nurl = \"postgres://app:s3cret@db/idem\"\n").unwrap();
         assert!(!config.to_masked_toml().contains("s3cret"));
+        assert_eq!(
+            mask_url_password("redis+cluster://app:s3cret@a:7000,b:7001"),
+            "redis+cluster://app:***@a:7000,b:7001"
+        );
+        assert_eq!(
+            mask_url_password("redis://:s3cret@cache:6379"),
+            "redis://:***@cache:6379"
+        );
     }
 }

@@ -1,6 +1,7 @@
-//! One store suite, written once against the `Store` trait and run on both backends (PostgreSQL and the
-//! embedded SQLite file): the claim's decision table, fencing, leases and expiry, the sweeper's batches
-//! and replica safety, and the operator's view. Lease and expiry waits are real time (the store's clock
+//! One store suite, written once against the `Store` trait and run on every backend (PostgreSQL, the
+//! embedded SQLite file, one Redis server and a Redis Cluster): the claim's decision table, fencing,
+//! leases and expiry, the sweeper's batches and replica safety (or Redis's own expiry), and the
+//! operator's view. Lease and expiry waits are real time (the store's clock
 //! decides), kept short.
 
 use std::sync::Arc;
@@ -63,7 +64,7 @@ pub async fn held(store: &dyn Store, request: &ClaimRequest) -> Existing {
 #[rstest]
 #[tokio::test]
 async fn concurrent_claims_of_one_key_have_exactly_one_winner(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     assert_eq!(
@@ -98,7 +99,7 @@ async fn concurrent_winners(store: &Arc<dyn Store>, key: &'static str) -> Vec<(i
 #[rstest]
 #[tokio::test]
 async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     won(
@@ -116,7 +117,7 @@ async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
 #[rstest]
 #[tokio::test]
 async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let first = request("retry-race", 1, LONG, DAY);
@@ -131,7 +132,7 @@ async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
 #[rstest]
 #[tokio::test]
 async fn completed_record_replays_for_the_same_fingerprint_only(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let first = request("done", 1, LONG, DAY);
@@ -165,7 +166,7 @@ async fn completed_record_replays_for_the_same_fingerprint_only(
 #[rstest]
 #[tokio::test]
 async fn live_claim_reports_its_remaining_lease(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     won(&*store, &request("live", 1, LONG, DAY)).await;
@@ -191,7 +192,7 @@ async fn live_claim_reports_its_remaining_lease(
 #[rstest]
 #[tokio::test]
 async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let original = request("stale", 1, Duration::from_millis(300), DAY);
@@ -218,7 +219,9 @@ async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
 
 #[rstest]
 #[tokio::test]
-async fn heartbeat_extends_the_lease(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn heartbeat_extends_the_lease(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+) {
     let (_store, store) = store(backend).await;
     let claim = request("beat", 1, Duration::from_millis(500), DAY);
     won(&*store, &claim).await;
@@ -236,7 +239,7 @@ async fn heartbeat_extends_the_lease(#[values(Backend::Postgres, Backend::Sqlite
 #[rstest]
 #[tokio::test]
 async fn released_key_executes_again_for_the_same_request_only(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let first = request("again", 1, LONG, DAY);
@@ -255,7 +258,7 @@ async fn released_key_executes_again_for_the_same_request_only(
 #[rstest]
 #[tokio::test]
 async fn expired_record_is_a_new_key_whatever_it_held(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let first = request("old", 1, Duration::from_millis(100), Duration::from_millis(300));
@@ -271,7 +274,7 @@ async fn expired_record_is_a_new_key_whatever_it_held(
 #[rstest]
 #[tokio::test]
 async fn a_running_key_past_its_expiry_is_not_new(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let running = request("running", 1, LONG, SHORT_TTL);
@@ -298,7 +301,7 @@ async fn a_running_key_past_its_expiry_is_not_new(
 #[rstest]
 #[tokio::test]
 async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     // Expires one second after creation, so it is unexpired when its short lease has run out.
@@ -313,7 +316,7 @@ async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
 #[rstest]
 #[tokio::test]
 async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let first = request("unsure", 1, SHORT_TTL, DAY);
@@ -351,7 +354,7 @@ async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
 #[rstest]
 #[tokio::test]
 async fn response_over_the_cap_is_completed_without_a_body(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let claim = request("big", 1, LONG, DAY);
@@ -469,7 +472,9 @@ async fn concurrent_sweepers_delete_and_count_each_record_once(
 
 #[rstest]
 #[tokio::test]
-async fn stats_count_records_by_state(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn stats_count_records_by_state(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+) {
     let (_store, store) = store(backend).await;
     won(&*store, &request("running", 1, LONG, DAY)).await;
     completed_records(&*store, "done", 2, DAY).await;
@@ -489,7 +494,37 @@ async fn stats_count_records_by_state(#[values(Backend::Postgres, Backend::Sqlit
             completed: 2,
             failed: 1,
             unknown: 1,
+            // Redis deletes a record when it expires; the SQL stores keep it for the sweeper.
+            expired: if backend.self_expiring() { 0 } else { 1 },
+        }
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn redis_deletes_expired_records_itself_but_keeps_a_running_one(
+    #[values(Backend::Redis, Backend::RedisCluster)] backend: Backend,
+) {
+    let (_store, store) = store(backend).await;
+    completed_records(&*store, "old", 25, SHORT_TTL).await;
+    completed_records(&*store, "live", 3, DAY).await;
+    won(&*store, &request("held", 1, LONG, SHORT_TTL)).await;
+    won(&*store, &request("stale", 1, SHORT_TTL, SHORT_TTL)).await;
+    until_short_ttl_passed().await;
+
+    assert_eq!(store.sweep(10).await.unwrap(), 0, "nothing is left to sweep");
+    assert!(store.find("old-0", None).await.unwrap().is_empty());
+    assert!(store.find("stale", None).await.unwrap().is_empty());
+    let held = store.find("held", None).await.unwrap();
+    assert_eq!(held.len(), 1, "a live lease keeps its record");
+    assert_eq!(held[0].status, RecordStatus::Processing);
+    assert!(held[0].expired(), "past its expiry, kept by its lease");
+    assert_eq!(
+        store.stats().await.unwrap(),
+        RecordStats {
+            completed: 3,
             expired: 1,
+            ..RecordStats::default()
         }
     );
 }
@@ -497,7 +532,7 @@ async fn stats_count_records_by_state(#[values(Backend::Postgres, Backend::Sqlit
 #[rstest]
 #[tokio::test]
 async fn find_describes_records_in_every_scope_or_one(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let mine = request("shared", 1, LONG, DAY);
@@ -528,7 +563,7 @@ async fn find_describes_records_in_every_scope_or_one(
 #[rstest]
 #[tokio::test]
 async fn operator_release_waits_for_the_lease_and_is_fenced(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let (_store, store) = store(backend).await;
     let live = request("live", 1, LONG, DAY);

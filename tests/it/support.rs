@@ -8,6 +8,7 @@ pub mod pg;
 pub mod proxy;
 pub mod raw;
 pub mod recorder;
+pub mod redis;
 pub mod relay;
 pub mod store;
 pub mod upstream;
@@ -46,7 +47,7 @@ impl TestEnv {
 
     /// Test defaults pointing at this env's store and upstream.
     pub fn config(&self) -> ProxyConfig {
-        ProxyConfig::new(&self.store.url(), &self.upstream.url())
+        ProxyConfig::new(&self.store.url(), &self.upstream.url()).with_toml(&self.store.store_toml())
     }
 
     /// An in-process proxy with the test defaults.

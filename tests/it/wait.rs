@@ -137,7 +137,7 @@ async fn waiting_costs_the_same_store_statements_for_a_short_and_a_long_wait(
     let config = waiting(&env);
     let proxy = match backend {
         Backend::Postgres => listening(&config).await,
-        Backend::Sqlite => InProcessProxy::start(&config).await,
+        Backend::Sqlite | Backend::Redis | Backend::RedisCluster => InProcessProxy::start(&config).await,
     };
     let short = claims_for_a_hold(&env, &proxy, "short", Duration::from_millis(100)).await;
     let long = claims_for_a_hold(&env, &proxy, "long", Duration::from_secs(3)).await;

@@ -75,6 +75,7 @@ async fn row(env: &TestEnv, key: &str) -> Row {
             })
             .await
         }
+        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
     }
 }
 
@@ -112,6 +113,7 @@ async fn set_body(env: &TestEnv, key: &str, body: Vec<u8>) {
             .await;
             assert_eq!(updated.unwrap(), 1);
         }
+        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
     }
 }
 
@@ -128,6 +130,7 @@ async fn expire(env: &TestEnv, key: &str) {
             let updated = on_sqlite(env, key, move |db, key| db.execute(sql, [key])).await;
             assert_eq!(updated.unwrap(), 1);
         }
+        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
     }
 }
 
@@ -327,6 +330,7 @@ async fn write_v1(env: &TestEnv, key: &str, headers: &[(&str, &[u8])], body: &[u
             .await;
             assert_eq!(updated.unwrap(), 1);
         }
+        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
     }
 }
 

@@ -1,4 +1,5 @@
-//! The store under test, either backend: a fresh PostgreSQL database or a fresh SQLite file per test.
+//! The store under test, any backend: a fresh PostgreSQL database, a fresh SQLite file, or a key prefix
+//! of its own on the shared Redis server or Redis Cluster, per test.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,18 +8,33 @@ use idemproxy::Config;
 use idemproxy::store::{self, Purpose, Store};
 
 use super::pg::TestDb;
+use super::redis::{shared_cluster, shared_server, unique_prefix};
 
 /// Which backend a test runs on; tests that hold for both take it as an `rstest` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     Postgres,
     Sqlite,
+    Redis,
+    RedisCluster,
+}
+
+impl Backend {
+    /// Whether the store deletes expired records itself (Redis's TTL) rather than through the sweeper.
+    pub fn self_expiring(self) -> bool {
+        matches!(self, Backend::Redis | Backend::RedisCluster)
+    }
 }
 
 /// A store that exists for one test.
 pub enum TestStore {
     Postgres(TestDb),
     Sqlite(tempfile::TempDir),
+    /// A store URL and the key prefix that keeps this test's records apart.
+    Redis {
+        url: String,
+        prefix: String,
+    },
 }
 
 impl TestStore {
@@ -26,6 +42,14 @@ impl TestStore {
         match backend {
             Backend::Postgres => TestStore::Postgres(TestDb::create().await),
             Backend::Sqlite => TestStore::Sqlite(tempfile::tempdir().expect("temporary directory")),
+            Backend::Redis => TestStore::Redis {
+                url: format!("redis://{}", shared_server().address()),
+                prefix: unique_prefix(),
+            },
+            Backend::RedisCluster => TestStore::Redis {
+                url: shared_cluster().url(),
+                prefix: unique_prefix(),
+            },
         }
     }
 
@@ -34,6 +58,15 @@ impl TestStore {
         match self {
             TestStore::Postgres(db) => db.url(),
             TestStore::Sqlite(_) => format!("sqlite://{}", self.sqlite_path().display()),
+            TestStore::Redis { url, .. } => url.clone(),
+        }
+    }
+
+    /// The `[store]` settings beyond the URL that this store needs, as TOML to merge into a config.
+    pub fn store_toml(&self) -> String {
+        match self {
+            TestStore::Redis { prefix, .. } => format!("[store.redis]\nkey_prefix = \"{prefix}\"\n"),
+            _ => String::new(),
         }
     }
 
@@ -41,7 +74,7 @@ impl TestStore {
     pub fn sqlite_path(&self) -> PathBuf {
         match self {
             TestStore::Sqlite(dir) => dir.path().join("idemproxy.db"),
-            TestStore::Postgres(_) => panic!("not a SQLite store"),
+            _ => panic!("not a SQLite store"),
         }
     }
 
@@ -49,14 +82,18 @@ impl TestStore {
     pub fn pg(&self) -> &TestDb {
         match self {
             TestStore::Postgres(db) => db,
-            TestStore::Sqlite(_) => panic!("this test needs the PostgreSQL store"),
+            _ => panic!("this test needs the PostgreSQL store"),
         }
     }
 
     /// The store's config section, with a 5 s operation bound.
     pub fn config(&self) -> Config {
-        Config::from_toml_str(&format!("[store]\nurl = \"{}\"\ntimeout = \"5s\"\n", self.url()))
-            .expect("valid test config")
+        Config::from_toml_str(&format!(
+            "[store]\nurl = \"{}\"\ntimeout = \"5s\"\n{}",
+            self.url(),
+            self.store_toml()
+        ))
+        .expect("valid test config")
     }
 
     /// Migrates, then opens a handle as operator tools do; each call opens its own connections, as

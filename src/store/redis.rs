@@ -1,0 +1,205 @@
+//! The Redis key table, on one server or a Redis Cluster. Runs where the other stores do (claim on the
+//! request path; heartbeat, complete, release in the forwarding task). Every operation on a record is one
+//! Lua script on the record's node, so it is atomic there, and fenced by the claim's token like the SQL
+//! stores' statements; the node's clock (`TIME`) is the only clock. Records expire by Redis's own TTL, set
+//! by the scripts to the record's expiry (or its lease end while it runs), so no sweeper runs.
+//!
+//! Redis answers a write before it is on disk or on a replica. With `store.redis.wait_replicas = n` a claim
+//! or completion is followed by `WAIT n` on the same connection, and counts as done only once n replicas
+//! have it; the README's store table says what each setting means when a primary dies.
+//!
+//! This file wires the parts into [`RedisStore`]:
+//! - `connect.rs`: the connection (one server or a cluster), scripts with `WAIT`, per-node pipelines;
+//! - `record.rs`: record names (one hash tag each) and the scripts' answers in the store's types;
+//! - `scan.rs`: the operator's views over many records, by `SCAN` on every primary;
+//! - `lua/`: the scripts.
+
+mod connect;
+mod record;
+mod scan;
+
+use std::time::Duration;
+
+use super::blob::encode_headers;
+use super::{
+    ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
+};
+use crate::config::{RedisTarget, StoreConfig};
+use connect::{Redis, Script};
+
+/// The scripts, loaded into Redis by hash at first use.
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    heartbeat: Script,
+    settle: Script,
+    read: Script,
+}
+
+/// The Redis-backed [`Store`].
+pub struct RedisStore {
+    redis: Redis,
+    scripts: Scripts,
+    prefix: String,
+    /// Whether claims and completions wait for replicas, and how long.
+    waits: bool,
+    wait_timeout: Duration,
+}
+
+impl RedisStore {
+    /// Prepares the connection; it is made at the first operation, so this succeeds while Redis is down.
+    pub fn connect(config: &StoreConfig, target: &RedisTarget) -> RedisStore {
+        RedisStore {
+            redis: Redis::new(config, target),
+            scripts: Scripts {
+                claim: Script::new(include_str!("redis/lua/claim.lua")),
+                complete: Script::new(include_str!("redis/lua/complete.lua")),
+                heartbeat: Script::new(include_str!("redis/lua/heartbeat.lua")),
+                settle: Script::new(include_str!("redis/lua/settle.lua")),
+                read: Script::new(include_str!("redis/lua/read.lua")),
+            },
+            prefix: target.key_prefix.clone(),
+            waits: target.wait_replicas > 0,
+            wait_timeout: target.wait_timeout,
+        }
+    }
+
+    fn name(&self, scope: &str, key: &str) -> String {
+        record::name(&self.prefix, scope, key)
+    }
+
+    /// Settles the claim `id` as `status`: by its holder, or by an operator once it is stale.
+    async fn settle(&self, id: &RecordId, status: &str, by: &str) -> Result<bool, StoreError> {
+        let name = self.name(&id.scope, &id.key);
+        let args: [&[u8]; 3] = [id.token.as_bytes(), status.as_bytes(), by.as_bytes()];
+        record::written(
+            self.redis
+                .run(&self.scripts.settle, name.as_bytes(), &args, false)
+                .await?,
+        )
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for RedisStore {
+    /// A claim that won is confirmed by `WAIT` before it is reported won; one that could not be confirmed
+    /// is released again (best effort) and reported as a store failure, so its request is not forwarded.
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
+        let id = &request.id;
+        let name = self.name(&id.scope, &id.key);
+        let (lease, ttl) = (millis(request.lease), millis(request.ttl));
+        let args: [&[u8]; 4] = [
+            &request.fingerprint,
+            id.token.as_bytes(),
+            lease.as_bytes(),
+            ttl.as_bytes(),
+        ];
+        match self
+            .redis
+            .run(&self.scripts.claim, name.as_bytes(), &args, true)
+            .await
+        {
+            Ok(answer) => record::claim_result(answer),
+            Err(error) => {
+                // With replicas to wait for, the claim may have been written and only its WAIT have
+                // failed: give it back, so the client's retry executes at once instead of after the lease.
+                if self.waits {
+                    let _ =
+                        tokio::time::timeout(self.wait_timeout, self.settle(id, "failed", "holder")).await;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
+        let name = self.name(&id.scope, &id.key);
+        let lease = millis(lease);
+        let args: [&[u8]; 2] = [id.token.as_bytes(), lease.as_bytes()];
+        record::written(
+            self.redis
+                .run(&self.scripts.heartbeat, name.as_bytes(), &args, false)
+                .await?,
+        )
+    }
+
+    async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
+        let name = self.name(&id.scope, &id.key);
+        let status = response.status.to_string();
+        let headers = encode_headers(&response.headers);
+        let (retained, body): (&[u8], &[u8]) = match &response.body {
+            Some(body) => (b"1", body),
+            None => (b"0", b""),
+        };
+        let args: [&[u8]; 5] = [id.token.as_bytes(), status.as_bytes(), &headers, retained, body];
+        record::written(
+            self.redis
+                .run(&self.scripts.complete, name.as_bytes(), &args, true)
+                .await?,
+        )
+    }
+
+    async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.settle(id, "failed", "holder").await
+    }
+
+    async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.settle(id, "unknown", "holder").await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.redis.ping().await
+    }
+
+    async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.settle(id, "failed", "stale").await
+    }
+
+    /// Redis deletes expired records itself (each record's TTL), so there is never a backlog to sweep.
+    async fn sweep(&self, _batch: u32) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
+        let Some(scope) = scope else {
+            return scan::find_everywhere(&self.redis, &self.scripts.read, &self.prefix, key).await;
+        };
+        let name = self.name(scope, key);
+        let answer = self
+            .redis
+            .run(&self.scripts.read, name.as_bytes(), &[], false)
+            .await?;
+        Ok(record::record_info(scope.to_owned(), key.to_owned(), answer)?
+            .into_iter()
+            .collect())
+    }
+
+    async fn stats(&self) -> Result<RecordStats, StoreError> {
+        scan::stats(&self.redis, &self.prefix).await
+    }
+}
+
+fn millis(duration: Duration) -> String {
+    duration.as_millis().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn connecting_needs_no_server_and_a_dead_one_is_a_store_error() {
+        let config =
+            crate::Config::from_toml_str("[store]\nurl = \"redis://127.0.0.1:9\"\ntimeout = \"2s\"\n")
+                .unwrap()
+                .store;
+        let crate::config::StoreBackend::Redis(target) = &config.backend else {
+            panic!("not a Redis store");
+        };
+        let store = RedisStore::connect(&config, target);
+        assert!(matches!(
+            store.ping().await,
+            Err(StoreError::Backend(_) | StoreError::Timeout(_))
+        ));
+    }
+}

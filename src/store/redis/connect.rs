@@ -1,0 +1,323 @@
+//! The connection to Redis: one server through a `ConnectionManager` (one multiplexed connection,
+//! reconnected in the background) or a Redis Cluster through the cluster client (one multiplexed
+//! connection per node, MOVED and ASK followed, the slot map refreshed). Both write every command as it
+//! comes and read the answers in order, so concurrent requests share round trips without waiting for each
+//! other: that is the store's batching. Connects at the first operation, so the store opens while Redis is
+//! down; every operation is bounded by `store.timeout` here.
+//!
+//! A script runs as one pipeline on the record's node: `EVALSHA`, then `WAIT n` when writes must reach
+//! replicas, so that the `WAIT` is on the connection that wrote and covers the write.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{ErrorKind, Pipeline, RedisError, ServerErrorKind, TlsCertificates, Value};
+use tokio::sync::OnceCell;
+use tokio::time::timeout;
+
+use crate::config::{RedisTarget, StoreConfig};
+use crate::store::StoreError;
+
+/// A Lua script: its text, for `EVAL` when the node does not know it yet, and its SHA-1, for `EVALSHA`.
+pub(super) struct Script {
+    code: &'static str,
+    hash: String,
+}
+
+impl Script {
+    pub(super) fn new(code: &'static str) -> Script {
+        Script {
+            code,
+            hash: redis::Script::new(code).get_hash().to_owned(),
+        }
+    }
+}
+
+/// A handle on the connection; clones share it.
+#[derive(Clone)]
+enum Handle {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// The store's way to Redis.
+pub(super) struct Redis {
+    target: RedisTarget,
+    tls_ca_file: Option<std::path::PathBuf>,
+    timeout: Duration,
+    handle: OnceCell<Handle>,
+}
+
+/// A Redis node, as a primary's address (cluster) or the one server.
+#[derive(Debug, Clone)]
+pub(super) enum Node {
+    Only,
+    At { host: String, port: u16 },
+}
+
+impl Redis {
+    pub(super) fn new(config: &StoreConfig, target: &RedisTarget) -> Redis {
+        Redis {
+            target: target.clone(),
+            tls_ca_file: config.tls_ca_file.clone(),
+            timeout: config.timeout,
+            handle: OnceCell::new(),
+        }
+    }
+
+    /// Runs `script` on `key`'s node with `args`, followed by `WAIT` when writes must reach replicas
+    /// (`wait`). A `WAIT` that saw fewer replicas than asked is an error: the write may be lost with its
+    /// primary.
+    pub(super) async fn run(
+        &self,
+        script: &Script,
+        key: &[u8],
+        args: &[&[u8]],
+        wait: bool,
+    ) -> Result<Value, StoreError> {
+        self.bounded(async {
+            let mut handle = self.handle().await?;
+            let waiting = wait && self.target.wait_replicas > 0;
+            let mut values =
+                match query(&mut handle, &self.pipeline(script, false, key, args, waiting)).await {
+                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        query(&mut handle, &self.pipeline(script, true, key, args, waiting)).await
+                    }
+                    other => other,
+                }
+                .map_err(backend)?;
+            if waiting {
+                let acked = match values.pop() {
+                    Some(Value::Int(n)) => n,
+                    other => return Err(StoreError::Backend(format!("WAIT answered {other:?}"))),
+                };
+                if acked < i64::from(self.target.wait_replicas) {
+                    return Err(StoreError::Backend(format!(
+                        "the write reached {acked} of the {} replicas store.redis.wait_replicas asks for \
+                         within store.redis.wait_timeout",
+                        self.target.wait_replicas
+                    )));
+                }
+            }
+            values
+                .pop()
+                .ok_or_else(|| StoreError::Backend("Redis answered an empty pipeline".into()))
+        })
+        .await
+    }
+
+    fn pipeline(&self, script: &Script, by_text: bool, key: &[u8], args: &[&[u8]], wait: bool) -> Pipeline {
+        let mut pipe = redis::pipe();
+        let eval = if by_text {
+            pipe.cmd("EVAL").arg(script.code)
+        } else {
+            pipe.cmd("EVALSHA").arg(&script.hash)
+        };
+        eval.arg(1).arg(key);
+        for arg in args {
+            eval.arg(*arg);
+        }
+        if wait {
+            let wait_ms = u64::try_from(self.target.wait_timeout.as_millis()).unwrap_or(u64::MAX);
+            pipe.cmd("WAIT")
+                .arg(self.target.wait_replicas)
+                .arg(wait_ms.max(1));
+        }
+        pipe
+    }
+
+    /// `PING`, on the one server or on every primary of the cluster.
+    pub(super) async fn ping(&self) -> Result<(), StoreError> {
+        self.bounded(async {
+            let mut handle = self.handle().await?;
+            // A cluster connection sends PING to every node and fails if one does not answer.
+            let ping = redis::cmd("PING");
+            match &mut handle {
+                Handle::Single(conn) => ping.query_async::<Value>(conn).await,
+                Handle::Cluster(conn) => ping.query_async::<Value>(conn).await,
+            }
+            .map(drop)
+            .map_err(backend)
+        })
+        .await
+    }
+
+    /// The nodes holding records: the one server, or every primary of the cluster.
+    pub(super) async fn primaries(&self) -> Result<Vec<Node>, StoreError> {
+        self.bounded(async {
+            match self.handle().await? {
+                Handle::Single(_) => Ok(vec![Node::Only]),
+                Handle::Cluster(mut conn) => {
+                    let nodes = redis::cmd("CLUSTER").arg("NODES").to_owned();
+                    let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
+                    let answer = conn.route_command(nodes, random).await.map_err(backend)?;
+                    let text: String = redis::from_redis_value(answer)
+                        .map_err(|e| StoreError::Backend(format!("unexpected CLUSTER NODES answer: {e}")))?;
+                    Ok(cluster_primaries(&text))
+                }
+            }
+        })
+        .await
+    }
+
+    /// Runs `pipe` on `node`, each command's answer or error apart.
+    pub(super) async fn on_node(&self, node: &Node, pipe: &Pipeline) -> Result<Vec<Value>, StoreError> {
+        self.bounded(async {
+            match (self.handle().await?, node) {
+                (Handle::Single(mut conn), _) => pipe.query_async(&mut conn).await,
+                (Handle::Cluster(mut conn), Node::At { host, port }) => {
+                    let route = SingleNodeRoutingInfo::ByAddress {
+                        host: host.clone(),
+                        port: *port,
+                    };
+                    conn.route_pipeline(pipe.clone(), 0, pipe.len(), route).await
+                }
+                (Handle::Cluster(_), Node::Only) => Err(RedisError::from((
+                    ErrorKind::Client,
+                    "a cluster has no single node",
+                ))),
+            }
+            .map_err(backend)
+        })
+        .await
+    }
+
+    async fn bounded<T>(&self, work: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        timeout(self.timeout, work)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+    }
+
+    /// The shared connection, made at the first call that needs it (and again after a failed attempt).
+    async fn handle(&self) -> Result<Handle, StoreError> {
+        self.handle.get_or_try_init(|| self.open()).await.cloned()
+    }
+
+    async fn open(&self) -> Result<Handle, StoreError> {
+        let certificates = self.certificates()?;
+        if self.target.cluster {
+            let mut builder = ClusterClientBuilder::new(self.target.nodes.clone())
+                .connection_timeout(self.timeout)
+                .response_timeout(self.timeout);
+            if let Some(certificates) = certificates {
+                builder = builder.certs(certificates);
+            }
+            let client = builder.build().map_err(backend)?;
+            let conn = client.get_async_connection().await.map_err(backend)?;
+            return Ok(Handle::Cluster(conn));
+        }
+        let url = self.target.nodes[0].as_str();
+        let client = match certificates {
+            Some(certificates) => redis::Client::build_with_tls(url, certificates),
+            None => redis::Client::open(url),
+        }
+        .map_err(backend)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(1);
+        let conn = ConnectionManager::new_lazy_with_config(client, config).map_err(backend)?;
+        Ok(Handle::Single(conn))
+    }
+
+    /// With `store.tls_ca_file`, the CAs Redis's certificate is checked against: the file's and the
+    /// system's (the client library would otherwise trust the file's alone).
+    fn certificates(&self) -> Result<Option<TlsCertificates>, StoreError> {
+        let Some(path) = &self.tls_ca_file else {
+            return Ok(None);
+        };
+        let mut pem = std::fs::read(path).map_err(|e| {
+            StoreError::Backend(format!("cannot read store.tls_ca_file {}: {e}", path.display()))
+        })?;
+        for cert in rustls_native_certs::load_native_certs().certs {
+            pem.extend_from_slice(pem_certificate(cert.as_ref()).as_bytes());
+        }
+        Ok(Some(TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem),
+        }))
+    }
+}
+
+async fn query(handle: &mut Handle, pipe: &Pipeline) -> Result<Vec<Value>, RedisError> {
+    match handle {
+        Handle::Single(conn) => pipe.query_async(conn).await,
+        Handle::Cluster(conn) => pipe.query_async(conn).await,
+    }
+}
+
+/// The primaries in `CLUSTER NODES` output that are up and own slots: `id host:port@bus[,name] flags …`.
+fn cluster_primaries(text: &str) -> Vec<Node> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let flags = fields.get(2)?;
+            let primary = flags.split(',').any(|f| f == "master")
+                && !flags
+                    .split(',')
+                    .any(|f| matches!(f, "fail" | "noaddr" | "handshake"));
+            if !primary || fields.len() < 9 {
+                return None;
+            }
+            let address = fields[1].split(['@', ',']).next()?;
+            let (host, port) = address.rsplit_once(':')?;
+            Some(Node::At {
+                host: host.to_owned(),
+                port: port.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// One DER certificate as a PEM block.
+fn pem_certificate(der: &[u8]) -> String {
+    use base64::Engine;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in encoded.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(line).unwrap_or_default());
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
+}
+
+fn backend(e: RedisError) -> StoreError {
+    StoreError::Backend(crate::error_chain::error_chain(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_nodes_yield_the_live_primaries_that_own_slots() {
+        let text = "\
+a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7001@17001,host-b master - 0 0 2 connected 5461-10922
+c3 127.0.0.1:7002@17002 master,fail - 0 0 3 connected 10923-16383
+d4 127.0.0.1:7003@17003 slave a1 0 0 1 connected
+e5 127.0.0.1:7004@17004 master - 0 0 4 connected
+";
+        let found: Vec<String> = cluster_primaries(text)
+            .into_iter()
+            .map(|node| match node {
+                Node::At { host, port } => format!("{host}:{port}"),
+                Node::Only => "only".into(),
+            })
+            .collect();
+        assert_eq!(found, ["127.0.0.1:7000", "127.0.0.1:7001"]);
+    }
+
+    #[test]
+    fn a_certificate_becomes_one_pem_block_of_64_column_lines() {
+        let pem = pem_certificate(&[7u8; 100]);
+        let lines: Vec<&str> = pem.lines().collect();
+        assert_eq!(lines.first(), Some(&"-----BEGIN CERTIFICATE-----"));
+        assert_eq!(lines.last(), Some(&"-----END CERTIFICATE-----"));
+        assert!(lines[1..lines.len() - 1].iter().all(|l| l.len() <= 64));
+    }
+}
