@@ -34,7 +34,7 @@ fn assert_one_execution_among(replies: &[Reply]) {
 #[rstest]
 #[tokio::test]
 async fn fifty_concurrent_duplicates_execute_once(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("store.timeout", "10s");
@@ -50,7 +50,7 @@ async fn fifty_concurrent_duplicates_execute_once(
 #[rstest]
 #[tokio::test]
 async fn in_flight_duplicate_is_409_with_retry_after(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -73,7 +73,7 @@ async fn in_flight_duplicate_is_409_with_retry_after(
 #[rstest]
 #[tokio::test]
 async fn client_disconnect_does_not_cancel_the_execution(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -100,7 +100,7 @@ async fn client_disconnect_does_not_cancel_the_execution(
 #[rstest]
 #[tokio::test]
 async fn client_disconnect_after_the_head_still_stores_the_whole_response(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -158,7 +158,7 @@ async fn two_proxy_processes_on_one_database_execute_once() {
 #[rstest]
 #[tokio::test]
 async fn heartbeat_keeps_a_live_claim_past_its_lease(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.lock_timeout", "1s");

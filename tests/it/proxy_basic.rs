@@ -35,7 +35,7 @@ fn end_to_end(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
 #[rstest]
 #[tokio::test]
 async fn new_key_executes_once_and_retry_replays_identically(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -56,7 +56,9 @@ async fn new_key_executes_once_and_retry_replays_identically(
 
 #[rstest]
 #[tokio::test]
-async fn same_key_with_another_body_is_422(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn same_key_with_another_body_is_422(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 
@@ -70,7 +72,7 @@ async fn same_key_with_another_body_is_422(#[values(Backend::Postgres, Backend::
 #[rstest]
 #[tokio::test]
 async fn server_errors_and_try_later_statuses_are_not_stored(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -89,7 +91,9 @@ async fn server_errors_and_try_later_statuses_are_not_stored(
 
 #[rstest]
 #[tokio::test]
-async fn required_key_missing_is_400(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn required_key_missing_is_400(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.required", true);
     let proxy = InProcessProxy::start(&config).await;
@@ -106,7 +110,7 @@ async fn required_key_missing_is_400(#[values(Backend::Postgres, Backend::Sqlite
 #[rstest]
 #[tokio::test]
 async fn another_authorization_is_another_scope(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -128,7 +132,7 @@ async fn another_authorization_is_another_scope(
 #[rstest]
 #[tokio::test]
 async fn body_over_max_request_body_is_413_and_claims_nothing(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.max_request_body", "1KiB");
@@ -146,7 +150,9 @@ async fn body_over_max_request_body_is_413_and_claims_nothing(
 
 #[rstest]
 #[tokio::test]
-async fn expired_key_executes_again(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn expired_key_executes_again(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
     let env = TestEnv::on(backend).await;
     let config = env
         .config()
@@ -172,7 +178,7 @@ async fn expired_key_executes_again(#[values(Backend::Postgres, Backend::Sqlite)
 #[rstest]
 #[tokio::test]
 async fn first_chunk_reaches_client_before_upstream_finishes(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -194,7 +200,7 @@ async fn first_chunk_reaches_client_before_upstream_finishes(
 #[rstest]
 #[tokio::test]
 async fn response_over_max_stored_response_is_delivered_then_not_retained(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.max_stored_response", "64KiB");
@@ -212,7 +218,7 @@ async fn response_over_max_stored_response_is_delivered_then_not_retained(
 #[rstest]
 #[tokio::test]
 async fn passthrough_forwards_and_strips_hop_by_hop_headers(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -246,7 +252,7 @@ async fn passthrough_forwards_and_strips_hop_by_hop_headers(
 #[rstest]
 #[tokio::test]
 async fn hop_by_hop_response_headers_are_neither_forwarded_nor_stored(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -264,7 +270,9 @@ async fn hop_by_hop_response_headers_are_neither_forwarded_nor_stored(
 
 #[rstest]
 #[tokio::test]
-async fn keyed_get_is_not_protected(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn keyed_get_is_not_protected(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
 

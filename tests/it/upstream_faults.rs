@@ -7,13 +7,13 @@ use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, keyed
 #[rstest]
 #[tokio::test]
 async fn unreachable_upstream_is_502_and_releases_the_key(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let closed_url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
-    let config = ProxyConfig::new(&env.store.url(), &closed_url);
+    let config = ProxyConfig::new(&env.store.url(), &closed_url).with_toml(&env.store.store_toml());
     let proxy = InProcessProxy::start(&config).await;
 
     for attempt in 1..=2 {
@@ -33,7 +33,7 @@ async fn unreachable_upstream_is_502_and_releases_the_key(
 #[rstest]
 #[tokio::test]
 async fn upstream_timeout_is_504_and_holds_the_key(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("upstream.timeout", "1s");
@@ -51,7 +51,7 @@ async fn upstream_timeout_is_504_and_holds_the_key(
 #[rstest]
 #[tokio::test]
 async fn upstream_reset_mid_body_is_ambiguous_and_not_executed_again(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;

@@ -88,7 +88,7 @@ fn to_reqwest(headers: &http::HeaderMap) -> reqwest::header::HeaderMap {
 #[rstest]
 #[tokio::test]
 async fn a_retry_sent_the_moment_the_response_is_read_gets_the_replay(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
     #[values(
         Kind::Length,
         Kind::Chunked,

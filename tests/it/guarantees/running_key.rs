@@ -8,7 +8,7 @@ use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, settle
 #[rstest]
 #[tokio::test]
 async fn a_retry_after_the_ttl_of_a_still_running_key_does_not_execute_it_again(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env

@@ -22,7 +22,9 @@ async fn keys(store: &TestStore, args: &[&str]) -> std::process::Output {
     let url = store.url();
     let mut full = vec!["keys", "--store", url.as_str()];
     full.extend_from_slice(args);
-    idemproxy(&full, &[]).await
+    let env = store.cli_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    idemproxy(&full, &env).await
 }
 
 async fn keys_json(store: &TestStore, args: &[&str]) -> serde_json::Value {
@@ -38,7 +40,7 @@ async fn keys_json(store: &TestStore, args: &[&str]) -> serde_json::Value {
 #[rstest]
 #[tokio::test]
 async fn a_reset_mid_response_is_held_until_an_operator_releases_the_key(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = InProcessProxy::start(&holding(&env)).await;
@@ -96,7 +98,9 @@ async fn a_reset_mid_response_is_held_until_an_operator_releases_the_key(
 
 #[rstest]
 #[tokio::test]
-async fn an_upstream_timeout_is_held(#[values(Backend::Postgres, Backend::Sqlite)] backend: Backend) {
+async fn an_upstream_timeout_is_held(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
     let env = TestEnv::on(backend).await;
     let proxy = InProcessProxy::start(&holding(&env).set("upstream.timeout", "1s")).await;
     let first = Reply::of(keyed_post(&proxy.url, "/slow", "late", "{}")).await;
@@ -111,7 +115,7 @@ async fn an_upstream_timeout_is_held(#[values(Backend::Postgres, Backend::Sqlite
 #[rstest]
 #[tokio::test]
 async fn by_default_an_unknown_outcome_waits_for_the_lease_with_a_short_retry_hint(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env
@@ -162,10 +166,11 @@ async fn switching_upstream() -> String {
 #[rstest]
 #[tokio::test]
 async fn a_101_from_the_upstream_is_never_relayed_or_stored(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = ProxyConfig::new(&env.store.url(), &switching_upstream().await)
+        .with_toml(&env.store.store_toml())
         .set("idempotency.on_unknown_outcome", "hold");
     let proxy = InProcessProxy::start(&config).await;
     let first = Reply::of(keyed_post(&proxy.url, "/orders", "switch", "{}")).await;

@@ -62,6 +62,14 @@ impl TestStore {
         }
     }
 
+    /// The same settings as `IDEMPROXY_` environment variables, for the binary run with `--store URL`.
+    pub fn cli_env(&self) -> Vec<(&'static str, String)> {
+        match self {
+            TestStore::Redis { prefix, .. } => vec![("IDEMPROXY_STORE__REDIS__KEY_PREFIX", prefix.clone())],
+            _ => Vec::new(),
+        }
+    }
+
     /// The `[store]` settings beyond the URL that this store needs, as TOML to merge into a config.
     pub fn store_toml(&self) -> String {
         match self {
