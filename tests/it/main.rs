@@ -26,6 +26,7 @@ mod store_coalesce;
 mod store_faults;
 mod store_pg;
 mod store_recovery;
+mod store_redis;
 mod store_sqlite;
 mod store_suite;
 mod store_tls;

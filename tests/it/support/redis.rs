@@ -18,9 +18,10 @@ const HOW_TO: &str = "Redis tests need redis-server and redis-cli on PATH (apt-g
 pub struct RedisServer {
     pub port: u16,
     pid: u32,
+    args: Vec<String>,
     /// The watching shell: its stdin closing (this process exiting) kills the server.
     shell: Child,
-    _stdin: ChildStdin,
+    stdin: ChildStdin,
 }
 
 impl RedisServer {
@@ -47,32 +48,34 @@ impl RedisServer {
         .map(|s| s.to_string())
         .collect();
         args.extend(extra.iter().map(|s| s.replace("{port}", &port.to_string())));
-        let mut shell = Command::new("sh")
-            .arg("-c")
-            .arg("redis-server \"$@\" & pid=$!; echo $pid; read line; kill -9 $pid")
-            .arg("sh")
-            .args(&args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect(HOW_TO);
-        let stdin = shell.stdin.take().expect("piped stdin");
-        let mut line = String::new();
-        BufReader::new(shell.stdout.take().expect("piped stdout"))
-            .read_line(&mut line)
-            .expect("the shell prints the server's pid");
-        let pid = line.trim().parse().expect("a pid");
+        let (shell, stdin, pid) = spawn(&args);
         let server = RedisServer {
             port,
             pid,
+            args,
             shell,
-            _stdin: stdin,
+            stdin,
         };
-        wait_for(&format!("redis-server on port {port} to answer"), || {
-            server.cli(&["PING"]).is_some_and(|out| out.trim() == "PONG")
-        });
+        server.wait_answering();
         server
+    }
+
+    fn wait_answering(&self) {
+        wait_for(&format!("redis-server on port {} to answer", self.port), || {
+            self.cli(&["PING"]).is_some_and(|out| out.trim() == "PONG")
+        });
+    }
+
+    /// Starts the server again after [`RedisServer::kill`], on the same port with the same files, as a
+    /// supervisor would: a cluster node rejoins the cluster it was in (as a replica, if another node took
+    /// over its slots meanwhile).
+    pub fn restart(&mut self) {
+        self.kill();
+        let _ = self.stdin.write_all(b"\n");
+        let _ = self.shell.wait();
+        let (shell, stdin, pid) = spawn(&self.args);
+        (self.shell, self.stdin, self.pid) = (shell, stdin, pid);
+        self.wait_answering();
     }
 
     /// `redis-cli` against this server; `None` when it could not connect or failed.
@@ -107,9 +110,30 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
-        let _ = self._stdin.write_all(b"\n");
+        let _ = self.stdin.write_all(b"\n");
         let _ = self.shell.wait();
     }
+}
+
+/// `redis-server args` under a shell that kills it when its stdin closes; the shell, its stdin and the
+/// server's pid.
+fn spawn(args: &[String]) -> (Child, ChildStdin, u32) {
+    let mut shell = Command::new("sh")
+        .arg("-c")
+        .arg("redis-server \"$@\" & pid=$!; echo $pid; read line; kill -9 $pid")
+        .arg("sh")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect(HOW_TO);
+    let stdin = shell.stdin.take().expect("piped stdin");
+    let mut line = String::new();
+    BufReader::new(shell.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .expect("the shell prints the server's pid");
+    (shell, stdin, line.trim().parse().expect("a pid"))
 }
 
 /// A Redis Cluster of three primaries with one replica each.
@@ -163,6 +187,32 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes, _dir: dir };
         cluster.wait_healthy();
         cluster
+    }
+
+    /// Waits until node `dead` (killed) has been failed over: the replica that followed it is a primary
+    /// now, and every other node says `cluster_state:ok`.
+    pub fn wait_failed_over(&self, dead: usize, replica: usize) {
+        wait_for("the dead primary's replica to take over its slots", || {
+            self.nodes[replica].info("replication", "role").as_deref() == Some("master")
+                && self
+                    .nodes
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != dead)
+                    .all(|(_, node)| {
+                        node.cli(&["CLUSTER", "INFO"])
+                            .is_some_and(|info| info.contains("cluster_state:ok"))
+                    })
+        });
+    }
+
+    /// The node replicating node `primary`.
+    pub fn replica_of(&self, primary: usize) -> usize {
+        let port = self.nodes[primary].port.to_string();
+        self.nodes
+            .iter()
+            .position(|node| node.info("replication", "master_port").as_deref() == Some(port.as_str()))
+            .expect("every primary has a replica")
     }
 
     /// Waits until every live node says `cluster_state:ok` and every replica's primary link is up.
