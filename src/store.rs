@@ -7,7 +7,7 @@ mod coalesce;
 pub mod encrypted;
 pub mod notify;
 pub mod postgres;
-pub mod redis;
+pub mod redis_store;
 pub mod sqlite;
 pub mod sweeper;
 
@@ -18,10 +18,10 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use uuid::Uuid;
 
-use self::redis::RedisStore;
 use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::{Metrics, StoreOp};
 use postgres::PostgresStore;
+use redis_store::RedisStore;
 use sqlite::SqliteStore;
 
 /// A store failure. Whatever the cause, the request path treats it as "the store is unavailable".

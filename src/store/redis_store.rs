@@ -12,7 +12,7 @@
 //! - `connect.rs`: the connection (one server or a cluster), scripts with `WAIT`, per-node pipelines;
 //! - `record.rs`: record names (one hash tag each) and the scripts' answers in the store's types;
 //! - `scan.rs`: the operator's views over many records, by `SCAN` on every primary;
-//! - `lua/`: the scripts.
+//! - `redis_store/lua/`: the scripts.
 
 mod connect;
 mod record;
@@ -52,11 +52,11 @@ impl RedisStore {
         RedisStore {
             redis: Redis::new(config, target),
             scripts: Scripts {
-                claim: Script::new(include_str!("redis/lua/claim.lua")),
-                complete: Script::new(include_str!("redis/lua/complete.lua")),
-                heartbeat: Script::new(include_str!("redis/lua/heartbeat.lua")),
-                settle: Script::new(include_str!("redis/lua/settle.lua")),
-                read: Script::new(include_str!("redis/lua/read.lua")),
+                claim: Script::new(include_str!("redis_store/lua/claim.lua")),
+                complete: Script::new(include_str!("redis_store/lua/complete.lua")),
+                heartbeat: Script::new(include_str!("redis_store/lua/heartbeat.lua")),
+                settle: Script::new(include_str!("redis_store/lua/settle.lua")),
+                read: Script::new(include_str!("redis_store/lua/read.lua")),
             },
             prefix: target.key_prefix.clone(),
             waits: target.wait_replicas > 0,
