@@ -323,3 +323,56 @@ async fn a_slot_mid_migration_is_reached_through_ask_and_then_moved() {
         assert_eq!(upstream.executions_for_key(key), 1, "{key}");
     }
 }
+
+#[tokio::test]
+async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let primary = RedisServer::start(dir.path(), &[]);
+    let upstream = Upstream::start().await;
+    let config = ProxyConfig::new(&format!("redis://{}", primary.address()), &upstream.url())
+        .with_toml("[store.redis]\nwait_replicas = 1\nwait_timeout = \"200ms\"\n");
+    let proxy = InProcessProxy::start(&config).await;
+
+    let alone = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
+    alone.assert_problem(503, "store-unavailable");
+    assert_eq!(
+        upstream.executions(),
+        0,
+        "an unconfirmed claim is never forwarded"
+    );
+    let record = primary
+        .cli(&["HGET", &record_name("lonely"), "st"])
+        .expect("the record");
+    assert_eq!(
+        record.trim(),
+        "failed",
+        "and it is given back, so a retry need not wait for its lease"
+    );
+
+    let port = primary.port.to_string();
+    let replica = RedisServer::start(
+        dir.path(),
+        &[
+            "--replicaof",
+            "127.0.0.1",
+            &port,
+            "--repl-diskless-sync-delay",
+            "0",
+        ],
+    );
+    crate::support::poll_until("the replica's link to be up", || async {
+        (replica.info("replication", "master_link_status").as_deref() == Some("up")).then_some(())
+    })
+    .await;
+    let confirmed = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
+    assert_eq!(confirmed.status, 201, "{}", confirmed.text());
+    assert_eq!(upstream.executions_for_key("lonely"), 1);
+    let copy = replica
+        .cli(&["HGET", &record_name("lonely"), "st"])
+        .expect("the replica's copy");
+    assert_eq!(
+        copy.trim(),
+        "completed",
+        "the replica holds the completion before the client is answered"
+    );
+}

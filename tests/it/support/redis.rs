@@ -26,7 +26,7 @@ pub struct RedisServer {
 
 impl RedisServer {
     /// Starts a server in `dir` with `extra` arguments (`--name value` pairs), and waits for it to answer.
-    fn start(dir: &Path, extra: &[&str]) -> RedisServer {
+    pub fn start(dir: &Path, extra: &[&str]) -> RedisServer {
         let port = free_port();
         let mut args: Vec<String> = [
             "--port",
