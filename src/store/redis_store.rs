@@ -4,9 +4,9 @@
 //! stores' statements; the node's clock (`TIME`) is the only clock. Records expire by Redis's own TTL, set
 //! by the scripts to the record's expiry (or its lease end while it runs), so no sweeper runs.
 //!
-//! Redis answers a write before it is on disk or on a replica. With `store.redis.wait_replicas = n` a claim
-//! or completion is followed by `WAIT n` on the same connection, and counts as done only once n replicas
-//! have it; the README's store table says what each setting means when a primary dies.
+//! Redis answers a write before it is on disk or on a replica. With `store.redis.wait_replicas = n` a claim,
+//! completion or hold is followed by `WAIT n` on the same connection, and counts as done only once n
+//! replicas have it; the README's store table says what each setting means when a primary dies.
 //!
 //! This file wires the parts into [`RedisStore`]:
 //! - `connect.rs`: the connection (one server or a cluster), scripts with `WAIT`, per-node pipelines;
@@ -68,15 +68,18 @@ impl RedisStore {
         record::name(&self.prefix, scope, key)
     }
 
-    /// Settles the claim `id` as `status`: by its holder, or by an operator once it is stale.
+    /// Settles the claim `id` as `status`: by its holder, or by an operator once it is stale. Only a hold
+    /// waits for replicas: a lost release costs a retry its lease, but a lost hold would let a retry take
+    /// over, and execute again, a request that may have run.
     async fn settle(&self, id: &RecordId, status: &str, by: &str) -> Result<bool, StoreError> {
         let name = self.name(&id.scope, &id.key);
         let args: [&[u8]; 3] = [id.token.as_bytes(), status.as_bytes(), by.as_bytes()];
-        record::written(
-            self.redis
-                .run(&self.scripts.settle, name.as_bytes(), &args, false)
-                .await?,
-        )
+        let wait = status == "unknown";
+        let answer = self
+            .redis
+            .run(&self.scripts.settle, name.as_bytes(), &args, wait)
+            .await?;
+        record::written(answer)
     }
 }
 
