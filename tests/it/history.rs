@@ -1,7 +1,10 @@
-//! Jepsen-style histories: seeded clients drive real proxy processes on a throwaway PostgreSQL cluster
-//! while a fault schedule cuts and stalls each proxy's store connection, kills and restarts proxies,
-//! crashes and restarts PostgreSQL, and resets or stalls the upstream mid-body. The checker in
-//! `support/history.rs` then judges every request against the model.
+//! Jepsen-style histories: seeded clients drive real proxy processes on a throwaway store while a fault
+//! schedule cuts and stalls each proxy's store connection, kills and restarts proxies, crashes and
+//! restarts the store, and resets or stalls the upstream mid-body. The checker in `support/history.rs`
+//! then judges every request against the model. The store is a throwaway PostgreSQL cluster, one Redis
+//! server (append-only file, `appendfsync always`, so a crash loses nothing acknowledged), or a six-node
+//! Redis Cluster with `wait_replicas = 1`, whose store faults kill a primary instead (its replica takes
+//! over; the killed node rejoins as replica).
 //!
 //! The short run is part of the test suite. The soak is one command, bounded by its duration:
 //!
@@ -18,13 +21,23 @@ use futures_util::{StreamExt, future::join_all, stream};
 use tokio::time::Instant;
 
 use crate::support::cluster::Cluster;
-use crate::support::history::{self, Observation, Op, Rng, Seen};
+use crate::support::history::{self, Observation, Op, Records, Rng, Seen};
 use crate::support::recorder::Recorder;
+use crate::support::redis::{RedisCluster, RedisServer, load_records};
 use crate::support::{ProxyConfig, ProxyProcess, Relay, poll_until};
+
+/// Which store a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Postgres,
+    Redis,
+    RedisCluster,
+}
 
 /// One run's shape.
 #[derive(Debug, Clone)]
 struct Params {
+    backend: Backend,
     seed: u64,
     /// How long clients send and faults act.
     traffic: Duration,
@@ -39,6 +52,7 @@ struct Params {
 impl Params {
     fn short() -> Params {
         Params {
+            backend: Backend::Postgres,
             seed: 0x1de3_2026,
             traffic: Duration::from_secs(20),
             clients: 16,
@@ -63,6 +77,24 @@ impl Params {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_under_faults_keeps_every_promise() {
     run(Params::short()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_on_redis_under_faults_keeps_every_promise() {
+    run(Params {
+        backend: Backend::Redis,
+        ..Params::short()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_on_a_redis_cluster_losing_primaries_keeps_every_promise() {
+    run(Params {
+        backend: Backend::RedisCluster,
+        ..Params::short()
+    })
+    .await;
 }
 
 /// The soak: the same run for `IDEMPROXY_SOAK_SECS` (default 600, at most 3600).
@@ -113,9 +145,150 @@ impl Shared {
     }
 }
 
+/// The store the proxies share, and what its faults act on.
+enum Store {
+    Postgres(Cluster),
+    /// One server, restarted from its append-only file after a crash.
+    Redis {
+        server: RedisServer,
+        _dir: tempfile::TempDir,
+    },
+    /// Taken out while a primary is killed and restarted (on a blocking thread).
+    RedisCluster(Option<RedisCluster>),
+}
+
+impl Store {
+    async fn start(backend: Backend) -> Store {
+        match backend {
+            Backend::Postgres => Store::Postgres(Cluster::start().await),
+            Backend::Redis => {
+                let dir = tempfile::tempdir().expect("temporary directory");
+                let durable = ["--appendonly", "yes", "--appendfsync", "always"];
+                Store::Redis {
+                    server: RedisServer::start(dir.path(), &durable),
+                    _dir: dir,
+                }
+            }
+            Backend::RedisCluster => {
+                let cluster = tokio::task::spawn_blocking(RedisCluster::start).await.unwrap();
+                Store::RedisCluster(Some(cluster))
+            }
+        }
+    }
+
+    /// Where a relay forwards to, for the stores a relay can stand in front of (not a cluster, whose
+    /// nodes tell clients their own addresses).
+    fn relay_target(&self) -> Option<String> {
+        match self {
+            Store::Postgres(cluster) => Some(cluster.server_addr()),
+            Store::Redis { server, .. } => Some(server.address()),
+            Store::RedisCluster(_) => None,
+        }
+    }
+
+    /// The proxies' config for this store, reached through `relay` where there is one.
+    fn config(&self, relay: Option<&Relay>, upstream: &str) -> ProxyConfig {
+        match (self, relay) {
+            (Store::Postgres(_), Some(relay)) => ProxyConfig::new(
+                &format!("postgres://postgres@{}/postgres", relay.addr()),
+                upstream,
+            ),
+            (Store::Redis { .. }, Some(relay)) => {
+                ProxyConfig::new(&format!("redis://{}", relay.addr()), upstream)
+            }
+            (Store::RedisCluster(cluster), _) => {
+                let url = cluster.as_ref().expect("the cluster").url();
+                ProxyConfig::new(&url, upstream)
+                    .with_toml("[store.redis]\nwait_replicas = 1\nwait_timeout = \"300ms\"\n")
+            }
+            _ => unreachable!("a relay stands in front of every store but a cluster"),
+        }
+    }
+
+    /// The store's crash: PostgreSQL restarted immediately, the Redis server killed and started again,
+    /// or a cluster primary killed, failed over, and restarted as its replica's replica.
+    async fn crash(&mut self) -> &'static str {
+        match self {
+            Store::Postgres(cluster) => {
+                cluster.crash_restart().await;
+                "PostgreSQL crashed and restarted"
+            }
+            Store::Redis { server, .. } => {
+                server.kill();
+                server.restart();
+                "Redis crashed and restarted from its append-only file"
+            }
+            Store::RedisCluster(slot) => {
+                let mut cluster = slot.take().expect("the cluster");
+                let cluster = tokio::task::spawn_blocking(move || {
+                    let victim = cluster
+                        .nodes
+                        .iter()
+                        .position(|node| node.info("replication", "role").as_deref() == Some("master"))
+                        .expect("a primary");
+                    let replica = cluster.replica_of(victim);
+                    cluster.nodes[victim].kill();
+                    cluster.wait_failed_over(victim, replica);
+                    cluster.nodes[victim].restart();
+                    cluster.wait_healthy();
+                    cluster
+                })
+                .await
+                .unwrap();
+                *slot = Some(cluster);
+                "Redis primary killed, failed over, restarted as replica"
+            }
+        }
+    }
+
+    /// The key table as it is now.
+    async fn records(&self) -> Records {
+        match self {
+            Store::Postgres(cluster) => history::load_records(&cluster.client().await).await,
+            Store::Redis { server, .. } => {
+                let port = server.port;
+                tokio::task::spawn_blocking(move || load_records(&[port]))
+                    .await
+                    .unwrap()
+            }
+            Store::RedisCluster(cluster) => {
+                let primaries: Vec<u16> = cluster
+                    .as_ref()
+                    .expect("the cluster")
+                    .nodes
+                    .iter()
+                    .filter(|node| node.info("replication", "role").as_deref() == Some("master"))
+                    .map(|node| node.port)
+                    .collect();
+                tokio::task::spawn_blocking(move || load_records(&primaries))
+                    .await
+                    .unwrap()
+            }
+        }
+    }
+
+    /// Claims still processing, with their lease left (`true`) or run out (`false`).
+    async fn claims(&self, lease_left: bool) -> usize {
+        self.records()
+            .await
+            .values()
+            .filter(|r| r.status == "processing" && r.lease_left == lease_left)
+            .count()
+    }
+
+    /// How many kinds of fault act on this store: a cluster has no relays, so its connection faults
+    /// are primaries killed too.
+    fn fault_kinds(&self) -> usize {
+        match self {
+            Store::RedisCluster(_) => FAULT_KINDS as usize - 2,
+            _ => FAULT_KINDS as usize,
+        }
+    }
+}
+
 /// The world the faults act on.
 struct World {
-    cluster: Cluster,
+    store: Store,
     recorder: Recorder,
     relays: Vec<Relay>,
     configs: Vec<ProxyConfig>,
@@ -128,19 +301,22 @@ struct World {
 
 impl World {
     async fn start(params: &Params) -> World {
-        let cluster = Cluster::start().await;
+        let store = Store::start(params.backend).await;
         let recorder = Recorder::start().await;
         let mut relays = Vec::new();
         let mut configs = Vec::new();
         for _ in 0..params.proxies {
-            let relay = Relay::start(&cluster.server_addr()).await;
-            let store_url = format!("postgres://postgres@{}/postgres", relay.addr());
-            let config = ProxyConfig::new(&store_url, &recorder.url())
+            let relay = match store.relay_target() {
+                Some(target) => Some(Relay::start(&target).await),
+                None => None,
+            };
+            let config = store
+                .config(relay.as_ref(), &recorder.url())
                 .set("store.pool_size", 8)
                 .set("idempotency.lock_timeout", LOCK_TIMEOUT)
                 .set("store.timeout", STORE_TIMEOUT)
                 .set("upstream.timeout", "1500ms");
-            relays.push(relay);
+            relays.extend(relay);
             configs.push(config);
         }
         let mut proxies = Vec::new();
@@ -148,7 +324,7 @@ impl World {
             proxies.push(Some(ProxyProcess::spawn(config).await));
         }
         World {
-            cluster,
+            store,
             recorder,
             relays,
             configs,
@@ -176,8 +352,9 @@ impl World {
 
     /// Acts fault `which` (0 to 5) and undoes it, except the upstream's, which hit the next responses.
     async fn fault(&mut self, which: u64, rng: &mut Rng, shared: &Shared) {
-        let i = rng.below(self.relays.len() as u64) as usize;
+        let i = rng.below(self.proxies.len() as u64) as usize;
         let kind = match which {
+            0 | 1 if self.relays.is_empty() => self.store.crash().await,
             0 => {
                 self.relays[i].cut();
                 tokio::time::sleep(rng.millis(200, STORE_FAULT_MAX_MS)).await;
@@ -194,10 +371,7 @@ impl World {
                 self.kill_and_restart(i, rng, shared).await;
                 "proxy killed (SIGKILL) and restarted"
             }
-            3 => {
-                self.cluster.crash_restart().await;
-                "PostgreSQL crashed and restarted"
-            }
+            3 => self.store.crash().await,
             4 => {
                 self.recorder.reset_next(1 + rng.below(3) as usize);
                 "upstream reset mid-body"
@@ -280,21 +454,22 @@ async fn run(params: Params) {
     world.sample_memory();
     // The faults have ended and the clients are gone: every claim must complete, be released, or go
     // stale within the bound, with nobody retrying it.
-    let db = world.cluster.client().await;
+    let store = &world.store;
     poll_until(
         "every claim to finish or go stale once the faults ended",
-        || async { (history::live_claims(&db).await == 0).then_some(()) },
+        || async { (store.claims(true).await == 0).then_some(()) },
     )
     .await;
-    let stale = history::stale_claims(&db).await;
+    let stale = store.claims(false).await;
     settle(&shared).await;
     world.sample_memory();
     // A client has its answer before the record is written: let the last completions land.
+    let store = &world.store;
     poll_until("the settling requests' completions", || async {
-        (history::live_claims(&db).await == 0).then_some(())
+        (store.claims(true).await == 0).then_some(())
     })
     .await;
-    let records = history::load_records(&db).await;
+    let records = store.records().await;
     let observations = shared.observations.lock().unwrap().clone();
     let logs = world.logs();
     let given_back = history::orphans_given_back(&logs);
@@ -306,10 +481,11 @@ async fn run(params: Params) {
         &given_back,
     );
     eprintln!(
-        "history seed {} over {:?} with {} clients and {} proxies\nfaults injected: {:?}\n{report}\
+        "history on {:?}, seed {} over {:?} with {} clients and {} proxies\nfaults injected: {:?}\n{report}\
          claims left stale when the faults ended (then taken over): {stale}\n\
          stale takeovers logged by the proxies: {}\norphaned claims given back: {}\n\
          peak proxy memory (VmHWM): {} KiB",
+        params.backend,
         params.seed,
         params.traffic,
         params.clients,
@@ -331,8 +507,9 @@ async fn run(params: Params) {
     assert!(report.executions > 0 && report.by_answer.contains_key("replayed"));
     assert_eq!(
         world.faults.len(),
-        FAULT_KINDS as usize,
-        "every kind of fault acts"
+        world.store.fault_kinds(),
+        "every kind of fault acts: {:?}",
+        world.faults
     );
 }
 

@@ -131,30 +131,6 @@ pub async fn load_records(client: &tokio_postgres::Client) -> Records {
         .collect()
 }
 
-/// Claims still holding a lease: none may be left once the faults have ended and the work has drained.
-pub async fn live_claims(client: &tokio_postgres::Client) -> i64 {
-    client
-        .query_one(
-            "SELECT count(*) FROM idemproxy.records WHERE status = 'processing' AND locked_until > now()",
-            &[],
-        )
-        .await
-        .expect("count live claims")
-        .get(0)
-}
-
-/// Claims whose lease ran out with nobody to take them over yet.
-pub async fn stale_claims(client: &tokio_postgres::Client) -> i64 {
-    client
-        .query_one(
-            "SELECT count(*) FROM idemproxy.records WHERE status = 'processing' AND locked_until <= now()",
-            &[],
-        )
-        .await
-        .expect("count stale claims")
-        .get(0)
-}
-
 /// The scope the proxy derives from these credentials (default route, `authorization` only).
 pub fn scope_of(authorization: &str) -> String {
     let mut headers = HeaderMap::new();
@@ -426,10 +402,14 @@ fn check_record_state(key: &str, record: &Record, report: &mut Report) {
 }
 
 /// The keys of which a proxy logged giving back an orphaned claim (a claim won after its request
-/// stopped waiting for the store), from the proxies' JSON logs.
+/// stopped waiting for the store), or sending a give-back whose answer was lost (it may have been
+/// applied), from the proxies' JSON logs.
 pub fn orphans_given_back(logs: &[String]) -> HashSet<String> {
     logs.iter()
-        .filter(|line| line.contains("a claim won after its request gave up waiting was given back"))
+        .filter(|line| {
+            line.contains("a claim won after its request gave up waiting was given back")
+                || line.contains("an orphaned claim's give-back went unanswered")
+        })
         .filter_map(|line| {
             let json = &line[line.find('{')?..];
             let event: serde_json::Value = serde_json::from_str(json).ok()?;

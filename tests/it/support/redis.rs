@@ -289,3 +289,72 @@ fn wait_for(what: &str, mut ready: impl FnMut() -> bool) {
     }
     panic!("gave up after 60 s waiting for {what}");
 }
+
+/// Every record the proxy wrote on the primaries at `ports` (under the default key prefix), as the
+/// history checker reads them, each judged by its own node's clock.
+pub fn load_records(ports: &[u16]) -> super::history::Records {
+    use redis::Commands;
+    let mut records = super::history::Records::new();
+    for port in ports {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("a Redis URL");
+        let mut conn = client.get_connection().expect("connect to a Redis primary");
+        let (seconds, micros): (i64, i64) = redis::cmd("TIME").query(&mut conn).expect("TIME");
+        let now = seconds * 1000 + micros / 1000;
+        let names: Vec<String> = conn
+            .scan_match::<_, String>("idemproxy:{*}")
+            .expect("SCAN")
+            .collect::<Result<_, _>>()
+            .expect("SCAN pages");
+        for name in names {
+            let fields: std::collections::HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
+                .arg(&name)
+                .query(&mut conn)
+                .expect("HGETALL");
+            let Some(id) = record_id(&name) else {
+                continue;
+            };
+            if fields.is_empty() {
+                continue;
+            }
+            let text =
+                |field: &str| String::from_utf8_lossy(fields.get(field).map_or(&[][..], |v| v)).into_owned();
+            let number = |field: &str| text(field).parse::<i64>().ok();
+            let retained = text("br") == "1";
+            records.insert(
+                id,
+                super::history::Record {
+                    status: text("st"),
+                    attempt: number("at").unwrap_or(0) as i32,
+                    claim_kind: text("ck"),
+                    lease_left: number("lu").is_some_and(|until| until > now),
+                    response_status: number("rs").map(|s| s as i16),
+                    response_body: retained.then(|| fields.get("rb").cloned().unwrap_or_default()),
+                },
+            );
+        }
+    }
+    records
+}
+
+/// The (scope, key) of a record's Redis name, `idemproxy:{<scope>:<key>}`, each percent-encoded.
+fn record_id(name: &str) -> Option<(String, String)> {
+    let tag = name.strip_prefix("idemproxy:{")?.strip_suffix('}')?;
+    let (scope, key) = tag.split_once(':')?;
+    Some((percent_decoded(scope)?, percent_decoded(key)?))
+}
+
+fn percent_decoded(text: &str) -> Option<String> {
+    let mut bytes = Vec::new();
+    let mut rest = text.as_bytes();
+    while let Some((&first, tail)) = rest.split_first() {
+        if first == b'%' {
+            let hex = std::str::from_utf8(tail.get(..2)?).ok()?;
+            bytes.push(u8::from_str_radix(hex, 16).ok()?);
+            rest = &tail[2..];
+        } else {
+            bytes.push(first);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).ok()
+}
