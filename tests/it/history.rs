@@ -277,7 +277,7 @@ impl Store {
     }
 
     /// How many kinds of fault act on this store: a cluster has no relays, so its connection faults
-    /// are primaries killed too.
+    /// are the store's crash (a primary killed) and a proxy's.
     fn fault_kinds(&self) -> usize {
         match self {
             Store::RedisCluster(_) => FAULT_KINDS as usize - 2,
@@ -354,7 +354,13 @@ impl World {
     async fn fault(&mut self, which: u64, rng: &mut Rng, shared: &Shared) {
         let i = rng.below(self.proxies.len() as u64) as usize;
         let kind = match which {
-            0 | 1 if self.relays.is_empty() => self.store.crash().await,
+            // A cluster has no relays: its connection faults are a primary killed, and a proxy killed
+            // (a primary's failover takes seconds, so a round of faults stays within the run).
+            0 if self.relays.is_empty() => self.store.crash().await,
+            1 if self.relays.is_empty() => {
+                self.kill_and_restart(i, rng, shared).await;
+                "proxy killed (SIGKILL) and restarted"
+            }
             0 => {
                 self.relays[i].cut();
                 tokio::time::sleep(rng.millis(200, STORE_FAULT_MAX_MS)).await;
