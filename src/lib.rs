@@ -159,26 +159,38 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
 }
 
 /// The listener that wakes this process's waiting requests when another replica settles their keys:
-/// only on PostgreSQL (an embedded store has no other replica) and only when some route waits.
+/// only on a shared store (PostgreSQL or Redis; an embedded store has no other replica) and only when
+/// some route waits.
 fn wait_listener(
     config: &Config,
     waiters: &std::sync::Arc<Waiters>,
     metrics: &Metrics,
     shutdown: &CancellationToken,
-) -> Option<impl Future<Output = ()> + use<>> {
+) -> Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>> {
     let waits = config
         .routes
         .policies()
         .any(|policy| policy.on_in_flight == OnInFlight::Wait);
-    let shared = matches!(config.store.backend, StoreBackend::Postgres);
-    (waits && shared).then(|| {
-        store::postgres::listen(
+    if !waits {
+        return None;
+    }
+    let (waiters, metrics, shutdown) = (waiters.clone(), metrics.clone(), shutdown.clone());
+    match &config.store.backend {
+        StoreBackend::Postgres => Some(Box::pin(store::postgres::listen(
             config.store.clone(),
-            waiters.clone(),
-            metrics.clone(),
-            shutdown.clone(),
-        )
-    })
+            waiters,
+            metrics,
+            shutdown,
+        ))),
+        StoreBackend::Redis(target) => Some(Box::pin(store::redis_store::listen(
+            config.store.clone(),
+            target.clone(),
+            waiters,
+            metrics,
+            shutdown,
+        ))),
+        StoreBackend::Sqlite { .. } => None,
+    }
 }
 
 /// Applies pending migrations and reports how many were applied.

@@ -70,7 +70,7 @@ const WAITING: Spec = Spec {
 };
 const WAIT_LISTENER_CONNECTED: Spec = Spec {
     name: "idemproxy_wait_listener_connected",
-    help: "1 while this process listens for other replicas' completions on its PostgreSQL \
+    help: "1 while this process listens for other replicas' completions on its PostgreSQL or Redis \
            connection for waiting requests, else 0.",
 };
 const WAIT_LISTENER_RECONNECTS: Spec = Spec {
@@ -297,7 +297,7 @@ pub enum StoreOp {
     Find,
     /// Counting records by state.
     Stats,
-    /// Telling other replicas that a record on a wait route settled (PostgreSQL `NOTIFY`).
+    /// Telling other replicas that a record on a wait route settled (PostgreSQL `NOTIFY`, Redis `PUBLISH`).
     Notify,
 }
 

@@ -118,7 +118,10 @@ impl Proxy {
             problem_base: config.server.problem_type_base.as_str().into(),
             waiters,
             waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
-            announce: matches!(config.store.backend, StoreBackend::Postgres),
+            announce: matches!(
+                config.store.backend,
+                StoreBackend::Postgres | StoreBackend::Redis(_)
+            ),
             shutdown,
         }
     }

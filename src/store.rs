@@ -5,6 +5,7 @@
 mod blob;
 mod coalesce;
 pub mod encrypted;
+mod listener;
 pub mod notify;
 pub mod postgres;
 pub mod redis_store;

@@ -1,8 +1,9 @@
 //! Who is waiting for which record, in this process: the registry behind `on_in_flight = "wait"`. A
 //! request that may wait subscribes to its record's [`Topic`] before its claim statement is sent, and is
 //! woken when that record settles (completed, released or held). The wake comes from this process's own
-//! completion, or, on PostgreSQL, from another replica's `NOTIFY` read by the one listener connection
-//! (`store/postgres/listen.rs`), whose loss wakes everyone. With SQLite (a single instance by design) the
+//! completion, or from another replica's announcement heard by the one listener connection: `NOTIFY` on
+//! PostgreSQL (`store/postgres/listen.rs`), `PUBLISH` on Redis (`store/redis_store/listen.rs`); its loss
+//! wakes everyone (`store/listener.rs`). With SQLite (a single instance by design) the
 //! in-process wake is all there is. Runs on the request path and in the listener task; touches nothing
 //! but its own map.
 //!

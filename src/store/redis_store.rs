@@ -12,19 +12,28 @@
 //! - `connect.rs`: the connection (one server or a cluster), scripts with `WAIT`, per-node pipelines;
 //! - `record.rs`: record names (one hash tag each) and the scripts' answers in the store's types;
 //! - `scan.rs`: the operator's views over many records, by `SCAN` on every primary;
+//! - `listen.rs`: `PUBLISH` after a record of a wait route settled, and the subscriber that wakes this
+//!   process's waiting requests (`on_in_flight = "wait"`);
 //! - `redis_store/lua/`: the scripts.
 
 mod connect;
+mod listen;
 mod record;
 mod scan;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use super::blob::encode_headers;
+use super::listener::keep_listening;
+use super::notify::Waiters;
 use super::{
     ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
 };
 use crate::config::{RedisTarget, StoreConfig};
+use crate::metrics::Metrics;
 use connect::{Redis, Script};
 
 /// The scripts, loaded into Redis by hash at first use.
@@ -180,6 +189,30 @@ impl Store for RedisStore {
     async fn stats(&self) -> Result<RecordStats, StoreError> {
         scan::stats(&self.redis, &self.prefix).await
     }
+
+    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        self.redis
+            .publish(&listen::channel(&self.prefix), announcement)
+            .await
+    }
+}
+
+/// Hears other replicas' announcements on the Redis store `target` and wakes this process's waiters,
+/// from now until `shutdown`, subscribing again (to the next node) whenever the connection is lost.
+pub async fn listen(
+    config: StoreConfig,
+    target: RedisTarget,
+    waiters: Arc<Waiters>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    let redis = Redis::new(&config, &target);
+    let channel = listen::channel(&target.key_prefix);
+    let (sessions, metered) = (waiters.clone(), metrics.clone());
+    keep_listening(waiters, metrics, shutdown, |attempt| {
+        listen::session(&redis, &channel, attempt, &sessions, &metered)
+    })
+    .await;
 }
 
 fn millis(duration: Duration) -> String {

@@ -220,9 +220,12 @@ async fn beyond_max_waiting_a_duplicate_gets_409_at_once(
     assert_all_replay(&replies(duplicates).await, &original);
 }
 
+#[rstest]
 #[tokio::test]
-async fn waiters_on_another_replica_get_the_replay() {
-    let env = TestEnv::new().await;
+async fn waiters_on_another_replica_get_the_replay(
+    #[values(Backend::Postgres, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
     let config = waiting(&env);
     let first = listening(&config).await;
     let second = listening(&config).await;
@@ -241,12 +244,17 @@ async fn waiters_on_another_replica_get_the_replay() {
     let claims = metric(&second.admin_url, CLAIMS.0, CLAIMS.1).await - claims_before;
     let notifies = [("op", "notify")];
     let notified = metric(&first.admin_url, CLAIMS.0, &notifies).await;
-    eprintln!("10 waiters on another replica: {claims} claim statements there, {notified} NOTIFY here");
+    eprintln!(
+        "10 waiters on another replica: {claims} claim statements there, {notified} announcements here"
+    );
     assert!(
         claims <= 2.0 * 10.0,
         "a claim to find the key in flight, one when woken: {claims}"
     );
-    assert_eq!(notified, 1.0, "one NOTIFY for the completion");
+    assert_eq!(
+        notified, 1.0,
+        "one announcement (NOTIFY or PUBLISH) for the completion"
+    );
 }
 
 /// Ends the wait listener's session of the proxy whose store URL names `application`.

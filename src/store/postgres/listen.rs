@@ -2,12 +2,8 @@
 //! `NOTIFY` a process sends after a record of a wait route settled, and the one connection per process
 //! that `LISTEN`s for them and wakes this process's waiters (`store/notify.rs`). The NOTIFY runs in the
 //! forwarding task, after the completion, release or hold has committed, over the pool, and only for
-//! wait routes; the listener runs as a background task from start to shutdown, on a dedicated
-//! connection of its own (not the pool's), and only when some route waits.
-//!
-//! A lost listener connection may have missed announcements, so every waiter is woken to re-check, and
-//! again once a new connection listens (an announcement sent in between reached no one). Meanwhile a
-//! waiter still ends, by the lease it saw running out or by its `wait_timeout`.
+//! wait routes; the listener runs as a background task from start to shutdown (`store/listener.rs`
+//! reconnects it), on a dedicated connection of its own (not the pool's), and only when some route waits.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +20,7 @@ use crate::config::StoreConfig;
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::store::StoreError;
+use crate::store::listener::{Ended, keep_listening, now_listening};
 use crate::store::notify::Waiters;
 
 /// Subscribes the listener's session to the channel. The channel is named for the key table of the
@@ -41,11 +38,6 @@ const NOTIFY: &str = "SELECT pg_notify('idemproxy_records', $1)";
 /// one notification-queue lock at commit, so one commit for many is cheaper than one each. Identical
 /// payloads in one transaction are delivered once.
 const NOTIFY_BATCH: &str = "SELECT pg_notify('idemproxy_records', a) FROM unnest($1::text[]) AS a";
-
-/// The first wait before the listener connects again; each wait doubles up to [`RECONNECT_MAX`], and
-/// starts over once a connection has listened.
-const RECONNECT_FIRST: Duration = Duration::from_millis(100);
-const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 /// Sends one announcement.
 pub(super) async fn announce(db: &Db, announcement: &str) -> Result<(), StoreError> {
@@ -72,55 +64,29 @@ pub async fn listen(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = RECONNECT_FIRST;
-    loop {
-        let ended = tokio::select! {
-            ended = session(&config, &waiters, &metrics) => ended,
-            _ = shutdown.cancelled() => break,
-        };
-        metrics.wait_listener_connected.set(0);
-        metrics.wait_listener_reconnects.inc();
-        waiters.wake_all();
-        if ended.listened {
-            backoff = RECONNECT_FIRST;
-        }
-        tracing::warn!(error = %ended.why, retry_in = ?backoff,
-            "wait listener lost its connection; waiting requests re-check their keys");
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.cancelled() => break,
-        }
-        backoff = (backoff * 2).min(RECONNECT_MAX);
-    }
-    metrics.wait_listener_connected.set(0);
+    let (sessions, metered) = (waiters.clone(), metrics.clone());
+    keep_listening(waiters, metrics, shutdown, |_| {
+        session(&config, &sessions, &metered)
+    })
+    .await;
 }
 
-/// How a listening session ended.
-struct Ended {
-    /// Whether it got as far as listening.
-    listened: bool,
-    /// Why it ended.
-    why: String,
-}
-
-impl Ended {
-    fn before_listening(error: StoreError) -> Ended {
-        Ended {
-            listened: false,
-            why: error.to_string(),
-        }
+fn before_listening(error: StoreError) -> Ended {
+    Ended {
+        listened: false,
+        why: error.to_string(),
     }
 }
 
 async fn session(config: &StoreConfig, waiters: &Waiters, metrics: &Metrics) -> Ended {
     let pg = match pg_config(config) {
         Ok(pg) => pg,
-        Err(error) => return Ended::before_listening(error),
+        Err(error) => return before_listening(error),
     };
     match tls_connector(config) {
         Ok(Some(tls)) => session_over(&pg, tls, config.timeout, waiters, metrics).await,
         Ok(None) => session_over(&pg, NoTls, config.timeout, waiters, metrics).await,
-        Err(error) => Ended::before_listening(error),
+        Err(error) => before_listening(error),
     }
 }
 
@@ -138,7 +104,7 @@ where
 {
     let (client, mut connection) = match pg.connect(tls).await {
         Ok(connected) => connected,
-        Err(error) => return Ended::before_listening(StoreError::Backend(error_chain(&error))),
+        Err(error) => return before_listening(StoreError::Backend(error_chain(&error))),
     };
     let mut listened = false;
     let listening = async {
@@ -148,10 +114,7 @@ where
             Err(_) => return StoreError::Timeout(bound),
         }
         listened = true;
-        metrics.wait_listener_connected.set(1);
-        tracing::info!("wait listener is listening for other replicas' completions");
-        // Whatever settled before now reached no listener of this process.
-        waiters.wake_all();
+        now_listening(waiters, metrics);
         std::future::pending().await
     };
     let reading = async {

@@ -185,6 +185,37 @@ impl Redis {
         .await
     }
 
+    /// `PUBLISH channel payload`. On a cluster any node takes it and the cluster bus carries it to
+    /// every node, so a subscriber on any node hears it.
+    pub(super) async fn publish(&self, channel: &str, payload: &str) -> Result<(), StoreError> {
+        self.bounded(async {
+            let publish = redis::cmd("PUBLISH").arg(channel).arg(payload).to_owned();
+            match &mut self.handle().await? {
+                Handle::Single(conn) => publish.query_async::<Value>(conn).await,
+                Handle::Cluster(conn) => publish.query_async::<Value>(conn).await,
+            }
+            .map(drop)
+            .map_err(backend)
+        })
+        .await
+    }
+
+    /// A client of one node, for a subscriber's own connection: the server, or the seed nodes of a
+    /// cluster in turn (`attempt`), so a dead node is passed over on the next attempt.
+    pub(super) fn node_client(&self, attempt: u64) -> Result<redis::Client, StoreError> {
+        let nodes = &self.target.nodes;
+        let url = nodes[(attempt % nodes.len() as u64) as usize].as_str();
+        match self.certificates()? {
+            Some(certificates) => redis::Client::build_with_tls(url, certificates),
+            None => redis::Client::open(url),
+        }
+        .map_err(backend)
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     async fn bounded<T>(&self, work: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         timeout(self.timeout, work)
             .await
@@ -197,8 +228,8 @@ impl Redis {
     }
 
     async fn open(&self) -> Result<Handle, StoreError> {
-        let certificates = self.certificates()?;
         if self.target.cluster {
+            let certificates = self.certificates()?;
             let mut builder = ClusterClientBuilder::new(self.target.nodes.clone())
                 .connection_timeout(self.timeout)
                 .response_timeout(self.timeout);
@@ -209,12 +240,7 @@ impl Redis {
             let conn = client.get_async_connection().await.map_err(backend)?;
             return Ok(Handle::Cluster(conn));
         }
-        let url = self.target.nodes[0].as_str();
-        let client = match certificates {
-            Some(certificates) => redis::Client::build_with_tls(url, certificates),
-            None => redis::Client::open(url),
-        }
-        .map_err(backend)?;
+        let client = self.node_client(0)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout))
