@@ -157,7 +157,14 @@ async fn purge(store: &StoreHandle, out: &Output) -> Result<Report, StoreError> 
         deleted: u64,
     }
     let metrics = Metrics::new();
-    let deleted = sweeper::sweep_expired(store, PURGE_BATCH, &metrics, &CancellationToken::new()).await?;
+    let deleted = sweeper::sweep_expired(
+        store,
+        PURGE_BATCH,
+        sweeper::Pace::Flat,
+        &metrics,
+        &CancellationToken::new(),
+    )
+    .await?;
     Ok(out.report(&Purged { deleted }, true, |purged, text| {
         let _ = writeln!(text, "deleted {} expired records", purged.deleted);
     }))

@@ -13,7 +13,8 @@ use crate::metrics::{Metrics, RecordCounts};
 /// at the next interval.
 pub async fn run(store: StoreHandle, config: SweeperConfig, metrics: Metrics, shutdown: CancellationToken) {
     loop {
-        if let Ok(deleted) = sweep_expired(&store, config.batch_size, &metrics, &shutdown).await
+        if let Ok(deleted) =
+            sweep_expired(&store, config.batch_size, Pace::Serving, &metrics, &shutdown).await
             && deleted > 0
         {
             tracing::info!(deleted, "expired records deleted");
@@ -47,24 +48,125 @@ fn record_counts(stats: RecordStats) -> RecordCounts {
     }
 }
 
+/// How a sweep spaces its batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pace {
+    /// Beside serving: after each full batch, a pause as long as the batch took, so a backlog is
+    /// deleted with at most half of one connection's time and the claims beside it keep their latency.
+    Serving,
+    /// An operator's purge: one batch after another.
+    Flat,
+}
+
 /// Deletes expired records one batch (one short statement) at a time until a batch comes back short,
 /// so a backlog never becomes one long transaction; stops early at shutdown. Returns how many this call
 /// deleted, each also counted in `idemproxy_expired_keys_deleted_total`.
 pub async fn sweep_expired(
     store: &StoreHandle,
     batch: u32,
+    pace: Pace,
     metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> Result<u64, StoreError> {
     let mut total = 0;
     while !shutdown.is_cancelled() {
+        let started = tokio::time::Instant::now();
         let deleted = store.sweep(batch).await?;
         metrics.expired_deleted.inc_by(deleted);
         total += deleted;
         if deleted < u64::from(batch) {
             break;
         }
-        tokio::task::yield_now().await;
+        match pace {
+            Pace::Serving => tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(started.elapsed()) => {}
+            },
+            Pace::Flat => tokio::task::yield_now().await,
+        }
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::{
+        ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
+    };
+
+    /// A backlog of `full` full batches, each taking 100 ms of the store's time; then a short one.
+    struct Backlog {
+        full: AtomicU32,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Backlog {
+        async fn claim(&self, _: &ClaimRequest) -> Result<ClaimResult, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn heartbeat(&self, _: &RecordId, _: Duration) -> Result<bool, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn complete(&self, _: &RecordId, _: &StoredResponse) -> Result<bool, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn release(&self, _: &RecordId) -> Result<bool, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn hold(&self, _: &RecordId) -> Result<bool, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn release_stale(&self, _: &RecordId) -> Result<bool, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let left = self.full.load(Ordering::SeqCst);
+            if left == 0 {
+                return Ok(3);
+            }
+            self.full.store(left - 1, Ordering::SeqCst);
+            Ok(u64::from(batch))
+        }
+        async fn find(&self, _: &str, _: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
+            unreachable!("the sweeper only sweeps")
+        }
+        async fn stats(&self) -> Result<RecordStats, StoreError> {
+            Ok(RecordStats::default())
+        }
+    }
+
+    async fn sweep_backlog(pace: Pace) -> (u64, Duration) {
+        let metrics = Metrics::new();
+        let store = StoreHandle::new(
+            Arc::new(Backlog {
+                full: AtomicU32::new(3),
+            }),
+            metrics.clone(),
+        );
+        let started = tokio::time::Instant::now();
+        let deleted = sweep_expired(&store, 10, pace, &metrics, &CancellationToken::new())
+            .await
+            .unwrap();
+        (deleted, started.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn beside_serving_each_full_batch_is_followed_by_a_pause_as_long_as_itself() {
+        let (deleted, took) = sweep_backlog(Pace::Serving).await;
+        assert_eq!(deleted, 33);
+        // Four batches of 100 ms, and a pause after each of the three full ones.
+        assert_eq!(took, Duration::from_millis(700));
+        let (deleted, took) = sweep_backlog(Pace::Flat).await;
+        assert_eq!(deleted, 33);
+        assert_eq!(took, Duration::from_millis(400), "a purge does not pause");
+    }
 }
