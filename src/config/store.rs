@@ -138,20 +138,7 @@ impl RawStore {
         self.url
             .parse::<tokio_postgres::Config>()
             .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
-        if let Some(path) = &self.tls_ca_file {
-            if !tls {
-                return Err(ConfigError::new(
-                    "store.tls_ca_file",
-                    "only used with TLS: add sslmode=require to store.url",
-                ));
-            }
-            if !path.is_file() {
-                return Err(ConfigError::new(
-                    "store.tls_ca_file",
-                    format!("cannot read file {}", path.display()),
-                ));
-            }
-        }
+        self.check_ca_file(tls, "add sslmode=require to store.url")?;
         if self.pool_size == 0 {
             return Err(ConfigError::new("store.pool_size", "must be at least 1"));
         }
@@ -183,20 +170,7 @@ impl RawStore {
     fn validate_redis(&self) -> Result<StoreConfig, ConfigError> {
         positive("store.timeout", self.timeout)?;
         let target = self.redis.validate(&self.url, self.timeout)?;
-        if let Some(path) = &self.tls_ca_file {
-            if !target.tls {
-                return Err(ConfigError::new(
-                    "store.tls_ca_file",
-                    "only used with TLS: write rediss:// (or rediss+cluster://) in store.url",
-                ));
-            }
-            if !path.is_file() {
-                return Err(ConfigError::new(
-                    "store.tls_ca_file",
-                    format!("cannot read file {}", path.display()),
-                ));
-            }
-        }
+        self.check_ca_file(target.tls, "write rediss:// (or rediss+cluster://) in store.url")?;
         Ok(StoreConfig {
             tls: target.tls,
             backend: StoreBackend::Redis(target),
@@ -208,6 +182,26 @@ impl RawStore {
             migrate: self.migrate,
             tls_ca_file: self.tls_ca_file.clone(),
         })
+    }
+
+    /// `store.tls_ca_file`, when set, needs TLS (`how_to_tls` says how to ask for it) and a readable file.
+    fn check_ca_file(&self, tls: bool, how_to_tls: &str) -> Result<(), ConfigError> {
+        let Some(path) = &self.tls_ca_file else {
+            return Ok(());
+        };
+        if !tls {
+            return Err(ConfigError::new(
+                "store.tls_ca_file",
+                format!("only used with TLS: {how_to_tls}"),
+            ));
+        }
+        if !path.is_file() {
+            return Err(ConfigError::new(
+                "store.tls_ca_file",
+                format!("cannot read file {}", path.display()),
+            ));
+        }
+        Ok(())
     }
 
     /// `[store.redis]` set for a store that is not Redis is a mistake worth a line, not silence.

@@ -221,16 +221,7 @@ impl Store {
             Store::RedisCluster(slot) => {
                 let mut cluster = slot.take().expect("the cluster");
                 let cluster = tokio::task::spawn_blocking(move || {
-                    let victim = cluster
-                        .nodes
-                        .iter()
-                        .position(|node| node.info("replication", "role").as_deref() == Some("master"))
-                        .expect("a primary");
-                    let replica = cluster.replica_of(victim);
-                    cluster.nodes[victim].kill();
-                    cluster.wait_failed_over(victim, replica);
-                    cluster.nodes[victim].restart();
-                    cluster.wait_healthy();
+                    cluster.kill_a_primary_and_restart_it();
                     cluster
                 })
                 .await

@@ -116,19 +116,10 @@ async fn a_primary_killed_mid_load_is_503_until_its_replica_takes_over_and_nothi
     let clients = start_clients(&proxy, &seen);
 
     until_done(&seen, CLIENTS * 3).await;
-    let victim = cluster
-        .nodes
-        .iter()
-        .position(|node| node.info("replication", "role").as_deref() == Some("master"))
-        .expect("a primary");
-    let replica = cluster.replica_of(victim);
-    cluster.nodes[victim].kill();
     // Load goes on while a replica takes over, and until the dead node, restarted, has rejoined as its
     // replica: only then can claims on those slots reach a replica again (wait_replicas = 1).
     let cluster = tokio::task::spawn_blocking(move || {
-        cluster.wait_failed_over(victim, replica);
-        cluster.nodes[victim].restart();
-        cluster.wait_healthy();
+        cluster.kill_a_primary_and_restart_it();
         cluster
     })
     .await

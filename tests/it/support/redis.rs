@@ -206,6 +206,23 @@ impl RedisCluster {
         });
     }
 
+    /// Kills a primary (SIGKILL), waits until its replica has taken over, restarts it and waits until
+    /// it has rejoined as that replica's replica and the cluster is whole: a crash and its supervisor's
+    /// restart. Blocking; returns the killed node.
+    pub fn kill_a_primary_and_restart_it(&mut self) -> usize {
+        let victim = self
+            .nodes
+            .iter()
+            .position(|node| node.info("replication", "role").as_deref() == Some("master"))
+            .expect("a primary");
+        let replica = self.replica_of(victim);
+        self.nodes[victim].kill();
+        self.wait_failed_over(victim, replica);
+        self.nodes[victim].restart();
+        self.wait_healthy();
+        victim
+    }
+
     /// The node replicating node `primary`.
     pub fn replica_of(&self, primary: usize) -> usize {
         let port = self.nodes[primary].port.to_string();
