@@ -143,10 +143,15 @@ impl RawStore {
             return Err(ConfigError::new("store.pool_size", "must be at least 1"));
         }
         positive("store.timeout", self.timeout)?;
+        self.config(StoreBackend::Postgres, self.pool_size, tls)
+    }
+
+    /// The validated section for `backend`, whose URL (and TLS) has been checked.
+    fn config(&self, backend: StoreBackend, pool_size: usize, tls: bool) -> Result<StoreConfig, ConfigError> {
         Ok(StoreConfig {
-            backend: StoreBackend::Postgres,
+            backend,
             url: self.url.clone(),
-            pool_size: self.pool_size,
+            pool_size,
             max_batch: self.max_batch()?,
             timeout: self.timeout,
             on_error: self.on_error,
@@ -171,17 +176,8 @@ impl RawStore {
         positive("store.timeout", self.timeout)?;
         let target = self.redis.validate(&self.url, self.timeout)?;
         self.check_ca_file(target.tls, "write rediss:// (or rediss+cluster://) in store.url")?;
-        Ok(StoreConfig {
-            tls: target.tls,
-            backend: StoreBackend::Redis(target),
-            url: self.url.clone(),
-            pool_size: 1,
-            max_batch: self.max_batch()?,
-            timeout: self.timeout,
-            on_error: self.on_error,
-            migrate: self.migrate,
-            tls_ca_file: self.tls_ca_file.clone(),
-        })
+        let tls = target.tls;
+        self.config(StoreBackend::Redis(target), 1, tls)
     }
 
     /// `store.tls_ca_file`, when set, needs TLS (`how_to_tls` says how to ask for it) and a readable file.
@@ -237,19 +233,14 @@ impl RawStore {
             ));
         }
         positive("store.timeout", self.timeout)?;
-        Ok(StoreConfig {
-            backend: StoreBackend::Sqlite {
+        // tls_ca_file was refused above, so the config carries none.
+        self.config(
+            StoreBackend::Sqlite {
                 path: PathBuf::from(path),
             },
-            url: self.url.clone(),
-            pool_size: 1,
-            max_batch: self.max_batch()?,
-            timeout: self.timeout,
-            on_error: self.on_error,
-            migrate: self.migrate,
-            tls: false,
-            tls_ca_file: None,
-        })
+            1,
+            false,
+        )
     }
 }
 

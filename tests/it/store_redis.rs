@@ -222,6 +222,12 @@ fn slot(name: &str) -> u16 {
     crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % 16384
 }
 
+/// The status of `key`'s record as `node` holds it.
+fn status_on(node: &RedisServer, key: &str) -> String {
+    let status = node.cli(&["HGET", &record_name(key), "st"]);
+    status.expect("the record").trim().to_owned()
+}
+
 fn node_id(node: &RedisServer) -> String {
     node.cli(&["CLUSTER", "MYID"]).expect("node id").trim().to_owned()
 }
@@ -331,11 +337,8 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
         0,
         "an unconfirmed claim is never forwarded"
     );
-    let record = primary
-        .cli(&["HGET", &record_name("lonely"), "st"])
-        .expect("the record");
     assert_eq!(
-        record.trim(),
+        status_on(&primary, "lonely"),
         "failed",
         "and it is given back, so a retry need not wait for its lease"
     );
@@ -358,11 +361,8 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
     let confirmed = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
     assert_eq!(confirmed.status, 201, "{}", confirmed.text());
     assert_eq!(upstream.executions_for_key("lonely"), 1);
-    let copy = replica
-        .cli(&["HGET", &record_name("lonely"), "st"])
-        .expect("the replica's copy");
     assert_eq!(
-        copy.trim(),
+        status_on(&replica, "lonely"),
         "completed",
         "the replica holds the completion before the client is answered"
     );
