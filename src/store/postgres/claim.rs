@@ -52,12 +52,13 @@ macro_rules! won_or_record {
 
 /// Which existing records a claim may take: expired ones, unless a live claim still runs on them (a key
 /// retried at the end of its TTL while its original runs must not execute twice); and for the same
-/// request, released ones and those whose lease ran out. Evaluated by the database clock.
+/// request, released ones and those whose lease ran out. Evaluated by the database clock, as TAKE reads
+/// it (`clock.now`).
 macro_rules! claimable {
     () => {
-        "((r.expires_at <= now() AND NOT (r.status = 'processing' AND r.locked_until > now()))
+        "((r.expires_at <= clock.now AND NOT (r.status = 'processing' AND r.locked_until > clock.now))
           OR (r.fingerprint = $3
-              AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now()))))"
+              AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= clock.now))))"
     };
 }
 
@@ -82,27 +83,32 @@ const CLAIM: &str = concat!(
 /// The second round trip, for an existing record that may be claimable: an atomic conditional UPDATE.
 /// PostgreSQL re-checks the WHERE against the latest committed version of the row under its row lock, so
 /// of several concurrent takers exactly one wins, and a row changed since this statement's snapshot is
-/// judged as it is now. If nothing was taken, the record is reported as for CLAIM.
+/// judged as it is now. If nothing was taken, the record is reported as for CLAIM. The clock is read
+/// once, in `clock` (the time and the lease's and TTL's ends from it), rather than by `now()` in each
+/// expression: in an UPDATE of a distributed table Citus refuses `now()` inside CASE and time arithmetic
+/// on a column, and it reads `clock` on its coordinator, whose clock decides the rest of the statement.
 const TAKE: &str = concat!(
     "WITH won AS (
         UPDATE idemproxy.records AS r SET
             fingerprint = $3,
             status = 'processing',
             token = $4,
-            attempt = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempt + 1 END,
-            claim_kind = CASE WHEN r.expires_at <= now() THEN 'new'
+            attempt = CASE WHEN r.expires_at <= clock.now THEN 1 ELSE r.attempt + 1 END,
+            claim_kind = CASE WHEN r.expires_at <= clock.now THEN 'new'
                               WHEN r.status = 'failed' THEN 'retry'
                               ELSE 'takeover' END,
-            locked_until = now() + make_interval(secs => $5),
-            created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
-            expires_at = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $6)
-                              ELSE greatest(r.expires_at, now() + make_interval(secs => $5)) END,
-            updated_at = now(),
+            locked_until = clock.lease_end,
+            created_at = CASE WHEN r.expires_at <= clock.now THEN clock.now ELSE r.created_at END,
+            expires_at = CASE WHEN r.expires_at <= clock.now THEN clock.ttl_end
+                              ELSE greatest(r.expires_at, clock.lease_end) END,
+            updated_at = clock.now,
             response_status = NULL,
             response_header_names = NULL,
             response_header_values = NULL,
             response_body = NULL,
             body_retained = NULL
+        FROM (SELECT now() AS now, now() + make_interval(secs => $5) AS lease_end,
+                     now() + make_interval(secs => $6) AS ttl_end) AS clock
         WHERE r.scope = $1 AND r.key = $2 AND ",
     claimable!(),
     "
@@ -124,7 +130,11 @@ pub(super) async fn alone(db: &Db, request: &ClaimRequest) -> Result<ClaimResult
     db.finish(client, result)
 }
 
-async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
+/// Rounds of CLAIM and TAKE on `client` until one decides, within the caller's bound.
+pub(super) async fn rounds(
+    client: &Object,
+    request: &ClaimRequest,
+) -> Result<ClaimResult, tokio_postgres::Error> {
     let claim = client.prepare_cached(CLAIM).await?;
     let take = client.prepare_cached(TAKE).await?;
     let id = &request.id;

@@ -8,6 +8,7 @@ use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, Recycling
 use tokio_postgres::NoTls;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::citus::Layout;
 use crate::config::StoreConfig;
 use crate::store::StoreError;
 
@@ -27,16 +28,18 @@ use crate::store::StoreError;
 /// the lookups of one statement are by distinct keys, so a cache of their results is only overhead.
 ///
 /// Each setting is applied only if the server has it, so a Postgres-compatible server without one
-/// (whose planner is its own) still connects.
+/// (whose planner is its own) still connects. On a key table distributed by Citus (`$1`), generic plans
+/// stay PostgreSQL's choice: Citus cannot plan the store's statements without their arguments.
 pub(super) const INDEX_PLANS: &str = "SELECT count(set_config(name, setting, false))
     FROM (VALUES ('enable_seqscan', 'off'), ('enable_hashjoin', 'off'), ('enable_mergejoin', 'off'),
                  ('enable_memoize', 'off'), ('jit', 'off'), ('plan_cache_mode', 'force_generic_plan'))
         AS s(name, setting)
-    WHERE name IN (SELECT name FROM pg_settings)";
+    WHERE name IN (SELECT name FROM pg_settings) AND NOT (name = 'plan_cache_mode' AND $1)";
 
 /// The pool of `store.pool_size` connections; none is opened until one is asked for, so this succeeds
-/// while the database is down. Each connection plans by index only ([`INDEX_PLANS`]) from its start.
-pub(super) fn pool(config: &StoreConfig) -> Result<Pool, StoreError> {
+/// while the database is down. Each connection checks whether the key table is distributed (`layout`)
+/// and plans by index only ([`INDEX_PLANS`]) from its start.
+pub(super) fn pool(config: &StoreConfig, layout: &Layout) -> Result<Pool, StoreError> {
     let pg = pg_config(config)?;
     let manager_config = ManagerConfig {
         recycling_method: RecyclingMethod::Fast,
@@ -47,13 +50,19 @@ pub(super) fn pool(config: &StoreConfig) -> Result<Pool, StoreError> {
     };
     Pool::builder(manager)
         .max_size(config.pool_size)
-        .post_create(Hook::async_fn(|client, _| {
-            Box::pin(async move {
-                client
-                    .batch_execute(INDEX_PLANS)
-                    .await
-                    .map_err(HookError::Backend)
-            })
+        .post_create(Hook::async_fn({
+            let layout = layout.clone();
+            move |client, _| {
+                let layout = layout.clone();
+                Box::pin(async move {
+                    let distributed = layout.check(client).await.map_err(HookError::Backend)?;
+                    client
+                        .query_one(INDEX_PLANS, &[&distributed])
+                        .await
+                        .map(drop)
+                        .map_err(HookError::Backend)
+                })
+            }
         }))
         .build()
         .map_err(|e| StoreError::Backend(e.to_string()))
@@ -121,7 +130,10 @@ mod tests {
         let mut config = store("postgres://app@db.internal/keys");
         config.url = "postgres://app@db.internal/keys?connect_timeout=soon".into();
         assert!(matches!(pg_config(&config), Err(StoreError::Backend(_))));
-        assert!(matches!(pool(&config), Err(StoreError::Backend(_))));
+        assert!(matches!(
+            pool(&config, &Layout::default()),
+            Err(StoreError::Backend(_))
+        ));
     }
 
     #[test]
@@ -158,6 +170,6 @@ mod tests {
     fn the_pool_holds_at_most_pool_size_connections() {
         let mut config = store("postgres://db.internal/keys");
         config.pool_size = 3;
-        assert_eq!(pool(&config).unwrap().status().max_size, 3);
+        assert_eq!(pool(&config, &Layout::default()).unwrap().status().max_size, 3);
     }
 }

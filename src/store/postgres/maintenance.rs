@@ -2,6 +2,7 @@
 //! (SWEEP, from every replica's sweeper task) and the operator tools' reads (FIND and STATS, for
 //! `idemproxy keys`). Touches the whole key table, a bounded batch or one key's records at a time.
 
+use super::citus;
 use super::rows::{corrupt, record_info, record_stats};
 use super::runner::{Db, backend};
 use crate::store::{RecordInfo, RecordStats, StoreError};
@@ -57,7 +58,12 @@ const STATS: &str = "SELECT
         coalesce(sum(CASE WHEN expires_at <= now() THEN 1 ELSE 0 END), 0)::bigint
     FROM idemproxy.records";
 
+/// One batch; on a distributed key table, one batch on each shard, all shards at once (`citus.rs`).
 pub(super) async fn sweep(db: &Db, batch: u32) -> Result<u64, StoreError> {
+    if db.distributed().await? {
+        let command = citus::shard_command(SWEEP, batch);
+        return citus::swept(&db.query(citus::SWEEP_SHARDS, &[&command]).await?);
+    }
     let limit = i64::from(batch);
     db.execute_unprepared(SWEEP, &[&limit]).await
 }

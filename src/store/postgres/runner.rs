@@ -11,21 +11,40 @@ use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
+use super::citus::Layout;
 use crate::error_chain::error_chain;
 use crate::store::StoreError;
 
 /// How often a statement hit by a serialization failure or deadlock is retried.
 const SERIALIZATION_RETRIES: usize = 3;
 
-/// The pool and the bound on every operation, shared with the batch tasks.
+/// The pool, the bound on every operation and the key table's layout, shared with the batch tasks.
 pub(super) struct Db {
     pool: Pool,
     timeout: Duration,
+    layout: Layout,
 }
 
 impl Db {
-    pub(super) fn new(pool: Pool, timeout: Duration) -> Db {
-        Db { pool, timeout }
+    /// `layout` is the one the pool's connections report to (`connect::pool`).
+    pub(super) fn new(pool: Pool, timeout: Duration, layout: Layout) -> Db {
+        Db {
+            pool,
+            timeout,
+            layout,
+        }
+    }
+
+    /// Whether the key table is distributed by Citus (`citus.rs`), as the newest connection found it;
+    /// before any connection has opened, one is opened to find out.
+    pub(super) async fn distributed(&self) -> Result<bool, StoreError> {
+        if let Some(distributed) = self.layout.distributed() {
+            return Ok(distributed);
+        }
+        drop(self.client().await?);
+        self.layout.distributed().ok_or_else(|| {
+            StoreError::Backend("a new connection did not report the key table's layout".into())
+        })
     }
 
     /// `store.timeout`, the bound on every operation.
@@ -263,7 +282,7 @@ mod tests {
         };
         let manager = Manager::from_config(pg, NoTls, manager_config);
         let pool = Pool::builder(manager).max_size(0).build().unwrap();
-        Db::new(pool, timeout)
+        Db::new(pool, timeout, Layout::default())
     }
 
     #[tokio::test(start_paused = true)]
