@@ -22,6 +22,7 @@ mod proxy_basic;
 mod replay_cache;
 mod roles;
 mod routes;
+mod store_citus;
 mod store_coalesce;
 mod store_faults;
 mod store_pg;

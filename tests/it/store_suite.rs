@@ -1,5 +1,6 @@
 //! One store suite, written once against the `Store` trait and run on every backend (PostgreSQL, the
-//! embedded SQLite file, one Redis server and a Redis Cluster): the claim's decision table, fencing,
+//! embedded SQLite file, one Redis server, a Redis Cluster, and PostgreSQL with the key table distributed
+//! by Citus where `IDEMPROXY_TEST_CITUS_URL` names a coordinator): the claim's decision table, fencing,
 //! leases and expiry, the sweeper's batches and replica safety (or Redis's own expiry), and the
 //! operator's view. Lease and expiry waits are real time (the store's clock
 //! decides), kept short.
@@ -24,6 +25,14 @@ pub async fn store(backend: Backend) -> (TestStore, Arc<dyn Store>) {
     let test_store = TestStore::create(backend).await;
     let store = test_store.open().await;
     (test_store, store)
+}
+
+/// The suite's store, or `None` where the backend is skipped here (Citus without a coordinator).
+async fn suite_store(backend: Backend) -> Option<(TestStore, Arc<dyn Store>)> {
+    if backend.skipped() {
+        return None;
+    }
+    Some(store(backend).await)
 }
 
 pub fn request(key: &str, fingerprint: u8, lease: Duration, ttl: Duration) -> ClaimRequest {
@@ -64,9 +73,18 @@ pub async fn held(store: &dyn Store, request: &ClaimRequest) -> Existing {
 #[rstest]
 #[tokio::test]
 async fn concurrent_claims_of_one_key_have_exactly_one_winner(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     assert_eq!(
         concurrent_winners(&store, "race").await,
         vec![(1, ClaimKind::New)]
@@ -99,9 +117,18 @@ async fn concurrent_winners(store: &Arc<dyn Store>, key: &'static str) -> Vec<(i
 #[rstest]
 #[tokio::test]
 async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     won(
         &*store,
         &request("stale-race", 1, Duration::from_millis(200), DAY),
@@ -117,9 +144,18 @@ async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
 #[rstest]
 #[tokio::test]
 async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let first = request("retry-race", 1, LONG, DAY);
     won(&*store, &first).await;
     assert!(store.release(&first.id).await.unwrap());
@@ -132,9 +168,18 @@ async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
 #[rstest]
 #[tokio::test]
 async fn completed_record_replays_for_the_same_fingerprint_only(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let first = request("done", 1, LONG, DAY);
     won(&*store, &first).await;
     assert!(store.complete(&first.id, &response(b"{\"id\":1}")).await.unwrap());
@@ -166,9 +211,18 @@ async fn completed_record_replays_for_the_same_fingerprint_only(
 #[rstest]
 #[tokio::test]
 async fn live_claim_reports_its_remaining_lease(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     won(&*store, &request("live", 1, LONG, DAY)).await;
     match held(&*store, &request("live", 1, LONG, DAY)).await {
         Existing::Processing {
@@ -192,9 +246,18 @@ async fn live_claim_reports_its_remaining_lease(
 #[rstest]
 #[tokio::test]
 async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let original = request("stale", 1, Duration::from_millis(300), DAY);
     won(&*store, &original).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -220,9 +283,18 @@ async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
 #[rstest]
 #[tokio::test]
 async fn heartbeat_extends_the_lease(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let claim = request("beat", 1, Duration::from_millis(500), DAY);
     won(&*store, &claim).await;
     assert!(store.heartbeat(&claim.id, LONG).await.unwrap());
@@ -239,9 +311,18 @@ async fn heartbeat_extends_the_lease(
 #[rstest]
 #[tokio::test]
 async fn released_key_executes_again_for_the_same_request_only(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let first = request("again", 1, LONG, DAY);
     won(&*store, &first).await;
     assert!(store.release(&first.id).await.unwrap());
@@ -258,9 +339,18 @@ async fn released_key_executes_again_for_the_same_request_only(
 #[rstest]
 #[tokio::test]
 async fn expired_record_is_a_new_key_whatever_it_held(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let first = request("old", 1, Duration::from_millis(100), Duration::from_millis(300));
     won(&*store, &first).await;
     assert!(store.complete(&first.id, &response(b"x")).await.unwrap());
@@ -274,9 +364,18 @@ async fn expired_record_is_a_new_key_whatever_it_held(
 #[rstest]
 #[tokio::test]
 async fn a_running_key_past_its_expiry_is_not_new(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let running = request("running", 1, LONG, SHORT_TTL);
     won(&*store, &running).await;
     until_short_ttl_passed().await;
@@ -301,9 +400,18 @@ async fn a_running_key_past_its_expiry_is_not_new(
 #[rstest]
 #[tokio::test]
 async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     // Expires one second after creation, so it is unexpired when its short lease has run out.
     won(&*store, &request("stale", 1, SHORT_TTL, Duration::from_secs(1))).await;
     until_short_ttl_passed().await;
@@ -316,9 +424,18 @@ async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
 #[rstest]
 #[tokio::test]
 async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let first = request("unsure", 1, SHORT_TTL, DAY);
     won(&*store, &first).await;
     let mut other_token = first.id.clone();
@@ -354,9 +471,18 @@ async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
 #[rstest]
 #[tokio::test]
 async fn response_over_the_cap_is_completed_without_a_body(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let claim = request("big", 1, LONG, DAY);
     won(&*store, &claim).await;
     let mut stored = response(b"");
@@ -372,7 +498,7 @@ async fn response_over_the_cap_is_completed_without_a_body(
 }
 
 /// Creates `count` completed records under `prefix` that expire after `ttl`.
-async fn completed_records(store: &dyn Store, prefix: &str, count: usize, ttl: Duration) {
+pub async fn completed_records(store: &dyn Store, prefix: &str, count: usize, ttl: Duration) {
     for i in 0..count {
         let claim = request(&format!("{prefix}-{i}"), 1, LONG, ttl);
         won(store, &claim).await;
@@ -380,10 +506,10 @@ async fn completed_records(store: &dyn Store, prefix: &str, count: usize, ttl: D
     }
 }
 
-const SHORT_TTL: Duration = Duration::from_millis(200);
+pub const SHORT_TTL: Duration = Duration::from_millis(200);
 
 /// Long enough for a `SHORT_TTL` record to be past its expiry by any clock the store uses.
-async fn until_short_ttl_passed() {
+pub async fn until_short_ttl_passed() {
     tokio::time::sleep(SHORT_TTL * 3).await;
 }
 
@@ -392,7 +518,9 @@ async fn until_short_ttl_passed() {
 async fn sweep_deletes_expired_records_in_bounded_batches(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     completed_records(&*store, "old", 25, SHORT_TTL).await;
     completed_records(&*store, "live", 3, DAY).await;
     until_short_ttl_passed().await;
@@ -420,9 +548,11 @@ async fn sweep_deletes_expired_records_in_bounded_batches(
 #[rstest]
 #[tokio::test]
 async fn sweep_keeps_an_expired_processing_record_until_its_lease_runs_out(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Citus)] backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     won(&*store, &request("held", 1, LONG, SHORT_TTL)).await;
     won(&*store, &request("stale", 1, SHORT_TTL, SHORT_TTL)).await;
     until_short_ttl_passed().await;
@@ -441,9 +571,11 @@ async fn sweep_keeps_an_expired_processing_record_until_its_lease_runs_out(
 #[rstest]
 #[tokio::test]
 async fn concurrent_sweepers_delete_and_count_each_record_once(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Citus)] backend: Backend,
 ) {
-    let (test_store, store) = store(backend).await;
+    let Some((test_store, store)) = suite_store(backend).await else {
+        return;
+    };
     completed_records(&*store, "gone", 120, SHORT_TTL).await;
     until_short_ttl_passed().await;
 
@@ -473,9 +605,18 @@ async fn concurrent_sweepers_delete_and_count_each_record_once(
 #[rstest]
 #[tokio::test]
 async fn stats_count_records_by_state(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     won(&*store, &request("running", 1, LONG, DAY)).await;
     completed_records(&*store, "done", 2, DAY).await;
     let released = request("released", 1, LONG, DAY);
@@ -505,7 +646,9 @@ async fn stats_count_records_by_state(
 async fn redis_deletes_expired_records_itself_but_keeps_a_running_one(
     #[values(Backend::Redis, Backend::RedisCluster)] backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     completed_records(&*store, "old", 25, SHORT_TTL).await;
     completed_records(&*store, "live", 3, DAY).await;
     won(&*store, &request("held", 1, LONG, SHORT_TTL)).await;
@@ -532,9 +675,18 @@ async fn redis_deletes_expired_records_itself_but_keeps_a_running_one(
 #[rstest]
 #[tokio::test]
 async fn find_describes_records_in_every_scope_or_one(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let mine = request("shared", 1, LONG, DAY);
     won(&*store, &mine).await;
     assert!(store.complete(&mine.id, &response(b"12345")).await.unwrap());
@@ -563,9 +715,18 @@ async fn find_describes_records_in_every_scope_or_one(
 #[rstest]
 #[tokio::test]
 async fn operator_release_waits_for_the_lease_and_is_fenced(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
-    let (_store, store) = store(backend).await;
+    let Some((_store, store)) = suite_store(backend).await else {
+        return;
+    };
     let live = request("live", 1, LONG, DAY);
     won(&*store, &live).await;
     assert!(

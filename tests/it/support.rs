@@ -1,6 +1,7 @@
 //! Test harness: a database, a stub upstream and the proxy, wired together per test.
 
 pub mod certs;
+pub mod citus;
 pub mod cluster;
 pub mod history;
 pub mod http;

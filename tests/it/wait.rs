@@ -136,7 +136,7 @@ async fn waiting_costs_the_same_store_statements_for_a_short_and_a_long_wait(
     let env = TestEnv::on(backend).await;
     let config = waiting(&env);
     let proxy = match backend {
-        Backend::Postgres => listening(&config).await,
+        Backend::Postgres | Backend::Citus => listening(&config).await,
         Backend::Sqlite | Backend::Redis | Backend::RedisCluster => InProcessProxy::start(&config).await,
     };
     let short = claims_for_a_hold(&env, &proxy, "short", Duration::from_millis(100)).await;

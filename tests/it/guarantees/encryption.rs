@@ -75,7 +75,9 @@ async fn row(env: &TestEnv, key: &str) -> Row {
             })
             .await
         }
-        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
+        TestStore::Redis { .. } | TestStore::Citus(_) => {
+            unreachable!("these tests reach into the rows of the SQL stores they run on")
+        }
     }
 }
 
@@ -113,7 +115,9 @@ async fn set_body(env: &TestEnv, key: &str, body: Vec<u8>) {
             .await;
             assert_eq!(updated.unwrap(), 1);
         }
-        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
+        TestStore::Redis { .. } | TestStore::Citus(_) => {
+            unreachable!("these tests reach into the rows of the SQL stores they run on")
+        }
     }
 }
 
@@ -130,7 +134,9 @@ async fn expire(env: &TestEnv, key: &str) {
             let updated = on_sqlite(env, key, move |db, key| db.execute(sql, [key])).await;
             assert_eq!(updated.unwrap(), 1);
         }
-        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
+        TestStore::Redis { .. } | TestStore::Citus(_) => {
+            unreachable!("these tests reach into the rows of the SQL stores they run on")
+        }
     }
 }
 
@@ -330,7 +336,9 @@ async fn write_v1(env: &TestEnv, key: &str, headers: &[(&str, &[u8])], body: &[u
             .await;
             assert_eq!(updated.unwrap(), 1);
         }
-        TestStore::Redis { .. } => unreachable!("these tests reach into the SQL stores' rows"),
+        TestStore::Redis { .. } | TestStore::Citus(_) => {
+            unreachable!("these tests reach into the rows of the SQL stores they run on")
+        }
     }
 }
 

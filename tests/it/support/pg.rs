@@ -150,7 +150,7 @@ fn unique_name() -> String {
     format!("idemproxy_t_{}_{counter}_{random}", std::process::id())
 }
 
-async fn connect(url: &Url) -> tokio_postgres::Client {
+pub async fn connect(url: &Url) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url.as_str(), tokio_postgres::NoTls)
         .await
         .unwrap_or_else(|e| {

@@ -1,5 +1,6 @@
-//! The store under test, any backend: a fresh PostgreSQL database, a fresh SQLite file, or a key prefix
-//! of its own on the shared Redis server or Redis Cluster, per test.
+//! The store under test, any backend: a fresh PostgreSQL database, a fresh SQLite file, a key prefix
+//! of its own on the shared Redis server or Redis Cluster, or a key table distributed anew on Citus, per
+//! test.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use idemproxy::Config;
 use idemproxy::store::{self, Purpose, Store};
 
+use super::citus::{self, CitusTable};
 use super::pg::TestDb;
 use super::redis::{shared_cluster, shared_server, unique_prefix};
 
@@ -17,6 +19,8 @@ pub enum Backend {
     Sqlite,
     Redis,
     RedisCluster,
+    /// PostgreSQL with the key table distributed by Citus, where `IDEMPROXY_TEST_CITUS_URL` names one.
+    Citus,
 }
 
 impl Backend {
@@ -24,11 +28,17 @@ impl Backend {
     pub fn self_expiring(self) -> bool {
         matches!(self, Backend::Redis | Backend::RedisCluster)
     }
+
+    /// Whether the tests on this backend are skipped here (Citus without a coordinator), said on stderr.
+    pub fn skipped(self) -> bool {
+        self == Backend::Citus && citus::url().is_none()
+    }
 }
 
 /// A store that exists for one test.
 pub enum TestStore {
     Postgres(TestDb),
+    Citus(CitusTable),
     Sqlite(tempfile::TempDir),
     /// A store URL and the key prefix that keeps this test's records apart.
     Redis {
@@ -41,6 +51,10 @@ impl TestStore {
     pub async fn create(backend: Backend) -> TestStore {
         match backend {
             Backend::Postgres => TestStore::Postgres(TestDb::create().await),
+            Backend::Citus => {
+                let url = citus::url().expect("a test on Citus checks Backend::skipped first");
+                TestStore::Citus(CitusTable::create(url).await)
+            }
             Backend::Sqlite => TestStore::Sqlite(tempfile::tempdir().expect("temporary directory")),
             Backend::Redis => TestStore::Redis {
                 url: format!("redis://{}", shared_server().address()),
@@ -57,6 +71,7 @@ impl TestStore {
     pub fn url(&self) -> String {
         match self {
             TestStore::Postgres(db) => db.url(),
+            TestStore::Citus(table) => table.url().to_owned(),
             TestStore::Sqlite(_) => format!("sqlite://{}", self.sqlite_path().display()),
             TestStore::Redis { url, .. } => url.clone(),
         }
