@@ -358,6 +358,13 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
         (replica.info("replication", "master_link_status").as_deref() == Some("up")).then_some(())
     })
     .await;
+    // The replica's side of the link may be up before the primary's WAIT counts it: wait for a WAIT of
+    // the primary's own to see it.
+    crate::support::poll_until("a WAIT on the primary to count its replica", || async {
+        let acknowledged = primary.cli(&["WAIT", "1", "100"])?;
+        (acknowledged.trim() == "1").then_some(())
+    })
+    .await;
     let confirmed = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
     assert_eq!(confirmed.status, 201, "{}", confirmed.text());
     assert_eq!(upstream.executions_for_key("lonely"), 1);
