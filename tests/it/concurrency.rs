@@ -34,8 +34,18 @@ fn assert_one_execution_among(replies: &[Reply]) {
 #[rstest]
 #[tokio::test]
 async fn fifty_concurrent_duplicates_execute_once(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(
+        Backend::Postgres,
+        Backend::Sqlite,
+        Backend::Redis,
+        Backend::RedisCluster,
+        Backend::Citus
+    )]
+    backend: Backend,
 ) {
+    if backend.skipped() {
+        return;
+    }
     let env = TestEnv::on(backend).await;
     let config = env.config().set("store.timeout", "10s");
     let proxy = InProcessProxy::start(&config).await;

@@ -4,7 +4,8 @@
 //! then judges every request against the model. The store is a throwaway PostgreSQL cluster, one Redis
 //! server (append-only file, `appendfsync always`, so a crash loses nothing acknowledged), or a six-node
 //! Redis Cluster with `wait_replicas = 1`, whose store faults kill a primary instead (its replica takes
-//! over; the killed node rejoins as replica).
+//! over; the killed node rejoins as replica); or, where `IDEMPROXY_TEST_CITUS_URL` names a Citus
+//! coordinator, the key table distributed there, whose crash terminates the proxies' sessions.
 //!
 //! The short run is part of the test suite. The soak is one command, bounded by its duration:
 //!
@@ -20,6 +21,7 @@ use std::time::Duration;
 use futures_util::{StreamExt, future::join_all, stream};
 use tokio::time::Instant;
 
+use crate::support::citus::{self, CitusTable};
 use crate::support::cluster::Cluster;
 use crate::support::history::{self, Observation, Op, Records, Rng, Seen};
 use crate::support::recorder::Recorder;
@@ -32,6 +34,8 @@ enum Backend {
     Postgres,
     Redis,
     RedisCluster,
+    /// The key table distributed on a Citus coordinator (`IDEMPROXY_TEST_CITUS_URL`).
+    Citus,
 }
 
 /// One run's shape.
@@ -83,6 +87,21 @@ async fn history_under_faults_keeps_every_promise() {
 async fn history_on_redis_under_faults_keeps_every_promise() {
     run(Params {
         backend: Backend::Redis,
+        ..Params::short()
+    })
+    .await;
+}
+
+/// On a key table distributed by Citus, where `IDEMPROXY_TEST_CITUS_URL` names a coordinator (skipped,
+/// saying so, otherwise): relays cut and stall each proxy's connection to the coordinator, and the
+/// store's crash terminates every session the proxies hold there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_on_citus_under_faults_keeps_every_promise() {
+    if crate::support::Backend::Citus.skipped() {
+        return;
+    }
+    run(Params {
+        backend: Backend::Citus,
         ..Params::short()
     })
     .await;
@@ -155,6 +174,8 @@ enum Store {
     },
     /// Taken out while a primary is killed and restarted (on a blocking thread).
     RedisCluster(Option<RedisCluster>),
+    /// A coordinator the test does not run: its crash is every proxy session there terminated.
+    Citus(CitusTable),
 }
 
 impl Store {
@@ -173,6 +194,10 @@ impl Store {
                 let cluster = tokio::task::spawn_blocking(RedisCluster::start).await.unwrap();
                 Store::RedisCluster(Some(cluster))
             }
+            Backend::Citus => {
+                let url = citus::url().expect("the Citus run checks for a coordinator first");
+                Store::Citus(CitusTable::create(url).await)
+            }
         }
     }
 
@@ -183,6 +208,11 @@ impl Store {
             Store::Postgres(cluster) => Some(cluster.server_addr()),
             Store::Redis { server, .. } => Some(server.address()),
             Store::RedisCluster(_) => None,
+            Store::Citus(table) => {
+                let url = url::Url::parse(table.url()).expect("IDEMPROXY_TEST_CITUS_URL is a URL");
+                let host = url.host_str().expect("the coordinator's host");
+                Some(format!("{host}:{}", url.port().unwrap_or(5432)))
+            }
         }
     }
 
@@ -195,6 +225,15 @@ impl Store {
             ),
             (Store::Redis { .. }, Some(relay)) => {
                 ProxyConfig::new(&format!("redis://{}", relay.addr()), upstream)
+            }
+            (Store::Citus(table), Some(relay)) => {
+                let mut url = url::Url::parse(table.url()).expect("IDEMPROXY_TEST_CITUS_URL is a URL");
+                let relay = relay.addr();
+                url.set_host(Some(&relay.ip().to_string()))
+                    .expect("a postgres URL takes a host");
+                url.set_port(Some(relay.port()))
+                    .expect("a postgres URL takes a port");
+                ProxyConfig::new(url.as_str(), upstream)
             }
             (Store::RedisCluster(cluster), _) => {
                 let url = cluster.as_ref().expect("the cluster").url();
@@ -229,6 +268,19 @@ impl Store {
                 *slot = Some(cluster);
                 "Redis primary killed, failed over, restarted as replica"
             }
+            Store::Citus(table) => {
+                table
+                    .client()
+                    .await
+                    .execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                         WHERE application_name = 'idemproxy' AND pid <> pg_backend_pid()",
+                        &[],
+                    )
+                    .await
+                    .expect("terminate the proxies' sessions on the coordinator");
+                "every proxy session on the Citus coordinator terminated"
+            }
         }
     }
 
@@ -236,6 +288,7 @@ impl Store {
     async fn records(&self) -> Records {
         match self {
             Store::Postgres(cluster) => history::load_records(&cluster.client().await).await,
+            Store::Citus(table) => history::load_records(&table.client().await).await,
             Store::Redis { server, .. } => {
                 let port = server.port;
                 tokio::task::spawn_blocking(move || load_records(&[port]))
