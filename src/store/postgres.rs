@@ -15,10 +15,13 @@
 //! - `listen.rs`: NOTIFY after a record of a wait route settled, and the LISTEN connection that wakes
 //!   this process's waiting requests (`on_in_flight = "wait"`);
 //! - `maintenance.rs`: the sweeper's SWEEP and the operator tools' FIND and STATS;
+//! - `citus.rs`: what changes on a key table distributed by Citus (plans, batches, the sweep by shard);
+//! - `shard_claim.rs`: the claim there, as statements Citus sends whole to the key's shard;
 //! - `rows.rs`: what those statements' rows mean in the store's types;
 //! - `migrations.rs`: the schema, from `migrations/postgres`.
 
 mod address;
+mod citus;
 #[macro_use]
 mod claim;
 mod complete;
@@ -29,6 +32,7 @@ mod maintenance;
 mod migrations;
 mod rows;
 mod runner;
+mod shard_claim;
 mod write;
 
 use std::sync::Arc;
@@ -42,6 +46,7 @@ use super::{
 };
 use crate::config::StoreConfig;
 use address::Addresses;
+use citus::Layout;
 use complete::Completion;
 use runner::Db;
 use write::{Write, Written};
@@ -50,7 +55,9 @@ pub use listen::listen;
 
 /// The PostgreSQL-backed [`Store`]. Claims and completions that arrive together are coalesced into one
 /// statement (`store.max_batch`), and so are announcements; everything else runs one statement per
-/// operation.
+/// operation. On a key table distributed by Citus, claims and completions run alone, side by side on the
+/// pool's connections: each commits on its own shard, so a batch would gain no shared commit, and its
+/// statements would run one after another on one coordinator session.
 pub struct PostgresStore {
     db: Arc<Db>,
     addresses: Arc<Addresses>,
@@ -61,7 +68,8 @@ pub struct PostgresStore {
 impl PostgresStore {
     /// Builds the pool; connections open lazily, so this succeeds while the database is down.
     pub fn connect(config: &StoreConfig) -> Result<PostgresStore, StoreError> {
-        let db = Arc::new(Db::new(connect::pool(config)?, config.timeout));
+        let layout = Layout::default();
+        let db = Arc::new(Db::new(connect::pool(config, &layout)?, config.timeout, layout));
         let addresses = Arc::new(Addresses::default());
         if config.max_batch <= 1 {
             return Ok(PostgresStore {
@@ -117,6 +125,9 @@ fn batches_in_flight(pool_size: usize) -> usize {
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
+        if self.db.distributed().await? {
+            return shard_claim::alone(&self.db, request).await;
+        }
         let Some(writes) = &self.writes else {
             return claim::alone(&self.db, request).await;
         };
@@ -136,7 +147,11 @@ impl Store for PostgresStore {
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
         let address = self.addresses.take(&id.token);
-        let Some(writes) = self.writes.as_ref().filter(|_| complete::batchable(response)) else {
+        let batched = match &self.writes {
+            Some(writes) if complete::batchable(response) && !self.db.distributed().await? => Some(writes),
+            _ => None,
+        };
+        let Some(writes) = batched else {
             return complete::alone(&self.db, id, response).await;
         };
         let completion = Completion {

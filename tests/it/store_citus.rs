@@ -47,8 +47,7 @@ async fn on_citus_every_request_path_statement_reaches_one_shard_and_each_key_ex
         .await;
     assert!(refused.is_err(), "the guard refuses a statement on every shard");
 
-    // Batches form under concurrency (store.max_batch 64): 48 clients at once, each retrying its key the
-    // moment it has read the whole response.
+    // 48 clients at once, each retrying its key the moment it has read the whole response.
     let config = env
         .config()
         .set("store.url", guarded.as_str())

@@ -3,15 +3,17 @@
 //! Citus catalog (read only) and, through the coordinator, every shard of the key table.
 //!
 //! Citus routes a statement to one shard when it names one `key`, which every statement of the request
-//! path does: CLAIM, TAKE, COMPLETE and the fenced writes. What cannot run there as it runs on one
-//! PostgreSQL server:
+//! path does. What cannot run there as it runs on one PostgreSQL server:
 //! - generic plans: Citus cannot plan the store's statements without their arguments ("could not create
 //!   distributed plan"), so connections to a distributed table keep PostgreSQL's own plan choice
 //!   (`connect::INDEX_PLANS`);
-//! - WRITE_BATCH: its lists of claims and completions would be sent to every shard, its lookups by key
-//!   are pushed down by no version of Citus, and its header slices crash a Citus 13.2 coordinator
-//!   (SIGSEGV while planning). A batch runs as its single-shard statements pipelined on one connection
-//!   instead (`write::pipelined`);
+//! - CLAIM and TAKE: a write in a CTE read in the same statement becomes distributed steps exchanging
+//!   intermediate results, so the claim runs as plain single-shard statements (`shard_claim.rs`);
+//! - WRITE_BATCH: its lists of claims and completions would be sent to every shard, and its header
+//!   slices crash a Citus 13.2 coordinator (SIGSEGV while planning). Claims and completions run alone
+//!   instead, side by side on the pool's connections (`PostgresStore::claim` and `complete`): each
+//!   commits on its own shard, so a batch would share no commit, and pipelined on one connection its
+//!   statements ran one after another in one coordinator session (about half the rate of alone);
 //! - SWEEP: a distributed table refuses `FOR UPDATE SKIP LOCKED` across shards, so the same statement
 //!   runs on each shard, all shards at once, through `run_command_on_shards` (SWEEP_SHARDS).
 
@@ -65,8 +67,8 @@ impl Layout {
         let layout = if distributed { DISTRIBUTED_TABLE } else { LOCAL };
         if self.0.swap(layout, Ordering::Relaxed) != layout && distributed {
             tracing::info!(
-                "the key table is distributed (Citus): write batches run one statement per record, \
-                 pipelined, and the sweeper deletes shard by shard"
+                "the key table is distributed (Citus): claims and completions run alone, one shard \
+                 each, and the sweeper deletes shard by shard"
             );
         }
         Ok(distributed)

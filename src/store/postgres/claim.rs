@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::rows::{Seen, View, corrupt, decode};
 use super::runner::{Db, retry_serialization};
-use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, StoreError};
+use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError};
 
 /// Columns describing a record `r` as seen by the statement (with `same_fingerprint`, which each
 /// statement words for its own parameters).
@@ -27,6 +27,17 @@ macro_rules! view_columns {
          ceil(extract(epoch FROM (r.expires_at - now())) * 1000)::bigint AS ttl_ms, r.response_status, \
          r.response_header_names, r.response_header_values, r.response_body, r.body_retained, \
          r.token AS record_token"
+    };
+}
+
+/// The record of `$1`, `$2` as a claim sees it, with whether it holds the fingerprint `$3`.
+macro_rules! seen_record {
+    () => {
+        concat!(
+            "SELECT false AS won, r.attempt, r.claim_kind, r.fingerprint = $3 AS same_fingerprint, ",
+            view_columns!(),
+            " FROM idemproxy.records r WHERE r.scope = $1 AND r.key = $2"
+        )
     };
 }
 
@@ -41,24 +52,53 @@ macro_rules! won_or_record {
                     NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
                     NULL::boolean AS body_retained, NULL::uuid AS record_token
              FROM won w
-             UNION ALL
-             SELECT false, r.attempt, r.claim_kind, r.fingerprint = $3 AS same_fingerprint, ",
-            view_columns!(),
-            " FROM idemproxy.records r
-             WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM won)"
+             UNION ALL ",
+            seen_record!(),
+            " AND NOT EXISTS (SELECT 1 FROM won)"
         )
+    };
+}
+
+/// An expired record, unless a live claim still runs on it: claimable by any request, as a new key.
+macro_rules! expired_unless_running {
+    () => {
+        "r.expires_at <= now() AND NOT (r.status = 'processing' AND r.locked_until > now())"
+    };
+}
+
+/// A record of the same request (`$3`) released, or whose lease ran out: claimable again by it.
+macro_rules! same_request_again {
+    () => {
+        "r.fingerprint = $3
+              AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= now()))"
     };
 }
 
 /// Which existing records a claim may take: expired ones, unless a live claim still runs on them (a key
 /// retried at the end of its TTL while its original runs must not execute twice); and for the same
-/// request, released ones and those whose lease ran out. Evaluated by the database clock, as TAKE reads
-/// it (`clock.now`).
+/// request, released ones and those whose lease ran out. Evaluated by the database clock.
 macro_rules! claimable {
     () => {
-        "((r.expires_at <= clock.now AND NOT (r.status = 'processing' AND r.locked_until > clock.now))
-          OR (r.fingerprint = $3
-              AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= clock.now))))"
+        concat!(
+            "((",
+            expired_unless_running!(),
+            ") OR (",
+            same_request_again!(),
+            "))"
+        )
+    };
+}
+
+/// A new key's row, won by the primary key; nothing where a record exists. `$1` to `$6`: scope, key,
+/// fingerprint, token, lease and TTL (seconds).
+macro_rules! insert_new {
+    () => {
+        "INSERT INTO idemproxy.records AS r
+            (scope, key, fingerprint, status, token, attempt, claim_kind,
+             locked_until, created_at, expires_at, updated_at)
+        VALUES ($1, $2, $3, 'processing', $4, 1, 'new',
+                now() + make_interval(secs => $5), now(), now() + make_interval(secs => $6), now())
+        ON CONFLICT (scope, key) DO NOTHING"
     };
 }
 
@@ -68,47 +108,36 @@ macro_rules! claimable {
 /// concurrent commit: the row is then invisible, or looks claimable when it no longer is. Both cases, and
 /// a row that really is claimable, go on to TAKE.
 const CLAIM: &str = concat!(
-    "WITH won AS (
-        INSERT INTO idemproxy.records AS r
-            (scope, key, fingerprint, status, token, attempt, claim_kind,
-             locked_until, created_at, expires_at, updated_at)
-        VALUES ($1, $2, $3, 'processing', $4, 1, 'new',
-                now() + make_interval(secs => $5), now(), now() + make_interval(secs => $6), now())
-        ON CONFLICT (scope, key) DO NOTHING
-        RETURNING r.attempt, r.claim_kind
-    ) ",
+    "WITH won AS (",
+    insert_new!(),
+    " RETURNING r.attempt, r.claim_kind) ",
     won_or_record!()
 );
 
 /// The second round trip, for an existing record that may be claimable: an atomic conditional UPDATE.
 /// PostgreSQL re-checks the WHERE against the latest committed version of the row under its row lock, so
 /// of several concurrent takers exactly one wins, and a row changed since this statement's snapshot is
-/// judged as it is now. If nothing was taken, the record is reported as for CLAIM. The clock is read
-/// once, in `clock` (the time and the lease's and TTL's ends from it), rather than by `now()` in each
-/// expression: in an UPDATE of a distributed table Citus refuses `now()` inside CASE and time arithmetic
-/// on a column, and it reads `clock` on its coordinator, whose clock decides the rest of the statement.
+/// judged as it is now. If nothing was taken, the record is reported as for CLAIM.
 const TAKE: &str = concat!(
     "WITH won AS (
         UPDATE idemproxy.records AS r SET
             fingerprint = $3,
             status = 'processing',
             token = $4,
-            attempt = CASE WHEN r.expires_at <= clock.now THEN 1 ELSE r.attempt + 1 END,
-            claim_kind = CASE WHEN r.expires_at <= clock.now THEN 'new'
+            attempt = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempt + 1 END,
+            claim_kind = CASE WHEN r.expires_at <= now() THEN 'new'
                               WHEN r.status = 'failed' THEN 'retry'
                               ELSE 'takeover' END,
-            locked_until = clock.lease_end,
-            created_at = CASE WHEN r.expires_at <= clock.now THEN clock.now ELSE r.created_at END,
-            expires_at = CASE WHEN r.expires_at <= clock.now THEN clock.ttl_end
-                              ELSE greatest(r.expires_at, clock.lease_end) END,
-            updated_at = clock.now,
+            locked_until = now() + make_interval(secs => $5),
+            created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+            expires_at = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $6)
+                              ELSE greatest(r.expires_at, now() + make_interval(secs => $5)) END,
+            updated_at = now(),
             response_status = NULL,
             response_header_names = NULL,
             response_header_values = NULL,
             response_body = NULL,
             body_retained = NULL
-        FROM (SELECT now() AS now, now() + make_interval(secs => $5) AS lease_end,
-                     now() + make_interval(secs => $6) AS ttl_end) AS clock
         WHERE r.scope = $1 AND r.key = $2 AND ",
     claimable!(),
     "
@@ -118,7 +147,7 @@ const TAKE: &str = concat!(
 );
 
 /// How many claim rounds to try before answering "in flight" to a key that changes under every read.
-const CLAIM_ROUNDS: usize = 3;
+pub(super) const CLAIM_ROUNDS: usize = 3;
 
 /// A coalesced claim's answer: decided, or `None` when the request must go on to claim alone.
 pub(super) type FirstRound = Result<Option<ClaimResult>, StoreError>;
@@ -131,10 +160,7 @@ pub(super) async fn alone(db: &Db, request: &ClaimRequest) -> Result<ClaimResult
 }
 
 /// Rounds of CLAIM and TAKE on `client` until one decides, within the caller's bound.
-pub(super) async fn rounds(
-    client: &Object,
-    request: &ClaimRequest,
-) -> Result<ClaimResult, tokio_postgres::Error> {
+async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
     let claim = client.prepare_cached(CLAIM).await?;
     let take = client.prepare_cached(TAKE).await?;
     let id = &request.id;
@@ -150,11 +176,16 @@ pub(super) async fn rounds(
             }
         }
     }
+    Ok(changed_under_every_round(id))
+}
+
+/// The answer to a claim whose key changed under every round: in flight, to be retried in a second.
+pub(super) fn changed_under_every_round(id: &RecordId) -> ClaimResult {
     tracing::warn!(key = %id.key, "key changed under every claim round; answering in flight");
-    Ok(ClaimResult::Held(Existing::Processing {
+    ClaimResult::Held(Existing::Processing {
         same_fingerprint: true,
         lease_remaining: Duration::from_secs(1),
-    }))
+    })
 }
 
 /// WRITE_BATCH's claim arguments: the requests sorted by (scope, key), one array per column, so that
@@ -239,7 +270,7 @@ impl<'a> ClaimBatch<'a> {
 
 /// What a claim round's row decides: the claim's result, or `None` when the record was not seen or looked
 /// claimable, so the next round must decide.
-fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
+pub(super) fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
     match seen? {
         Seen::Won { attempt, kind } => Some(ClaimResult::Won { attempt, kind }),
         Seen::Record(view) if !claimable(&view) => Some(ClaimResult::Held(view.into_existing())),

@@ -3,14 +3,13 @@
 //! arrive together are coalesced (`store.max_batch`) with claims into one WRITE_BATCH (`write.rs`); one
 //! alone, or one whose body is large, runs COMPLETE.
 
-use deadpool_postgres::Object;
-use tokio::time::timeout;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
 use super::address::Tid;
+use super::fenced;
 use super::rows::corrupt;
-use super::runner::{Db, retry_serialization};
+use super::runner::Db;
 use crate::store::{RecordId, StoreError, StoredResponse};
 
 /// Stores the response. Fenced: a slow original whose claim was taken over matches no row.
@@ -40,27 +39,12 @@ pub(super) fn batchable(response: &StoredResponse) -> bool {
 }
 
 pub(super) async fn alone(db: &Db, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
-    let client = db.client().await?;
-    let result = timeout(db.timeout(), on(&client, id, response)).await;
-    db.finish(client, result)
-}
-
-/// COMPLETE on `client`, within the caller's bound: whether it stored the response.
-pub(super) async fn on(
-    client: &Object,
-    id: &RecordId,
-    response: &StoredResponse,
-) -> Result<bool, tokio_postgres::Error> {
     let names: Vec<&str> = response.headers.iter().map(|(n, _)| n.as_str()).collect();
     let values: Vec<&[u8]> = response.headers.iter().map(|(_, v)| v.as_slice()).collect();
     let status = response.status as i16;
     let retained = response.body.is_some();
     let body: Option<&[u8]> = response.body.as_deref();
-    let params: [&(dyn ToSql + Sync); 8] = [
-        &id.scope, &id.key, &id.token, &status, &names, &values, &body, &retained,
-    ];
-    let statement = client.prepare_cached(COMPLETE).await?;
-    Ok(retry_serialization(|| client.execute(&statement, &params)).await? == 1)
+    fenced::execute(db, COMPLETE, id, &[&status, &names, &values, &body, &retained]).await
 }
 
 /// WRITE_BATCH's completion arguments: one array per column, in the items' order, and every item's

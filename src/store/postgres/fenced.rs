@@ -54,7 +54,7 @@ pub(super) async fn release_stale(db: &Db, id: &RecordId) -> Result<bool, StoreE
 
 /// Runs a statement fenced by `id` (`$1` scope, `$2` key, `$3` token, then `extra` from `$4`): whether
 /// it wrote the record.
-async fn execute(
+pub(super) async fn execute(
     db: &Db,
     sql: &'static str,
     id: &RecordId,

@@ -11,8 +11,6 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use futures_util::future::join_all;
-use tokio::time::timeout;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
@@ -20,7 +18,7 @@ use super::address::Addresses;
 use super::claim::{self, ClaimBatch, FirstRound};
 use super::complete::{self, CompleteBatch, Completion};
 use super::rows::{BatchRow, corrupt, decode_batch_row};
-use super::runner::{Db, backend};
+use super::runner::Db;
 use crate::store::{ClaimRequest, ClaimResult, StoreError};
 
 /// Claims (`$1` to `$6`, sorted by scope and key) and completions (`$7` to `$17`) in one statement.
@@ -117,14 +115,8 @@ pub(super) enum Written {
 /// as of its snapshot, and one rewritten since by another transaction that kept it `processing` under
 /// the same token (a heartbeat) may be passed over; COMPLETE judges the record as it is now. A completion
 /// fenced out for real (a takeover) costs that one more statement. The addresses of the rows the batch's
-/// claims inserted go to `addresses`, for their completions. On a key table distributed by Citus, the
-/// batch runs `pipelined` instead.
+/// claims inserted go to `addresses`, for their completions.
 pub(super) async fn batch(db: Arc<Db>, addresses: Arc<Addresses>, writes: Vec<Write>) -> Vec<Written> {
-    match db.distributed().await {
-        Ok(true) => return pipelined(&db, &writes).await,
-        Ok(false) => {}
-        Err(error) => return failed(&writes, &error),
-    }
     if let [write] = writes.as_slice() {
         return vec![match write {
             Write::Claim(request) => Written::Claim(claim::alone(&db, request).await.map(Some)),
@@ -152,46 +144,14 @@ pub(super) async fn batch(db: Arc<Db>, addresses: Arc<Addresses>, writes: Vec<Wr
             }
             answers
         }
-        Err(error) => failed(&writes, &error),
+        Err(error) => writes
+            .iter()
+            .map(|w| match w {
+                Write::Claim(_) => Written::Claim(Err(error.clone())),
+                Write::Complete(_) => Written::Complete(Err(error.clone())),
+            })
+            .collect(),
     }
-}
-
-/// A batch on a key table distributed by Citus (`citus.rs`): each write runs as it would alone (rounds of
-/// CLAIM and TAKE, or COMPLETE), a statement Citus routes to its record's shard, and all of them are
-/// pipelined on one connection within one `store.timeout`. The batch still costs one round trip to the
-/// coordinator; no statement reaches more than one shard, and none waits for a distributed commit.
-async fn pipelined(db: &Db, writes: &[Write]) -> Vec<Written> {
-    let client = match db.client().await {
-        Ok(client) => client,
-        Err(error) => return failed(writes, &error),
-    };
-    let each = writes.iter().map(|write| {
-        let client = &client;
-        async move {
-            match write {
-                Write::Claim(request) => {
-                    Written::Claim(claim::rounds(client, request).await.map(Some).map_err(backend))
-                }
-                Write::Complete(c) => {
-                    Written::Complete(complete::on(client, &c.id, &c.response).await.map_err(backend))
-                }
-            }
-        }
-    });
-    let answers = timeout(db.timeout(), join_all(each)).await;
-    db.finish(client, answers.map(Ok))
-        .unwrap_or_else(|error| failed(writes, &error))
-}
-
-/// The same error for every write of a batch.
-fn failed(writes: &[Write], error: &StoreError) -> Vec<Written> {
-    writes
-        .iter()
-        .map(|w| match w {
-            Write::Claim(_) => Written::Claim(Err(error.clone())),
-            Write::Complete(_) => Written::Complete(Err(error.clone())),
-        })
-        .collect()
 }
 
 /// Runs WRITE_BATCH: every claim's first-round answer in the claims' order, and the tokens of the
