@@ -326,8 +326,11 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
     let dir = tempfile::tempdir().expect("temporary directory");
     let primary = RedisServer::start(dir.path(), &[]);
     let upstream = Upstream::start().await;
+    // A wait long enough for a replica to acknowledge on a loaded machine, so the confirmed claim below
+    // is never refused for being slow.
     let config = ProxyConfig::new(&format!("redis://{}", primary.address()), &upstream.url())
-        .with_toml("[store.redis]\nwait_replicas = 1\nwait_timeout = \"200ms\"\n");
+        .set("store.timeout", "5s")
+        .with_toml("[store.redis]\nwait_replicas = 1\nwait_timeout = \"2s\"\n");
     let proxy = InProcessProxy::start(&config).await;
 
     let alone = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
