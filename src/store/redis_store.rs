@@ -115,9 +115,20 @@ impl Store for RedisStore {
             Err(error) => {
                 // With replicas to wait for, the claim may have been written and only its WAIT have
                 // failed: give it back, so the client's retry executes at once instead of after the lease.
+                // Said in the log, since the retry is then counted as one (`claim_kind` "retry").
                 if self.waits {
-                    let _ =
+                    let given_back =
                         tokio::time::timeout(self.wait_timeout, self.settle(id, "failed", "holder")).await;
+                    match given_back {
+                        Ok(Ok(false)) => {}
+                        Ok(Ok(true)) => {
+                            tracing::info!(key = %id.key, "a claim no replica confirmed was given back")
+                        }
+                        Ok(Err(_)) | Err(_) => tracing::info!(
+                            key = %id.key,
+                            "the give-back of a claim no replica confirmed went unanswered; it may have been given back"
+                        ),
+                    }
                 }
                 Err(error)
             }

@@ -2,11 +2,11 @@
 
 use std::process::Output;
 
-use tokio::process::Command;
+use crate::support::proxy::binary;
 
 pub async fn idemproxy(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
-    command.args(args).env_remove("RUST_LOG");
+    let mut command = binary();
+    command.args(args);
     for (name, value) in env {
         command.env(name, value);
     }
@@ -199,9 +199,8 @@ async fn a_config_file_that_is_not_utf8_exits_64_on_one_line() {
 #[tokio::test]
 async fn an_environment_value_that_is_not_utf8_exits_64_naming_the_key() {
     use std::os::unix::ffi::OsStrExt;
-    let output = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+    let output = binary()
         .arg("check-config")
-        .env_remove("RUST_LOG")
         .env(
             "IDEMPROXY_SERVER__LISTEN",
             std::ffi::OsStr::from_bytes(b"127.0.0.1:\xff"),

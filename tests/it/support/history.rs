@@ -8,8 +8,8 @@
 //!   of a key are read from its record (`attempt` counts the winning claims of the record's life; the
 //!   workload never lets a claim be released, and the checker verifies no record was re-claimed as a
 //!   `retry` unless a proxy logged giving back an orphaned claim of that key — a claim its request
-//!   stopped waiting for, which executed nothing —, so every other claim after the first is a stale
-//!   takeover);
+//!   stopped waiting for, or a Redis claim no replica confirmed, which executed nothing —, so every
+//!   other claim after the first is a stale takeover);
 //! - every upstream answer (2xx or 4xx) a client received is byte-identical to the stored response,
 //!   except the live answer of an execution that a stale takeover superseded (counted, not hidden);
 //! - no response crossed scopes or keys: the upstream echoes credentials, key and payload in the body;
@@ -402,13 +402,15 @@ fn check_record_state(key: &str, record: &Record, report: &mut Report) {
 }
 
 /// The keys of which a proxy logged giving back an orphaned claim (a claim won after its request
-/// stopped waiting for the store), or sending a give-back whose answer was lost (it may have been
-/// applied), from the proxies' JSON logs.
+/// stopped waiting for the store, or a Redis claim no replica confirmed), or sending a give-back whose
+/// answer was lost (it may have been applied), from the proxies' JSON logs.
 pub fn orphans_given_back(logs: &[String]) -> HashSet<String> {
     logs.iter()
         .filter(|line| {
             line.contains("a claim won after its request gave up waiting was given back")
                 || line.contains("an orphaned claim's give-back went unanswered")
+                || line.contains("a claim no replica confirmed was given back")
+                || line.contains("the give-back of a claim no replica confirmed went unanswered")
         })
         .filter_map(|line| {
             let json = &line[line.find('{')?..];

@@ -266,16 +266,24 @@ impl Drop for ProxyProcess {
 }
 
 fn command(config_path: &std::path::Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    let mut command = binary();
     command
         .arg("serve")
         .arg("--config")
         .arg(config_path)
-        .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
+    command
+}
+
+/// The binary, run without the test process's `RUST_LOG` and `IDEMPROXY_*` variables (the binary reads
+/// every `IDEMPROXY_` variable as config, `IDEMPROXY_TEST_CITUS_URL` included): it sees only what the
+/// test gives it.
+pub fn binary() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    command.env_remove("RUST_LOG");
     for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("IDEMPROXY_")) {
         command.env_remove(name);
     }
