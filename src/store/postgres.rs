@@ -125,11 +125,9 @@ fn batches_in_flight(pool_size: usize) -> usize {
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        if self.db.distributed().await? {
-            return shard_claim::alone(&self.db, request).await;
-        }
-        let Some(writes) = &self.writes else {
-            return claim::alone(&self.db, request).await;
+        let writes = match &self.writes {
+            Some(writes) if !self.db.distributed().await? => writes,
+            _ => return claim::alone(&self.db, request).await,
         };
         match self.write(writes, Write::Claim(request.clone())).await? {
             Written::Claim(Ok(Some(decided))) => Ok(decided),

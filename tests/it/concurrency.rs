@@ -7,11 +7,12 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
+use crate::support::Backend::{self, Citus, Postgres, Redis, RedisCluster, Sqlite};
 use crate::support::http::stream_until_first_chunk;
 use crate::support::upstream::{FIRST_CHUNK, REST_CHUNK};
 use crate::support::{
-    Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches,
-    settled,
+    InProcessProxy, ProxyProcess, Reply, TestEnv, http::raw_keyed_post, keyed_post, metric_reaches, settled,
+    unless_skipped,
 };
 
 /// Asserts every reply is the one execution (201), its replay, or a 409 conflict, and that exactly
@@ -34,18 +35,9 @@ fn assert_one_execution_among(replies: &[Reply]) {
 #[rstest]
 #[tokio::test]
 async fn fifty_concurrent_duplicates_execute_once(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    if backend.skipped() {
-        return;
-    }
+    unless_skipped!(backend);
     let env = TestEnv::on(backend).await;
     let config = env.config().set("store.timeout", "10s");
     let proxy = InProcessProxy::start(&config).await;
@@ -60,7 +52,7 @@ async fn fifty_concurrent_duplicates_execute_once(
 #[rstest]
 #[tokio::test]
 async fn in_flight_duplicate_is_409_with_retry_after(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -83,7 +75,7 @@ async fn in_flight_duplicate_is_409_with_retry_after(
 #[rstest]
 #[tokio::test]
 async fn client_disconnect_does_not_cancel_the_execution(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -110,7 +102,7 @@ async fn client_disconnect_does_not_cancel_the_execution(
 #[rstest]
 #[tokio::test]
 async fn client_disconnect_after_the_head_still_stores_the_whole_response(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = env.proxy().await;
@@ -168,7 +160,7 @@ async fn two_proxy_processes_on_one_database_execute_once() {
 #[rstest]
 #[tokio::test]
 async fn heartbeat_keeps_a_live_claim_past_its_lease(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = env.config().set("idempotency.lock_timeout", "1s");

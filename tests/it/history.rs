@@ -26,7 +26,7 @@ use crate::support::cluster::Cluster;
 use crate::support::history::{self, Observation, Op, Records, Rng, Seen};
 use crate::support::recorder::Recorder;
 use crate::support::redis::{RedisCluster, RedisServer, load_records};
-use crate::support::{ProxyConfig, ProxyProcess, Relay, poll_until};
+use crate::support::{ProxyConfig, ProxyProcess, Relay, poll_until, unless_skipped};
 
 /// Which store a run uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,9 +97,7 @@ async fn history_on_redis_under_faults_keeps_every_promise() {
 /// store's crash terminates every session the proxies hold there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_on_citus_under_faults_keeps_every_promise() {
-    if crate::support::Backend::Citus.skipped() {
-        return;
-    }
+    unless_skipped!(crate::support::Backend::Citus);
     run(Params {
         backend: Backend::Citus,
         ..Params::short()

@@ -9,7 +9,7 @@ use idemproxy::store::RecordStatus;
 use crate::store_suite::{
     DAY, LONG, SHORT_TTL, completed_records, request, store, until_short_ttl_passed, won,
 };
-use crate::support::{Backend, Reply, TestEnv, keyed_post};
+use crate::support::{Backend, Reply, TestEnv, keyed_post, unless_skipped};
 
 /// `url` with every statement that needs more than one shard refused by the coordinator
 /// (`citus.multi_task_query_log_level = error`).
@@ -33,9 +33,7 @@ async fn shards_holding_records(client: &tokio_postgres::Client) -> i64 {
 
 #[tokio::test]
 async fn on_citus_every_request_path_statement_reaches_one_shard_and_each_key_executes_once() {
-    if Backend::Citus.skipped() {
-        return;
-    }
+    unless_skipped!(Backend::Citus);
     let env = TestEnv::on(Backend::Citus).await;
     let guarded = one_shard_only(&env.store.url());
     let (guard_check, connection) = tokio_postgres::connect(&guarded, tokio_postgres::NoTls)
@@ -86,9 +84,7 @@ async fn on_citus_every_request_path_statement_reaches_one_shard_and_each_key_ex
 
 #[tokio::test]
 async fn a_sweep_on_citus_deletes_a_batch_on_every_shard_at_once_and_keeps_live_records() {
-    if Backend::Citus.skipped() {
-        return;
-    }
+    unless_skipped!(Backend::Citus);
     let (_table, store) = store(Backend::Citus).await;
     completed_records(&*store, "old", 40, SHORT_TTL).await;
     completed_records(&*store, "live", 5, DAY).await;

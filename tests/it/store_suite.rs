@@ -16,7 +16,8 @@ use idemproxy::store::{
 use rstest::rstest;
 use uuid::Uuid;
 
-use crate::support::{Backend, TestStore};
+use crate::support::Backend::{self, Citus, Postgres, Redis, RedisCluster, Sqlite};
+use crate::support::{TestStore, unless_skipped};
 
 pub const LONG: Duration = Duration::from_secs(30);
 pub const DAY: Duration = Duration::from_secs(86_400);
@@ -27,12 +28,13 @@ pub async fn store(backend: Backend) -> (TestStore, Arc<dyn Store>) {
     (test_store, store)
 }
 
-/// The suite's store, or `None` where the backend is skipped here (Citus without a coordinator).
-async fn suite_store(backend: Backend) -> Option<(TestStore, Arc<dyn Store>)> {
-    if backend.skipped() {
-        return None;
-    }
-    Some(store(backend).await)
+/// The suite's store on `backend`; where the backend is skipped here (Citus without a coordinator, said
+/// on stderr), the test returns at once.
+macro_rules! suite_store {
+    ($backend:expr) => {{
+        unless_skipped!($backend);
+        store($backend).await
+    }};
 }
 
 pub fn request(key: &str, fingerprint: u8, lease: Duration, ttl: Duration) -> ClaimRequest {
@@ -73,18 +75,9 @@ pub async fn held(store: &dyn Store, request: &ClaimRequest) -> Existing {
 #[rstest]
 #[tokio::test]
 async fn concurrent_claims_of_one_key_have_exactly_one_winner(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     assert_eq!(
         concurrent_winners(&store, "race").await,
         vec![(1, ClaimKind::New)]
@@ -117,18 +110,9 @@ async fn concurrent_winners(store: &Arc<dyn Store>, key: &'static str) -> Vec<(i
 #[rstest]
 #[tokio::test]
 async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     won(
         &*store,
         &request("stale-race", 1, Duration::from_millis(200), DAY),
@@ -144,18 +128,9 @@ async fn concurrent_takeovers_of_a_stale_claim_have_exactly_one_winner(
 #[rstest]
 #[tokio::test]
 async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let first = request("retry-race", 1, LONG, DAY);
     won(&*store, &first).await;
     assert!(store.release(&first.id).await.unwrap());
@@ -168,18 +143,9 @@ async fn concurrent_retries_of_a_released_key_have_exactly_one_winner(
 #[rstest]
 #[tokio::test]
 async fn completed_record_replays_for_the_same_fingerprint_only(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let first = request("done", 1, LONG, DAY);
     won(&*store, &first).await;
     assert!(store.complete(&first.id, &response(b"{\"id\":1}")).await.unwrap());
@@ -211,18 +177,9 @@ async fn completed_record_replays_for_the_same_fingerprint_only(
 #[rstest]
 #[tokio::test]
 async fn live_claim_reports_its_remaining_lease(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     won(&*store, &request("live", 1, LONG, DAY)).await;
     match held(&*store, &request("live", 1, LONG, DAY)).await {
         Existing::Processing {
@@ -246,18 +203,9 @@ async fn live_claim_reports_its_remaining_lease(
 #[rstest]
 #[tokio::test]
 async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let original = request("stale", 1, Duration::from_millis(300), DAY);
     won(&*store, &original).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -283,18 +231,9 @@ async fn stale_claim_is_taken_over_and_the_old_token_is_fenced_out(
 #[rstest]
 #[tokio::test]
 async fn heartbeat_extends_the_lease(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let claim = request("beat", 1, Duration::from_millis(500), DAY);
     won(&*store, &claim).await;
     assert!(store.heartbeat(&claim.id, LONG).await.unwrap());
@@ -311,18 +250,9 @@ async fn heartbeat_extends_the_lease(
 #[rstest]
 #[tokio::test]
 async fn released_key_executes_again_for_the_same_request_only(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let first = request("again", 1, LONG, DAY);
     won(&*store, &first).await;
     assert!(store.release(&first.id).await.unwrap());
@@ -339,18 +269,9 @@ async fn released_key_executes_again_for_the_same_request_only(
 #[rstest]
 #[tokio::test]
 async fn expired_record_is_a_new_key_whatever_it_held(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let first = request("old", 1, Duration::from_millis(100), Duration::from_millis(300));
     won(&*store, &first).await;
     assert!(store.complete(&first.id, &response(b"x")).await.unwrap());
@@ -364,18 +285,9 @@ async fn expired_record_is_a_new_key_whatever_it_held(
 #[rstest]
 #[tokio::test]
 async fn a_running_key_past_its_expiry_is_not_new(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let running = request("running", 1, LONG, SHORT_TTL);
     won(&*store, &running).await;
     until_short_ttl_passed().await;
@@ -400,18 +312,9 @@ async fn a_running_key_past_its_expiry_is_not_new(
 #[rstest]
 #[tokio::test]
 async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     // Expires one second after creation, so it is unexpired when its short lease has run out.
     won(&*store, &request("stale", 1, SHORT_TTL, Duration::from_secs(1))).await;
     until_short_ttl_passed().await;
@@ -424,18 +327,9 @@ async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
 #[rstest]
 #[tokio::test]
 async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let first = request("unsure", 1, SHORT_TTL, DAY);
     won(&*store, &first).await;
     let mut other_token = first.id.clone();
@@ -471,18 +365,9 @@ async fn a_held_outcome_is_never_claimed_until_an_operator_releases_it(
 #[rstest]
 #[tokio::test]
 async fn response_over_the_cap_is_completed_without_a_body(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let claim = request("big", 1, LONG, DAY);
     won(&*store, &claim).await;
     let mut stored = response(b"");
@@ -515,12 +400,8 @@ pub async fn until_short_ttl_passed() {
 
 #[rstest]
 #[tokio::test]
-async fn sweep_deletes_expired_records_in_bounded_batches(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
-) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+async fn sweep_deletes_expired_records_in_bounded_batches(#[values(Postgres, Sqlite)] backend: Backend) {
+    let (_store, store) = suite_store!(backend);
     completed_records(&*store, "old", 25, SHORT_TTL).await;
     completed_records(&*store, "live", 3, DAY).await;
     until_short_ttl_passed().await;
@@ -548,11 +429,9 @@ async fn sweep_deletes_expired_records_in_bounded_batches(
 #[rstest]
 #[tokio::test]
 async fn sweep_keeps_an_expired_processing_record_until_its_lease_runs_out(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Citus)] backend: Backend,
+    #[values(Postgres, Sqlite, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     won(&*store, &request("held", 1, LONG, SHORT_TTL)).await;
     won(&*store, &request("stale", 1, SHORT_TTL, SHORT_TTL)).await;
     until_short_ttl_passed().await;
@@ -571,11 +450,9 @@ async fn sweep_keeps_an_expired_processing_record_until_its_lease_runs_out(
 #[rstest]
 #[tokio::test]
 async fn concurrent_sweepers_delete_and_count_each_record_once(
-    #[values(Backend::Postgres, Backend::Sqlite, Backend::Citus)] backend: Backend,
+    #[values(Postgres, Sqlite, Citus)] backend: Backend,
 ) {
-    let Some((test_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (test_store, store) = suite_store!(backend);
     completed_records(&*store, "gone", 120, SHORT_TTL).await;
     until_short_ttl_passed().await;
 
@@ -605,18 +482,9 @@ async fn concurrent_sweepers_delete_and_count_each_record_once(
 #[rstest]
 #[tokio::test]
 async fn stats_count_records_by_state(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     won(&*store, &request("running", 1, LONG, DAY)).await;
     completed_records(&*store, "done", 2, DAY).await;
     let released = request("released", 1, LONG, DAY);
@@ -644,11 +512,9 @@ async fn stats_count_records_by_state(
 #[rstest]
 #[tokio::test]
 async fn redis_deletes_expired_records_itself_but_keeps_a_running_one(
-    #[values(Backend::Redis, Backend::RedisCluster)] backend: Backend,
+    #[values(Redis, RedisCluster)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     completed_records(&*store, "old", 25, SHORT_TTL).await;
     completed_records(&*store, "live", 3, DAY).await;
     won(&*store, &request("held", 1, LONG, SHORT_TTL)).await;
@@ -675,18 +541,9 @@ async fn redis_deletes_expired_records_itself_but_keeps_a_running_one(
 #[rstest]
 #[tokio::test]
 async fn find_describes_records_in_every_scope_or_one(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let mine = request("shared", 1, LONG, DAY);
     won(&*store, &mine).await;
     assert!(store.complete(&mine.id, &response(b"12345")).await.unwrap());
@@ -715,18 +572,9 @@ async fn find_describes_records_in_every_scope_or_one(
 #[rstest]
 #[tokio::test]
 async fn operator_release_waits_for_the_lease_and_is_fenced(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    let Some((_store, store)) = suite_store(backend).await else {
-        return;
-    };
+    let (_store, store) = suite_store!(backend);
     let live = request("live", 1, LONG, DAY);
     won(&*store, &live).await;
     assert!(

@@ -11,8 +11,10 @@ use rstest::rstest;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::support::Backend::{self, Citus, Postgres, Redis, RedisCluster, Sqlite};
 use crate::support::{
-    Backend, InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, keyed_post, metric, metric_reaches,
+    InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, keyed_post, metric, metric_reaches,
+    unless_skipped,
 };
 
 /// The proxy's claim statements so far, as its own store metrics count them.
@@ -96,7 +98,7 @@ fn assert_all_replay(replies: &[Reply], original: &Reply) {
 #[rstest]
 #[tokio::test]
 async fn a_hundred_waiting_duplicates_get_the_one_execution_and_no_409(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Postgres, Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = InProcessProxy::start(&waiting(&env)).await;
@@ -131,7 +133,7 @@ async fn claims_for_a_hold(env: &TestEnv, proxy: &InProcessProxy, key: &str, hol
 #[rstest]
 #[tokio::test]
 async fn waiting_costs_the_same_store_statements_for_a_short_and_a_long_wait(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Postgres, Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let config = waiting(&env);
@@ -150,7 +152,7 @@ async fn waiting_costs_the_same_store_statements_for_a_short_and_a_long_wait(
 #[rstest]
 #[tokio::test]
 async fn a_released_original_is_run_again_by_exactly_one_waiter(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Postgres, Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = InProcessProxy::start(&waiting(&env)).await;
@@ -181,7 +183,7 @@ async fn a_released_original_is_run_again_by_exactly_one_waiter(
 #[rstest]
 #[tokio::test]
 async fn a_wait_longer_than_wait_timeout_gets_409_with_retry_after(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Postgres, Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = InProcessProxy::start(&waiting(&env).set("idempotency.wait_timeout", "1s")).await;
@@ -200,9 +202,7 @@ async fn a_wait_longer_than_wait_timeout_gets_409_with_retry_after(
 
 #[rstest]
 #[tokio::test]
-async fn beyond_max_waiting_a_duplicate_gets_409_at_once(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
-) {
+async fn beyond_max_waiting_a_duplicate_gets_409_at_once(#[values(Postgres, Sqlite)] backend: Backend) {
     let env = TestEnv::on(backend).await;
     let proxy = InProcessProxy::start(&waiting(&env).set("server.max_waiting", 2)).await;
     let original = tokio::spawn(Reply::of(gated(&proxy.url, "/slow", "k", "g")));
@@ -223,11 +223,9 @@ async fn beyond_max_waiting_a_duplicate_gets_409_at_once(
 #[rstest]
 #[tokio::test]
 async fn waiters_on_another_replica_get_the_replay(
-    #[values(Backend::Postgres, Backend::Redis, Backend::RedisCluster, Backend::Citus)] backend: Backend,
+    #[values(Postgres, Redis, RedisCluster, Citus)] backend: Backend,
 ) {
-    if backend.skipped() {
-        return;
-    }
+    unless_skipped!(backend);
     let env = TestEnv::on(backend).await;
     let config = waiting(&env);
     let first = listening(&config).await;
@@ -307,7 +305,7 @@ async fn waiters_re_check_when_the_listener_connection_is_lost_and_end_with_the_
 #[rstest]
 #[tokio::test]
 async fn shutdown_answers_waiters_at_once_and_does_not_delay_the_drain(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Postgres, Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     let grace = Duration::from_secs(20);
@@ -338,7 +336,7 @@ async fn shutdown_answers_waiters_at_once_and_does_not_delay_the_drain(
 #[rstest]
 #[tokio::test]
 async fn a_waiter_takes_over_the_key_of_a_dead_original_once_its_lease_runs_out(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Postgres, Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
     // Long enough that the new proxy's duplicates meet the dead claim's lease even on a loaded machine

@@ -7,16 +7,16 @@
 //! decide).
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
 use deadpool_postgres::Object;
 use tokio::time::timeout;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
-use super::rows::{Seen, View, corrupt, decode};
+use super::rows::{CLAIM_ROUNDS, Seen, View, changed_under_every_round, corrupt, decode, settle};
 use super::runner::{Db, retry_serialization};
-use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError};
+use super::shard_claim;
+use crate::store::{ClaimKind, ClaimRequest, ClaimResult, RecordId, StoreError};
 
 /// Columns describing a record `r` as seen by the statement (with `same_fingerprint`, which each
 /// statement words for its own parameters).
@@ -146,46 +146,45 @@ const TAKE: &str = concat!(
     won_or_record!()
 );
 
-/// How many claim rounds to try before answering "in flight" to a key that changes under every read.
-pub(super) const CLAIM_ROUNDS: usize = 3;
-
 /// A coalesced claim's answer: decided, or `None` when the request must go on to claim alone.
 pub(super) type FirstRound = Result<Option<ClaimResult>, StoreError>;
 
-/// The claim with rounds of CLAIM and TAKE on one connection.
+/// The claim alone, on a connection of its own: rounds of CLAIM and TAKE, or on a key table distributed
+/// by Citus the sharded claim's statements (`shard_claim.rs`). Both take the same arguments, `$1` to `$6`:
+/// scope, key, fingerprint, token, lease and TTL (seconds).
 pub(super) async fn alone(db: &Db, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-    let client = db.client().await?;
-    let result = timeout(db.timeout(), rounds(&client, request)).await;
-    db.finish(client, result)
-}
-
-/// Rounds of CLAIM and TAKE on `client` until one decides, within the caller's bound.
-async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
-    let claim = client.prepare_cached(CLAIM).await?;
-    let take = client.prepare_cached(TAKE).await?;
+    let distributed = db.distributed().await?;
     let id = &request.id;
     let fingerprint: &[u8] = &request.fingerprint;
     let lease = request.lease.as_secs_f64();
     let ttl = request.ttl.as_secs_f64();
     let params: [&(dyn ToSql + Sync); 6] = [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
+    let client = db.client().await?;
+    let result = if distributed {
+        timeout(db.timeout(), shard_claim::rounds(&client, id, &params)).await
+    } else {
+        timeout(db.timeout(), rounds(&client, id, &params)).await
+    };
+    db.finish(client, result)
+}
+
+/// Rounds of CLAIM and TAKE on `client` until one decides, within the caller's bound.
+async fn rounds(
+    client: &Object,
+    id: &RecordId,
+    params: &[&(dyn ToSql + Sync); 6],
+) -> Result<ClaimResult, tokio_postgres::Error> {
+    let claim = client.prepare_cached(CLAIM).await?;
+    let take = client.prepare_cached(TAKE).await?;
     for _ in 0..CLAIM_ROUNDS {
         for statement in [&claim, &take] {
-            let row = retry_serialization(|| client.query_opt(statement, &params)).await?;
+            let row = retry_serialization(|| client.query_opt(statement, params)).await?;
             if let Some(decided) = settle(row.as_ref().map(decode).transpose()?) {
                 return Ok(decided);
             }
         }
     }
     Ok(changed_under_every_round(id))
-}
-
-/// The answer to a claim whose key changed under every round: in flight, to be retried in a second.
-pub(super) fn changed_under_every_round(id: &RecordId) -> ClaimResult {
-    tracing::warn!(key = %id.key, "key changed under every claim round; answering in flight");
-    ClaimResult::Held(Existing::Processing {
-        same_fingerprint: true,
-        lease_remaining: Duration::from_secs(1),
-    })
 }
 
 /// WRITE_BATCH's claim arguments: the requests sorted by (scope, key), one array per column, so that
@@ -268,29 +267,13 @@ impl<'a> ClaimBatch<'a> {
     }
 }
 
-/// What a claim round's row decides: the claim's result, or `None` when the record was not seen or looked
-/// claimable, so the next round must decide.
-pub(super) fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
-    match seen? {
-        Seen::Won { attempt, kind } => Some(ClaimResult::Won { attempt, kind }),
-        Seen::Record(view) if !claimable(&view) => Some(ClaimResult::Held(view.into_existing())),
-        Seen::Record(_) => None,
-    }
-}
-
-/// Whether TAKE's WHERE (`claimable!`) would take this version of the row. A version that looks
-/// claimable but was not taken is from an older snapshot than the row lock saw.
-fn claimable(view: &View) -> bool {
-    let running = view.status == "processing" && view.lease_ms > 0;
-    (view.expired && !running)
-        || (view.same_fingerprint
-            && (view.status == "failed" || (view.status == "processing" && view.lease_ms <= 0)))
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use super::super::rows::claimable;
     use super::*;
-    use crate::store::RecordId;
+    use crate::store::Existing;
 
     fn request(scope: &str, key: &str, token: u128) -> ClaimRequest {
         ClaimRequest {

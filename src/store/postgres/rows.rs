@@ -1,6 +1,7 @@
-//! What a row means: the rows of CLAIM and TAKE (`claim.rs`), WRITE_BATCH (`write.rs`) and FIND and STATS
-//! (`maintenance.rs`), decoded into the store's types by the columns those statements select. Runs after
-//! each of those statements; touches nothing but the row.
+//! What a row means: the rows of CLAIM and TAKE (`claim.rs`) and of the sharded claim (`shard_claim.rs`),
+//! WRITE_BATCH (`write.rs`) and FIND and STATS (`maintenance.rs`), decoded into the store's types by the
+//! columns those statements select, and what a claim round's row decides. Runs after each of those
+//! statements; touches nothing but the row.
 
 use std::time::{Duration, SystemTime};
 
@@ -11,7 +12,8 @@ use uuid::Uuid;
 use super::address::Tid;
 use super::runner::backend;
 use crate::store::{
-    ClaimKind, Existing, RecordInfo, RecordStats, RecordStatus, StoreError, StoredResponse, epoch_ms,
+    ClaimKind, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, StoreError,
+    StoredResponse, epoch_ms,
 };
 
 /// One row of CLAIM or TAKE.
@@ -70,6 +72,37 @@ fn view(row: &Row) -> Result<View, tokio_postgres::Error> {
         ttl_ms: row.try_get("ttl_ms")?,
         token: row.try_get("record_token")?,
         response: decode_response(row)?,
+    })
+}
+
+/// How many claim rounds to try before answering "in flight" to a key that changes under every read.
+pub(super) const CLAIM_ROUNDS: usize = 3;
+
+/// What a claim round's row decides: the claim's result, or `None` when the record was not seen or looked
+/// claimable, so the next round must decide.
+pub(super) fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
+    match seen? {
+        Seen::Won { attempt, kind } => Some(ClaimResult::Won { attempt, kind }),
+        Seen::Record(view) if !claimable(&view) => Some(ClaimResult::Held(view.into_existing())),
+        Seen::Record(_) => None,
+    }
+}
+
+/// Whether TAKE's WHERE (`claimable!`) would take this version of the row. A version that looks
+/// claimable but was not taken is from an older snapshot than the row lock saw.
+pub(super) fn claimable(view: &View) -> bool {
+    let running = view.status == "processing" && view.lease_ms > 0;
+    (view.expired && !running)
+        || (view.same_fingerprint
+            && (view.status == "failed" || (view.status == "processing" && view.lease_ms <= 0)))
+}
+
+/// The answer to a claim whose key changed under every round: in flight, to be retried in a second.
+pub(super) fn changed_under_every_round(id: &RecordId) -> ClaimResult {
+    tracing::warn!(key = %id.key, "key changed under every claim round; answering in flight");
+    ClaimResult::Held(Existing::Processing {
+        same_fingerprint: true,
+        lease_remaining: Duration::from_secs(1),
     })
 }
 

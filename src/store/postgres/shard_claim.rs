@@ -1,7 +1,6 @@
 //! The claim on a key table distributed by Citus (`citus.rs`): the decisions of CLAIM and TAKE
 //! (`claim.rs`), made by statements Citus sends whole to the key's shard. Runs on the request path, once
-//! per keyed request, always alone (`PostgresStore::claim`); touches only the record of the key being
-//! claimed.
+//! per keyed request, always alone (`claim::alone`); touches only the record of the key being claimed.
 //!
 //! CLAIM and TAKE write in a CTE and read the record in the same statement, which Citus plans as
 //! separate distributed steps exchanging intermediate results (about 20 ms a claim); an UPDATE whose
@@ -10,13 +9,11 @@
 //! asks. A new key costs one statement, as on one server; an existing one a second, to read it.
 
 use deadpool_postgres::Object;
-use tokio::time::timeout;
 use tokio_postgres::types::ToSql;
 
-use super::claim::{CLAIM_ROUNDS, changed_under_every_round, settle};
-use super::rows::{Seen, decode};
-use super::runner::{Db, retry_serialization};
-use crate::store::{ClaimRequest, ClaimResult, StoreError};
+use super::rows::{CLAIM_ROUNDS, Seen, changed_under_every_round, decode, settle};
+use super::runner::retry_serialization;
+use crate::store::{ClaimResult, RecordId};
 
 /// The row of a statement that won the key: what `rows::decode` reads of a win.
 macro_rules! won_returning {
@@ -59,28 +56,20 @@ const TAKE_AGAIN: &str = concat!(
     won_returning!()
 );
 
-/// The claim alone, on a connection of its own.
-pub(super) async fn alone(db: &Db, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-    let client = db.client().await?;
-    let result = timeout(db.timeout(), rounds(&client, request)).await;
-    db.finish(client, result)
-}
-
-/// Rounds of INSERT_NEW, READ and a TAKE on `client` until one decides, within the caller's bound. A
-/// record gone between the INSERT and the READ, or changed between the READ and the TAKE, is decided by
-/// the next round, as CLAIM's and TAKE's snapshots are.
-async fn rounds(client: &Object, request: &ClaimRequest) -> Result<ClaimResult, tokio_postgres::Error> {
+/// Rounds of INSERT_NEW, READ and a TAKE on `client` until one decides, within the caller's bound, with
+/// the claim's six arguments (`claim::alone`). A record gone between the INSERT and the READ, or changed
+/// between the READ and the TAKE, is decided by the next round, as CLAIM's and TAKE's snapshots are.
+pub(super) async fn rounds(
+    client: &Object,
+    id: &RecordId,
+    params: &[&(dyn ToSql + Sync); 6],
+) -> Result<ClaimResult, tokio_postgres::Error> {
     let insert = client.prepare_cached(INSERT_NEW).await?;
     let read = client.prepare_cached(READ).await?;
     let take_new = client.prepare_cached(TAKE_NEW).await?;
     let take_again = client.prepare_cached(TAKE_AGAIN).await?;
-    let id = &request.id;
-    let fingerprint: &[u8] = &request.fingerprint;
-    let lease = request.lease.as_secs_f64();
-    let ttl = request.ttl.as_secs_f64();
-    let params: [&(dyn ToSql + Sync); 6] = [&id.scope, &id.key, &fingerprint, &id.token, &lease, &ttl];
     for _ in 0..CLAIM_ROUNDS {
-        let inserted = retry_serialization(|| client.query_opt(&insert, &params)).await?;
+        let inserted = retry_serialization(|| client.query_opt(&insert, params)).await?;
         if let Some(decided) = settle(inserted.as_ref().map(decode).transpose()?) {
             return Ok(decided);
         }

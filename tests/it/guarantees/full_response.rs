@@ -11,8 +11,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rstest::rstest;
 
+use crate::support::Backend::{self, Citus, Postgres, Redis, RedisCluster, Sqlite};
 use crate::support::http::TEST_CREDENTIAL;
-use crate::support::{Backend, InProcessProxy, Relay, Reply, TestEnv, keyed_post, metric};
+use crate::support::{InProcessProxy, Relay, Reply, TestEnv, keyed_post, metric, unless_skipped};
 
 /// Rounds per body kind and store.
 const ROUNDS: usize = 200;
@@ -88,14 +89,7 @@ fn to_reqwest(headers: &http::HeaderMap) -> reqwest::header::HeaderMap {
 #[rstest]
 #[tokio::test]
 async fn a_retry_sent_the_moment_the_response_is_read_gets_the_replay(
-    #[values(
-        Backend::Postgres,
-        Backend::Sqlite,
-        Backend::Redis,
-        Backend::RedisCluster,
-        Backend::Citus
-    )]
-    backend: Backend,
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
     #[values(
         Kind::Length,
         Kind::Chunked,
@@ -106,9 +100,7 @@ async fn a_retry_sent_the_moment_the_response_is_read_gets_the_replay(
     )]
     kind: Kind,
 ) {
-    if backend.skipped() {
-        return;
-    }
+    unless_skipped!(backend);
     let env = TestEnv::on(backend).await;
     // Without the replay cache every retry reads the store, as a retry sent to another replica does.
     let proxy = InProcessProxy::start(&env.config().set("replay_cache.max_size", "0")).await;
