@@ -1,6 +1,7 @@
 //! What changes when the key table is distributed by Citus (`create_distributed_table` on `key`; see
-//! docs/operations.md). Runs as each pooled connection opens (the check) and in the sweeper; touches the
-//! Citus catalog (read only) and, through the coordinator, every shard of the key table.
+//! docs/operations.md). Runs as each pooled connection opens (the check, whose answer every claim,
+//! completion and sweep reads) and in the sweeper; touches the Citus catalog (read only) and, through the
+//! coordinator, every shard of the key table.
 //!
 //! Citus routes a statement to one shard when it names one `key`, which every statement of the request
 //! path does. What cannot run there as it runs on one PostgreSQL server:
