@@ -248,6 +248,14 @@ def kubernetes(directory):
             if native and proxy.get("restartPolicy") != "Always":
                 problem(f"{where}: an init container without restartPolicy Always")
             forms.add("native sidecar" if native else "two containers")
+        # Every other container of the pod is the app: reached only through the proxy, over loopback.
+        for app in (c for c in pod["containers"] if not c["image"].startswith("idemproxy:")):
+            where = f"{file}: container {app['name']}"
+            if app.get("ports"):
+                problem(f"{where} declares ports; the app is reached through idemproxy only")
+            binds = [a for a in app.get("command", []) + app.get("args", []) if re.fullmatch(r"[\d.]+:\d+", a)]
+            if not binds or not all(a.startswith("127.0.0.1:") for a in binds):
+                problem(f"{where} does not listen on loopback only: {binds}")
         migrations = [c for c in pod.get("initContainers", []) if "migrate" in c.get("args", [])]
         if not migrations:
             problem(f"{file}: no init container runs idemproxy migrate")

@@ -4,6 +4,9 @@
 //! and answers every request with `201` and a JSON body that numbers its executions, so a replay is easy
 //! to tell from a second execution. `?delay_ms=N` makes it take N milliseconds, long enough to send a
 //! duplicate while the first request is still in flight.
+//!
+//! `upstream probe ADDR` connects to ADDR and exits 0 if something accepts, 1 otherwise: the readiness
+//! probe of a pod whose app listens on loopback only, where the kubelet's own TCP probe cannot reach.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,6 +25,10 @@ use tokio::net::TcpListener;
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let addr = std::env::args().nth(1).unwrap_or_else(|| "127.0.0.1:3000".into());
+    if addr == "probe" {
+        let target = std::env::args().nth(2).unwrap_or_else(|| "127.0.0.1:3000".into());
+        return probe(&target).await;
+    }
     let listener = TcpListener::bind(&addr).await?;
     eprintln!("example upstream listening on http://{addr}");
     let executions = Arc::new(AtomicU64::new(0));
@@ -66,6 +73,18 @@ async fn answer(
         header::HeaderValue::from_static("application/json"),
     );
     Ok(response)
+}
+
+/// Connects to `addr` within a second; an error (the process exits 1) when nothing accepts.
+async fn probe(addr: &str) -> std::io::Result<()> {
+    let connect = tokio::net::TcpStream::connect(addr);
+    match tokio::time::timeout(Duration::from_secs(1), connect).await {
+        Ok(stream) => stream.map(drop),
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("{addr} did not accept within 1s"),
+        )),
+    }
 }
 
 fn delay(query: &str) -> Duration {

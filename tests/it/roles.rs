@@ -1,6 +1,6 @@
 //! The PostgreSQL roles docs/operations.md recommends, run for real with the binary: the schema's owner
 //! applies migrations with `idemproxy migrate`, and the proxy serves as a role that may only read and
-//! write rows (the grants below are the ones the guide and `deploy/compose/initdb.sql` give).
+//! write rows (the grants below are the ones the guide and `deploy/compose/initdb.sh` give).
 
 use url::Url;
 
