@@ -437,6 +437,35 @@ mod tests {
     }
 
     #[test]
+    fn paths_are_normalised_and_ambiguous_spellings_refused_unless_the_operator_says_otherwise() {
+        use crate::config::{Ambiguous, PathMode, PathRules};
+        assert_eq!(
+            Config::from_toml_str("").unwrap().server.paths,
+            PathRules::default()
+        );
+        let default = PathRules::default();
+        assert_eq!(
+            (default.mode, default.escaped_slashes, default.path_parameters),
+            (PathMode::Normalize, Ambiguous::Reject, Ambiguous::Reject)
+        );
+        let config = Config::from_toml_str(
+            "[server]\npaths = \"reject\"\nescaped_slashes = \"keep\"\npath_parameters = \"keep\"\n",
+        )
+        .unwrap();
+        let want = PathRules {
+            mode: PathMode::Reject,
+            escaped_slashes: Ambiguous::Keep,
+            path_parameters: Ambiguous::Keep,
+        };
+        assert_eq!(config.server.paths, want);
+        for key in ["paths", "escaped_slashes", "path_parameters"] {
+            let err = Config::from_toml_str(&format!("[server]\n{key} = \"sometimes\"\n")).unwrap_err();
+            assert_eq!(err.key, format!("server.{key}"), "{err}");
+            assert_eq!(err.to_string().lines().count(), 1, "{err}");
+        }
+    }
+
+    #[test]
     fn workers_default_to_the_available_cores() {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         assert_eq!(Config::from_toml_str("").unwrap().server.workers, cores);
