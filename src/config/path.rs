@@ -94,21 +94,26 @@ pub fn normal<'a>(path: &'a str, rules: &PathRules) -> Result<Cow<'a, str>, NotN
     Ok(Cow::Owned(spelled))
 }
 
-/// Whether `path` is in normal form with no escape at all: the common case, checked without allocating.
+/// Whether `path` is in normal form with no escape at all: the common case, checked in one pass over its
+/// bytes, without allocating.
 fn already_normal(path: &str, rules: &PathRules) -> bool {
-    let mut segments = path.split('/');
-    if segments.next() != Some("") {
+    let bytes = path.as_bytes();
+    if bytes.first() != Some(&b'/') {
         return false;
     }
-    let mut segments = segments.peekable();
-    while let Some(segment) = segments.next() {
-        let last = segments.peek().is_none();
-        if (segment.is_empty() && !last) || segment == "." || segment == ".." {
+    let parameters = rules.path_parameters == Ambiguous::Keep;
+    let mut segment = 1;
+    for (at, &byte) in bytes.iter().enumerate().skip(1) {
+        if byte == b'/' {
+            if matches!(&bytes[segment..at], b"" | b"." | b"..") {
+                return false;
+            }
+            segment = at + 1;
+        } else if !(is_plain(byte) || (byte == b';' && parameters)) {
             return false;
         }
     }
-    path.bytes()
-        .all(|b| is_plain(b) || (b == b';' && rules.path_parameters == Ambiguous::Keep))
+    !matches!(&bytes[segment..], b"." | b"..")
 }
 
 /// Each escape and character in its one spelling; refuses what the rules refuse.
@@ -166,13 +171,25 @@ fn is_unreserved(b: u8) -> bool {
 /// What a normal path holds unescaped: unreserved characters, `/`, and the sub-delims, `:` and `@` a
 /// segment may hold (RFC 3986 §3.3), but `;`, which the rules decide.
 fn is_plain(b: u8) -> bool {
-    is_unreserved(b)
-        || matches!(
-            b,
-            b'/' | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b','
-        )
-        || matches!(b, b'=' | b':' | b'@')
+    PLAIN[usize::from(b)]
 }
+
+/// [`is_plain`] by byte.
+const PLAIN: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let byte = b as u8;
+        table[b] = byte.is_ascii_alphanumeric()
+            || matches!(byte, b'-' | b'.' | b'_' | b'~' | b'/' | b':' | b'@' | b'=')
+            || matches!(
+                byte,
+                b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b','
+            );
+        b += 1;
+    }
+    table
+};
 
 /// Runs of `/` as one.
 fn merge_slashes(path: &str) -> String {
