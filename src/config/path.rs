@@ -74,9 +74,11 @@ pub enum NotNormal {
     TooLong,
 }
 
-/// `path` in normal form: borrowed when it already is. `Err` when the rules refuse it.
+/// `path` in normal form: borrowed when it already is. `Err` when the rules refuse it. Only paths are
+/// normalised: a request target with none (`*` of `OPTIONS *`, the empty path of a `CONNECT`'s
+/// authority form) is left as it is.
 pub fn normal<'a>(path: &'a str, rules: &PathRules) -> Result<Cow<'a, str>, NotNormal> {
-    if path == "*" || already_normal(path, rules) {
+    if !path.starts_with('/') || already_normal(path, rules) {
         return Ok(Cow::Borrowed(path));
     }
     let spelled = remove_dot_segments(&merge_slashes(&spell(path, rules)?));
@@ -338,6 +340,7 @@ mod tests {
             ("/a:b@c!$&'()*+,=", "/a:b@c!$&'()*+,="),
             ("/a%3Bb", "/a%3Bb"),
             ("*", "*"),
+            ("", ""),
         ] {
             assert_eq!(normalised(path).as_deref(), Ok(want), "{path}");
         }

@@ -61,9 +61,11 @@ mod tests {
         let mut absolute = request("http://example.com//v1/payments?x=1");
         normalise(&mut absolute, &PathRules::default()).unwrap();
         assert_eq!(absolute.uri().to_string(), "http://example.com/v1/payments?x=1");
-        let mut asterisk = request("*");
-        normalise(&mut asterisk, &PathRules::default()).unwrap();
-        assert_eq!(asterisk.uri(), "*");
+        for target in ["*", "example.com:443"] {
+            let mut pathless = request(target);
+            normalise(&mut pathless, &PathRules::default()).unwrap();
+            assert_eq!(pathless.uri(), target, "a target without a path is left alone");
+        }
     }
 
     #[test]
