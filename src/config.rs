@@ -4,7 +4,8 @@
 //!
 //! Each TOML section lives in its own file under `config/`, with its structs, defaults, checks and tests:
 //! `server.rs` (and the listener's TLS files), `upstream.rs` (and the upstream's TLS files), `store.rs` (and the PostgreSQL URL),
-//! `idempotency.rs`, `sweeper.rs`, `log.rs`, `replay_cache.rs`, `encryption.rs` (and the keys);
+//! `idempotency.rs`, `routes.rs`, `sweeper.rs`, `log.rs`, `replay_cache.rs`, `encryption.rs` (and the
+//! keys); `path.rs` is the normal form of request paths (`server.paths`) that routes are written in;
 //! `parse.rs` holds the checks they share, `tls.rs` the PEM files and rustls configs. A section whose TOML form is already its typed form is one
 //! struct; the others have a `Raw…` struct as written and a `…Config` as run. Nothing here imports from
 //! the rest of the crate: the store, the proxy and the server read this, never the other way round.
@@ -14,6 +15,7 @@ mod idempotency;
 mod key_source;
 mod log;
 mod parse;
+mod path;
 mod redis;
 mod replay_cache;
 mod routes;
@@ -35,6 +37,7 @@ pub use idempotency::{
 };
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat};
+pub use path::{Ambiguous, NotNormal, PathMode, PathRules, normal};
 pub use redis::{RawRedis, RedisTarget};
 pub use replay_cache::ReplayCacheConfig;
 pub use routes::{DEFAULT_ROUTE, PathMatch, RawRoute, Route, RouteTable};
@@ -210,7 +213,12 @@ impl RawConfig {
         let upstream = self.upstream.validate(&server)?;
         let store = self.store.validate()?;
         let idempotency = self.idempotency.validate()?;
-        let routes = RouteTable::new(&self.idempotency, idempotency.clone(), &self.routes)?;
+        let routes = RouteTable::new(
+            &self.idempotency,
+            idempotency.clone(),
+            &self.routes,
+            &server.paths,
+        )?;
         self.check_buffers(&routes)?;
         self.sweeper.validate()?;
         Ok(Config {

@@ -69,6 +69,10 @@ pub enum ProxyError {
     /// The request body could not be read from the client.
     #[error("could not read the request body: {0}")]
     ClientBody(String),
+    /// The path has no normal form the proxy accepts (`server.paths`, `server.escaped_slashes`,
+    /// `server.path_parameters`); nothing was routed.
+    #[error("path refused: {0}")]
+    NonNormalPath(crate::config::NotNormal),
     /// A method the proxy never forwards (`CONNECT`, `TRACE`).
     #[error("method {0} is not forwarded")]
     MethodNotAllowed(http::Method),
@@ -122,7 +126,8 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::MissingScope(_)
-            | ProxyError::ClientBody(_) => StatusCode::BAD_REQUEST,
+            | ProxyError::ClientBody(_)
+            | ProxyError::NonNormalPath(_) => StatusCode::BAD_REQUEST,
             ProxyError::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::KeyInFlight { .. } => StatusCode::CONFLICT,
@@ -149,6 +154,7 @@ impl ProxyError {
             ProxyError::MissingScope(_) => "missing-scope",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
             ProxyError::ClientBody(_) => "bad-request-body",
+            ProxyError::NonNormalPath(_) => "non-normal-path",
             ProxyError::MethodNotAllowed(_) => "method-not-allowed",
             ProxyError::KeyInFlight { .. } => "key-in-flight",
             ProxyError::KeyReused => "key-reused",
@@ -172,6 +178,7 @@ impl ProxyError {
             ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
             ProxyError::ClientBody(_) => "Request body unreadable",
+            ProxyError::NonNormalPath(_) => "Path not accepted",
             ProxyError::MethodNotAllowed(_) => "Method not allowed",
             ProxyError::KeyInFlight { .. } => "Request with this key in progress",
             ProxyError::KeyReused => "Idempotency key reused with another request",
@@ -208,6 +215,7 @@ impl ProxyError {
                 format!("The request body is larger than {limit} bytes.")
             }
             ProxyError::ClientBody(_) => "The request body could not be read.".into(),
+            ProxyError::NonNormalPath(why) => format!("The request was not forwarded: {why}."),
             ProxyError::MethodNotAllowed(method) => {
                 format!("{method} requests are not forwarded by this proxy.")
             }
@@ -261,6 +269,7 @@ impl ProxyError {
             | ProxyError::MissingScope(_)
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)
+            | ProxyError::NonNormalPath(_)
             | ProxyError::MethodNotAllowed(_)
             | ProxyError::RequestTimeout(_)
             | ProxyError::Busy(_) => Outcome::Rejected,

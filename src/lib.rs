@@ -8,7 +8,8 @@
 //!   shutdown; `server/listener.rs` is the TCP or unix socket it accepts from, `server/cert_reload.rs`
 //!   swaps in a changed TLS certificate, `server/slots.rs` caps the connections,
 //!   `server/write_deadline.rs` lets go of clients that stop reading;
-//! - `proxy.rs` routes each request: a request the proxy does not protect goes to `proxy/passthrough.rs`;
+//! - `proxy.rs` routes each request, once `proxy/path.rs` has brought its path to its one spelling (or
+//!   refused it): a request the proxy does not protect goes to `proxy/passthrough.rs`;
 //!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
 //!   read whole, the claim with its lease) → `proxy/cache.rs` (retries answered from memory) →
 //!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either

@@ -1,8 +1,8 @@
 //! The request path, for every request on the proxy listener. [`Proxy::handle`] never fails: it counts,
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
-//! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute,
-//! or, on a route with `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide
-//! again.
+//! order: the path in its one spelling (`proxy/path.rs`) → route by path and method → key → body →
+//! scope and fingerprint → claim → decision → replay or execute, or, on a route with
+//! `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide again.
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
@@ -13,6 +13,7 @@ pub mod expiry;
 pub mod intake;
 pub mod key;
 pub mod passthrough;
+pub mod path;
 pub mod replay;
 pub mod trace_context;
 pub mod upstream;
@@ -34,7 +35,7 @@ use self::intake::budget::BodyBudget;
 use self::upstream::{Downstream, Upstream};
 use crate::access::{self, Line};
 use crate::body::ProxyBody;
-use crate::config::{Config, OnStoreError, Route, RouteTable, StoreBackend};
+use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable, StoreBackend};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
 use crate::store::notify::Waiters;
@@ -45,6 +46,8 @@ use crate::store::{ClaimRequest, StoreHandle};
 pub struct Proxy {
     /// The routes and their policies; every request takes one.
     pub(crate) routes: Arc<RouteTable>,
+    /// How every request's path is brought to its one spelling before it is routed (`server.paths`).
+    pub(crate) paths: PathRules,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
@@ -96,6 +99,7 @@ impl Proxy {
     ) -> Proxy {
         Proxy {
             routes: Arc::new(config.routes.clone()),
+            paths: config.server.paths,
             on_store_error: config.store.on_error,
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
@@ -138,13 +142,16 @@ impl Proxy {
     /// Answers one request. Never fails.
     pub async fn handle(
         self: Arc<Self>,
-        request: Request<Incoming>,
+        mut request: Request<Incoming>,
         peer: Downstream,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let _in_flight = InFlight::enter(&self.metrics);
+        // Before anything reads the path: the span and the access line record the path that is routed.
+        let normal = path::normalise(&mut request, &self.paths);
         let span = tracing::info_span!(
             "request",
             method = %request.method(),
+            path = request.uri().path(),
             route = tracing::field::Empty,
             outcome = tracing::field::Empty,
             trace_id = tracing::field::Empty,
@@ -152,7 +159,10 @@ impl Proxy {
         );
         let line = self.open_line(&request, &span);
         let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
-        let inner = access::within(line.as_ref().map(Line::ledger), self.handle_inner(request, peer));
+        let inner = access::within(
+            line.as_ref().map(Line::ledger),
+            self.handle_inner(request, peer, normal),
+        );
         let result = if span.is_disabled() {
             inner.await
         } else {
@@ -201,7 +211,15 @@ impl Proxy {
             .then(|| Line::open(request.method(), request.uri().path(), trace.map(|t| t.trace_id)))
     }
 
-    async fn handle_inner(self: &Arc<Self>, request: Request<Incoming>, peer: Downstream) -> Handled {
+    /// The lifecycle after `normal`, the path's normalisation (`path::normalise`), which a refused path
+    /// ends here.
+    async fn handle_inner(
+        self: &Arc<Self>,
+        mut request: Request<Incoming>,
+        peer: Downstream,
+        normal: Result<(), ProxyError>,
+    ) -> Handled {
+        normal?;
         // CONNECT would make the proxy a tunnel (a 2xx from the upstream turns the client's connection
         // into raw bytes) and TRACE echoes the request, credentials included: neither is forwarded.
         let method = request.method();
@@ -211,6 +229,8 @@ impl Proxy {
         let route = self.routes.select(method, request.uri().path()).clone();
         tracing::Span::current().record("route", route.name.as_str());
         access::route(&route.name);
+        path::respell(&mut request, &route)?;
+        let method = request.method();
         if route.passthrough || !route.policy.methods.contains(method) {
             return self.passthrough(request, &peer).await;
         }

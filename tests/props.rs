@@ -388,3 +388,56 @@ proptest! {
         prop_assert_eq!(Some(key), structured_key.expect("a structured event's key"));
     }
 }
+
+/// A path a hostile client could send: escapes (good and broken, either case), dots, slashes, path
+/// parameters, backslashes and any other character.
+fn hostile_path() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        Just("/".to_owned()),
+        Just(".".to_owned()),
+        Just("..".to_owned()),
+        Just(";".to_owned()),
+        Just("\\".to_owned()),
+        "%[0-9a-fA-F]{2}",
+        "%[0-9a-zA-Z%]{0,2}",
+        "[A-Za-z0-9_~:@!$&'()*+,=-]{1,3}",
+        "\\PC",
+    ];
+    prop::collection::vec(piece, 0..24).prop_map(|pieces| format!("/{}", pieces.concat()))
+}
+
+fn path_rules() -> impl Strategy<Value = idemproxy::config::PathRules> {
+    use idemproxy::config::{Ambiguous, PathMode, PathRules};
+    let ambiguous = || prop_oneof![Just(Ambiguous::Reject), Just(Ambiguous::Keep)];
+    let mode = prop_oneof![Just(PathMode::Normalize), Just(PathMode::Reject)];
+    (mode, ambiguous(), ambiguous()).prop_map(|(mode, escaped_slashes, path_parameters)| PathRules {
+        mode,
+        escaped_slashes,
+        path_parameters,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    /// Normalising never panics, its result is a valid request path in normal form (normalising it
+    /// again changes nothing, and reject mode accepts it), and it is what `reject` mode lets through.
+    #[test]
+    fn a_path_normalises_once_and_for_all(path in hostile_path(), rules in path_rules()) {
+        use idemproxy::config::{PathMode, PathRules, normal};
+        let normalize = PathRules { mode: PathMode::Normalize, ..rules };
+        let Ok(once) = normal(&path, &normalize) else {
+            return Ok(());
+        };
+        prop_assert!(once.starts_with('/'), "{once}");
+        prop_assert!(once.parse::<http::uri::PathAndQuery>().is_ok(), "{once}");
+        prop_assert!(!once.contains("//") && !once.contains("/./") && !once.contains("/../"), "{once}");
+        let twice = normal(&once, &normalize).expect("a normal path is accepted");
+        prop_assert_eq!(&*twice, &*once);
+        prop_assert!(matches!(twice, std::borrow::Cow::Borrowed(_)), "{once}");
+        let reject = PathRules { mode: PathMode::Reject, ..rules };
+        let accepted = normal(&once, &reject);
+        prop_assert_eq!(accepted.as_deref(), Ok(&*once));
+        prop_assert_eq!(normal(&path, &reject).is_ok(), path == *once, "{}", path);
+    }
+}

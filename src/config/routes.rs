@@ -1,9 +1,12 @@
-//! `[[routes]]`: per-endpoint policies. Each route matches requests by path (exact, prefix, or a glob
-//! whose `*` stands for one segment) and optionally by method; the first match wins, and a request no
-//! route matches takes the default route, which is `[idempotency]` itself. A route's own policy is the
-//! section's with the route's keys laid over it, validated as the section is (its errors name
-//! `routes[2].ttl`). Validation also refuses a route no request can reach because an earlier one
-//! matches everything it does. `proxy.rs` asks [`RouteTable::select`] for every request.
+//! `[[routes]]`: per-endpoint policies. Each route matches requests by path (exact, a prefix of whole
+//! segments, or a glob whose `*` stands for one segment; in either case and with an optional trailing
+//! slash where the route says so) and optionally by method; the first match wins, and a request no route
+//! matches takes the default route, which is `[idempotency]` itself. Paths are compared in their normal
+//! form (`config/path.rs`), which route paths must be written in. A route's own policy is the section's
+//! with the route's keys laid over it, validated as the section is (its errors name `routes[2].ttl`).
+//! Validation also refuses a route no request can reach because an earlier one matches everything it
+//! does. `proxy.rs` asks [`RouteTable::select`] for every request, and [`Route::respell`] for the path
+//! the chosen route forwards.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -14,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::idempotency::{IdempotencyConfig, RawIdempotency};
+use super::path::{self, NotNormal, PathMode, PathRules};
 
 /// The default route's name and scope name: the scope every key had before routes existed.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -30,9 +34,19 @@ pub struct RawRoute {
     /// The path matched exactly, or, with `*` segments, as a glob (`/v1/orders/*/refund`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// A path prefix (`/webhooks/`).
+    /// A path prefix of whole segments: `/webhooks` takes `/webhooks` and `/webhooks/x`, not
+    /// `/webhooksx`; written with a trailing slash (`/webhooks/`) it takes only what is below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_prefix: Option<String>,
+    /// Letters in the route's path match in either case (`/V1/Payments` takes `path = "/v1/payments"`),
+    /// for upstreams that route so (ASP.NET, Express); the request goes upstream as the route writes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ignore_case: bool,
+    /// A trailing slash is optional (`/v1/payments/` takes `path = "/v1/payments"`, and the other way
+    /// round), for upstreams that route so; the request goes upstream as the route writes it. Routes
+    /// matched by `path` only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ignore_trailing_slash: bool,
     /// Methods the route matches; empty means every method.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub match_methods: Vec<String>,
@@ -49,7 +63,7 @@ pub struct RawRoute {
 pub enum PathMatch {
     /// The whole path.
     Exact(String),
-    /// The path's beginning.
+    /// The path's first whole segments; with a trailing slash, only what is below them.
     Prefix(String),
     /// Segment by segment; `None` is a `*`, matching any one non-empty segment.
     Glob(Vec<Option<String>>),
@@ -64,6 +78,10 @@ pub struct Route {
     pub scope: String,
     /// How it matches the path; `None` for the default route, which matches everything.
     pub path: Option<PathMatch>,
+    /// Its path's letters match in either case (`ignore_case`).
+    pub ignore_case: bool,
+    /// A trailing slash is optional (`ignore_trailing_slash`).
+    pub ignore_trailing_slash: bool,
     /// Methods it matches; `None` means every method.
     pub methods: Option<Vec<Method>>,
     /// Forwards without idempotency.
@@ -82,17 +100,19 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
-    /// Validates the routes over the section they inherit from.
+    /// Validates the routes over the section they inherit from; their paths must be in the normal form
+    /// `paths` brings request paths to.
     pub fn new(
         section: &RawIdempotency,
         default: IdempotencyConfig,
         raw: &[RawRoute],
+        paths: &PathRules,
     ) -> Result<RouteTable, ConfigError> {
         let base = section_dict(section)?;
         let mut routes: Vec<Arc<Route>> = Vec::with_capacity(raw.len());
         for (index, route) in raw.iter().enumerate() {
             let prefix = format!("routes[{index}]");
-            let route = route.validate(&prefix, &base)?;
+            let route = route.validate(&prefix, &base, paths)?;
             if let Some(earlier) = routes.iter().find(|r| r.name == route.name) {
                 return Err(ConfigError::new(
                     &format!("{prefix}.name"),
@@ -115,6 +135,8 @@ impl RouteTable {
             name: DEFAULT_ROUTE.into(),
             scope: DEFAULT_ROUTE.into(),
             path: None,
+            ignore_case: false,
+            ignore_trailing_slash: false,
             methods: None,
             passthrough: false,
             policy: default,
@@ -122,7 +144,7 @@ impl RouteTable {
         Ok(RouteTable { routes, default })
     }
 
-    /// The route a request takes: the first that matches, else the default.
+    /// The route a request takes: the first that matches, else the default. `path` is in normal form.
     pub fn select(&self, method: &Method, path: &str) -> &Arc<Route> {
         self.routes
             .iter()
@@ -150,7 +172,7 @@ impl RouteTable {
 }
 
 impl RawRoute {
-    fn validate(&self, prefix: &str, base: &Dict) -> Result<Route, ConfigError> {
+    fn validate(&self, prefix: &str, base: &Dict, paths: &PathRules) -> Result<Route, ConfigError> {
         let key = |field: &str| format!("{prefix}.{field}");
         let name = check_name(&key("name"), &self.name)?;
         let scope = match &self.scope {
@@ -163,8 +185,18 @@ impl RawRoute {
                 "\"default\" is the name of [idempotency]'s route; choose another",
             ));
         }
+        let path = self.path_match(prefix, paths)?;
+        if self.ignore_trailing_slash && matches!(path, PathMatch::Prefix(_)) {
+            return Err(ConfigError::new(
+                &key("ignore_trailing_slash"),
+                "is for routes matched by path: path_prefix = \"/a\" already takes \"/a\", \"/a/\" and \
+                 what is below them",
+            ));
+        }
         Ok(Route {
-            path: Some(self.path_match(prefix)?),
+            path: Some(path),
+            ignore_case: self.ignore_case,
+            ignore_trailing_slash: self.ignore_trailing_slash,
             methods: self.match_methods(&key("match_methods"))?,
             passthrough: self.passthrough,
             policy: self.policy(prefix, base)?,
@@ -173,11 +205,11 @@ impl RawRoute {
         })
     }
 
-    fn path_match(&self, prefix: &str) -> Result<PathMatch, ConfigError> {
+    fn path_match(&self, prefix: &str, paths: &PathRules) -> Result<PathMatch, ConfigError> {
         match (&self.path, &self.path_prefix) {
             (Some(path), None) => {
                 let key = format!("{prefix}.path");
-                check_path(&key, path)?;
+                check_path(&key, path, paths)?;
                 if !path.split('/').any(|s| s == "*") {
                     if path.contains('*') {
                         return Err(ConfigError::new(
@@ -192,7 +224,7 @@ impl RawRoute {
             }
             (None, Some(start)) => {
                 let key = format!("{prefix}.path_prefix");
-                check_path(&key, start)?;
+                check_path(&key, start, paths)?;
                 if start.contains('*') {
                     return Err(ConfigError::new(
                         &key,
@@ -244,29 +276,153 @@ impl RawRoute {
 }
 
 impl Route {
-    /// Whether this route takes the request.
+    /// Whether this route takes the request; `path` is in normal form.
     pub fn matches(&self, method: &Method, path: &str) -> bool {
         if let Some(methods) = &self.methods
             && !methods.contains(method)
         {
             return false;
         }
+        self.takes(path)
+    }
+
+    /// The path as this route writes it, for a path it takes, when that is another spelling (only on a
+    /// route with `ignore_case` or `ignore_trailing_slash`): the part the route names in the route's
+    /// case, the trailing slash as the route writes it; a `*` segment, and what follows a prefix, as
+    /// sent. The request is forwarded, fingerprinted and keyed by this spelling, so every spelling the
+    /// route takes is one request.
+    pub fn respell(&self, path: &str) -> Option<String> {
+        if !(self.ignore_case || self.ignore_trailing_slash) {
+            return None;
+        }
+        let spelled = match self.path.as_ref()? {
+            PathMatch::Exact(exact) => exact.clone(),
+            PathMatch::Prefix(start) => format!("{start}{}", path.get(start.len()..).unwrap_or("")),
+            PathMatch::Glob(segments) => {
+                let parts = self.without_slash(path).split('/');
+                let wanted = self.glob_segments(segments).iter().zip(parts);
+                let joined: Vec<&str> = wanted
+                    .map(|(want, part)| want.as_deref().unwrap_or(part))
+                    .collect();
+                let mut spelled = joined.join("/");
+                if self.ignore_trailing_slash && glob_ends_with_slash(segments) {
+                    spelled.push('/');
+                }
+                spelled
+            }
+        };
+        (spelled != path).then_some(spelled)
+    }
+
+    /// Whether the route takes `path` (in normal form), whatever the method.
+    fn takes(&self, path: &str) -> bool {
+        let path = self.without_slash(path);
         match &self.path {
             None => true,
-            Some(PathMatch::Exact(exact)) => path == exact,
-            Some(PathMatch::Prefix(start)) => path.starts_with(start.as_str()),
-            Some(PathMatch::Glob(segments)) => glob_matches(segments, path),
+            Some(PathMatch::Exact(exact)) => self.same(path, self.without_slash(exact)),
+            Some(PathMatch::Prefix(start)) => prefix_takes(start, path, self.ignore_case),
+            Some(PathMatch::Glob(segments)) => {
+                let mut parts = path.split('/');
+                let all = self
+                    .glob_segments(segments)
+                    .iter()
+                    .all(|want| match (want, parts.next()) {
+                        (_, None) => false,
+                        (None, Some(part)) => !part.is_empty(),
+                        (Some(want), Some(part)) => self.same(part, want),
+                    });
+                all && parts.next().is_none()
+            }
         }
     }
 
-    /// Whether every request `later` matches is matched by this route first.
+    /// `path` without its trailing slash where the route ignores it.
+    fn without_slash<'p>(&self, path: &'p str) -> &'p str {
+        match path.strip_suffix('/') {
+            Some(trimmed) if self.ignore_trailing_slash && !trimmed.is_empty() => trimmed,
+            _ => path,
+        }
+    }
+
+    /// A glob's segments as compared: without the empty last one of a trailing slash the route ignores.
+    fn glob_segments<'s>(&self, segments: &'s [Option<String>]) -> &'s [Option<String>] {
+        if self.ignore_trailing_slash && glob_ends_with_slash(segments) {
+            &segments[..segments.len() - 1]
+        } else {
+            segments
+        }
+    }
+
+    fn same(&self, a: &str, b: &str) -> bool {
+        if self.ignore_case {
+            a.eq_ignore_ascii_case(b)
+        } else {
+            a == b
+        }
+    }
+
+    /// Whether every request `later` matches is matched by this route first. Conservative: `false`
+    /// where that is not plain (a later route that ignores case or a trailing slash that this one does
+    /// not heed), never `true` for a route some request would reach.
     fn covers(&self, later: &Route) -> bool {
         let methods = match (&self.methods, &later.methods) {
             (None, _) => true,
             (Some(_), None) => false,
             (Some(mine), Some(theirs)) => theirs.iter().all(|m| mine.contains(m)),
         };
-        methods && covers_path(self.path.as_ref(), later.path.as_ref())
+        methods && (self.ignore_case || !later.ignore_case) && self.covers_path(later)
+    }
+
+    fn covers_path(&self, later: &Route) -> bool {
+        let (Some(earlier), Some(theirs)) = (&self.path, &later.path) else {
+            return self.path.is_none();
+        };
+        let fold = |text: &str| {
+            if self.ignore_case {
+                text.to_ascii_lowercase()
+            } else {
+                text.to_owned()
+            }
+        };
+        match (earlier, theirs) {
+            // Every spelling of the later path, but for case: with `later.ignore_case` this route
+            // ignores case too.
+            (_, PathMatch::Exact(exact)) => later.spellings(exact).iter().all(|p| self.takes(p)),
+            (PathMatch::Prefix(start), PathMatch::Prefix(b)) => {
+                below(&fold(b)).starts_with(&below(&fold(start)))
+                    && (b.ends_with('/') || prefix_takes(start, b, self.ignore_case))
+            }
+            (PathMatch::Prefix(start), PathMatch::Glob(segments)) => {
+                // Every path the glob takes is its text up to the first '*', a '/', then more (a trailing
+                // slash the later route ignores included, as the prefix takes both).
+                let fixed: Vec<&str> = segments.iter().map_while(|s| s.as_deref()).collect();
+                below(&fold(&fixed.join("/"))).starts_with(&below(&fold(start)))
+            }
+            (PathMatch::Glob(mine), PathMatch::Glob(theirs)) => {
+                if later.ignore_trailing_slash && !self.ignore_trailing_slash {
+                    return false;
+                }
+                let (mine, theirs) = (self.glob_segments(mine), self.glob_segments(theirs));
+                mine.len() == theirs.len()
+                    && mine.iter().zip(theirs).all(|(a, b)| match (a, b) {
+                        // A '*' takes any non-empty segment: not the empty one of a trailing slash.
+                        (None, None) => true,
+                        (None, Some(b)) => !b.is_empty(),
+                        (Some(a), Some(b)) => self.same(a, b),
+                        (Some(_), None) => false,
+                    })
+            }
+            (PathMatch::Exact(_), _) | (PathMatch::Glob(_), PathMatch::Prefix(_)) => false,
+        }
+    }
+
+    /// The paths an exact route takes, but for case.
+    fn spellings(&self, exact: &str) -> Vec<String> {
+        let trimmed = self.without_slash(exact);
+        if !self.ignore_trailing_slash || trimmed == "/" {
+            return vec![exact.to_owned()];
+        }
+        vec![trimmed.to_owned(), format!("{trimmed}/")]
     }
 
     fn describe(&self) -> String {
@@ -274,7 +430,7 @@ impl Route {
             None => "*".to_owned(),
             Some(methods) => methods.iter().map(Method::as_str).collect::<Vec<_>>().join(","),
         };
-        let path = match &self.path {
+        let mut path = match &self.path {
             None => "(any other request)".to_owned(),
             Some(PathMatch::Exact(path)) => format!("path = {path:?}"),
             Some(PathMatch::Prefix(start)) => format!("path_prefix = {start:?}"),
@@ -283,6 +439,16 @@ impl Route {
                 format!("path = {:?}", glob.join("/"))
             }
         };
+        let options: Vec<&str> = [
+            (self.ignore_case, "ignore_case"),
+            (self.ignore_trailing_slash, "ignore_trailing_slash"),
+        ]
+        .iter()
+        .filter_map(|(on, name)| on.then_some(*name))
+        .collect();
+        if !options.is_empty() {
+            let _ = write!(path, " ({})", options.join(", "));
+        }
         let policy = &self.policy;
         if self.passthrough {
             return format!("{:?} {methods} {path}: passthrough", self.name);
@@ -307,47 +473,32 @@ impl Route {
     }
 }
 
-fn covers_path(earlier: Option<&PathMatch>, later: Option<&PathMatch>) -> bool {
-    let (Some(earlier), Some(later)) = (earlier, later) else {
-        return earlier.is_none();
+/// Whether a prefix takes `path`: the same first whole segments (`/health` takes `/health` and
+/// `/health/x`, not `/healthz`); a prefix written with a trailing slash takes only what is below it.
+fn prefix_takes(start: &str, path: &str, ignore_case: bool) -> bool {
+    let Some(head) = path.get(..start.len()) else {
+        return false;
     };
-    match (earlier, later) {
-        (PathMatch::Exact(a), PathMatch::Exact(b)) => a == b,
-        (PathMatch::Prefix(start), PathMatch::Exact(b) | PathMatch::Prefix(b)) => {
-            b.starts_with(start.as_str())
-        }
-        (PathMatch::Prefix(start), PathMatch::Glob(segments)) => {
-            // Every path the glob matches begins with its text up to the first '*'.
-            let fixed: Vec<&str> = segments.iter().map_while(|s| s.as_deref()).collect();
-            let literal = if fixed.len() == segments.len() {
-                fixed.join("/")
-            } else {
-                format!("{}/", fixed.join("/"))
-            };
-            literal.starts_with(start.as_str())
-        }
-        (PathMatch::Glob(mine), PathMatch::Exact(path)) => glob_matches(mine, path),
-        (PathMatch::Glob(mine), PathMatch::Glob(theirs)) => {
-            mine.len() == theirs.len()
-                && mine.iter().zip(theirs).all(|(a, b)| match (a, b) {
-                    (None, _) => true,
-                    (Some(a), Some(b)) => a == b,
-                    (Some(_), None) => false,
-                })
-        }
-        (PathMatch::Exact(_), _) | (PathMatch::Glob(_), PathMatch::Prefix(_)) => false,
+    let same = if ignore_case {
+        head.eq_ignore_ascii_case(start)
+    } else {
+        head == start
+    };
+    same && (path.len() == start.len() || start.ends_with('/') || path.as_bytes()[start.len()] == b'/')
+}
+
+/// A prefix with one trailing slash: every path below it starts so.
+fn below(prefix: &str) -> String {
+    if prefix.ends_with('/') {
+        prefix.to_owned()
+    } else {
+        format!("{prefix}/")
     }
 }
 
-/// Whether `path` has exactly the glob's segments, a `*` (`None`) standing for any non-empty one.
-fn glob_matches(segments: &[Option<String>], path: &str) -> bool {
-    let mut parts = path.split('/');
-    let all = segments.iter().all(|want| match (want, parts.next()) {
-        (_, None) => false,
-        (None, Some(part)) => !part.is_empty(),
-        (Some(want), Some(part)) => want == part,
-    });
-    all && parts.next().is_none()
+/// Whether a glob is written with a trailing slash (its last segment empty).
+fn glob_ends_with_slash(segments: &[Option<String>]) -> bool {
+    segments.len() > 1 && segments.last().is_some_and(|s| s.as_deref() == Some(""))
 }
 
 /// The section as a dictionary of its settings, for routes to be laid over.
@@ -373,14 +524,36 @@ fn check_name(key: &str, name: &str) -> Result<String, ConfigError> {
     Ok(name.to_owned())
 }
 
-fn check_path(key: &str, path: &str) -> Result<(), ConfigError> {
+/// A route's path: a path, written in the normal form request paths are compared in, holding nothing
+/// `paths` refuses in every request.
+fn check_path(key: &str, path: &str, paths: &PathRules) -> Result<(), ConfigError> {
     if !path.starts_with('/') || path.bytes().any(|b| !b.is_ascii_graphic() || b == b'?') {
         return Err(ConfigError::new(
             key,
             format!("{path:?} is not a path: it starts with '/' and holds no spaces or query"),
         ));
     }
-    Ok(())
+    let rules = PathRules {
+        mode: PathMode::Normalize,
+        ..*paths
+    };
+    let why = match path::normal(path, &rules) {
+        Ok(normal) if normal == path => return Ok(()),
+        Ok(normal) => format!(
+            "{path:?} is another spelling of {normal:?}, the normal form request paths are compared in; \
+             write that"
+        ),
+        Err(NotNormal::EscapedSlash) => format!(
+            "{path:?} can never match: server.escaped_slashes = \"reject\" refuses every request path with \
+             %2F, %5C or \\"
+        ),
+        Err(NotNormal::PathParameter) => format!(
+            "{path:?} can never match: server.path_parameters = \"reject\" refuses every request path \
+             with ';'"
+        ),
+        Err(other) => format!("{path:?}: {other}"),
+    };
+    Err(ConfigError::new(key, why))
 }
 
 #[cfg(test)]
@@ -522,6 +695,245 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_takes_whole_segments() {
+        let routes = table(
+            "[[routes]]\nname = \"health\"\npath_prefix = \"/health\"\n\
+             [[routes]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\n\
+             [[routes]]\nname = \"root\"\npath_prefix = \"/\"\nmatch_methods = [\"PUT\"]\n",
+        );
+        let name = |method: Method, path: &str| routes.select(&method, path).name.clone();
+        for (path, want) in [
+            ("/health", "health"),
+            ("/health/", "health"),
+            ("/health/live", "health"),
+            ("/healthz", "default"),
+            ("/health-x", "default"),
+            ("/Health", "default"),
+            ("/hooks/", "hooks"),
+            ("/hooks/stripe", "hooks"),
+            ("/hooks", "default"),
+            ("/hooksx/a", "default"),
+        ] {
+            assert_eq!(name(Method::POST, path), want, "{path}");
+        }
+        assert_eq!(name(Method::PUT, "/anything/at/all"), "root");
+        assert_eq!(name(Method::PUT, "/"), "root");
+    }
+
+    #[test]
+    fn a_route_may_take_either_case_and_an_optional_trailing_slash() {
+        let routes = table(
+            "[[routes]]\nname = \"pay\"\npath = \"/v1/payments\"\nignore_case = true\n\
+             ignore_trailing_slash = true\n\
+             [[routes]]\nname = \"case\"\npath = \"/v1/Charges\"\nignore_case = true\n\
+             [[routes]]\nname = \"slash\"\npath = \"/v1/refunds/\"\nignore_trailing_slash = true\n\
+             [[routes]]\nname = \"orders\"\npath = \"/v1/orders/*/capture\"\nignore_case = true\n\
+             ignore_trailing_slash = true\n\
+             [[routes]]\nname = \"hooks\"\npath_prefix = \"/Hooks\"\nignore_case = true\n\
+             [[routes]]\nname = \"plain\"\npath = \"/v1/plain\"\n",
+        );
+        let name = |path: &str| routes.select(&Method::POST, path).name.clone();
+        for (path, want) in [
+            ("/v1/payments", "pay"),
+            ("/V1/PAYMENTS", "pay"),
+            ("/v1/payments/", "pay"),
+            ("/V1/Payments/", "pay"),
+            ("/v1/payments/x", "default"),
+            ("/v1/charges", "case"),
+            ("/V1/CHARGES", "case"),
+            ("/v1/charges/", "default"),
+            ("/v1/refunds/", "slash"),
+            ("/v1/refunds", "slash"),
+            ("/V1/refunds", "default"),
+            ("/V1/Orders/AbC/CAPTURE/", "orders"),
+            ("/v1/orders//capture", "default"),
+            ("/hooks/x", "hooks"),
+            ("/HOOKS", "hooks"),
+            ("/hooksx", "default"),
+            ("/v1/plain", "plain"),
+            ("/v1/plain/", "default"),
+            ("/V1/plain", "default"),
+        ] {
+            assert_eq!(name(path), want, "{path}");
+        }
+        let respelled = |path: &str| routes.select(&Method::POST, path).respell(path);
+        assert_eq!(respelled("/V1/Payments/").as_deref(), Some("/v1/payments"));
+        assert_eq!(respelled("/v1/payments"), None);
+        assert_eq!(respelled("/v1/charges").as_deref(), Some("/v1/Charges"));
+        assert_eq!(respelled("/v1/refunds").as_deref(), Some("/v1/refunds/"));
+        assert_eq!(
+            respelled("/V1/Orders/AbC/CAPTURE/").as_deref(),
+            Some("/v1/orders/AbC/capture")
+        );
+        assert_eq!(respelled("/HOOKS/Stripe/A").as_deref(), Some("/Hooks/Stripe/A"));
+        assert_eq!(respelled("/v1/plain"), None);
+        assert_eq!(respelled("/elsewhere"), None);
+    }
+
+    #[test]
+    fn a_route_path_is_written_in_normal_form() {
+        for (path, why) in [
+            ("//a", "\"/a\""),
+            ("/a/./b", "\"/a/b\""),
+            ("/%70ay", "\"/pay\""),
+            ("/a%2fb", "escaped_slashes"),
+            ("/a;b", "path_parameters"),
+            ("/a%zz", "hex"),
+        ] {
+            let err = error(&format!("[[routes]]\nname = \"a\"\npath = \"{path}\"\n"));
+            assert_eq!(err.key, "routes[0].path", "{path}");
+            assert!(err.message.contains(why), "{path}: {err}");
+        }
+        let prefix = error("[[routes]]\nname = \"a\"\npath_prefix = \"/a/../b\"\n");
+        assert_eq!(prefix.key, "routes[0].path_prefix");
+        let kept = "[server]\nescaped_slashes = \"keep\"\npath_parameters = \"keep\"\n\
+                    [[routes]]\nname = \"a\"\npath = \"/a%2Fb;c\"\n";
+        assert!(Config::from_toml_str(kept).is_ok());
+        let slash = error("[[routes]]\nname = \"a\"\npath_prefix = \"/a\"\nignore_trailing_slash = true\n");
+        assert_eq!(slash.key, "routes[0].ignore_trailing_slash");
+    }
+
+    #[test]
+    fn the_can_never_match_check_heeds_segments_case_and_slashes() {
+        for (first, second) in [
+            ("path_prefix = \"/a\"", "path_prefix = \"/a/\""),
+            (
+                "path_prefix = \"/a\"",
+                "path = \"/a\"\nignore_trailing_slash = true",
+            ),
+            (
+                "path_prefix = \"/a\"",
+                "path = \"/a/*\"\nignore_trailing_slash = true",
+            ),
+            ("path_prefix = \"/A\"\nignore_case = true", "path = \"/a/b\""),
+            (
+                "path_prefix = \"/A\"\nignore_case = true",
+                "path = \"/a/b\"\nignore_case = true",
+            ),
+            ("path = \"/a/\"\nignore_trailing_slash = true", "path = \"/a\""),
+            (
+                "path = \"/a\"\nignore_trailing_slash = true",
+                "path = \"/a/\"\nignore_trailing_slash = true",
+            ),
+            (
+                "path = \"/a/*\"\nignore_trailing_slash = true",
+                "path = \"/a/*/\"",
+            ),
+            ("path = \"/A/*\"\nignore_case = true", "path = \"/a/B\""),
+        ] {
+            let toml = format!("[[routes]]\nname = \"one\"\n{first}\n[[routes]]\nname = \"two\"\n{second}\n");
+            assert_eq!(error(&toml).key, "routes[1]", "{toml}");
+        }
+        for (first, second) in [
+            ("path_prefix = \"/health\"", "path = \"/healthz\""),
+            ("path_prefix = \"/a\"", "path_prefix = \"/ab\""),
+            ("path_prefix = \"/a/\"", "path = \"/a\""),
+            (
+                "path_prefix = \"/a/\"",
+                "path = \"/a/\"\nignore_trailing_slash = true",
+            ),
+            ("path_prefix = \"/a\"", "path = \"/ab/*\""),
+            ("path = \"/a\"", "path = \"/a\"\nignore_trailing_slash = true"),
+            ("path = \"/a\"", "path = \"/a\"\nignore_case = true"),
+            ("path_prefix = \"/a\"", "path = \"/a\"\nignore_case = true"),
+            ("path = \"/a/*\"", "path = \"/a/*\"\nignore_trailing_slash = true"),
+            ("path = \"/A/*\"", "path = \"/a/b\""),
+        ] {
+            let toml = format!("[[routes]]\nname = \"one\"\n{first}\n[[routes]]\nname = \"two\"\n{second}\n");
+            assert!(Config::from_toml_str(&toml).is_ok(), "{toml}");
+        }
+    }
+
+    /// A route from its parts, or `None` when validation refuses them.
+    fn route(
+        prefix: bool,
+        path: &str,
+        ignore_case: bool,
+        ignore_trailing_slash: bool,
+    ) -> Option<super::Route> {
+        let base = super::section_dict(&crate::config::RawIdempotency::default()).unwrap();
+        let raw = super::RawRoute {
+            name: "r".into(),
+            scope: None,
+            path: (!prefix).then(|| path.to_owned()),
+            path_prefix: prefix.then(|| path.to_owned()),
+            ignore_case,
+            ignore_trailing_slash,
+            match_methods: Vec::new(),
+            passthrough: false,
+            policy: Default::default(),
+        };
+        raw.validate("routes[0]", &base, &Default::default()).ok()
+    }
+
+    /// Every path of up to three segments of `a`, `A`, `ab`, `b`, with and without a trailing slash.
+    fn small_paths() -> Vec<String> {
+        let mut paths = vec!["/".to_owned()];
+        let mut last = vec![String::new()];
+        for _ in 0..3 {
+            last = last
+                .iter()
+                .flat_map(|p| ["a", "A", "ab", "b"].map(|s| format!("{p}/{s}")))
+                .collect();
+            paths.extend(last.iter().flat_map(|p| [p.clone(), format!("{p}/")]));
+        }
+        paths
+    }
+
+    /// Every route of up to two segments of `a`, `A`, `ab`, `*`, with and without a trailing slash,
+    /// each option and match kind, that validation accepts.
+    fn small_routes() -> Vec<super::Route> {
+        let mut paths = vec!["/".to_owned()];
+        let mut last = vec![String::new()];
+        for _ in 0..2 {
+            last = last
+                .iter()
+                .flat_map(|p| ["a", "A", "ab", "*"].map(|s| format!("{p}/{s}")))
+                .collect();
+            paths.extend(last.iter().flat_map(|p| [p.clone(), format!("{p}/")]));
+        }
+        let mut routes = Vec::new();
+        for path in &paths {
+            for (prefix, case, slash) in (0..8).map(|bits| (bits & 1 != 0, bits & 2 != 0, bits & 4 != 0)) {
+                routes.extend(route(prefix, path, case, slash));
+            }
+        }
+        routes
+    }
+
+    /// A route refused as hidden is one no path reaches: every path it takes, the earlier one takes.
+    /// Exhaustive over the small routes and paths.
+    #[test]
+    fn a_route_refused_as_hidden_takes_no_path_the_earlier_one_does_not() {
+        let (routes, paths) = (small_routes(), small_paths());
+        assert!(routes.len() > 200, "{}", routes.len());
+        let mut refused = 0;
+        for earlier in &routes {
+            for later in routes.iter().filter(|later| earlier.covers(later)) {
+                refused += 1;
+                for path in paths.iter().filter(|p| later.takes(p)) {
+                    assert!(earlier.takes(path), "{earlier:?} covers {later:?} but not {path}");
+                }
+            }
+        }
+        assert!(refused > 1000, "the check refuses something: {refused}");
+    }
+
+    /// What a route respells a path to, it takes, and respells no further.
+    #[test]
+    fn a_respelled_path_takes_the_same_route() {
+        let paths = small_paths();
+        for route in small_routes() {
+            for path in paths.iter().filter(|p| route.takes(p)) {
+                if let Some(spelled) = route.respell(path) {
+                    assert!(route.takes(&spelled), "{route:?}: {path} -> {spelled}");
+                    assert_eq!(route.respell(&spelled), None, "{route:?}: {path}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn the_table_is_described_for_check_config() {
         let config = Config::from_toml_str(
             "[[routes]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\nkey = \"header:webhook-id\"\n\
@@ -535,6 +947,16 @@ mod tests {
             "{printed}"
         );
         assert!(printed.contains("key header:webhook-id"), "{printed}");
+        let options = table(
+            "[[routes]]\nname = \"pay\"\npath = \"/pay\"\nignore_case = true\nignore_trailing_slash = true\n",
+        );
+        assert!(
+            options
+                .describe()
+                .contains("path = \"/pay\" (ignore_case, ignore_trailing_slash): scope"),
+            "{}",
+            options.describe()
+        );
         assert!(printed.contains("-. \"default\""), "{printed}");
         let again: toml::Table = printed.parse().expect("check-config prints valid TOML");
         assert!(again.contains_key("routes"));

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::parse::{parse_addr, positive, within};
+use super::path::{Ambiguous, PathMode, PathRules};
 use super::tls::{self, SwappableCert};
 
 /// The base of problem `type` URIs unless `server.problem_type_base` names another.
@@ -75,6 +76,17 @@ pub struct RawServer {
     /// 409 at once. Absent means `max_connections`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_waiting: Option<usize>,
+    /// A request path not in normal form (repeated slashes, dot segments, escaped unreserved characters,
+    /// lower-case escapes): `normalize` brings it to normal form before anything reads it and forwards
+    /// it so; `reject` refuses it (400 `non-normal-path`).
+    pub paths: PathMode,
+    /// An encoded slash or backslash in a path (`%2F`, `%5C`, a raw `\`), which upstreams read in
+    /// different ways: `reject` refuses it (400 `non-normal-path`); `keep` keeps it as data (it
+    /// separates no segments for routes) and forwards it escaped.
+    pub escaped_slashes: Ambiguous,
+    /// A `;` in a path (a path parameter, which Tomcat and Jetty cut off before routing): `reject`
+    /// refuses it (400 `non-normal-path`); `keep` keeps it as part of its segment.
+    pub path_parameters: Ambiguous,
 }
 
 impl Default for RawServer {
@@ -97,6 +109,9 @@ impl Default for RawServer {
             max_buffered_responses: ByteSize::mib(256),
             problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.into(),
             max_waiting: None,
+            paths: PathMode::Normalize,
+            escaped_slashes: Ambiguous::Reject,
+            path_parameters: Ambiguous::Reject,
         }
     }
 }
@@ -195,6 +210,8 @@ pub struct ServerConfig {
     pub problem_type_base: String,
     /// Most requests waiting for the original with their key.
     pub max_waiting: usize,
+    /// How request paths are brought to their one spelling, or refused.
+    pub paths: PathRules,
 }
 
 impl RawServer {
@@ -222,6 +239,11 @@ impl RawServer {
             max_waiting: match self.max_waiting {
                 Some(n) => within("server.max_waiting", n, 1..=1_000_000)?,
                 None => self.max_connections,
+            },
+            paths: PathRules {
+                mode: self.paths,
+                escaped_slashes: self.escaped_slashes,
+                path_parameters: self.path_parameters,
             },
         })
     }
@@ -411,6 +433,35 @@ mod tests {
         ] {
             let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn paths_are_normalised_and_ambiguous_spellings_refused_unless_the_operator_says_otherwise() {
+        use crate::config::{Ambiguous, PathMode, PathRules};
+        assert_eq!(
+            Config::from_toml_str("").unwrap().server.paths,
+            PathRules::default()
+        );
+        let default = PathRules::default();
+        assert_eq!(
+            (default.mode, default.escaped_slashes, default.path_parameters),
+            (PathMode::Normalize, Ambiguous::Reject, Ambiguous::Reject)
+        );
+        let config = Config::from_toml_str(
+            "[server]\npaths = \"reject\"\nescaped_slashes = \"keep\"\npath_parameters = \"keep\"\n",
+        )
+        .unwrap();
+        let want = PathRules {
+            mode: PathMode::Reject,
+            escaped_slashes: Ambiguous::Keep,
+            path_parameters: Ambiguous::Keep,
+        };
+        assert_eq!(config.server.paths, want);
+        for key in ["paths", "escaped_slashes", "path_parameters"] {
+            let err = Config::from_toml_str(&format!("[server]\n{key} = \"sometimes\"\n")).unwrap_err();
+            assert_eq!(err.key, format!("server.{key}"), "{err}");
+            assert_eq!(err.to_string().lines().count(), 1, "{err}");
         }
     }
 

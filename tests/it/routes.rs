@@ -1,6 +1,9 @@
 //! `[[routes]]` as clients see them: which policy a request gets by path and method, what each route's
 //! keys are unique within, the key expiry header, the problem type base, and the route table
-//! `check-config` prints.
+//! `check-config` prints. And the one spelling of a path (`server.paths`): other spellings of a route's
+//! path take that route, and go upstream, in their normal form, or are refused; prefixes take whole
+//! segments; routes may ignore case and a trailing slash. Hostile spellings go over a raw socket, as a
+//! client library would normalise some of them itself.
 
 use std::time::SystemTime;
 
@@ -8,7 +11,8 @@ use rstest::rstest;
 
 use crate::cli::{config_file, idemproxy};
 use crate::support::http::{TEST_CREDENTIAL, client};
-use crate::support::{Backend, Reply, TestEnv, keyed_post};
+use crate::support::raw::{self, RawReply};
+use crate::support::{Backend, ProxyProcess, Reply, TestEnv, keyed_post, poll_until, settled};
 
 const PAYMENTS: &str = r#"
 name = "payments"
@@ -400,4 +404,297 @@ async fn each_route_option_applies_to_its_own_route_only(
     })
     .await;
     assert_eq!(env.upstream.executions_for_key("r-1"), 2);
+}
+
+/// `POST {target}` with a JSON body (and `key`, when given) over a raw socket: the target as written.
+async fn raw_post(base: &str, target: &str, key: Option<&str>) -> RawReply {
+    let body = "{}";
+    let length = format!("content-length: {}", body.len());
+    let key = key.map(|key| format!("idempotency-key: {key}"));
+    let mut headers = vec!["content-type: application/json", length.as_str()];
+    headers.extend(key.as_deref());
+    let head = raw::head(&format!("POST {target}"), raw::addr_of(base), &headers);
+    raw::exchange(base, format!("{head}{body}").as_bytes()).await
+}
+
+/// The paths and queries the stub upstream received, in order.
+fn received(env: &TestEnv) -> Vec<String> {
+    env.upstream
+        .requests()
+        .into_iter()
+        .map(|r| r.path_and_query)
+        .collect()
+}
+
+/// Spellings of `/payments` a client can send, each another way past an exact route.
+const SPELLINGS: &[&str] = &[
+    "//payments",
+    "///payments",
+    "/%70ayments",
+    "/%70%61yments",
+    "/./payments",
+    "/x/../payments",
+    "/../payments",
+    "/%2e/payments",
+    "/x/%2E%2e/payments",
+    "/x/y/../../payments",
+];
+
+#[tokio::test]
+async fn every_spelling_of_a_required_route_needs_its_key() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let proxy = crate::support::InProcessProxy::start(&env.config().route(PAYMENTS)).await;
+    for spelling in SPELLINGS {
+        raw_post(&proxy.url, spelling, None)
+            .await
+            .assert_problem(400, "missing-key");
+    }
+    // Over HTTP/2 too (the client keeps the empty segment).
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let refused = Reply::of(
+        h2.post(format!("{}//payments", proxy.url))
+            .header("authorization", TEST_CREDENTIAL)
+            .body("{}"),
+    )
+    .await;
+    refused.assert_problem(400, "missing-key");
+    assert_eq!(
+        received(&env),
+        Vec::<String>::new(),
+        "nothing reached the upstream"
+    );
+}
+
+#[tokio::test]
+async fn a_keyed_request_goes_upstream_in_normal_form_and_its_retries_in_any_spelling_replay() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env
+        .config()
+        .route(PAYMENTS)
+        .route("name = \"orders\"\npath_prefix = \"/orders\"\nkey = \"template:{path}/{header:x-op}\"");
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+
+    let first = raw_post(&proxy.url, "//x/..//payments?a=%2e%2E&b=//c", Some("pay-1")).await;
+    assert_eq!(first.status, Some(201), "{first:?}");
+    assert_eq!(received(&env), ["/payments?a=%2e%2E&b=//c"], "the query as sent");
+    // The fingerprint saw the normal form: a retry in another spelling is the same request.
+    for spelling in ["/./payments", "/%70ayments", "/payments"] {
+        let retry = raw_post(&proxy.url, &format!("{spelling}?a=%2e%2E&b=//c"), Some("pay-1")).await;
+        assert_eq!(retry.status, Some(201), "{spelling}: {retry:?}");
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{spelling}");
+    }
+    assert_eq!(env.upstream.executions_for_key("pay-1"), 1);
+
+    // `{path}` in a key template sees the normal form: one key for every spelling.
+    let op = |target: &str| {
+        let head = raw::head(
+            &format!("POST {target}"),
+            raw::addr_of(&proxy.url),
+            &["x-op: capture", "content-length: 2"],
+        );
+        format!("{head}{{}}")
+    };
+    let executed = raw::exchange(&proxy.url, op("/orders/%34%32").as_bytes()).await;
+    assert_eq!(executed.status, Some(201), "{executed:?}");
+    let other = raw::exchange(&proxy.url, op("/orders//42/.").as_bytes()).await;
+    assert_eq!(other.status, Some(201), "{other:?}");
+    assert_eq!(
+        other.header("idempotent-replayed"),
+        None,
+        "/orders/42/ is another path"
+    );
+    let replayed = raw::exchange(&proxy.url, op("/orders/x/../42").as_bytes()).await;
+    assert_eq!(
+        replayed.header("idempotent-replayed"),
+        Some("true"),
+        "{replayed:?}"
+    );
+    assert_eq!(
+        received(&env)[1..],
+        ["/orders/42", "/orders/42/"],
+        "two executions, in normal form"
+    );
+}
+
+#[tokio::test]
+async fn a_prefix_takes_whole_segments_only() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let proxy = crate::support::InProcessProxy::start(&env.config().route(HEALTH)).await;
+    let url = proxy.url.clone();
+    // /health/... passes through every time; /healthz is the default route's, which protects it.
+    for path in ["/health", "/health/deep"] {
+        for _ in 0..2 {
+            let reply = Reply::of(keyed_post(&url, path, path, "{}")).await;
+            assert!(!reply.is_replay(), "{path}");
+        }
+        assert_eq!(env.upstream.executions_for_key(path), 2, "{path}");
+    }
+    assert_eq!(
+        Reply::of(keyed_post(&url, "/healthz", "hz", "{}")).await.status,
+        201
+    );
+    assert!(
+        settled(|| keyed_post(&url, "/healthz", "hz", "{}"))
+            .await
+            .is_replay()
+    );
+    assert_eq!(env.upstream.executions_for_key("hz"), 1);
+}
+
+#[tokio::test]
+async fn reject_mode_refuses_every_other_spelling_with_a_problem() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env.config().set("server.paths", "reject").route(PAYMENTS);
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    for spelling in SPELLINGS.iter().chain(&["/payments/x/..", "/caf%c3%a9"]) {
+        let refused = raw_post(&proxy.url, spelling, Some("k-1")).await;
+        refused.assert_problem(400, "non-normal-path");
+        let detail = serde_json::from_slice::<serde_json::Value>(&refused.body).unwrap()["detail"].clone();
+        assert!(detail.as_str().unwrap().contains("normal form"), "{detail}");
+    }
+    assert_eq!(
+        received(&env),
+        Vec::<String>::new(),
+        "nothing reached the upstream"
+    );
+    let normal = raw_post(&proxy.url, "/payments?q=//./", Some("k-1")).await;
+    assert_eq!(normal.status, Some(201), "{normal:?}");
+    assert_eq!(received(&env), ["/payments?q=//./"]);
+}
+
+#[tokio::test]
+async fn encoded_slashes_backslashes_and_path_parameters_are_refused_unless_kept() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let proxy = crate::support::InProcessProxy::start(&env.config().route(PAYMENTS)).await;
+    for target in [
+        "/v1%2Fpayments",
+        "/v1%2fpayments",
+        "/x/..%2F..%2Fpayments",
+        "/v1%5Cpayments",
+        "/payments;jsessionid=1",
+        "/x/..;/payments",
+        "/payments%zz",
+        "/payments%",
+    ] {
+        raw_post(&proxy.url, target, None)
+            .await
+            .assert_problem(400, "non-normal-path");
+    }
+    // A raw backslash reaches the proxy (hyper lets it through), which refuses it the same way.
+    raw_post(&proxy.url, "/x\\..\\payments", None)
+        .await
+        .assert_problem(400, "non-normal-path");
+    assert_eq!(
+        received(&env),
+        Vec::<String>::new(),
+        "nothing reached the upstream"
+    );
+    proxy.stop().await.expect("a clean stop");
+
+    let kept = env
+        .config()
+        .set("server.escaped_slashes", "keep")
+        .set("server.path_parameters", "keep")
+        .route(PAYMENTS);
+    let proxy = crate::support::InProcessProxy::start(&kept).await;
+    // Kept, they are data: no separator for the route, and forwarded as the normal form spells them.
+    for (target, upstream) in [
+        ("/x/..%2f..%2fpayments", "/x/..%2F..%2Fpayments"),
+        ("/payments;v=1", "/payments;v=1"),
+        ("/a%5c%70", "/a%5Cp"),
+    ] {
+        let reply = raw_post(&proxy.url, target, None).await;
+        assert_eq!(
+            reply.status,
+            Some(201),
+            "{target} takes the default route: {reply:?}"
+        );
+        assert_eq!(received(&env).last().map(String::as_str), Some(upstream));
+    }
+}
+
+#[tokio::test]
+async fn a_route_may_ignore_case_and_a_trailing_slash_and_forwards_its_own_spelling() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env
+        .config()
+        .route(
+            "name = \"payments\"\npath = \"/v1/payments\"\nrequired = true\nignore_case = true\n\
+             ignore_trailing_slash = true",
+        )
+        .route("name = \"refunds\"\npath = \"/v1/refunds\"\nrequired = true");
+    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let url = proxy.url.clone();
+
+    for spelling in [
+        "/V1/payments",
+        "/v1/PAYMENTS/",
+        "/V1/Payments/",
+        "//V1/./payments/",
+    ] {
+        raw_post(&url, spelling, None)
+            .await
+            .assert_problem(400, "missing-key");
+    }
+    assert_eq!(received(&env), Vec::<String>::new());
+
+    // Every spelling is one request: forwarded as the route writes it, then replayed.
+    let first = Reply::of(keyed_post(&url, "/V1/Payments/?q=A", "p-1", "{}")).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(received(&env), ["/v1/payments?q=A"]);
+    for spelling in ["/v1/payments?q=A", "/V1/PAYMENTS?q=A"] {
+        assert!(
+            settled(|| keyed_post(&url, spelling, "p-1", "{}"))
+                .await
+                .is_replay()
+        );
+    }
+    Reply::of(keyed_post(&url, "/v1/payments?q=a", "p-1", "{}"))
+        .await
+        .assert_problem(422, "key-reused");
+    assert_eq!(env.upstream.executions_for_key("p-1"), 1);
+
+    // A route without the options takes its own spelling only.
+    raw_post(&url, "/v1/refunds", None)
+        .await
+        .assert_problem(400, "missing-key");
+    for other in ["/V1/refunds", "/v1/refunds/"] {
+        let passed = raw_post(&url, other, None).await;
+        assert_eq!(passed.status, Some(201), "{other} takes the default route");
+    }
+}
+
+#[tokio::test]
+async fn the_access_log_and_span_carry_the_path_that_was_routed() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env
+        .config()
+        .set("log.format", "json")
+        .set("log.filter", "info,idemproxy=debug")
+        .set("log.access", true)
+        .route(PAYMENTS);
+    let proxy = ProxyProcess::spawn(&config).await;
+    raw_post(&proxy.url, "//x/../%70ayments?secret=1", None)
+        .await
+        .assert_problem(400, "missing-key");
+    let event = |wanted: fn(&serde_json::Value) -> bool| {
+        proxy
+            .stderr()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .find(wanted)
+    };
+    let access = poll_until("the access line", || async {
+        event(|e| e["target"] == "idemproxy::access")
+    })
+    .await;
+    assert_eq!(access["fields"]["path"], "/payments", "{access}");
+    assert_eq!(access["fields"]["route"], "payments", "{access}");
+    let refused = event(|e| e["fields"]["message"] == "request refused").expect("the refusal's event");
+    assert_eq!(refused["span"]["path"], "/payments", "{refused}");
+    assert_eq!(refused["span"]["route"], "payments", "{refused}");
+    assert!(!proxy.stderr().contains("secret=1"), "the query is never logged");
 }
