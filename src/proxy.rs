@@ -1,8 +1,8 @@
 //! The request path, for every request on the proxy listener. [`Proxy::handle`] never fails: it counts,
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
-//! order: route by method → key → body → scope and fingerprint → claim → decision → replay or execute,
-//! or, on a route with `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide
-//! again.
+//! order: route by method → key → body (and its signature) → scope and fingerprint → claim → decision →
+//! replay or execute, or, on a route with `on_in_flight = "wait"` whose key is in flight, wait
+//! (`proxy/wait.rs`) and decide again.
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
@@ -14,6 +14,7 @@ pub mod intake;
 pub mod key;
 pub mod passthrough;
 pub mod replay;
+pub mod signature;
 pub mod trace_context;
 pub mod upstream;
 pub mod wait;
@@ -222,6 +223,10 @@ impl Proxy {
             else {
                 if route.policy.required {
                     return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
+                }
+                if route.policy.signature.is_some() {
+                    // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
+                    return Box::pin(self.protected(request, route, None, peer)).await;
                 }
                 return self.passthrough(request, &peer).await;
             };

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::idempotency::{IdempotencyConfig, RawIdempotency};
+use super::signature::SecretReader;
 
 /// The default route's name and scope name: the scope every key had before routes existed.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -82,17 +83,19 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
-    /// Validates the routes over the section they inherit from.
+    /// Validates the routes over the section they inherit from, reading their signature secrets
+    /// through `secrets`.
     pub fn new(
         section: &RawIdempotency,
         default: IdempotencyConfig,
         raw: &[RawRoute],
+        secrets: &dyn SecretReader,
     ) -> Result<RouteTable, ConfigError> {
         let base = section_dict(section)?;
         let mut routes: Vec<Arc<Route>> = Vec::with_capacity(raw.len());
         for (index, route) in raw.iter().enumerate() {
             let prefix = format!("routes[{index}]");
-            let route = route.validate(&prefix, &base)?;
+            let route = route.validate(&prefix, &base, secrets)?;
             if let Some(earlier) = routes.iter().find(|r| r.name == route.name) {
                 return Err(ConfigError::new(
                     &format!("{prefix}.name"),
@@ -150,7 +153,7 @@ impl RouteTable {
 }
 
 impl RawRoute {
-    fn validate(&self, prefix: &str, base: &Dict) -> Result<Route, ConfigError> {
+    fn validate(&self, prefix: &str, base: &Dict, secrets: &dyn SecretReader) -> Result<Route, ConfigError> {
         let key = |field: &str| format!("{prefix}.{field}");
         let name = check_name(&key("name"), &self.name)?;
         let scope = match &self.scope {
@@ -163,11 +166,18 @@ impl RawRoute {
                 "\"default\" is the name of [idempotency]'s route; choose another",
             ));
         }
+        if self.passthrough && self.policy.contains_key("signature") {
+            return Err(ConfigError::new(
+                &key("signature"),
+                "a passthrough route forwards every request as it is and verifies nothing; drop \
+                 passthrough to verify signatures here",
+            ));
+        }
         Ok(Route {
             path: Some(self.path_match(prefix)?),
             methods: self.match_methods(&key("match_methods"))?,
             passthrough: self.passthrough,
-            policy: self.policy(prefix, base)?,
+            policy: self.policy(prefix, base, secrets)?,
             name,
             scope,
         })
@@ -224,12 +234,21 @@ impl RawRoute {
     }
 
     /// The section's settings with this route's laid over them, validated under the route's prefix.
-    fn policy(&self, prefix: &str, base: &Dict) -> Result<IdempotencyConfig, ConfigError> {
+    fn policy(
+        &self,
+        prefix: &str,
+        base: &Dict,
+        secrets: &dyn SecretReader,
+    ) -> Result<IdempotencyConfig, ConfigError> {
         let mut merged = base.clone();
         merged.extend(self.policy.clone());
         let raw: RawIdempotency = Value::from(merged).deserialize().map_err(|e| {
+            // An unknown field's path names it when it is nested (`signature.secret`), not at the top.
             let field = match &e.kind {
-                figment::error::Kind::UnknownField(field, _) => field.clone(),
+                figment::error::Kind::UnknownField(field, _) if e.path.last() != Some(field) => {
+                    let path = e.path.iter().chain(std::iter::once(field));
+                    path.map(String::as_str).collect::<Vec<_>>().join(".")
+                }
                 _ => e.path.join("."),
             };
             let key = if field.is_empty() {
@@ -239,7 +258,7 @@ impl RawRoute {
             };
             ConfigError::new(&key, e.kind)
         })?;
-        raw.validate_at(prefix)
+        raw.validate_with(prefix, secrets)
     }
 }
 
@@ -290,7 +309,7 @@ impl Route {
         let protected: Vec<&str> = policy.methods.iter().map(Method::as_str).collect();
         format!(
             "{:?} {methods} {path}: scope {:?}, key {}, protects {}{}, ttl {}, lock_timeout {}, \
-             on_in_flight {}",
+             on_in_flight {}{}",
             self.name,
             self.scope,
             policy.key,
@@ -302,6 +321,15 @@ impl Route {
                 super::OnInFlight::Reject => "reject".to_owned(),
                 super::OnInFlight::Wait =>
                     format!("wait {}", humantime::format_duration(policy.wait_timeout)),
+            },
+            match &policy.signature {
+                Some(signature) => format!(
+                    ", signature {} ({} secret{})",
+                    signature.scheme.name().as_str(),
+                    signature.secrets.len(),
+                    if signature.secrets.len() == 1 { "" } else { "s" }
+                ),
+                None => String::new(),
             },
         )
     }
