@@ -4,8 +4,9 @@
 //!
 //! Each TOML section lives in its own file under `config/`, with its structs, defaults, checks and tests:
 //! `server.rs` (and the listener's TLS files), `upstream.rs` (and the upstream's TLS files), `store.rs` (and the PostgreSQL URL),
-//! `idempotency.rs`, `routes.rs`, `sweeper.rs`, `log.rs`, `replay_cache.rs`, `encryption.rs` (and the
-//! keys); `path.rs` is the normal form of request paths (`server.paths`) that routes are written in;
+//! `idempotency.rs` (and a route's webhook `signature.rs`), `routes.rs`, `sweeper.rs`, `log.rs`,
+//! `replay_cache.rs`, `encryption.rs` (and the keys); `path.rs` is the normal form of request paths
+//! (`server.paths`) that routes are written in;
 //! `parse.rs` holds the checks they share, `tls.rs` the PEM files and rustls configs. A section whose TOML form is already its typed form is one
 //! struct; the others have a `Raw…` struct as written and a `…Config` as run. Nothing here imports from
 //! the rest of the crate: the store, the proxy and the server read this, never the other way round.
@@ -20,6 +21,7 @@ mod redis;
 mod replay_cache;
 mod routes;
 mod server;
+pub(crate) mod signature;
 mod store;
 mod sweeper;
 pub mod tls;
@@ -42,6 +44,10 @@ pub use redis::{RawRedis, RedisTarget};
 pub use replay_cache::ReplayCacheConfig;
 pub use routes::{DEFAULT_ROUTE, PathMatch, RawRoute, Route, RouteTable};
 pub use server::{DEFAULT_PROBLEM_TYPE_BASE, ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};
+pub use signature::{
+    Algorithm, Encoding, GenericHmac, ProcessSecrets, RawSignature, Scheme, SchemeName, Secret, SecretReader,
+    SignatureConfig,
+};
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig, mask_url_password};
 pub use sweeper::SweeperConfig;
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
@@ -144,10 +150,17 @@ pub struct Overrides {
 }
 
 impl Config {
-    /// Defaults < the given TOML text. No environment, no flags: for tests and embedding.
+    /// Defaults < the given TOML text. No `IDEMPROXY_` environment, no flags: for tests and embedding.
+    /// Signature secrets are still read from the files and variables the text names.
     pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
+        Self::from_toml_str_with(toml, &ProcessSecrets)
+    }
+
+    /// [`Config::from_toml_str`], reading signature secrets through `secrets`.
+    pub fn from_toml_str_with(toml: &str, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
         let figment = Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
-        Self::from_figment(figment)
+        let raw: RawConfig = figment.extract().map_err(ConfigError::from_figment)?;
+        raw.validate_with(secrets)
     }
 
     /// Defaults < TOML file (if given) < `IDEMPROXY_…` environment < command-line overrides.
@@ -208,16 +221,23 @@ impl Overrides {
 
 impl RawConfig {
     /// Checks every value and converts it to its typed form; the first problem found is returned.
+    /// Signature secrets are read from the process's environment and files.
     pub fn validate(self) -> Result<Config, ConfigError> {
+        self.validate_with(&ProcessSecrets)
+    }
+
+    /// [`RawConfig::validate`], reading signature secrets through `secrets`.
+    pub fn validate_with(self, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
         let server = self.server.validate()?;
         let upstream = self.upstream.validate(&server)?;
         let store = self.store.validate()?;
-        let idempotency = self.idempotency.validate()?;
+        let idempotency = self.idempotency.validate_with(idempotency::SECTION, secrets)?;
         let routes = RouteTable::new(
             &self.idempotency,
             idempotency.clone(),
             &self.routes,
             &server.paths,
+            secrets,
         )?;
         self.check_buffers(&routes)?;
         self.sweeper.validate()?;

@@ -60,6 +60,10 @@ pub enum ProxyError {
     /// `unscoped = "reject"`; the text names the setting and what it lists.
     #[error("keyed request without any of the scope headers {0}")]
     MissingScope(String),
+    /// The request's webhook signature did not verify on a route with a `signature`; the text is the
+    /// proxy's own words for what was wrong (never the request's content nor a secret).
+    #[error("webhook signature not verified: {0}")]
+    SignatureInvalid(String),
     /// The keyed request body is over `max_request_body`.
     #[error("request body exceeds {limit} bytes")]
     RequestTooLarge {
@@ -128,6 +132,7 @@ impl ProxyError {
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_) => StatusCode::BAD_REQUEST,
+            ProxyError::SignatureInvalid(_) => StatusCode::UNAUTHORIZED,
             ProxyError::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::KeyInFlight { .. } => StatusCode::CONFLICT,
@@ -152,6 +157,7 @@ impl ProxyError {
             ProxyError::InvalidKey(_) => "invalid-key",
             ProxyError::CloudEventsBatch => "cloudevents-batch",
             ProxyError::MissingScope(_) => "missing-scope",
+            ProxyError::SignatureInvalid(_) => "signature-invalid",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
             ProxyError::ClientBody(_) => "bad-request-body",
             ProxyError::NonNormalPath(_) => "non-normal-path",
@@ -176,6 +182,7 @@ impl ProxyError {
             ProxyError::InvalidKey(_) => "Idempotency key invalid",
             ProxyError::CloudEventsBatch => "CloudEvents batch not accepted",
             ProxyError::MissingScope(_) => "Client credential missing",
+            ProxyError::SignatureInvalid(_) => "Webhook signature not verified",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
             ProxyError::ClientBody(_) => "Request body unreadable",
             ProxyError::NonNormalPath(_) => "Path not accepted",
@@ -210,6 +217,10 @@ impl ProxyError {
                 "A request with an idempotency key must carry a credential in one of {headers}, so \
                  that one client's key never answers another's; or the proxy must be configured with \
                  unscoped = \"shared\" there."
+            ),
+            ProxyError::SignatureInvalid(why) => format!(
+                "The request's webhook signature was not verified ({why}); nothing was executed. \
+                 Check the sender's signing secret and clock against the proxy's configuration."
             ),
             ProxyError::RequestTooLarge { limit } => {
                 format!("The request body is larger than {limit} bytes.")
@@ -267,6 +278,7 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::MissingScope(_)
+            | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_)
@@ -319,6 +331,13 @@ impl ProxyError {
         if let Some(secs) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if matches!(self, ProxyError::SignatureInvalid(_)) {
+            // RFC 9110 §15.5.2: a 401 carries a challenge. Senders ignore it; it names what was asked.
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(SIGNATURE_CHALLENGE),
+            );
+        }
         if matches!(self, ProxyError::MethodNotAllowed(_)) {
             headers.insert(header::ALLOW, HeaderValue::from_static(FORWARDED_METHODS));
         }
@@ -328,6 +347,9 @@ impl ProxyError {
         response
     }
 }
+
+/// The challenge of a 401 `signature-invalid`: the request must carry its sender's webhook signature.
+const SIGNATURE_CHALLENGE: &str = "Webhook-Signature";
 
 /// The methods the proxy forwards, for the `Allow` header of a 405.
 const FORWARDED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
@@ -375,6 +397,15 @@ mod tests {
                 "{detail}"
             );
         }
+    }
+
+    #[test]
+    fn a_signature_refusal_is_401_with_a_challenge_and_no_store() {
+        let response = ProxyError::SignatureInvalid("no signature matched".into()).into_response();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(response.headers()[header::WWW_AUTHENTICATE], SIGNATURE_CHALLENGE);
+        assert_eq!(response.headers()[header::CACHE_CONTROL], "no-store");
+        assert!(!response.headers().contains_key(header::RETRY_AFTER));
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! - `proxy.rs` routes each request, once `proxy/path.rs` has brought its path to its one spelling (or
 //!   refused it): a request the proxy does not protect goes to `proxy/passthrough.rs`;
 //!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
-//!   read whole, the claim with its lease) → `proxy/cache.rs` (retries answered from memory) →
+//!   read whole, the claim with its lease; on a route with a `signature`, `proxy/signature.rs` verifies
+//!   the sender's webhook signature first) → `proxy/cache.rs` (retries answered from memory) →
 //!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either
 //!   `proxy/replay.rs`, or `proxy/execute.rs`: the won claim's whole task, with its heartbeat, the
 //!   upstream call (`proxy/upstream.rs`, its pool and `proxy/upstream/connect.rs`: TCP, TLS or a unix

@@ -161,6 +161,13 @@ const RECORDS: Spec = Spec {
     help: "Records in the key table by state (processing, completed, failed, unknown, expired), \
            as of the sweeper's last count.",
 };
+// Webhook signatures.
+const SIGNATURE_CHECKS: Spec = Spec {
+    name: "idemproxy_signature_checks_total",
+    help: "Requests on routes with a signature, by what their signature check found: verified, or \
+           refused 401 for a missing or malformed signature, a timestamp outside the tolerance, or no \
+           signature matching.",
+};
 // Encryption.
 const UNDECRYPTABLE: Spec = Spec {
     name: "idemproxy_undecryptable_records_total",
@@ -175,7 +182,8 @@ mod label {
     pub const OP: &str = "op";
     /// A field of [`super::RecordCounts`], on `RECORDS`.
     pub const STATUS: &str = "status";
-    /// `ok` or `error`, on `TLS_RELOADS`; a [`super::WaitResult`], on `WAITS`.
+    /// `ok` or `error`, on `TLS_RELOADS`; a [`super::WaitResult`], on `WAITS`; a
+    /// [`super::SignatureCheck`], on `SIGNATURE_CHECKS`.
     pub const RESULT: &str = "result";
 }
 
@@ -272,6 +280,42 @@ impl WaitResult {
             WaitResult::RejectedFull => "rejected_full",
             WaitResult::Shutdown => "shutdown",
             WaitResult::ClientGone => "client_gone",
+        }
+    }
+}
+
+/// What a webhook signature check found, for `idemproxy_signature_checks_total{result}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignatureCheck {
+    /// A signature matched one of the route's secrets: the request goes on.
+    Verified,
+    /// A header the scheme needs was absent.
+    Missing,
+    /// A header was malformed, sent twice, or too long.
+    Malformed,
+    /// The signed timestamp was further from the proxy's clock than the route's tolerance.
+    Timestamp,
+    /// No signature matched any secret: a forged, tampered or wrongly configured delivery.
+    Mismatch,
+}
+
+impl SignatureCheck {
+    const ALL: [SignatureCheck; 5] = [
+        SignatureCheck::Verified,
+        SignatureCheck::Missing,
+        SignatureCheck::Malformed,
+        SignatureCheck::Timestamp,
+        SignatureCheck::Mismatch,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SignatureCheck::Verified => "verified",
+            SignatureCheck::Missing => "missing",
+            SignatureCheck::Malformed => "malformed",
+            SignatureCheck::Timestamp => "timestamp",
+            SignatureCheck::Mismatch => "mismatch",
         }
     }
 }
@@ -451,6 +495,8 @@ pub struct MetricSet {
     pub wait_listener_connected: IntGauge,
     /// `WAIT_LISTENER_RECONNECTS`: the wait listener's lost or failed connections.
     pub wait_listener_reconnects: IntCounter,
+    /// The series of `SIGNATURE_CHECKS`, by [`SignatureCheck`] in declaration order.
+    by_signature_check: [IntCounter; SignatureCheck::ALL.len()],
 }
 
 impl Metrics {
@@ -470,7 +516,10 @@ impl MetricSet {
         let store_duration = latency_histogram_vec(r, &STORE_DURATION, label::OP);
         let tls_reloads = counter_vec(r, &TLS_RELOADS, label::RESULT);
         let waits = counter_vec(r, &WAITS, label::RESULT);
+        let signature_checks = counter_vec(r, &SIGNATURE_CHECKS, label::RESULT);
         MetricSet {
+            by_signature_check: SignatureCheck::ALL
+                .map(|check| signature_checks.with_label_values(&[check.as_str()])),
             by_wait_result: WaitResult::ALL.map(|result| waits.with_label_values(&[result.as_str()])),
             waiting: gauge(r, &WAITING),
             wait_listener_connected: gauge(r, &WAIT_LISTENER_CONNECTED),
@@ -534,6 +583,11 @@ impl MetricSet {
     /// Counts a request's wait for the original with its key, by how it ended.
     pub fn wait_ended(&self, result: WaitResult) {
         self.by_wait_result[result as usize].inc();
+    }
+
+    /// Counts a webhook signature check, by what it found.
+    pub fn signature_checked(&self, check: SignatureCheck) {
+        self.by_signature_check[check as usize].inc();
     }
 
     /// Observes one store operation's latency, and counts it if it failed.
@@ -688,6 +742,25 @@ mod tests {
             let line = format!(
                 "idemproxy_waits_total{{result=\"{}\"}} {}",
                 result.as_str(),
+                n + 1
+            );
+            assert!(text.contains(&line), "{line} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn every_signature_check_is_counted_under_its_own_label() {
+        let metrics = Metrics::new();
+        for (n, check) in SignatureCheck::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.signature_checked(check);
+            }
+        }
+        let text = String::from_utf8(metrics.render()).unwrap();
+        for (n, check) in SignatureCheck::ALL.into_iter().enumerate() {
+            let line = format!(
+                "idemproxy_signature_checks_total{{result=\"{}\"}} {}",
+                check.as_str(),
                 n + 1
             );
             assert!(text.contains(&line), "{line} missing from {text}");

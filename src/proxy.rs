@@ -1,7 +1,7 @@
 //! The request path, for every request on the proxy listener. [`Proxy::handle`] never fails: it counts,
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
-//! order: the path in its one spelling (`proxy/path.rs`) → route by path and method → key → body →
-//! scope and fingerprint → claim → decision → replay or execute, or, on a route with
+//! order: the path in its one spelling (`proxy/path.rs`) → route by path and method → key → body (and
+//! its signature) → scope and fingerprint → claim → decision → replay or execute, or, on a route with
 //! `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide again.
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
@@ -15,6 +15,7 @@ pub mod key;
 pub mod passthrough;
 pub mod path;
 pub mod replay;
+pub mod signature;
 pub mod trace_context;
 pub mod upstream;
 pub mod wait;
@@ -242,6 +243,10 @@ impl Proxy {
             else {
                 if route.policy.required {
                     return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
+                }
+                if route.policy.signature.is_some() {
+                    // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
+                    return Box::pin(self.protected(request, route, None, peer)).await;
                 }
                 return self.passthrough(request, &peer).await;
             };

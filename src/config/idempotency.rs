@@ -13,6 +13,7 @@
 //! makes across sections, that `server.max_buffered_bodies` and `server.max_buffered_responses` hold its
 //! largest body and response.)
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytesize::ByteSize;
@@ -22,9 +23,17 @@ use serde::{Deserialize, Serialize};
 use super::ConfigError;
 use super::key_source::{KeySource, parse_pointer};
 use super::parse::{exact_size, parse_header, parse_headers, positive};
+use super::signature::{ProcessSecrets, RawSignature, SecretReader, SignatureConfig};
 
 /// The prefix of the section's own errors.
-const SECTION: &str = "idempotency";
+pub(super) const SECTION: &str = "idempotency";
+
+/// The single statuses released by default, beside every 5xx: "not processed, try later".
+const DEFAULT_RELEASED: [u16; 3] = [408, 425, 429];
+
+/// Released by default on a shared scope too: refusals of who the sender is, which on a scope anyone can
+/// reach could answer a forged request first and then, stored, the genuine one.
+const SHARED_SCOPE_RELEASED: [u16; 2] = [401, 403];
 
 /// Headers `fingerprint_headers` may not name: each is new on every attempt of the same request.
 const NEVER_FINGERPRINTED: [&str; 3] = ["traceparent", "tracestate", "date"];
@@ -57,8 +66,10 @@ pub struct RawIdempotency {
     pub scope_headers: Vec<String>,
     /// Request headers that, besides method, path and body, make two requests the same.
     pub fingerprint_headers: Vec<String>,
-    /// Upstream statuses that release the claim instead of being stored (`"5xx"` or a code).
-    pub release_statuses: Vec<String>,
+    /// Upstream statuses that release the claim instead of being stored (`"5xx"` or a code); absent
+    /// means `5xx`, 408, 425 and 429, and on a shared scope also 401 and 403.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub release_statuses: Option<Vec<String>>,
     /// What a keyed request without any of `scope_headers` gets: refused, or one scope shared by all
     /// such requests.
     pub unscoped: Unscoped,
@@ -91,6 +102,10 @@ pub struct RawIdempotency {
     /// A response header telling the client when its key expires (an HTTP date); absent means none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expires_header: Option<String>,
+    /// The webhook signature every request of a protected method must carry; absent means none is
+    /// checked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signature: Option<RawSignature>,
 }
 
 impl Default for RawIdempotency {
@@ -106,7 +121,7 @@ impl Default for RawIdempotency {
             max_stored_response: ByteSize::mib(4),
             scope_headers: vec!["authorization".into()],
             fingerprint_headers: vec!["content-type".into()],
-            release_statuses: vec!["5xx".into(), "408".into(), "425".into(), "429".into()],
+            release_statuses: None,
             unscoped: Unscoped::Reject,
             in_flight_retry_after: Duration::from_secs(1),
             on_unknown_outcome: OnUnknownOutcome::Retry,
@@ -118,6 +133,7 @@ impl Default for RawIdempotency {
             wait_timeout: Duration::from_secs(10),
             scope_cookie: None,
             expires_header: None,
+            signature: None,
         }
     }
 }
@@ -212,6 +228,8 @@ pub struct IdempotencyConfig {
     pub scope_cookie: Option<String>,
     /// The response header advertising the key's expiry, if any.
     pub expires_header: Option<HeaderName>,
+    /// The webhook signature checked before the claim, if any.
+    pub signature: Option<Arc<SignatureConfig>>,
 }
 
 /// Which upstream statuses mean "not processed, run it again" and so release the claim.
@@ -238,7 +256,17 @@ impl RawIdempotency {
 
     /// Checks these settings and converts them, naming every key (in errors and in messages that refer
     /// to a sibling key) under `prefix`: `idempotency` for the section, a route's own path for a route.
+    /// Signature secrets are read from the process's environment and files.
     pub fn validate_at(&self, prefix: &str) -> Result<IdempotencyConfig, ConfigError> {
+        self.validate_with(prefix, &ProcessSecrets)
+    }
+
+    /// [`RawIdempotency::validate_at`], reading signature secrets through `secrets`.
+    pub fn validate_with(
+        &self,
+        prefix: &str,
+        secrets: &dyn SecretReader,
+    ) -> Result<IdempotencyConfig, ConfigError> {
         let key = |field: &str| format!("{prefix}.{field}");
         positive(&key("lock_timeout"), self.lock_timeout)?;
         if self.ttl <= self.lock_timeout {
@@ -278,6 +306,11 @@ impl RawIdempotency {
             scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
             fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
             release: self.release(&key("release_statuses"))?,
+            signature: self
+                .signature
+                .as_ref()
+                .map(|raw| raw.validate(&key("signature"), secrets).map(Arc::new))
+                .transpose()?,
             unscoped: self.unscoped,
             in_flight_retry_after: self.in_flight_retry_after(prefix)?,
             on_unknown_outcome: self.on_unknown_outcome,
@@ -374,12 +407,25 @@ impl RawIdempotency {
             .collect()
     }
 
+    /// The statuses that release a claim: as listed, or by default 5xx, 408, 425 and 429, and on a
+    /// shared scope 401 and 403 too: there anyone who can reach the route shares the key's scope, and a
+    /// refusal of a forged request must not be stored as the answer to the genuine one.
     fn release(&self, key: &str) -> Result<ReleasePolicy, ConfigError> {
+        let Some(listed) = &self.release_statuses else {
+            let mut codes = DEFAULT_RELEASED.to_vec();
+            if self.unscoped == Unscoped::Shared {
+                codes.extend(SHARED_SCOPE_RELEASED);
+            }
+            return Ok(ReleasePolicy {
+                server_errors: true,
+                codes,
+            });
+        };
         let mut policy = ReleasePolicy {
             server_errors: false,
             codes: Vec::new(),
         };
-        for entry in &self.release_statuses {
+        for entry in listed {
             if entry.eq_ignore_ascii_case("5xx") {
                 policy.server_errors = true;
                 continue;
@@ -438,6 +484,48 @@ mod tests {
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
         let err = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"4xx\"]\n").unwrap_err();
         assert_eq!(err.key, "idempotency.release_statuses");
+    }
+
+    #[test]
+    fn a_shared_scope_releases_401_and_403_unless_the_statuses_are_listed() {
+        use http::StatusCode;
+        let config = Config::from_toml_str(
+            "[[routes]]\nname = \"hook\"\npath = \"/hook\"\nunscoped = \"shared\"\nscope_headers = []\n\
+             [[routes]]\nname = \"listed\"\npath = \"/listed\"\nunscoped = \"shared\"\n\
+             release_statuses = [\"5xx\"]\n",
+        )
+        .unwrap();
+        let (shared, listed) = (&config.routes.routes[0].policy, &config.routes.routes[1].policy);
+        let private = &config.idempotency;
+        for status in [StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN] {
+            assert!(shared.release.releases(status), "{status}");
+            assert!(!private.release.releases(status), "{status}");
+            assert!(
+                !listed.release.releases(status),
+                "an explicit list wins: {status}"
+            );
+        }
+        for status in [
+            StatusCode::BAD_GATEWAY,
+            StatusCode::REQUEST_TIMEOUT,
+            StatusCode::TOO_MANY_REQUESTS,
+        ] {
+            assert!(
+                shared.release.releases(status) && private.release.releases(status),
+                "{status}"
+            );
+        }
+        assert!(!shared.release.releases(StatusCode::UNPROCESSABLE_ENTITY));
+        let section = Config::from_toml_str(
+            "[idempotency]\nrelease_statuses = [\"5xx\", \"408\"]\n\
+             [[routes]]\nname = \"hook\"\npath = \"/hook\"\nunscoped = \"shared\"\n",
+        )
+        .unwrap();
+        let inherited = &section.routes.routes[0].policy.release;
+        assert!(
+            !inherited.releases(StatusCode::UNAUTHORIZED),
+            "the section's list is explicit too"
+        );
     }
 
     #[test]

@@ -255,15 +255,46 @@ mod tests {
             .collect()
     }
 
+    /// Every variable and file the examples name holds a secret valid for every scheme.
+    struct AnySecret;
+
+    impl crate::config::SecretReader for AnySecret {
+        fn var(&self, _name: &str) -> Result<Option<String>, String> {
+            Ok(Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into()))
+        }
+
+        fn file(&self, _path: &std::path::Path, _limit: u64) -> Result<String, String> {
+            Ok("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n".into())
+        }
+    }
+
     #[test]
     fn every_receiver_example_in_the_readme_loads() {
+        use crate::config::SchemeName;
         let examples = readme_receiver_examples();
         let mut names = Vec::new();
+        let mut verified = Vec::new();
         for example in &examples {
-            let config = crate::config::Config::from_toml_str(example)
+            let config = crate::config::Config::from_toml_str_with(example, &AnySecret)
                 .unwrap_or_else(|e| panic!("README example does not load: {e}\n{example}"));
             assert!(!config.routes.routes.is_empty(), "{example}");
             names.extend(config.routes.routes.iter().map(|r| r.name.clone()));
+            let signed = config.routes.routes.iter().filter_map(|r| {
+                let scheme = r.policy.signature.as_ref()?.scheme.name();
+                Some((r.name.clone(), scheme))
+            });
+            verified.extend(signed);
+        }
+        for (name, scheme) in [
+            ("github", SchemeName::Github),
+            ("stripe", SchemeName::Stripe),
+            ("standard-webhooks", SchemeName::StandardWebhooks),
+            ("shopify", SchemeName::Shopify),
+        ] {
+            assert!(
+                verified.contains(&(name.to_owned(), scheme)),
+                "the README's {name} example verifies {scheme:?} signatures: {verified:?}"
+            );
         }
         for name in [
             "payments",

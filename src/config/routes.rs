@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use super::ConfigError;
 use super::idempotency::{IdempotencyConfig, RawIdempotency};
 use super::path::{self, NotNormal, PathMode, PathRules};
+use super::signature::SecretReader;
 
 /// The default route's name and scope name: the scope every key had before routes existed.
 pub const DEFAULT_ROUTE: &str = "default";
@@ -101,18 +102,19 @@ pub struct RouteTable {
 
 impl RouteTable {
     /// Validates the routes over the section they inherit from; their paths must be in the normal form
-    /// `paths` brings request paths to.
+    /// `paths` brings request paths to, and their signature secrets are read through `secrets`.
     pub fn new(
         section: &RawIdempotency,
         default: IdempotencyConfig,
         raw: &[RawRoute],
         paths: &PathRules,
+        secrets: &dyn SecretReader,
     ) -> Result<RouteTable, ConfigError> {
         let base = section_dict(section)?;
         let mut routes: Vec<Arc<Route>> = Vec::with_capacity(raw.len());
         for (index, route) in raw.iter().enumerate() {
             let prefix = format!("routes[{index}]");
-            let route = route.validate(&prefix, &base, paths)?;
+            let route = route.validate(&prefix, &base, paths, secrets)?;
             if let Some(earlier) = routes.iter().find(|r| r.name == route.name) {
                 return Err(ConfigError::new(
                     &format!("{prefix}.name"),
@@ -172,7 +174,13 @@ impl RouteTable {
 }
 
 impl RawRoute {
-    fn validate(&self, prefix: &str, base: &Dict, paths: &PathRules) -> Result<Route, ConfigError> {
+    fn validate(
+        &self,
+        prefix: &str,
+        base: &Dict,
+        paths: &PathRules,
+        secrets: &dyn SecretReader,
+    ) -> Result<Route, ConfigError> {
         let key = |field: &str| format!("{prefix}.{field}");
         let name = check_name(&key("name"), &self.name)?;
         let scope = match &self.scope {
@@ -183,6 +191,13 @@ impl RawRoute {
             return Err(ConfigError::new(
                 &key("name"),
                 "\"default\" is the name of [idempotency]'s route; choose another",
+            ));
+        }
+        if self.passthrough && self.policy.contains_key("signature") {
+            return Err(ConfigError::new(
+                &key("signature"),
+                "a passthrough route forwards every request as it is and verifies nothing; drop \
+                 passthrough to verify signatures here",
             ));
         }
         let path = self.path_match(prefix, paths)?;
@@ -199,7 +214,7 @@ impl RawRoute {
             ignore_trailing_slash: self.ignore_trailing_slash,
             methods: self.match_methods(&key("match_methods"))?,
             passthrough: self.passthrough,
-            policy: self.policy(prefix, base)?,
+            policy: self.policy(prefix, base, secrets)?,
             name,
             scope,
         })
@@ -256,12 +271,21 @@ impl RawRoute {
     }
 
     /// The section's settings with this route's laid over them, validated under the route's prefix.
-    fn policy(&self, prefix: &str, base: &Dict) -> Result<IdempotencyConfig, ConfigError> {
+    fn policy(
+        &self,
+        prefix: &str,
+        base: &Dict,
+        secrets: &dyn SecretReader,
+    ) -> Result<IdempotencyConfig, ConfigError> {
         let mut merged = base.clone();
         merged.extend(self.policy.clone());
         let raw: RawIdempotency = Value::from(merged).deserialize().map_err(|e| {
+            // An unknown field's path names it when it is nested (`signature.secret`), not at the top.
             let field = match &e.kind {
-                figment::error::Kind::UnknownField(field, _) => field.clone(),
+                figment::error::Kind::UnknownField(field, _) if e.path.last() != Some(field) => {
+                    let path = e.path.iter().chain(std::iter::once(field));
+                    path.map(String::as_str).collect::<Vec<_>>().join(".")
+                }
                 _ => e.path.join("."),
             };
             let key = if field.is_empty() {
@@ -271,7 +295,7 @@ impl RawRoute {
             };
             ConfigError::new(&key, e.kind)
         })?;
-        raw.validate_at(prefix)
+        raw.validate_with(prefix, secrets)
     }
 }
 
@@ -456,7 +480,7 @@ impl Route {
         let protected: Vec<&str> = policy.methods.iter().map(Method::as_str).collect();
         format!(
             "{:?} {methods} {path}: scope {:?}, key {}, protects {}{}, ttl {}, lock_timeout {}, \
-             on_in_flight {}",
+             on_in_flight {}{}",
             self.name,
             self.scope,
             policy.key,
@@ -468,6 +492,15 @@ impl Route {
                 super::OnInFlight::Reject => "reject".to_owned(),
                 super::OnInFlight::Wait =>
                     format!("wait {}", humantime::format_duration(policy.wait_timeout)),
+            },
+            match &policy.signature {
+                Some(signature) => format!(
+                    ", signature {} ({} secret{})",
+                    signature.scheme.name().as_str(),
+                    signature.secrets.len(),
+                    if signature.secrets.len() == 1 { "" } else { "s" }
+                ),
+                None => String::new(),
             },
         )
     }
@@ -863,7 +896,13 @@ mod tests {
             passthrough: false,
             policy: Default::default(),
         };
-        raw.validate("routes[0]", &base, &Default::default()).ok()
+        raw.validate(
+            "routes[0]",
+            &base,
+            &Default::default(),
+            &crate::config::signature::ProcessSecrets,
+        )
+        .ok()
     }
 
     /// Every path of up to three segments of `a`, `A`, `ab`, `b`, with and without a trailing slash.

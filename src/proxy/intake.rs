@@ -1,7 +1,8 @@
 //! Runs for a request that carries an idempotency key, before anything touches the store: checks that it
 //! names a client in a scope header, reads its body whole under the shared body budget
-//! (`intake/budget.rs`) and `server.body_read_timeout`, and turns it into the claim the store will be
-//! asked for: scope, key, fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
+//! (`intake/budget.rs`) and `server.body_read_timeout`, has its webhook signature verified where the
+//! route has one (`signature.rs`), and turns it into the claim the store will be asked for: scope, key,
+//! fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
 
 pub mod budget;
 
@@ -62,6 +63,7 @@ impl Proxy {
         }
         let (parts, body) = request.into_parts();
         let body = self.read_body(policy, &parts.headers, body).await?;
+        self.verify_signature(policy, &parts.headers, &body.bytes).await?;
         let key = match key {
             Some(key) => key,
             None => match key::source::from_body(policy, &parts, &body.bytes)? {

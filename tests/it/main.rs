@@ -36,3 +36,4 @@ mod sweeper;
 mod upstream_faults;
 mod upstream_transports;
 mod wait;
+mod webhooks;
