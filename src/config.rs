@@ -13,6 +13,7 @@ mod encryption;
 mod idempotency;
 mod key_source;
 mod log;
+mod mask;
 mod parse;
 mod redis;
 mod replay_cache;
@@ -34,12 +35,13 @@ pub use idempotency::{
     FingerprintBody, IdempotencyConfig, OnInFlight, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped,
 };
 pub use key_source::{KeyPart, KeySource};
-pub use log::{LogConfig, LogFormat};
+pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};
+pub use mask::mask_passwords;
 pub use redis::{RawRedis, RedisTarget};
 pub use replay_cache::ReplayCacheConfig;
 pub use routes::{DEFAULT_ROUTE, PathMatch, RawRoute, Route, RouteTable};
 pub use server::{DEFAULT_PROBLEM_TYPE_BASE, ListenAddr, ListenerTls, RawServer, RawServerTls, ServerConfig};
-pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig, mask_url_password};
+pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig};
 pub use sweeper::SweeperConfig;
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
 
@@ -170,17 +172,17 @@ impl Config {
         raw.validate()
     }
 
-    /// The effective configuration as TOML, with secrets masked.
+    /// The effective configuration as TOML, with secrets masked: every encryption key, and every
+    /// password in a URL or a `password=` setting anywhere in the text ([`mask_passwords`]).
     pub fn to_masked_toml(&self) -> String {
         let mut raw = self.raw.clone();
-        raw.store.url = mask_url_password(&raw.store.url);
         for secret in raw.encryption.keys.values_mut() {
             *secret = "***".into();
         }
         let mut text =
             toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"));
         text.push_str(&self.routes.describe());
-        text
+        mask_passwords(&text)
     }
 }
 
