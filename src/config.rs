@@ -208,12 +208,12 @@ impl Overrides {
 impl RawConfig {
     /// Checks every value and converts it to its typed form; the first problem found is returned.
     pub fn validate(self) -> Result<Config, ConfigError> {
-        let server = self.server.validate()?;
+        let mut server = self.server.validate()?;
         let upstream = self.upstream.validate(&server)?;
         let store = self.store.validate()?;
         let idempotency = self.idempotency.validate()?;
         let routes = RouteTable::new(&self.idempotency, idempotency.clone(), &self.routes)?;
-        self.check_buffers(&routes)?;
+        self.check_buffers(&routes, &mut server)?;
         self.sweeper.validate()?;
         Ok(Config {
             server,
@@ -231,8 +231,10 @@ impl RawConfig {
 }
 
 impl RawConfig {
-    /// The buffers every request shares must hold the largest body and response of any one route.
-    fn check_buffers(&self, routes: &RouteTable) -> Result<(), ConfigError> {
+    /// The buffers every request shares must hold the largest body and response of any one route, and so
+    /// must one scope's share of the responses' buffer: a written share that cannot is refused, the
+    /// default share is raised to it.
+    fn check_buffers(&self, routes: &RouteTable, server: &mut ServerConfig) -> Result<(), ConfigError> {
         let named = |route: &Route, field: &str| match route.name.as_str() {
             DEFAULT_ROUTE => format!("idempotency.{field}"),
             name => format!("the {field} of route {name:?}"),
@@ -246,6 +248,14 @@ impl RawConfig {
             if self.server.max_buffered_responses.as_u64() < route.policy.max_stored_response {
                 let msg = format!("must be at least {}", named(route, "max_stored_response"));
                 return Err(ConfigError::new("server.max_buffered_responses", msg));
+            }
+            let largest = usize::try_from(route.policy.max_stored_response).unwrap_or(usize::MAX);
+            if server.max_buffered_responses_per_scope < largest {
+                if self.server.max_buffered_responses_per_scope.is_some() {
+                    let msg = format!("must be at least {}", named(route, "max_stored_response"));
+                    return Err(ConfigError::new("server.max_buffered_responses_per_scope", msg));
+                }
+                server.max_buffered_responses_per_scope = largest;
             }
         }
         Ok(())
