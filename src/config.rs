@@ -30,7 +30,10 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
-pub use encryption::{EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEncryption, is_key_id};
+pub use encryption::{
+    CURRENT_FORMAT, EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEncryption, RecordLifetimes,
+    is_key_id,
+};
 pub use idempotency::{
     FingerprintBody, IdempotencyConfig, OnInFlight, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped,
 };
@@ -215,6 +218,8 @@ impl RawConfig {
         let routes = RouteTable::new(&self.idempotency, idempotency.clone(), &self.routes)?;
         self.check_buffers(&routes, &mut server)?;
         self.sweeper.validate()?;
+        let encryption = self.encryption.validate()?;
+        let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
         Ok(Config {
             server,
             upstream,
@@ -224,10 +229,20 @@ impl RawConfig {
             sweeper: self.sweeper.clone(),
             log: self.log.clone(),
             replay_cache: self.replay_cache.clone(),
-            encryption: self.encryption.validate()?,
+            encryption,
             raw: self,
         })
     }
+}
+
+/// How long a record of each route's scope can live after its completion is sealed.
+fn record_lifetimes(routes: &RouteTable, store: &StoreConfig) -> RecordLifetimes {
+    let all = routes.routes.iter().chain(std::iter::once(&routes.default));
+    RecordLifetimes::new(all.filter(|route| !route.passthrough).map(|route| {
+        let policy = &route.policy;
+        let life = policy.ttl.saturating_add(policy.lock_timeout);
+        (route.scope.as_str(), life.saturating_add(store.timeout))
+    }))
 }
 
 impl RawConfig {
