@@ -15,6 +15,7 @@ mod encryption;
 mod idempotency;
 mod key_source;
 mod log;
+mod mask;
 mod parse;
 mod path;
 mod redis;
@@ -33,12 +34,16 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
-pub use encryption::{EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEncryption, is_key_id};
+pub use encryption::{
+    CURRENT_FORMAT, EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEncryption, RecordLifetimes,
+    is_key_id,
+};
 pub use idempotency::{
     FingerprintBody, IdempotencyConfig, OnInFlight, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped,
 };
 pub use key_source::{KeyPart, KeySource};
-pub use log::{LogConfig, LogFormat};
+pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};
+pub use mask::mask_passwords;
 pub use path::{Ambiguous, NotNormal, PathMode, PathRules, normal};
 pub use redis::{RawRedis, RedisTarget};
 pub use replay_cache::ReplayCacheConfig;
@@ -48,7 +53,7 @@ pub use signature::{
     Algorithm, Encoding, GenericHmac, ProcessSecrets, RawSignature, Scheme, SchemeName, Secret, SecretReader,
     SignatureConfig,
 };
-pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig, mask_url_password};
+pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig};
 pub use sweeper::SweeperConfig;
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
 
@@ -186,17 +191,17 @@ impl Config {
         raw.validate()
     }
 
-    /// The effective configuration as TOML, with secrets masked.
+    /// The effective configuration as TOML, with secrets masked: every encryption key, and every
+    /// password in a URL or a `password=` setting anywhere in the text ([`mask_passwords`]).
     pub fn to_masked_toml(&self) -> String {
         let mut raw = self.raw.clone();
-        raw.store.url = mask_url_password(&raw.store.url);
         for secret in raw.encryption.keys.values_mut() {
             *secret = "***".into();
         }
         let mut text =
             toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"));
         text.push_str(&self.routes.describe());
-        text
+        mask_passwords(&text)
     }
 }
 
@@ -228,7 +233,7 @@ impl RawConfig {
 
     /// [`RawConfig::validate`], reading signature secrets through `secrets`.
     pub fn validate_with(self, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
-        let server = self.server.validate()?;
+        let mut server = self.server.validate()?;
         let upstream = self.upstream.validate(&server)?;
         let store = self.store.validate()?;
         let idempotency = self.idempotency.validate_with(idempotency::SECTION, secrets)?;
@@ -239,8 +244,10 @@ impl RawConfig {
             &server.paths,
             secrets,
         )?;
-        self.check_buffers(&routes)?;
+        self.check_buffers(&routes, &mut server)?;
         self.sweeper.validate()?;
+        let encryption = self.encryption.validate()?;
+        let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
         Ok(Config {
             server,
             upstream,
@@ -250,15 +257,27 @@ impl RawConfig {
             sweeper: self.sweeper.clone(),
             log: self.log.clone(),
             replay_cache: self.replay_cache.clone(),
-            encryption: self.encryption.validate()?,
+            encryption,
             raw: self,
         })
     }
 }
 
+/// How long a record of each route's scope can live after its completion is sealed.
+fn record_lifetimes(routes: &RouteTable, store: &StoreConfig) -> RecordLifetimes {
+    let all = routes.routes.iter().chain(std::iter::once(&routes.default));
+    RecordLifetimes::new(all.filter(|route| !route.passthrough).map(|route| {
+        let policy = &route.policy;
+        let life = policy.ttl.saturating_add(policy.lock_timeout);
+        (route.scope.as_str(), life.saturating_add(store.timeout))
+    }))
+}
+
 impl RawConfig {
-    /// The buffers every request shares must hold the largest body and response of any one route.
-    fn check_buffers(&self, routes: &RouteTable) -> Result<(), ConfigError> {
+    /// The buffers every request shares must hold the largest body and response of any one route, and so
+    /// must one scope's share of the responses' buffer: a written share that cannot is refused, the
+    /// default share is raised to it.
+    fn check_buffers(&self, routes: &RouteTable, server: &mut ServerConfig) -> Result<(), ConfigError> {
         let named = |route: &Route, field: &str| match route.name.as_str() {
             DEFAULT_ROUTE => format!("idempotency.{field}"),
             name => format!("the {field} of route {name:?}"),
@@ -272,6 +291,14 @@ impl RawConfig {
             if self.server.max_buffered_responses.as_u64() < route.policy.max_stored_response {
                 let msg = format!("must be at least {}", named(route, "max_stored_response"));
                 return Err(ConfigError::new("server.max_buffered_responses", msg));
+            }
+            let largest = usize::try_from(route.policy.max_stored_response).unwrap_or(usize::MAX);
+            if server.max_buffered_responses_per_scope < largest {
+                if self.server.max_buffered_responses_per_scope.is_some() {
+                    let msg = format!("must be at least {}", named(route, "max_stored_response"));
+                    return Err(ConfigError::new("server.max_buffered_responses_per_scope", msg));
+                }
+                server.max_buffered_responses_per_scope = largest;
             }
         }
         Ok(())

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use idemproxy::cli::{Cli, Command, HealthArgs, KeysArgs};
-use idemproxy::config::{Config, LogFormat};
+use idemproxy::config::{Config, LogFormat, MaskedStderr, mask_passwords};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
@@ -27,7 +27,7 @@ fn main() -> ExitCode {
     let config = match Config::load(file, &overrides) {
         Ok(config) => config,
         Err(error) => {
-            eprintln!("{error}");
+            eprintln!("{}", mask_passwords(&error.to_string()));
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -73,7 +73,7 @@ fn keys(runtime: &tokio::runtime::Runtime, config: &Config, args: &KeysArgs) -> 
             }
         }
         Err(error) => {
-            eprintln!("idemproxy keys: {error}");
+            eprintln!("idemproxy keys: {}", mask_passwords(&error.to_string()));
             ExitCode::FAILURE
         }
     }
@@ -94,7 +94,7 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
     match runtime.block_on(probe) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("idemproxy health: {error}");
+            eprintln!("idemproxy health: {}", mask_passwords(&error.to_string()));
             ExitCode::FAILURE
         }
     }
@@ -118,7 +118,7 @@ fn init_tracing(config: &Config) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(MaskedStderr);
     match config.log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

@@ -103,7 +103,18 @@ const NOT_RETAINED: Spec = Spec {
 };
 const CAPTURE_BUDGET_EXHAUSTED: Spec = Spec {
     name: "idemproxy_capture_budget_exhausted_total",
-    help: "Responses not retained because server.max_buffered_responses was spent.",
+    help: "Responses not retained because server.max_buffered_responses was spent for \
+           server.capture_wait.",
+};
+const CAPTURE_SCOPE_SHARE_EXHAUSTED: Spec = Spec {
+    name: "idemproxy_capture_scope_share_exhausted_total",
+    help: "Responses not retained because their scope's share of server.max_buffered_responses \
+           (server.max_buffered_responses_per_scope) was spent for server.capture_wait.",
+};
+const CAPTURE_BUDGET_WAITS: Spec = Spec {
+    name: "idemproxy_capture_budget_waits_total",
+    help: "Keyed responses whose capture waited for room in server.max_buffered_responses or its \
+           scope's share, whether or not room came.",
 };
 const COMPLETION_HOLD_EXPIRED: Spec = Spec {
     name: "idemproxy_completion_hold_expired_total",
@@ -479,8 +490,13 @@ pub struct MetricSet {
     /// `TLS_RELOADS{result="error"}`: changed listener certificate files refused, the old pair kept.
     pub tls_reloads_error: IntCounter,
     /// `CAPTURE_BUDGET_EXHAUSTED`: responses not retained because `server.max_buffered_responses` was
-    /// spent.
+    /// spent for `server.capture_wait`.
     pub capture_budget_exhausted: IntCounter,
+    /// `CAPTURE_SCOPE_SHARE_EXHAUSTED`: responses not retained because their scope's share of the
+    /// capture budget was spent for `server.capture_wait`.
+    pub capture_scope_share_exhausted: IntCounter,
+    /// `CAPTURE_BUDGET_WAITS`: keyed responses whose capture waited for room.
+    pub capture_budget_waits: IntCounter,
     /// `COMPLETION_HOLD_EXPIRED`: responses let go to the client before their record was stored,
     /// because the store took longer than the hold.
     pub completion_hold_expired: IntCounter,
@@ -541,6 +557,8 @@ impl MetricSet {
             orphan_claims_released: counter(r, &ORPHAN_CLAIMS_RELEASED),
             not_retained: counter(r, &NOT_RETAINED),
             capture_budget_exhausted: counter(r, &CAPTURE_BUDGET_EXHAUSTED),
+            capture_scope_share_exhausted: counter(r, &CAPTURE_SCOPE_SHARE_EXHAUSTED),
+            capture_budget_waits: counter(r, &CAPTURE_BUDGET_WAITS),
             completion_hold_expired: counter(r, &COMPLETION_HOLD_EXPIRED),
             store_errors,
             store_duration,

@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use self::cache::{Lookup, ReplayCache};
+use self::execute::capture::CaptureBudget;
 use self::intake::budget::BodyBudget;
 use self::upstream::{Downstream, Upstream};
 use crate::access::{self, Line};
@@ -57,8 +58,9 @@ pub struct Proxy {
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) body_read_timeout: Duration,
     pub(crate) budget: BodyBudget,
-    /// Bytes of keyed responses being captured for storage, shared by every worker.
-    pub(crate) captures: Arc<Semaphore>,
+    /// Bytes of keyed responses being captured for storage, and each scope's share, shared by every
+    /// worker.
+    pub(crate) captures: Arc<CaptureBudget>,
     /// One permit per keyed request being executed (`server.max_keyed_in_flight`), shared by every worker.
     pub(crate) keyed_slots: Arc<Semaphore>,
     /// Longest a client waits for its record to be stored before it gets the end of its response.
@@ -98,6 +100,13 @@ impl Proxy {
         waiters: Arc<Waiters>,
         shutdown: CancellationToken,
     ) -> Proxy {
+        let server = &config.server;
+        let captures = Arc::new(CaptureBudget::new(
+            server.max_buffered_responses,
+            server.max_buffered_responses_per_scope,
+            server.capture_wait,
+            metrics.clone(),
+        ));
         Proxy {
             routes: Arc::new(config.routes.clone()),
             paths: config.server.paths,
@@ -112,9 +121,7 @@ impl Proxy {
                 config.replay_cache.max_age,
             )),
             body_read_timeout: config.server.body_read_timeout,
-            captures: Arc::new(Semaphore::new(
-                config.server.max_buffered_responses.min(Semaphore::MAX_PERMITS),
-            )),
+            captures,
             keyed_slots: Arc::new(Semaphore::new(config.server.max_keyed_in_flight)),
             completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
             write_timeout: config.server.write_timeout,

@@ -1,10 +1,13 @@
-//! `[encryption]`: the keys that seal stored responses at rest. Validated once at load into
-//! [`EncryptionConfig`] — every key id well-formed, every key base64 of exactly [`KEY_LEN`] bytes, the
-//! active key among them — from which `store/encrypted.rs` builds its ciphers without anything left to
-//! check. Touches no store and no cipher. Two forms, because the keys are written as base64 and used as
-//! bytes, and an `[encryption]` without keys means encryption is off.
+//! `[encryption]`: the keys that seal stored responses at rest, which record formats are still opened,
+//! and how far apart clocks may be. Validated once at load into [`EncryptionConfig`] — every key id
+//! well-formed, every key base64 of exactly [`KEY_LEN`] bytes, the active key among them — from which
+//! `store/encrypted.rs` builds its ciphers without anything left to check; `config.rs` adds how long a
+//! record of each scope can live ([`RecordLifetimes`], from the routes), which every seal carries. Touches
+//! no store and no cipher. Two forms, because the keys are written as base64 and used as bytes, and an
+//! `[encryption]` without keys means encryption is off.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -16,9 +19,15 @@ use super::ConfigError;
 pub const KEY_LEN: usize = 32;
 /// Longest key id; ids are stored in every sealed value.
 pub const MAX_KEY_ID: usize = 64;
+/// The record format every seal writes: one blob bound to its record, its completion and its life.
+pub const CURRENT_FORMAT: u8 = 3;
+/// `encryption.max_clock_skew` unless set.
+const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);
+/// The largest `encryption.max_clock_skew`: past an hour, a clock is broken, not skewed.
+const MAX_MAX_CLOCK_SKEW: Duration = Duration::from_secs(3600);
 
-/// `[encryption]` as written: AES-256-GCM of stored response bodies and header values.
-#[derive(Clone, Serialize, Deserialize, Default)]
+/// `[encryption]` as written: the keys that seal stored responses, and what is opened.
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawEncryption {
     /// Id (in `keys`) of the key new records are encrypted with; unset means new records are stored in
@@ -29,6 +38,27 @@ pub struct RawEncryption {
     pub keys: BTreeMap<String, String>,
     /// Replay records stored in clear (from before encryption was turned on) while a key is active.
     pub accept_plaintext: bool,
+    /// The oldest record format opened: 1 opens every sealed record; 2 refuses format 1 (sealed apart
+    /// per value, bound to no completion); 3 also refuses format 2 (bound to its completion but not to
+    /// its life, so a row put back after it expired with a new expiry opens). Raise it one `ttl` after
+    /// every replica runs a version that writes the format it names.
+    pub min_format: u8,
+    /// How far the clocks of the replicas may be apart. A record sealed in format 3 carries the end of
+    /// its life by the sealing replica's clock, and is refused once that end is this much in the past.
+    #[serde(with = "humantime_serde")]
+    pub max_clock_skew: Duration,
+}
+
+impl Default for RawEncryption {
+    fn default() -> Self {
+        RawEncryption {
+            active_key: None,
+            keys: BTreeMap::new(),
+            accept_plaintext: false,
+            min_format: 1,
+            max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
+        }
+    }
 }
 
 impl std::fmt::Debug for RawEncryption {
@@ -37,6 +67,8 @@ impl std::fmt::Debug for RawEncryption {
             .field("active_key", &self.active_key)
             .field("keys", &self.keys.keys().collect::<Vec<_>>())
             .field("accept_plaintext", &self.accept_plaintext)
+            .field("min_format", &self.min_format)
+            .field("max_clock_skew", &self.max_clock_skew)
             .finish()
     }
 }
@@ -49,6 +81,48 @@ pub struct EncryptionConfig {
     active_key: Option<String>,
     keys: BTreeMap<String, EncryptionKey>,
     accept_plaintext: bool,
+    min_format: u8,
+    max_clock_skew: Duration,
+    lifetimes: RecordLifetimes,
+}
+
+/// How long after its completion is sealed a record can still be alive, by scope name: its route's
+/// `ttl` (a record expires `ttl` after its creation, which came before), plus its `lock_timeout` and
+/// `store.timeout` (a heartbeat that commits after the seal extends the expiry to a lease past it). Routes
+/// that share a scope name share the longest; a scope no route names (its route was removed) gets the
+/// longest of all. Without routes (a config built by hand) a record's life is unbounded.
+#[derive(Debug, Clone)]
+pub struct RecordLifetimes {
+    by_scope: BTreeMap<String, Duration>,
+    longest: Duration,
+}
+
+impl Default for RecordLifetimes {
+    fn default() -> Self {
+        RecordLifetimes {
+            by_scope: BTreeMap::new(),
+            longest: Duration::MAX,
+        }
+    }
+}
+
+impl RecordLifetimes {
+    /// The lifetimes of `routes`: each as its scope name and the longest life of one of its records.
+    pub fn new<'a>(routes: impl IntoIterator<Item = (&'a str, Duration)>) -> RecordLifetimes {
+        let mut by_scope = BTreeMap::<String, Duration>::new();
+        for (scope, life) in routes {
+            let longest = by_scope.entry(scope.to_owned()).or_default();
+            *longest = (*longest).max(life);
+        }
+        let longest = by_scope.values().copied().max().unwrap_or(Duration::MAX);
+        RecordLifetimes { by_scope, longest }
+    }
+
+    /// The longest a record of `scope` (`name:hash`, as the store keeps it) can live after its seal.
+    pub fn of(&self, scope: &str) -> Duration {
+        let name = scope.rsplit_once(':').map_or(scope, |(name, _)| name);
+        self.by_scope.get(name).copied().unwrap_or(self.longest)
+    }
 }
 
 /// The bytes of one configured key; its `Debug` shows none of them.
@@ -74,6 +148,8 @@ impl std::fmt::Debug for EncryptionConfig {
             .field("active_key", &self.active_key)
             .field("keys", &self.keys.keys().collect::<Vec<_>>())
             .field("accept_plaintext", &self.accept_plaintext)
+            .field("min_format", &self.min_format)
+            .field("max_clock_skew", &self.max_clock_skew)
             .finish()
     }
 }
@@ -94,6 +170,26 @@ impl EncryptionConfig {
     /// is active, since new records are then stored in clear themselves.
     pub fn accept_plaintext(&self) -> bool {
         self.accept_plaintext
+    }
+
+    /// The oldest record format opened (`min_format`).
+    pub fn min_format(&self) -> u8 {
+        self.min_format
+    }
+
+    /// How far apart the replicas' clocks may be (`max_clock_skew`).
+    pub fn max_clock_skew(&self) -> Duration {
+        self.max_clock_skew
+    }
+
+    /// How long a record of each scope can live after its seal.
+    pub fn lifetimes(&self) -> &RecordLifetimes {
+        &self.lifetimes
+    }
+
+    /// The same config, sealing records with `lifetimes` (the routes').
+    pub fn with_lifetimes(self, lifetimes: RecordLifetimes) -> EncryptionConfig {
+        EncryptionConfig { lifetimes, ..self }
     }
 }
 
@@ -136,7 +232,32 @@ impl RawEncryption {
             active_key: self.active_key.clone(),
             keys,
             accept_plaintext: self.accept_plaintext || self.active_key.is_none(),
+            min_format: self.min_format()?,
+            max_clock_skew: self.max_clock_skew()?,
+            lifetimes: RecordLifetimes::default(),
         }))
+    }
+
+    fn min_format(&self) -> Result<u8, ConfigError> {
+        if !(1..=CURRENT_FORMAT).contains(&self.min_format) {
+            return Err(ConfigError::new(
+                "encryption.min_format",
+                format!(
+                    "must be 1 (open every format), 2 (refuse format 1) or {CURRENT_FORMAT} (refuse 1 and 2)"
+                ),
+            ));
+        }
+        Ok(self.min_format)
+    }
+
+    fn max_clock_skew(&self) -> Result<Duration, ConfigError> {
+        if self.max_clock_skew > MAX_MAX_CLOCK_SKEW {
+            return Err(ConfigError::new(
+                "encryption.max_clock_skew",
+                "must be at most 1h",
+            ));
+        }
+        Ok(self.max_clock_skew)
     }
 }
 
@@ -176,6 +297,7 @@ mod tests {
             active_key: active.map(str::to_owned),
             keys: keys.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
             accept_plaintext,
+            ..RawEncryption::default()
         }
     }
 
@@ -219,6 +341,52 @@ mod tests {
             "no active key: new records are in clear"
         );
         assert!(!format!("{config:?}").contains("7, 7"), "{config:?}");
+    }
+
+    #[test]
+    fn every_format_opens_by_default_and_min_format_refuses_the_older_ones() {
+        let key = BASE64.encode([1u8; 32]);
+        let with = |extra: &str| {
+            Config::from_toml_str(&format!(
+                "[encryption]\nactive_key = \"k1\"\nkeys = {{ k1 = \"{key}\" }}\n{extra}"
+            ))
+        };
+        let config = with("").unwrap();
+        let encryption = config.encryption.unwrap();
+        assert_eq!(encryption.min_format(), 1, "today's records stay readable");
+        assert_eq!(encryption.max_clock_skew(), std::time::Duration::from_secs(300));
+        let strict = with("min_format = 3\nmax_clock_skew = \"30s\"\n").unwrap();
+        assert_eq!(strict.encryption.as_ref().unwrap().min_format(), 3);
+        for (extra, key) in [
+            ("min_format = 0", "encryption.min_format"),
+            ("min_format = 4", "encryption.min_format"),
+            ("min_format = \"v2\"", "encryption.min_format"),
+            ("max_clock_skew = \"2h\"", "encryption.max_clock_skew"),
+            ("max_clock_skew = \"a while\"", "encryption.max_clock_skew"),
+        ] {
+            let err = with(extra).unwrap_err();
+            assert_eq!(err.key, key, "{extra}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_record_lives_at_most_its_routes_ttl_lease_and_store_timeout_after_its_seal() {
+        let key = BASE64.encode([1u8; 32]);
+        let config = Config::from_toml_str(&format!(
+            "[store]\ntimeout = \"2s\"\n[idempotency]\nttl = \"1h\"\nlock_timeout = \"10s\"\n\
+             [encryption]\nkeys = {{ k1 = \"{key}\" }}\n\
+             [[routes]]\nname = \"hooks\"\npath_prefix = \"/hooks\"\nttl = \"7d\"\n"
+        ))
+        .unwrap();
+        let lifetimes = config.encryption.unwrap().lifetimes().clone();
+        let secs = |scope: &str| lifetimes.of(scope).as_secs();
+        assert_eq!(secs("default:ab12"), 3600 + 10 + 2);
+        assert_eq!(secs("hooks:ab12"), 7 * 86400 + 10 + 2);
+        assert_eq!(
+            secs("gone:ab12"),
+            7 * 86400 + 10 + 2,
+            "an unknown scope gets the longest"
+        );
     }
 
     #[test]

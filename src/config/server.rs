@@ -22,6 +22,17 @@ use super::tls::{self, SwappableCert};
 /// The base of problem `type` URIs unless `server.problem_type_base` names another.
 pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://idemproxy.dev/problems/";
 
+/// `server.capture_wait` unless set: long enough for a completion that is being written to hand its
+/// room back (a store write, usually a few milliseconds), short enough that a client never notices it.
+pub const DEFAULT_CAPTURE_WAIT: Duration = Duration::from_millis(250);
+
+/// The longest `server.capture_wait`: it slows a client's stream, so it stays brief.
+const MAX_CAPTURE_WAIT: Duration = Duration::from_secs(10);
+
+/// The share of `max_buffered_responses` one scope may hold unless `max_buffered_responses_per_scope`
+/// says otherwise: a quarter, so the budget is spent only once four clients hold all they may.
+const DEFAULT_SCOPE_SHARE_DIVISOR: usize = 4;
+
 /// `[server]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -66,9 +77,20 @@ pub struct RawServer {
     /// Absent means `max_connections`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keyed_in_flight: Option<usize>,
-    /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room is
-    /// not retained.
+    /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room
+    /// within `capture_wait` is not retained.
     pub max_buffered_responses: ByteSize,
+    /// The most of `max_buffered_responses` the captures of one scope (a route's scope and one client's
+    /// credentials) may hold at once, so one client's large or slow responses cannot leave no room for
+    /// everyone else's. Absent means a quarter of `max_buffered_responses`, or the largest
+    /// `max_stored_response` if that is more.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_buffered_responses_per_scope: Option<ByteSize>,
+    /// The longest one keyed response's capture waits, in all, for room in `max_buffered_responses` (or
+    /// its scope's share) before it gives up retaining the response; the response's stream to its client
+    /// is slowed by no more than this. 0 gives up at once.
+    #[serde(with = "humantime_serde")]
+    pub capture_wait: Duration,
     /// What every problem+json `type` URI starts with; the problem's slug (`key-in-flight`, …) follows.
     /// Point it at your own documentation of the errors clients may see.
     pub problem_type_base: String,
@@ -107,6 +129,8 @@ impl Default for RawServer {
             write_timeout: Duration::from_secs(30),
             max_keyed_in_flight: None,
             max_buffered_responses: ByteSize::mib(256),
+            max_buffered_responses_per_scope: None,
+            capture_wait: DEFAULT_CAPTURE_WAIT,
             problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.into(),
             max_waiting: None,
             paths: PathMode::Normalize,
@@ -206,6 +230,11 @@ pub struct ServerConfig {
     pub max_keyed_in_flight: usize,
     /// Bytes of keyed responses captured for storage at once, in all.
     pub max_buffered_responses: usize,
+    /// Bytes of those one scope may hold at once; `RawConfig::validate` raises the default to the
+    /// largest `max_stored_response`.
+    pub max_buffered_responses_per_scope: usize,
+    /// The longest one response's capture waits for room.
+    pub capture_wait: Duration,
     /// The base of problem `type` URIs.
     pub problem_type_base: String,
     /// Most requests waiting for the original with their key.
@@ -235,6 +264,8 @@ impl RawServer {
                 None => self.max_connections,
             },
             max_buffered_responses: memory(self.max_buffered_responses),
+            max_buffered_responses_per_scope: self.per_scope()?,
+            capture_wait: self.capture_wait()?,
             problem_type_base: self.problem_type_base()?,
             max_waiting: match self.max_waiting {
                 Some(n) => within("server.max_waiting", n, 1..=1_000_000)?,
@@ -246,6 +277,31 @@ impl RawServer {
                 path_parameters: self.path_parameters,
             },
         })
+    }
+
+    fn per_scope(&self) -> Result<usize, ConfigError> {
+        let total = memory(self.max_buffered_responses);
+        let Some(share) = self.max_buffered_responses_per_scope else {
+            return Ok(total / DEFAULT_SCOPE_SHARE_DIVISOR);
+        };
+        let share = memory(share);
+        if share == 0 || share > total {
+            return Err(ConfigError::new(
+                "server.max_buffered_responses_per_scope",
+                "must be more than 0 and at most server.max_buffered_responses",
+            ));
+        }
+        Ok(share)
+    }
+
+    fn capture_wait(&self) -> Result<Duration, ConfigError> {
+        if self.capture_wait > MAX_CAPTURE_WAIT {
+            return Err(ConfigError::new(
+                "server.capture_wait",
+                "must be at most 10s: it slows the client's response",
+            ));
+        }
+        Ok(self.capture_wait)
     }
 
     fn problem_type_base(&self) -> Result<String, ConfigError> {
@@ -487,10 +543,46 @@ mod tests {
                 "[server]\nmax_buffered_responses = \"1MiB\"",
                 "server.max_buffered_responses",
             ),
+            (
+                "[server]\nmax_buffered_responses_per_scope = \"0B\"",
+                "server.max_buffered_responses_per_scope",
+            ),
+            (
+                "[server]\nmax_buffered_responses_per_scope = \"300MiB\"",
+                "server.max_buffered_responses_per_scope",
+            ),
+            (
+                "[server]\nmax_buffered_responses_per_scope = \"1MiB\"",
+                "server.max_buffered_responses_per_scope",
+            ),
+            ("[server]\ncapture_wait = \"11s\"", "server.capture_wait"),
+            ("[server]\ncapture_wait = \"briefly\"", "server.capture_wait"),
         ] {
             let err = Config::from_toml_str(text).unwrap_err();
             assert_eq!(err.key, key, "{err}");
         }
+    }
+
+    #[test]
+    fn each_scope_gets_a_quarter_of_the_capture_budget_unless_told_otherwise() {
+        let config = Config::from_toml_str("").unwrap();
+        assert_eq!(config.server.max_buffered_responses_per_scope, 64 << 20);
+        assert_eq!(config.server.capture_wait, Duration::from_millis(250));
+        let small = Config::from_toml_str(
+            "[server]\nmax_buffered_responses = \"8MiB\"\n[idempotency]\nmax_stored_response = \"4MiB\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            small.server.max_buffered_responses_per_scope,
+            4 << 20,
+            "never less than the largest response"
+        );
+        let written = Config::from_toml_str(
+            "[server]\nmax_buffered_responses_per_scope = \"128MiB\"\ncapture_wait = \"0s\"\n",
+        )
+        .unwrap();
+        assert_eq!(written.server.max_buffered_responses_per_scope, 128 << 20);
+        assert_eq!(written.server.capture_wait, Duration::ZERO);
     }
 
     #[test]

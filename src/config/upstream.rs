@@ -18,6 +18,16 @@ use super::parse::{positive, within};
 use super::server::ServerConfig;
 use super::tls;
 
+/// `upstream.idle_timeout` unless set: under the shortest keep-alive timeout of the common application
+/// servers (gunicorn 2 s; Node.js, uvicorn and Apache 5 s; nginx 75 s), so the proxy, not the upstream,
+/// closes an idle connection, and never while a request is being written to it.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The bounds of `upstream.idle_timeout`: the pool looks for idle connections to close twice per
+/// timeout, so a shorter one costs wake-ups for nothing, and a longer one outlives every upstream's.
+const IDLE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(100)..=Duration::from_secs(3600);
+
 /// `[upstream]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -36,6 +46,11 @@ pub struct RawUpstream {
     /// divided among the workers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<usize>,
+    /// How long an upstream connection may sit idle in the pool before the proxy closes it. Keep it
+    /// shorter than the upstream's own keep-alive timeout: a request sent on a connection the upstream is
+    /// closing at that moment fails after it may have been received (an unknown outcome for a keyed one).
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
     /// TLS settings for an `https://` upstream; absent means the system's CA certificates, the URL's
     /// host as the name, and no client certificate.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -49,6 +64,7 @@ impl Default for RawUpstream {
             connect_timeout: Duration::from_secs(2),
             timeout: Duration::from_secs(60),
             max_connections: None,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
             tls: None,
         }
     }
@@ -128,6 +144,8 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// Most upstream connections per worker.
     pub max_connections: usize,
+    /// Longest an upstream connection stays idle in the pool.
+    pub idle_timeout: Duration,
 }
 
 impl RawUpstream {
@@ -146,7 +164,18 @@ impl RawUpstream {
             connect_timeout: self.connect_timeout,
             timeout: self.timeout,
             max_connections,
+            idle_timeout: self.idle_timeout()?,
         })
+    }
+
+    fn idle_timeout(&self) -> Result<Duration, ConfigError> {
+        if !IDLE_TIMEOUT_RANGE.contains(&self.idle_timeout) {
+            return Err(ConfigError::new(
+                "upstream.idle_timeout",
+                "must be between 100ms and 1h, and shorter than the upstream's keep-alive timeout",
+            ));
+        }
+        Ok(self.idle_timeout)
     }
 
     fn address(&self) -> Result<(UpstreamAddress, Uri), ConfigError> {
@@ -207,8 +236,17 @@ impl RawUpstream {
                 "must be an http:// or https:// URL, or unix:/path/to.sock",
             ));
         }
-        if uri.authority().is_none() {
+        let Some(authority) = uri.authority() else {
             return Err(ConfigError::new(key, "must name a host"));
+        };
+        // The proxy sends no credentials of its own, and the authority becomes the `Host` of a request
+        // that came without one: `user:password@` would be sent to the upstream in clear.
+        if authority.as_str().contains('@') {
+            return Err(ConfigError::new(
+                key,
+                "must not carry credentials (user:password@): the proxy sends none; clients' own \
+                 Authorization headers are forwarded as sent",
+            ));
         }
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             return Err(ConfigError::new(
@@ -274,6 +312,30 @@ mod tests {
     }
 
     #[test]
+    fn the_idle_timeout_defaults_under_the_common_keep_alive_timeouts() {
+        let config = Config::from_toml_str("").unwrap();
+        assert_eq!(config.upstream.idle_timeout, std::time::Duration::from_secs(1));
+        let config = Config::from_toml_str("[upstream]\nidle_timeout = \"250ms\"\n").unwrap();
+        assert_eq!(
+            config.upstream.idle_timeout,
+            std::time::Duration::from_millis(250)
+        );
+    }
+
+    #[test]
+    fn an_upstream_url_with_credentials_is_refused_without_echoing_them() {
+        for url in [
+            "http://app:s3cret@svc:3000",
+            "https://:s3cret@svc",
+            "http://s3cret@svc",
+        ] {
+            let err = Config::from_toml_str(&format!("[upstream]\nurl = \"{url}\"\n")).unwrap_err();
+            assert_eq!(err.key, "upstream.url", "{url}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+        }
+    }
+
+    #[test]
     fn the_upstream_url_is_a_base_without_path_or_query() {
         let config = Config::from_toml_str("[upstream]\nurl = \"http://svc:3000/\"\n").unwrap();
         assert_eq!(config.upstream.base.authority().unwrap().as_str(), "svc:3000");
@@ -301,6 +363,11 @@ mod tests {
         for (text, key) in [
             ("connect_timeout = \"0s\"", "upstream.connect_timeout"),
             ("timeout = \"0s\"", "upstream.timeout"),
+            ("idle_timeout = \"0s\"", "upstream.idle_timeout"),
+            ("idle_timeout = \"1ms\"", "upstream.idle_timeout"),
+            ("idle_timeout = \"2h\"", "upstream.idle_timeout"),
+            ("idle_timeout = \"soon\"", "upstream.idle_timeout"),
+            ("idle_timeout = 5", "upstream.idle_timeout"),
         ] {
             let err = Config::from_toml_str(&format!("[upstream]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");

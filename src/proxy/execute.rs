@@ -14,7 +14,7 @@
 //! announced to the requests waiting for it (`execute/announce.rs`), once the store has it.
 
 mod announce;
-mod capture;
+pub(crate) mod capture;
 mod channel;
 mod heartbeat;
 mod relay;

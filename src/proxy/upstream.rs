@@ -90,9 +90,6 @@ impl UpstreamFailure {
     }
 }
 
-/// How long an upstream connection may stay idle in the pool before it is closed.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-
 /// The HTTP/1.1 client to the upstream, over a pool of keep-alive connections.
 #[derive(Clone)]
 pub struct Upstream {
@@ -109,7 +106,7 @@ impl Upstream {
             pool: Pool::new(
                 config.address.clone(),
                 config.connect_timeout,
-                POOL_IDLE_TIMEOUT,
+                config.idle_timeout,
                 config.max_connections,
             ),
             base: config.base.clone(),
@@ -345,6 +342,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
             max_connections: 16,
+            idle_timeout: Duration::from_secs(1),
         };
         Upstream::new(&config, Metrics::new())
     }

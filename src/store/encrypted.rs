@@ -2,25 +2,30 @@
 //! and opens it when `claim` finds a completed record. Runs on those two calls only; touches the stored
 //! response and nothing else (claims, leases, `find` and `stats` pass through).
 //!
-//! A retained response is stored as one XChaCha20-Poly1305 blob in the body column (format v2,
-//! `encrypted/v2.rs`): status, every header and the body, bound to the record's scope, key and epoch (the
-//! token of the claim that completed it), its status and header count. The row keeps only the status in
-//! clear (operators' `keys show` reads it) and no headers. A response whose body was not retained is
-//! replayed as 410 and its headers are never used, so it is stored as its status alone: nothing to seal.
+//! A retained response is stored as one XChaCha20-Poly1305 blob in the body column (format 3,
+//! `encrypted/sealed.rs`): status, every header and the body, bound to the record's scope, key and epoch
+//! (the token of the claim that completed it), its status and header count, and the end of the record's
+//! life: the seal's time by this replica's clock plus the longest a record of its scope can live
+//! ([`RecordLifetimes`]). A blob whose record's life ended more than `encryption.max_clock_skew` ago is
+//! refused: that is a row put back from an earlier use of the key, with its expiry rewritten so the store
+//! would replay it. The row keeps only the status in clear (operators' `keys show` reads it) and no
+//! headers. A response whose body was not retained is replayed as 410 and its headers are never used, so
+//! it is stored as its status alone: nothing to seal.
 //!
-//! Records written by earlier versions stay readable: per-value AES-256-GCM (format v1,
-//! `encrypted/v1.rs`) with the same configured keys, and records in clear while `accept_plaintext` allows
-//! them. A record that does not open is refused, never replayed and never executed again.
+//! Records written by earlier versions stay readable while `encryption.min_format` allows: format 2 (the
+//! same blob without the end of life), per-value AES-256-GCM (format 1, `encrypted/v1.rs`) with the same
+//! configured keys, and records in clear while `accept_plaintext` allows them. A record that does not open
+//! is refused, never replayed and never executed again.
 //!
-//! The configured 32-byte keys serve both formats: v1 only ever decrypts with them, and AES and ChaCha20
-//! share no structure, so no separate key is derived for v2.
+//! The configured 32-byte keys serve every format: format 1 only ever decrypts with them, and AES and
+//! ChaCha20 share no structure, so no separate key is derived for the blob formats.
 
+mod sealed;
 mod v1;
-mod v2;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use aes_gcm::aead::KeyInit as _;
 use aes_gcm::{Aes256Gcm, Key};
@@ -31,7 +36,7 @@ use uuid::Uuid;
 use super::{
     ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
 };
-use crate::config::{EncryptionConfig, EncryptionKey, is_key_id};
+use crate::config::{EncryptionConfig, EncryptionKey, RecordLifetimes, is_key_id};
 use crate::metrics::Metrics;
 
 /// Starts every sealed value of every format; chosen so that text bodies stored in clear never start
@@ -56,6 +61,10 @@ enum Unreadable {
     DoesNotOpen(String),
     #[error("malformed: {0}")]
     Malformed(&'static str),
+    #[error("sealed as format {version}, which encryption.min_format {min} refuses")]
+    FormatRefused { version: u8, min: u8 },
+    #[error("sealed for a record whose life ended {0}s ago: a row put back from an earlier use of the key")]
+    LifeOver(u64),
     #[error("header {index}: {why}")]
     Header { index: usize, why: Box<Unreadable> },
     #[error("body: {0}")]
@@ -73,17 +82,22 @@ enum SealError {
     Random,
 }
 
-/// One configured key, as the cipher of each format.
+/// One configured key, as the cipher of each format: AES-256-GCM for format 1, XChaCha20-Poly1305 for
+/// the blob formats.
 struct KeyCiphers {
-    v1: Aes256Gcm,
-    v2: XChaCha20Poly1305,
+    aes: Aes256Gcm,
+    chacha: XChaCha20Poly1305,
 }
 
-/// The configured keys: which one seals new records, and every one that may open old ones.
+/// The configured keys: which one seals new records, and every one that may open old ones; which formats
+/// open, and how long each scope's records live.
 pub struct Keyring {
     active: Option<String>,
     keys: BTreeMap<String, KeyCiphers>,
     accept_plaintext: bool,
+    min_format: u8,
+    max_clock_skew: Duration,
+    lifetimes: RecordLifetimes,
 }
 
 impl std::fmt::Debug for Keyring {
@@ -92,6 +106,7 @@ impl std::fmt::Debug for Keyring {
             .field("active", &self.active)
             .field("keys", &self.keys.keys().collect::<Vec<_>>())
             .field("accept_plaintext", &self.accept_plaintext)
+            .field("min_format", &self.min_format)
             .finish()
     }
 }
@@ -107,6 +122,9 @@ impl Keyring {
                 .map(|(id, key)| (id.to_owned(), KeyCiphers::new(key)))
                 .collect(),
             accept_plaintext: config.accept_plaintext(),
+            min_format: config.min_format(),
+            max_clock_skew: config.max_clock_skew(),
+            lifetimes: config.lifetimes().clone(),
         }
     }
 
@@ -117,6 +135,9 @@ impl Keyring {
             active: None,
             keys: BTreeMap::new(),
             accept_plaintext: true,
+            min_format: 1,
+            max_clock_skew: Duration::ZERO,
+            lifetimes: RecordLifetimes::default(),
         }
     }
 
@@ -126,12 +147,13 @@ impl Keyring {
             .ok_or_else(|| Unreadable::UnknownKey(id.to_owned()))
     }
 
-    /// The response as it is to be stored: sealed with the active key, or `Ok(None)` when no key is
-    /// active (stored in clear).
+    /// The response as it is to be stored, sealed at `now` with the active key, or `Ok(None)` when no
+    /// key is active (stored in clear).
     fn seal_response(
         &self,
         id: &RecordId,
         response: &StoredResponse,
+        now: SystemTime,
     ) -> Result<Option<StoredResponse>, SealError> {
         let Some(active) = &self.active else {
             return Ok(None);
@@ -148,13 +170,21 @@ impl Keyring {
             .keys
             .get(active)
             .ok_or_else(|| SealError::MissingKey(active.clone()))?;
-        let binding = v2::Binding {
+        let binding = sealed::Binding {
             scope: &id.scope,
             key: &id.key,
             epoch: id.token,
             status: response.status,
         };
-        let blob = v2::seal(&ciphers.v2, active, &binding, &response.headers, body)?;
+        let not_after = millis(now).saturating_add(millis_of(self.lifetimes.of(&id.scope)));
+        let blob = sealed::seal(
+            &ciphers.chacha,
+            active,
+            &binding,
+            not_after,
+            &response.headers,
+            body,
+        )?;
         Ok(Some(StoredResponse {
             status: response.status,
             headers: Vec::new(),
@@ -162,33 +192,80 @@ impl Keyring {
         }))
     }
 
-    /// Opens a stored response of any format; `epoch` is the token of the claim that completed it.
+    /// Opens a stored response of any format the config allows, at `now`; `epoch` is the token of the
+    /// claim that completed it.
     fn open_response(
         &self,
         id: &RecordId,
         epoch: Uuid,
         stored: StoredResponse,
+        now: SystemTime,
     ) -> Result<StoredResponse, Unreadable> {
         match &stored.body {
-            Some(blob) if format_version(blob) == Some(v2::VERSION) => {
-                if !stored.headers.is_empty() {
-                    return Err(Unreadable::Malformed(
-                        "header values are stored beside a sealed record",
-                    ));
+            Some(blob) => match format_version(blob) {
+                Some(version @ (sealed::V2 | sealed::V3)) => {
+                    self.open_blob(id, epoch, version, blob, &stored, now)
                 }
-                let binding = v2::Binding {
-                    scope: &id.scope,
-                    key: &id.key,
-                    epoch,
-                    status: stored.status,
-                };
-                v2::open(self, &binding, blob)
-            }
+                _ => v1::open_response(self, id, stored),
+            },
             // Kept without its body, under any format: nothing was sealed and nothing will be replayed.
             None if stored.headers.is_empty() => Ok(stored),
-            _ => v1::open_response(self, id, stored),
+            // Format 1 sealed the headers of a response kept without its body; they are never used (it
+            // is replayed as 410), so a config that refuses format 1 drops them unopened.
+            None if self.min_format > v1::VERSION => Ok(StoredResponse {
+                headers: Vec::new(),
+                ..stored
+            }),
+            None => v1::open_response(self, id, stored),
         }
     }
+
+    /// Opens a blob of format 2 or 3, if `min_format` allows it, and refuses a format 3 blob whose
+    /// record's life has ended.
+    fn open_blob(
+        &self,
+        id: &RecordId,
+        epoch: Uuid,
+        version: u8,
+        blob: &[u8],
+        stored: &StoredResponse,
+        now: SystemTime,
+    ) -> Result<StoredResponse, Unreadable> {
+        if version < self.min_format {
+            return Err(Unreadable::FormatRefused {
+                version,
+                min: self.min_format,
+            });
+        }
+        if !stored.headers.is_empty() {
+            return Err(Unreadable::Malformed(
+                "header values are stored beside a sealed record",
+            ));
+        }
+        let binding = sealed::Binding {
+            scope: &id.scope,
+            key: &id.key,
+            epoch,
+            status: stored.status,
+        };
+        let (response, clear) = sealed::open(self, &binding, blob)?;
+        if let Some(not_after) = clear.not_after {
+            let deadline = not_after.saturating_add(millis_of(self.max_clock_skew));
+            if millis(now) > deadline {
+                return Err(Unreadable::LifeOver((millis(now) - not_after) / 1000));
+            }
+        }
+        Ok(response)
+    }
+}
+
+/// Milliseconds since the Unix epoch (0 for a clock set before it).
+fn millis(time: SystemTime) -> u64 {
+    time.duration_since(SystemTime::UNIX_EPOCH).map_or(0, millis_of)
+}
+
+fn millis_of(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The format version of a sealed value; `None` for a value in clear.
@@ -209,8 +286,8 @@ impl KeyCiphers {
     /// Both formats' ciphers of one key; AES and ChaCha20 share no structure, so the key serves both.
     fn new(key: &EncryptionKey) -> KeyCiphers {
         KeyCiphers {
-            v1: Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(key.bytes())),
-            v2: XChaCha20Poly1305::new(&(*key.bytes()).into()),
+            aes: Aes256Gcm::new(Key::<Aes256Gcm>::from_slice(key.bytes())),
+            chacha: XChaCha20Poly1305::new(&(*key.bytes()).into()),
         }
     }
 }
@@ -254,7 +331,7 @@ impl EncryptedStore {
         else {
             return Ok(result);
         };
-        match self.keyring.open_response(id, token, response) {
+        match self.keyring.open_response(id, token, response, SystemTime::now()) {
             Ok(response) => Ok(ClaimResult::Held(Existing::Completed {
                 same_fingerprint,
                 response,
@@ -282,7 +359,7 @@ impl Store for EncryptedStore {
     }
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
-        match self.keyring.seal_response(id, response) {
+        match self.keyring.seal_response(id, response, SystemTime::now()) {
             Ok(Some(sealed)) => self.inner.complete(id, &sealed).await,
             Ok(None) => self.inner.complete(id, response).await,
             Err(why) => Err(StoreError::Backend(format!("cannot encrypt the response: {why}"))),
@@ -344,8 +421,28 @@ mod tests {
                 .map(|(id, key)| (id.to_string(), BASE64.encode(key)))
                 .collect(),
             accept_plaintext,
+            ..RawEncryption::default()
         };
         Keyring::from_config(&raw.validate().unwrap().unwrap())
+    }
+
+    impl Keyring {
+        fn open_now(
+            &self,
+            id: &RecordId,
+            epoch: Uuid,
+            stored: StoredResponse,
+        ) -> Result<StoredResponse, Unreadable> {
+            self.open_response(id, epoch, stored, SystemTime::now())
+        }
+
+        fn seal_now(
+            &self,
+            id: &RecordId,
+            response: &StoredResponse,
+        ) -> Result<Option<StoredResponse>, SealError> {
+            self.seal_response(id, response, SystemTime::now())
+        }
     }
 
     fn strict() -> Keyring {
@@ -374,7 +471,7 @@ mod tests {
 
     /// The response sealed by `ring` for the record `id`, as the backend would store it.
     fn sealed(ring: &Keyring, id: &RecordId) -> StoredResponse {
-        ring.seal_response(id, &response()).unwrap().unwrap()
+        ring.seal_now(id, &response()).unwrap().unwrap()
     }
 
     fn blob(stored: &StoredResponse) -> Vec<u8> {
@@ -400,14 +497,11 @@ mod tests {
         assert_eq!(stored.status, 201, "the status stays in clear");
         assert!(stored.headers.is_empty(), "headers live in the blob");
         let blob = blob(&stored);
-        assert!(blob.starts_with(b"\0IPE\x02\x02k1\0\0\0\x03"), "{blob:?}");
+        assert!(blob.starts_with(b"\0IPE\x03\x02k1\0\0\0\x03"), "{blob:?}");
         for secret in [&b"4111"[..], b"alice", b"application/json", b"x-account"] {
             assert!(!contains(&blob, secret), "{secret:?} is in clear");
         }
-        assert_eq!(
-            ring.open_response(&record, record.token, stored).unwrap(),
-            response()
-        );
+        assert_eq!(ring.open_now(&record, record.token, stored).unwrap(), response());
     }
 
     #[test]
@@ -416,17 +510,14 @@ mod tests {
         let record = id("s", "a", 1);
         let mut gone = response();
         gone.body = None;
-        let stored = ring.seal_response(&record, &gone).unwrap().unwrap();
+        let stored = ring.seal_now(&record, &gone).unwrap().unwrap();
         let status_only = StoredResponse {
             status: 201,
             headers: Vec::new(),
             body: None,
         };
         assert_eq!(stored, status_only);
-        assert_eq!(
-            ring.open_response(&record, record.token, stored).unwrap(),
-            status_only
-        );
+        assert_eq!(ring.open_now(&record, record.token, stored).unwrap(), status_only);
     }
 
     #[test]
@@ -434,7 +525,7 @@ mod tests {
         let ring = strict();
         let record = id("s", "a", 1);
         let (a, b) = (blob(&sealed(&ring, &record)), blob(&sealed(&ring, &record)));
-        let nonce = 4 + 2 + 2 + 4..4 + 2 + 2 + 4 + 24;
+        let nonce = 4 + 2 + 2 + 4 + 8..4 + 2 + 2 + 4 + 8 + 24;
         assert_ne!(a[nonce.clone()], b[nonce]);
         assert_ne!(a, b);
     }
@@ -445,9 +536,7 @@ mod tests {
         let record = id("s", "a", 1);
         let stored = sealed(&ring, &record);
         let refused = |id: &RecordId, epoch: u128, stored: StoredResponse| {
-            let why = ring
-                .open_response(id, Uuid::from_u128(epoch), stored)
-                .unwrap_err();
+            let why = ring.open_now(id, Uuid::from_u128(epoch), stored).unwrap_err();
             assert_eq!(why, Unreadable::DoesNotOpen("k1".into()));
         };
         refused(&id("s", "b", 1), 1, stored.clone());
@@ -468,12 +557,12 @@ mod tests {
         for count in [0, 2, 4, 255] {
             let mut blob = blob(&stored);
             blob[count_at] = count;
-            let why = ring.open_response(&record, record.token, with_blob(&stored, blob));
+            let why = ring.open_now(&record, record.token, with_blob(&stored, blob));
             assert!(why.is_err(), "header count {count} accepted");
         }
         let mut stray = stored;
         stray.headers.push(("x-injected".into(), b"1".to_vec()));
-        assert!(ring.open_response(&record, record.token, stray).is_err());
+        assert!(ring.open_now(&record, record.token, stray).is_err());
     }
 
     #[test]
@@ -485,7 +574,7 @@ mod tests {
         for len in 0..whole.len() {
             let cut = with_blob(&stored, whole[..len].to_vec());
             assert!(
-                ring.open_response(&record, record.token, cut).is_err(),
+                ring.open_now(&record, record.token, cut).is_err(),
                 "a cut at {len} was accepted"
             );
         }
@@ -493,7 +582,7 @@ mod tests {
             for bit in [0x01, 0x80] {
                 let mut flipped = whole.clone();
                 flipped[at] ^= bit;
-                let opened = ring.open_response(&record, record.token, with_blob(&stored, flipped));
+                let opened = ring.open_now(&record, record.token, with_blob(&stored, flipped));
                 assert!(opened.is_err(), "flipping {bit:#x} at {at} was accepted");
             }
         }
@@ -504,13 +593,11 @@ mod tests {
         let record = id("s", "a", 1);
         let stored = sealed(&strict(), &record);
         let rotated = keyring(Some("k2"), &[("k1", K1), ("k2", K2)], false);
-        let opened = rotated.open_response(&record, record.token, stored.clone());
+        let opened = rotated.open_now(&record, record.token, stored.clone());
         assert_eq!(opened.unwrap(), response());
-        assert!(blob(&sealed(&rotated, &record)).starts_with(b"\0IPE\x02\x02k2"));
+        assert!(blob(&sealed(&rotated, &record)).starts_with(b"\0IPE\x03\x02k2"));
         let forgotten = keyring(Some("k2"), &[("k2", K2)], false);
-        let why = forgotten
-            .open_response(&record, record.token, stored)
-            .unwrap_err();
+        let why = forgotten.open_now(&record, record.token, stored).unwrap_err();
         assert_eq!(
             why.to_string(),
             "sealed with key id \"k1\", which is not configured"
@@ -523,12 +610,12 @@ mod tests {
         let record = id("s", "a", 1);
         let stored = sealed(&ring, &record);
         let mut future = blob(&stored);
-        future[4] = 3;
-        let why = ring.open_response(&record, record.token, with_blob(&stored, future));
-        assert!(why.unwrap_err().to_string().contains("unknown format version 3"));
+        future[4] = 4;
+        let why = ring.open_now(&record, record.token, with_blob(&stored, future));
+        assert!(why.unwrap_err().to_string().contains("unknown format version 4"));
         let mut garbled = blob(&stored);
         garbled[6] = b'\n';
-        let why = ring.open_response(&record, record.token, with_blob(&stored, garbled));
+        let why = ring.open_now(&record, record.token, with_blob(&stored, garbled));
         assert_eq!(why.unwrap_err(), Unreadable::MalformedKeyId);
     }
 
@@ -553,7 +640,7 @@ mod tests {
     fn a_v1_record_written_before_the_upgrade_still_opens() {
         let record = id("orders:ab12", "k-1", 5);
         let rotated = keyring(Some("k2"), &[("k1", K1), ("k2", K2)], false);
-        let opened = rotated.open_response(&record, Uuid::nil(), v1_fixture()).unwrap();
+        let opened = rotated.open_now(&record, Uuid::nil(), v1_fixture()).unwrap();
         let expected = StoredResponse {
             status: 201,
             headers: vec![
@@ -563,7 +650,7 @@ mod tests {
             body: Some(Bytes::from_static(b"{\"card\":\"4111\"}")),
         };
         assert_eq!(opened, expected);
-        let elsewhere = rotated.open_response(&id("orders:ab12", "k-2", 5), Uuid::nil(), v1_fixture());
+        let elsewhere = rotated.open_now(&id("orders:ab12", "k-2", 5), Uuid::nil(), v1_fixture());
         assert!(elsewhere.is_err(), "v1 values stay bound to their record");
     }
 
@@ -573,20 +660,20 @@ mod tests {
         let record = id("s", "a", 1);
         let v1 = v1::writer::seal_response(&ring, "k1", &record, &response());
         assert_eq!(
-            ring.open_response(&record, Uuid::nil(), v1.clone()).unwrap(),
+            ring.open_now(&record, Uuid::nil(), v1.clone()).unwrap(),
             response()
         );
         let mut gone = response();
         gone.body = None;
         let v1_gone = v1::writer::seal_response(&ring, "k1", &record, &gone);
-        assert_eq!(ring.open_response(&record, Uuid::nil(), v1_gone).unwrap(), gone);
+        assert_eq!(ring.open_now(&record, Uuid::nil(), v1_gone).unwrap(), gone);
         let mut swapped = v1;
         swapped.headers.swap(0, 1);
-        assert!(ring.open_response(&record, Uuid::nil(), swapped).is_err());
+        assert!(ring.open_now(&record, Uuid::nil(), swapped).is_err());
         let mut flipped = v1::writer::seal_response(&ring, "k1", &record, &response());
         let last = flipped.headers[1].1.len() - 1;
         flipped.headers[1].1[last] ^= 1;
-        let why = ring.open_response(&record, Uuid::nil(), flipped).unwrap_err();
+        let why = ring.open_now(&record, Uuid::nil(), flipped).unwrap_err();
         assert!(why.to_string().starts_with("header 1: does not open"), "{why}");
     }
 
@@ -598,10 +685,7 @@ mod tests {
         let body = blob(&whole);
         for len in 0..body.len() {
             let cut = with_blob(&whole, body[..len].to_vec());
-            assert!(
-                ring.open_response(&record, Uuid::nil(), cut).is_err(),
-                "cut at {len}"
-            );
+            assert!(ring.open_now(&record, Uuid::nil(), cut).is_err(), "cut at {len}");
         }
     }
 
@@ -609,34 +693,28 @@ mod tests {
     fn records_in_clear_open_only_while_plaintext_is_accepted() {
         let record = id("s", "a", 1);
         let clear = response();
-        let why = strict().open_response(&record, record.token, clear.clone());
+        let why = strict().open_now(&record, record.token, clear.clone());
         assert_eq!(
             why.unwrap_err().to_string(),
             "header 0: stored in clear while encryption.accept_plaintext is off"
         );
         let accepting = keyring(Some("k1"), &[("k1", K1)], true);
         assert_eq!(
-            accepting
-                .open_response(&record, record.token, clear.clone())
-                .unwrap(),
+            accepting.open_now(&record, record.token, clear.clone()).unwrap(),
             clear
         );
         let reading = keyring(None, &[("k1", K1)], false);
         assert!(
-            reading.seal_response(&record, &clear).unwrap().is_none(),
+            reading.seal_now(&record, &clear).unwrap().is_none(),
             "no active key: stored in clear"
         );
         assert_eq!(
-            reading
-                .open_response(&record, record.token, clear.clone())
-                .unwrap(),
+            reading.open_now(&record, record.token, clear.clone()).unwrap(),
             clear
         );
         let mut headless = clear;
         headless.headers.clear();
-        let why = strict()
-            .open_response(&record, record.token, headless)
-            .unwrap_err();
+        let why = strict().open_now(&record, record.token, headless).unwrap_err();
         assert_eq!(
             why.to_string(),
             "body: stored in clear while encryption.accept_plaintext is off"
@@ -651,11 +729,151 @@ mod tests {
             headers: Vec::new(),
             body: None,
         };
-        let opened = strict().open_response(&record, record.token, status_only.clone());
+        let opened = strict().open_now(&record, record.token, status_only.clone());
         assert_eq!(
             opened.unwrap(),
             status_only,
             "replayed as 410; nothing in it to protect"
         );
+    }
+
+    /// The strict keyring opening from format `min_format` on, whose records of scope "s" live a minute.
+    fn from_format(min_format: u8) -> Keyring {
+        let raw = RawEncryption {
+            active_key: Some("k1".into()),
+            keys: [("k1".to_string(), BASE64.encode(K1))].into(),
+            min_format,
+            ..RawEncryption::default()
+        };
+        let lifetimes = RecordLifetimes::new([("s", Duration::from_secs(60))]);
+        Keyring::from_config(&raw.validate().unwrap().unwrap().with_lifetimes(lifetimes))
+    }
+
+    #[test]
+    fn a_blob_opens_until_its_record_life_and_the_clock_skew_have_passed() {
+        let ring = from_format(1);
+        let record = id("s:ab", "a", 1);
+        let sealed_at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let stored = ring
+            .seal_response(&record, &response(), sealed_at)
+            .unwrap()
+            .unwrap();
+        let open_at =
+            |later: Duration| ring.open_response(&record, record.token, stored.clone(), sealed_at + later);
+        assert_eq!(open_at(Duration::ZERO).unwrap(), response());
+        let last = Duration::from_secs(60 + 300);
+        assert_eq!(open_at(last).unwrap(), response(), "60 s of life, 300 s of skew");
+        let why = open_at(last + Duration::from_secs(2)).unwrap_err();
+        assert_eq!(why, Unreadable::LifeOver(302));
+        assert!(why.to_string().contains("earlier use of the key"), "{why}");
+    }
+
+    #[test]
+    fn the_end_of_life_is_authenticated() {
+        let ring = from_format(1);
+        let record = id("s:ab", "a", 1);
+        let stored = sealed(&ring, &record);
+        let not_after = 4 + 2 + 2 + 4..4 + 2 + 2 + 4 + 8;
+        let mut later = blob(&stored);
+        later[not_after].copy_from_slice(&u64::MAX.to_be_bytes());
+        let why = ring.open_now(&record, record.token, with_blob(&stored, later));
+        assert_eq!(why.unwrap_err(), Unreadable::DoesNotOpen("k1".into()));
+    }
+
+    #[test]
+    fn a_scope_no_route_names_gets_the_longest_life() {
+        let ring = from_format(1);
+        let record = id("other:ab", "a", 1);
+        let sealed_at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let stored = ring
+            .seal_response(&record, &response(), sealed_at)
+            .unwrap()
+            .unwrap();
+        let later = sealed_at + Duration::from_secs(60 + 300);
+        assert!(
+            ring.open_response(&record, record.token, stored.clone(), later)
+                .is_ok()
+        );
+        let too_late = later + Duration::from_secs(1);
+        assert!(
+            ring.open_response(&record, record.token, stored, too_late)
+                .is_err()
+        );
+    }
+
+    /// The response as format 2 sealed it for `record`: bound to its epoch, with no end of life.
+    fn v2_record(ring: &Keyring, record: &RecordId) -> StoredResponse {
+        let binding = sealed::Binding {
+            scope: &record.scope,
+            key: &record.key,
+            epoch: record.token,
+            status: 201,
+        };
+        let cipher = &ring.cipher("k1").unwrap().chacha;
+        let r = response();
+        let blob = sealed::seal_v2(cipher, "k1", &binding, &r.headers, r.body.as_deref().unwrap()).unwrap();
+        StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: Some(blob.into()),
+        }
+    }
+
+    #[test]
+    fn min_format_refuses_the_formats_below_it_and_nothing_else() {
+        let record = id("s:ab", "a", 1);
+        let status_only = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: None,
+        };
+        for min_format in 1..=3u8 {
+            let ring = from_format(min_format);
+            let v1 = v1::writer::seal_response(&ring, "k1", &record, &response());
+            let v1_opened = ring.open_now(&record, Uuid::nil(), v1);
+            let v2_opened = ring.open_now(&record, record.token, v2_record(&ring, &record));
+            let v3_opened = ring.open_now(&record, record.token, sealed(&ring, &record));
+            assert_eq!(
+                v1_opened.is_ok(),
+                min_format <= 1,
+                "format 1 under min_format {min_format}"
+            );
+            assert_eq!(
+                v2_opened.is_ok(),
+                min_format <= 2,
+                "format 2 under min_format {min_format}"
+            );
+            assert_eq!(v3_opened.unwrap(), response());
+            if min_format == 3 {
+                let refused = ring.open_now(&record, record.token, v2_record(&ring, &record));
+                assert_eq!(
+                    refused.unwrap_err().to_string(),
+                    "sealed as format 2, which encryption.min_format 3 refuses"
+                );
+            }
+            let mut gone = response();
+            gone.body = None;
+            let v1_gone = v1::writer::seal_response(&ring, "k1", &record, &gone);
+            let opened = ring.open_now(&record, Uuid::nil(), v1_gone).unwrap();
+            assert_eq!(
+                opened.body, None,
+                "still replayed as 410 under min_format {min_format}"
+            );
+            let kept = ring.open_now(&record, record.token, status_only.clone());
+            assert_eq!(kept.unwrap(), status_only);
+        }
+    }
+
+    #[test]
+    fn a_format_2_record_still_opens_only_for_its_epoch() {
+        let ring = from_format(1);
+        let record = id("s:ab", "a", 1);
+        let stored = v2_record(&ring, &record);
+        assert_eq!(
+            ring.open_now(&record, record.token, stored.clone()).unwrap(),
+            response()
+        );
+        let why = ring.open_now(&record, Uuid::from_u128(2), stored);
+        assert_eq!(why.unwrap_err(), Unreadable::DoesNotOpen("k1".into()));
     }
 }

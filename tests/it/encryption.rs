@@ -75,7 +75,7 @@ async fn with_a_key_the_table_holds_ciphertext_and_the_replay_is_byte_identical(
     assert_eq!(env.upstream.executions(), 1);
 
     let (body, header_values) = stored(&env, "sealed").await;
-    assert!(body.starts_with(b"\0IPE\x02\x02k1"), "{body:?}");
+    assert!(body.starts_with(b"\0IPE\x03\x02k1"), "{body:?}");
     assert!(!contains(&body, b"\"exec\""), "the body is in clear");
     assert!(!contains(&body, b"application/json"), "a header is in clear");
     assert!(header_values.is_empty(), "headers are sealed in the body's blob");
@@ -93,8 +93,8 @@ async fn rotation_keeps_old_records_readable_and_seals_new_ones_with_the_active_
     assert!(replay.is_replay());
     assert_eq!(replay.body, before.body, "sealed with k1, opened after rotation");
     execute_and_settle(&rotated, "after").await;
-    assert!(stored(&env, "before").await.0.starts_with(b"\0IPE\x02\x02k1"));
-    assert!(stored(&env, "after").await.0.starts_with(b"\0IPE\x02\x02k2"));
+    assert!(stored(&env, "before").await.0.starts_with(b"\0IPE\x03\x02k1"));
+    assert!(stored(&env, "after").await.0.starts_with(b"\0IPE\x03\x02k2"));
 
     // Encryption turned off, keys kept: old records still open, new ones are stored in clear.
     rotated.stop().await.unwrap();

@@ -1,7 +1,10 @@
 //! The upstream over TLS and over a unix socket: keyed requests execute once and replay, the upstream's
 //! certificate is verified against `upstream.tls.ca_file`, a client certificate is presented for mutual
-//! TLS, and every way of failing to connect is a 502 that names its cause.
+//! TLS, and every way of failing to connect is a 502 that names its cause. Idle upstream connections are
+//! closed by the proxy after `upstream.idle_timeout`, before the upstream's own keep-alive timeout could
+//! close one under a request.
 
+use crate::cli::{config_file, idemproxy};
 use crate::support::certs::{TestCa, toml_path};
 use crate::support::{
     InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, Upstream, keyed_post, poll_until,
@@ -131,4 +134,44 @@ async fn a_unix_socket_upstream_that_does_not_exist_is_a_502() {
     let proxy = InProcessProxy::start(&config).await;
     let reply = Reply::of(keyed_post(&proxy.url, "/orders", "no-socket", "{}")).await;
     reply.assert_problem(502, "upstream-unreachable");
+}
+
+#[tokio::test]
+async fn an_idle_upstream_connection_is_closed_by_the_proxy_after_the_idle_timeout() {
+    let env = TestEnv::new().await;
+    let config = env
+        .config()
+        .set("server.workers", 1)
+        .set("upstream.idle_timeout", "300ms");
+    let proxy = InProcessProxy::start(&config).await;
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "idle-1", "{}")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(env.upstream.connections(), 1);
+    // The stub never closes an idle connection itself (its hyper server has no timer): a close seen here
+    // is the proxy's.
+    poll_until("the proxy to close its idle upstream connection", || async {
+        (env.upstream.open_connections() == 0).then_some(())
+    })
+    .await;
+    let second = Reply::of(keyed_post(&proxy.url, "/orders", "idle-2", "{}")).await;
+    let third = Reply::of(keyed_post(&proxy.url, "/orders", "idle-3", "{}")).await;
+    assert_eq!((second.status.as_u16(), third.status.as_u16()), (201, 201));
+    assert_eq!(
+        env.upstream.connections(),
+        2,
+        "a new connection after the idle time, then reused while it is fresh"
+    );
+}
+
+#[tokio::test]
+async fn a_zero_or_nonsense_idle_timeout_exits_64_naming_the_key() {
+    for value in ["\"0s\"", "\"soon\"", "\"2h\"", "-1"] {
+        let file = config_file(&format!("[upstream]\nidle_timeout = {value}\n"));
+        let path = file.path().to_str().unwrap();
+        let output = idemproxy(&["check-config", "--config", path], &[]).await;
+        assert_eq!(output.status.code(), Some(64), "{value}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{value}: {stderr}");
+        assert!(stderr.contains("upstream.idle_timeout"), "{value}: {stderr}");
+    }
 }

@@ -1,49 +1,170 @@
-//! Runs inside the relay of a won claim, once per upstream body frame: keeps a copy of the body for
-//! storage while it stays under `idempotency.max_stored_response` and the process's capture budget
-//! (`server.max_buffered_responses`) has room. Over either, it stops capturing, never forwarding.
-//! Touches only its share of the budget.
+//! Runs inside the relay of a won claim, once per upstream body frame, after the frame has gone to the
+//! client: keeps a copy of the body for storage while it stays under `idempotency.max_stored_response`
+//! and there is room for it both in the process's capture budget (`server.max_buffered_responses`) and in
+//! its scope's share of that budget (`server.max_buffered_responses_per_scope`), so that one client's large
+//! or slow responses cannot leave every other client's response unretained. A capture that finds no room
+//! waits for some, for at most `server.capture_wait` over the whole response, then stops capturing —
+//! never forwarding. Touches only the budget.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use prometheus::IntCounter;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
-/// The body as it will be stored, while it stays under the cap and the process's capture budget
-/// (`server.max_buffered_responses`) has room for it.
+use crate::metrics::Metrics;
+
+/// The bytes of keyed responses being captured, shared by every relay in the process: what is free, and
+/// what each scope holds. Room given back wakes every capture waiting for some.
+pub(crate) struct CaptureBudget {
+    ledger: Mutex<Ledger>,
+    freed: Notify,
+    /// The most one scope may hold.
+    share: usize,
+    /// The longest one response's capture waits for room, in all.
+    patience: Duration,
+    metrics: Metrics,
+}
+
+struct Ledger {
+    free: usize,
+    /// Bytes held by each scope that holds any; a scope leaves the map when it holds none.
+    held: HashMap<Arc<str>, usize>,
+}
+
+/// Why a capture found no room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Short {
+    /// The whole budget is spent.
+    Budget,
+    /// The capture's scope holds its whole share.
+    Share,
+}
+
+impl CaptureBudget {
+    /// A budget of `total` bytes, of which one scope may hold `share`; a capture waits for room at most
+    /// `patience` per response.
+    pub(crate) fn new(total: usize, share: usize, patience: Duration, metrics: Metrics) -> CaptureBudget {
+        CaptureBudget {
+            ledger: Mutex::new(Ledger {
+                free: total,
+                held: HashMap::new(),
+            }),
+            freed: Notify::new(),
+            share,
+            patience,
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn try_take(&self, scope: &Arc<str>, bytes: usize) -> Result<(), Short> {
+        let mut ledger = self.lock();
+        let held = ledger.held.get(scope).copied().unwrap_or(0);
+        if held.saturating_add(bytes) > self.share {
+            return Err(Short::Share);
+        }
+        if ledger.free < bytes {
+            return Err(Short::Budget);
+        }
+        ledger.free -= bytes;
+        *ledger.held.entry(scope.clone()).or_insert(0) += bytes;
+        Ok(())
+    }
+
+    fn give_back(&self, scope: &str, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        {
+            let mut ledger = self.lock();
+            ledger.free += bytes;
+            if let Some(held) = ledger.held.get_mut(scope) {
+                *held -= bytes.min(*held);
+                if *held == 0 {
+                    ledger.held.remove(scope);
+                }
+            }
+        }
+        self.freed.notify_waiters();
+    }
+
+    fn count_give_up(&self, short: Short) {
+        match short {
+            Short::Budget => self.metrics.capture_budget_exhausted.inc(),
+            Short::Share => self.metrics.capture_scope_share_exhausted.inc(),
+        }
+    }
+}
+
+/// Bytes of the budget one capture holds for its scope; given back when dropped (once the body is
+/// stored, or when the capture gives up).
+pub(super) struct Reservation {
+    budget: Arc<CaptureBudget>,
+    scope: Arc<str>,
+    bytes: usize,
+}
+
+impl Reservation {
+    fn release(&mut self) {
+        self.budget
+            .give_back(&self.scope, std::mem::take(&mut self.bytes));
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// The body as it will be stored, while it stays under the cap and the budget has room for it.
 pub(super) struct Capture {
     limit: u64,
     chunks: Vec<Bytes>,
     len: u64,
     over: bool,
-    budget: Arc<Semaphore>,
-    reservation: Option<OwnedSemaphorePermit>,
-    /// Counts captures given up because the budget had no room.
-    starved: IntCounter,
+    reservation: Reservation,
+    /// What is left of `server.capture_wait` for this response.
+    patience: Duration,
+    /// Whether this capture has waited for room yet (counted once).
+    waited: bool,
 }
 
 /// What a capture kept.
 pub(super) struct Captured {
-    /// The whole body, or `None` when it went over the cap or the budget.
+    /// The whole body, or `None` when it went over the cap or found no room in the budget.
     pub(super) body: Option<Bytes>,
     /// The share of the budget the body holds until it is stored.
-    pub(super) reservation: Option<OwnedSemaphorePermit>,
+    pub(super) reservation: Reservation,
 }
 
 impl Capture {
-    pub(super) fn new(limit: u64, budget: Arc<Semaphore>, starved: IntCounter) -> Capture {
+    /// A capture of at most `limit` bytes, charged to `scope` in `budget`.
+    pub(super) fn new(limit: u64, budget: &Arc<CaptureBudget>, scope: &str) -> Capture {
         Capture {
             limit,
             chunks: Vec::new(),
             len: 0,
             over: false,
-            budget,
-            reservation: None,
-            starved,
+            patience: budget.patience,
+            reservation: Reservation {
+                budget: budget.clone(),
+                scope: scope.into(),
+                bytes: 0,
+            },
+            waited: false,
         }
     }
 
-    pub(super) fn push(&mut self, data: Bytes) {
+    /// Keeps `data`, waiting for room in the budget if there is none (for what is left of the
+    /// response's patience); over the cap, or still without room, the capture gives up.
+    pub(super) async fn push(&mut self, data: Bytes) {
         if self.over || data.is_empty() {
             return;
         }
@@ -51,25 +172,45 @@ impl Capture {
         if self.len > self.limit {
             return self.give_up();
         }
-        let room = u32::try_from(data.len())
-            .ok()
-            .and_then(|n| self.budget.clone().try_acquire_many_owned(n).ok());
-        let Some(room) = room else {
-            self.starved.inc();
+        if let Err(short) = self.room(data.len()).await {
+            self.reservation.budget.count_give_up(short);
             return self.give_up();
-        };
-        match &mut self.reservation {
-            Some(held) => held.merge(room),
-            None => self.reservation = Some(room),
         }
         self.chunks.push(data);
+    }
+
+    /// Takes `bytes` of the budget for the capture's scope, waiting while there is patience left.
+    async fn room(&mut self, bytes: usize) -> Result<(), Short> {
+        let budget = self.reservation.budget.clone();
+        loop {
+            let freed = budget.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the ledger is read, so room given back meanwhile wakes this wait.
+            freed.as_mut().enable();
+            let short = match budget.try_take(&self.reservation.scope, bytes) {
+                Ok(()) => {
+                    self.reservation.bytes += bytes;
+                    return Ok(());
+                }
+                Err(short) => short,
+            };
+            if self.patience.is_zero() {
+                return Err(short);
+            }
+            if !std::mem::replace(&mut self.waited, true) {
+                budget.metrics.capture_budget_waits.inc();
+            }
+            let started = Instant::now();
+            let _ = tokio::time::timeout(self.patience, freed).await;
+            self.patience = self.patience.saturating_sub(started.elapsed());
+        }
     }
 
     /// Stops capturing: the body will not be retained, and its share of the budget goes back.
     fn give_up(&mut self) {
         self.over = true;
         self.chunks = Vec::new();
-        self.reservation = None;
+        self.reservation.release();
     }
 
     pub(super) fn finish(self) -> Captured {
@@ -95,57 +236,155 @@ impl Capture {
 mod tests {
     use super::*;
 
-    fn budget(bytes: usize) -> Arc<Semaphore> {
-        Arc::new(Semaphore::new(bytes))
+    const PATIENCE: Duration = Duration::from_millis(250);
+
+    fn budget(total: usize, share: usize, patience: Duration) -> (Arc<CaptureBudget>, Metrics) {
+        let metrics = Metrics::new();
+        let budget = CaptureBudget::new(total, share, patience, metrics.clone());
+        (Arc::new(budget), metrics)
     }
 
-    fn starved() -> IntCounter {
-        IntCounter::new("starved", "test").unwrap()
+    fn free(budget: &CaptureBudget) -> usize {
+        budget.lock().free
     }
 
-    #[test]
-    fn capture_keeps_the_body_under_the_cap() {
-        let mut capture = Capture::new(6, budget(100), starved());
-        capture.push(Bytes::from_static(b"abc"));
-        capture.push(Bytes::from_static(b"def"));
+    #[tokio::test]
+    async fn capture_keeps_the_body_under_the_cap() {
+        let (budget, _) = budget(100, 100, PATIENCE);
+        let mut capture = Capture::new(6, &budget, "s");
+        capture.push(Bytes::from_static(b"abc")).await;
+        capture.push(Bytes::from_static(b"def")).await;
         assert_eq!(capture.finish().body.as_deref(), Some(&b"abcdef"[..]));
     }
 
-    #[test]
-    fn capture_drops_the_body_over_the_cap_and_gives_its_budget_back() {
-        let shared = budget(100);
-        let counted = starved();
-        let mut capture = Capture::new(5, shared.clone(), counted.clone());
-        capture.push(Bytes::from_static(b"abc"));
-        assert_eq!(shared.available_permits(), 97);
-        capture.push(Bytes::from_static(b"def"));
-        capture.push(Bytes::from_static(b"g"));
+    #[tokio::test]
+    async fn capture_drops_the_body_over_the_cap_and_gives_its_budget_back() {
+        let (budget, metrics) = budget(100, 100, PATIENCE);
+        let mut capture = Capture::new(5, &budget, "s");
+        capture.push(Bytes::from_static(b"abc")).await;
+        assert_eq!(free(&budget), 97);
+        capture.push(Bytes::from_static(b"def")).await;
+        capture.push(Bytes::from_static(b"g")).await;
         let captured = capture.finish();
         assert_eq!(captured.body, None);
-        assert_eq!(counted.get(), 0, "over the cap, not the budget");
-        assert_eq!(shared.available_permits(), 100);
+        assert_eq!(
+            metrics.capture_budget_exhausted.get(),
+            0,
+            "over the cap, not the budget"
+        );
+        assert_eq!(metrics.capture_budget_waits.get(), 0);
+        assert_eq!(free(&budget), 100);
+        assert!(
+            budget.lock().held.is_empty(),
+            "a scope that holds nothing is forgotten"
+        );
     }
 
-    #[test]
-    fn a_capture_without_room_in_the_budget_is_not_retained() {
-        let shared = budget(4);
-        let counted = starved();
-        let mut first = Capture::new(100, shared.clone(), counted.clone());
-        first.push(Bytes::from_static(b"abc"));
-        let mut second = Capture::new(100, shared.clone(), counted.clone());
-        second.push(Bytes::from_static(b"de"));
-        assert_eq!(counted.get(), 1, "counted when it happens");
+    #[tokio::test(start_paused = true)]
+    async fn a_capture_without_room_waits_its_patience_then_is_not_retained() {
+        let (budget, metrics) = budget(4, 4, PATIENCE);
+        let mut first = Capture::new(100, &budget, "a");
+        first.push(Bytes::from_static(b"abc")).await;
+        let mut second = Capture::new(100, &budget, "b");
+        let started = Instant::now();
+        second.push(Bytes::from_static(b"de")).await;
+        assert_eq!(started.elapsed(), PATIENCE, "waited, and no longer");
+        assert_eq!(metrics.capture_budget_waits.get(), 1);
+        assert_eq!(
+            metrics.capture_budget_exhausted.get(),
+            1,
+            "counted when it happens"
+        );
         assert_eq!(second.finish().body, None);
         let kept = first.finish();
         assert_eq!(kept.body.as_deref(), Some(&b"abc"[..]));
-        assert_eq!(shared.available_permits(), 1, "held until the body is stored");
+        assert_eq!(free(&budget), 1, "held until the body is stored");
         drop(kept);
-        assert_eq!(shared.available_permits(), 4);
+        assert_eq!(free(&budget), 4);
     }
 
-    #[test]
-    fn empty_body_is_retained_as_empty() {
-        let captured = Capture::new(0, budget(0), starved()).finish();
+    #[tokio::test(start_paused = true)]
+    async fn a_capture_that_waits_gets_the_room_another_gives_back() {
+        let (budget, metrics) = budget(4, 4, PATIENCE);
+        let mut first = Capture::new(100, &budget, "a");
+        first.push(Bytes::from_static(b"abc")).await;
+        let waiting = tokio::spawn({
+            let budget = budget.clone();
+            async move {
+                let mut second = Capture::new(100, &budget, "b");
+                second.push(Bytes::from_static(b"de")).await;
+                second.finish().body
+            }
+        });
+        while metrics.capture_budget_waits.get() == 0 {
+            tokio::task::yield_now().await;
+        }
+        drop(first.finish());
+        assert_eq!(waiting.await.unwrap().as_deref(), Some(&b"de"[..]));
+        assert_eq!(metrics.capture_budget_exhausted.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_scope_holds_no_more_than_its_share_and_leaves_room_for_others() {
+        let (budget, metrics) = budget(100, 40, PATIENCE);
+        let mut hog = Capture::new(100, &budget, "hog");
+        hog.push(Bytes::from(vec![0; 30])).await;
+        let mut more = Capture::new(100, &budget, "hog");
+        more.push(Bytes::from(vec![0; 20])).await;
+        assert_eq!(more.finish().body, None, "over the hog's share of 40");
+        assert_eq!(metrics.capture_scope_share_exhausted.get(), 1);
+        assert_eq!(metrics.capture_budget_exhausted.get(), 0);
+        let mut other = Capture::new(100, &budget, "other");
+        other.push(Bytes::from(vec![1; 40])).await;
+        assert_eq!(other.finish().body.map(|b| b.len()), Some(40));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_patience_is_for_the_whole_response_not_each_frame() {
+        let (budget, metrics) = budget(10, 10, PATIENCE);
+        let mut holder = Capture::new(100, &budget, "a");
+        holder.push(Bytes::from(vec![0; 9])).await;
+        let mut slow = Capture::new(100, &budget, "b");
+        let started = Instant::now();
+        slow.push(Bytes::from_static(b"x")).await;
+        let hand_back = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(holder.finish());
+        });
+        // The second frame waits until the holder gives its room back, 100 ms on.
+        slow.push(Bytes::from(vec![0; 5])).await;
+        hand_back.await.unwrap();
+        assert_eq!(started.elapsed(), Duration::from_millis(100));
+        slow.push(Bytes::from(vec![0; 5])).await;
+        assert_eq!(
+            started.elapsed(),
+            PATIENCE,
+            "the last frame waits only what is left of the 250 ms"
+        );
+        assert_eq!(slow.finish().body, None);
+        assert_eq!(
+            metrics.capture_budget_waits.get(),
+            1,
+            "one response, one wait counted"
+        );
+    }
+
+    #[tokio::test]
+    async fn with_no_patience_a_capture_gives_up_at_once() {
+        let (budget, metrics) = budget(1, 1, Duration::ZERO);
+        let mut first = Capture::new(100, &budget, "a");
+        first.push(Bytes::from_static(b"a")).await;
+        let mut second = Capture::new(100, &budget, "b");
+        second.push(Bytes::from_static(b"b")).await;
+        assert_eq!(second.finish().body, None);
+        assert_eq!(metrics.capture_budget_waits.get(), 0);
+        assert_eq!(metrics.capture_budget_exhausted.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn empty_body_is_retained_as_empty() {
+        let (budget, _) = budget(0, 0, PATIENCE);
+        let captured = Capture::new(0, &budget, "s").finish();
         assert_eq!(captured.body.as_deref(), Some(&b""[..]));
     }
 }

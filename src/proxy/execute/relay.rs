@@ -1,8 +1,9 @@
-//! Runs once a won claim's upstream answered with a response to keep: relays the body to the client
+//! Runs once a won claim's upstream answered with a response to keep: relays each frame to the client
 //! first (over `execute/channel.rs`) and into the capture second (`execute/capture.rs`), and holds back
 //! whatever completes the response, handing it to `execute.rs` with the record to store. Owns the
 //! upstream body until its end; a client that leaves or stops reading is let go while the relay reads on.
-//! Touches no store.
+//! A capture waiting for room in the capture budget holds up the next upstream read, never a frame
+//! already read, and for at most `server.capture_wait` over the whole response. Touches no store.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
@@ -149,11 +150,7 @@ pub(super) async fn relay(
     let record = ToStore {
         status: parts.status.as_u16(),
         headers: storable_headers(&parts.headers, &policy.never_store_headers),
-        capture: Capture::new(
-            policy.max_stored_response,
-            proxy.captures.clone(),
-            proxy.metrics.capture_budget_exhausted.clone(),
-        ),
+        capture: Capture::new(policy.max_stored_response, &proxy.captures, &id.scope),
     };
     // What the proxy adds for this client only, after the stored headers are taken.
     stamp(&mut parts.headers);
@@ -209,10 +206,8 @@ pub(super) async fn relay(
                 };
             }
         };
-        if let Some(data) = frame.data_ref() {
-            received += data.len() as u64;
-            capture.push(data.clone());
-        }
+        let data = frame.data_ref().cloned();
+        received += data.as_ref().map_or(0, |data| data.len() as u64);
         // A frame held as the last one was not, since another follows.
         if let Some(earlier) = last.take() {
             client.deliver(earlier, proxy, id).await;
@@ -221,6 +216,11 @@ pub(super) async fn relay(
             last = Some(frame);
         } else {
             client.deliver(frame, proxy, id).await;
+        }
+        // Captured once the client has the frame (or it is held as the last one): a capture that
+        // waits for room in the budget delays the next read, not this frame.
+        if let Some(data) = data {
+            capture.push(data).await;
         }
     }
     let record = ToStore {

@@ -3,7 +3,9 @@
 //! has its own pool, so a request and the connection carrying it run on the same thread. Uses hyper's
 //! connection-level client: one task per connection, no pool-wide bookkeeping per request. Connections
 //! are opened by `connect.rs` (TCP, TLS or a unix socket); reuse, the cap and the timeouts are the same
-//! for each.
+//! for each. A connection idle for `upstream.idle_timeout` is never handed a request, and is closed by
+//! the pool within half that again: the proxy, not the upstream, ends an idle connection, so a request is
+//! never written to one the upstream is closing.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Once, Weak};

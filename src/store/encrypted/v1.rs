@@ -5,8 +5,9 @@
 //!
 //! Value layout: `MAGIC` | 1 | key id length | key id | nonce (12) | ciphertext and tag (16).
 //!
-//! v1 values carry no epoch, so an older completion of the same key copied back over a v1 row opens;
-//! once every v1 record has expired (one `ttl` after the upgrade) no legitimate one is left to copy.
+//! v1 values carry no epoch, so an older completion of the same key copied back over a row opens;
+//! once every v1 record has expired (one `ttl` after the upgrade) `encryption.min_format = 2` (or 3)
+//! refuses them all, whatever is copied in.
 
 use aes_gcm::Nonce;
 use aes_gcm::aead::{Aead, Payload};
@@ -61,13 +62,19 @@ fn open(keyring: &Keyring, stored: &[u8], context: &[u8]) -> Result<Vec<u8>, Unr
     if version != VERSION {
         return Err(Unreadable::UnknownVersion(version));
     }
+    if keyring.min_format > VERSION {
+        return Err(Unreadable::FormatRefused {
+            version,
+            min: keyring.min_format,
+        });
+    }
     let (&id_len, rest) = rest.split_first().ok_or(Unreadable::Truncated)?;
     let (id, rest) = rest
         .split_at_checked(usize::from(id_len))
         .ok_or(Unreadable::Truncated)?;
     let (nonce, sealed) = rest.split_at_checked(NONCE_LEN).ok_or(Unreadable::Truncated)?;
     let id = key_id_of(id)?;
-    let cipher = &keyring.cipher(id)?.v1;
+    let cipher = &keyring.cipher(id)?.aes;
     let payload = Payload {
         msg: sealed,
         aad: context,
@@ -139,7 +146,7 @@ pub(super) mod writer {
     }
 
     fn seal(keyring: &Keyring, key_id: &str, plain: &[u8], context: &[u8]) -> Vec<u8> {
-        let cipher = &keyring.cipher(key_id).expect("a configured key").v1;
+        let cipher = &keyring.cipher(key_id).expect("a configured key").aes;
         let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
         let payload = Payload {
             msg: plain,

@@ -1,24 +1,42 @@
 //! Detached work is bounded: keyed requests being executed (their work outlives their clients) are
 //! capped by `server.max_keyed_in_flight`, upstream connections per worker by `upstream.max_connections`,
-//! and response captures by `server.max_buffered_responses`. Over a bound nothing is claimed or
+//! and response captures by `server.max_buffered_responses`, of which one client (scope) holds at most
+//! its share, so its responses cannot leave others' unretained. Over a bound nothing is claimed or
 //! forwarded (503 `busy`), or a response is not retained (410 on retry); never unbounded memory or
 //! connections. A claim won after its request stopped waiting for the store is given back by its token.
 
 use rstest::rstest;
 
-use crate::support::http::client;
 use crate::support::http::raw_keyed_post_to;
+use crate::support::http::{TEST_CREDENTIAL, client};
 use crate::support::pg::hold_key_row;
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, metric, metric_reaches, settled};
 
 async fn held(url: &str, path: &str, key: &str, gate: &str) -> tokio::task::JoinHandle<Reply> {
-    let (url, path, key, gate) = (
-        url.to_string(),
-        path.to_string(),
-        key.to_string(),
-        gate.to_string(),
-    );
-    tokio::spawn(async move { Reply::of(keyed_post(&url, &path, &key, "{}").header("x-gate", gate)).await })
+    held_as(url, path, key, gate, TEST_CREDENTIAL).await
+}
+
+/// A keyed `POST {path}` from the client whose `Authorization` is `credential`, held on the stub's gate
+/// `gate`, answered on a task of its own.
+async fn held_as(
+    url: &str,
+    path: &str,
+    key: &str,
+    gate: &str,
+    credential: &str,
+) -> tokio::task::JoinHandle<Reply> {
+    let request = post_as(url, path, key, credential).header("x-gate", gate);
+    tokio::spawn(Reply::of(request))
+}
+
+/// `keyed_post` from the client whose `Authorization` is `credential`.
+fn post_as(url: &str, path: &str, key: &str, credential: &str) -> reqwest::RequestBuilder {
+    client()
+        .post(format!("{url}{path}"))
+        .header("idempotency-key", key)
+        .header("authorization", credential)
+        .header("content-type", "application/json")
+        .body("{}")
 }
 
 #[rstest]
@@ -125,8 +143,9 @@ async fn captures_beyond_max_buffered_responses_are_not_retained(
     let path = "/held?bytes=40000";
     let first = held(&proxy.url, path, "first", "first").await;
     env.upstream.wait_for_key("first", 1).await;
-    // The first capture holds 40,000 bytes of 64 KiB until it is stored; the second does not fit.
-    let second = held(&proxy.url, path, "second", "second").await;
+    // The first capture holds 40,000 bytes of 64 KiB until it is stored; the second, another client's,
+    // does not fit, waits `server.capture_wait` for room and gives up.
+    let second = held_as(&proxy.url, path, "second", "second", "Bearer other").await;
     env.upstream.wait_for_key("second", 1).await;
     metric_reaches(
         &proxy.admin_url,
@@ -148,9 +167,80 @@ async fn captures_beyond_max_buffered_responses_are_not_retained(
     let replay = Reply::of(keyed_post(&proxy.url, path, "first", "{}")).await;
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
-    let gone = Reply::of(keyed_post(&proxy.url, path, "second", "{}")).await;
+    let gone = Reply::of(post_as(&proxy.url, path, "second", "Bearer other")).await;
     gone.assert_problem(410, "response-not-retained");
     assert_eq!(env.upstream.executions(), 2, "neither runs again");
+    let waited = metric(&proxy.admin_url, "idemproxy_capture_budget_waits_total", &[]).await;
+    assert_eq!(waited, 1.0);
+}
+
+/// One client (one `Authorization`) holds many slow large responses: without a share it would fill the
+/// capture budget, and every other client's response finishing meanwhile would not be retained. With
+/// it, that client holds at most its quarter; another client's response is retained and its retry
+/// replays, while the hog's own excess is relayed in full and not retained, as before.
+#[tokio::test]
+async fn one_client_holding_large_slow_responses_cannot_starve_others_retention() {
+    let env = TestEnv::new().await;
+    // 128 KiB in all, so a share of 32 KiB: one 30,000-byte capture per client at a time.
+    let config = env
+        .config()
+        .set("server.max_buffered_responses", "128KiB")
+        .set("idempotency.max_stored_response", "32KiB");
+    let proxy = InProcessProxy::start(&config).await;
+    let hog_path = "/held?bytes=30000";
+    let mut hogs = Vec::new();
+    for n in 0..4 {
+        let key = format!("hog-{n}");
+        hogs.push(held_as(&proxy.url, hog_path, &key, &key, "Bearer hog").await);
+    }
+    // Four captures of 30,000 bytes would leave 11,072 of 131,072 free; the share lets one through and
+    // the three others wait `capture_wait`, then give up.
+    metric_reaches(
+        &proxy.admin_url,
+        "idemproxy_capture_scope_share_exhausted_total",
+        &[],
+        3.0,
+    )
+    .await;
+
+    let victim_path = "/held?bytes=16000";
+    let victim = held_as(&proxy.url, victim_path, "victim", "victim", "Bearer victim").await;
+    env.upstream.wait_for_key("victim", 1).await;
+    env.upstream.release("victim");
+    let victim = victim.await.unwrap();
+    assert_eq!(victim.status.as_u16(), 200);
+    assert_eq!(victim.body.len(), 16_000 + 9);
+    let replay = settled(|| post_as(&proxy.url, victim_path, "victim", "Bearer victim")).await;
+    assert_eq!(replay.status.as_u16(), 200, "{}", replay.text());
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, victim.body);
+
+    for n in 0..4 {
+        env.upstream.release(&format!("hog-{n}"));
+    }
+    for hog in hogs {
+        let hog = hog.await.unwrap();
+        assert_eq!(
+            (hog.status.as_u16(), hog.body.len()),
+            (200, 30_000 + 9),
+            "relayed in full"
+        );
+    }
+    let mut replayed = 0;
+    for n in 0..4 {
+        let retry = settled(|| post_as(&proxy.url, hog_path, &format!("hog-{n}"), "Bearer hog")).await;
+        if retry.status == 200 {
+            assert!(retry.is_replay());
+            assert_eq!(retry.body.len(), 30_000 + 9);
+            replayed += 1;
+        } else {
+            retry.assert_problem(410, "response-not-retained");
+        }
+    }
+    assert_eq!(replayed, 1, "the hog's share held one of its responses");
+    assert_eq!(env.upstream.executions(), 5, "nothing ran twice");
+    let starved = metric(&proxy.admin_url, "idemproxy_capture_budget_exhausted_total", &[]).await;
+    assert_eq!(starved, 0.0, "the budget itself never ran out");
 }
 
 /// A claim statement that waits on a row lock past `store.timeout` is answered 503, but commits once

@@ -1,15 +1,24 @@
 //! Stored responses are sealed per record, on both stores: the table holds one sealed blob per record and
 //! the retry replays it byte for byte; a blob copied into another record, or put back after the key was
-//! completed again, is refused (500 `record-unreadable`) and never executed again; a response kept
-//! without its body leaves nothing but its status; a record sealed by the previous format still replays.
-//! Rows are read and written with SQL, as someone with access to the database would.
+//! completed again, is refused (500 `record-unreadable`) and never executed again; so is a whole row put
+//! back after its record's life ended, even with its expiry rewritten, while the same row put back as it
+//! was only makes the key run again, as deleting it would; a response kept without its body leaves nothing
+//! but its status; records sealed by the previous formats still replay until `encryption.min_format`
+//! refuses them. Rows are read and written with SQL, as someone with access to the database would.
 
 use aes_gcm::aead::{Aead, KeyInit, Payload};
 use aes_gcm::{Aes256Gcm, Nonce};
 use rstest::rstest;
 
+use std::time::{Duration, Instant};
+
+use chacha20poly1305::aead::{AeadInOut, KeyInit as _};
+use chacha20poly1305::{XChaCha20Poly1305, XNonce};
+
 use crate::encryption::{K1, contains, encrypted, execute_and_settle};
-use crate::support::{Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, metric, settled};
+use crate::support::{
+    Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, metric, poll_until, settled,
+};
 
 const ORDER: &str = "{\"card\":\"4111\"}";
 
@@ -150,7 +159,7 @@ fn assert_sealed(row: &Row) {
     assert_eq!(row.status, Some(201), "the status stays in clear");
     assert!(row.headers.is_empty(), "headers are stored: {:?}", row.headers);
     let body = row.body.as_deref().expect("a sealed body");
-    assert!(body.starts_with(b"\0IPE\x02\x02k1"), "{body:?}");
+    assert!(body.starts_with(b"\0IPE\x03\x02k1"), "{body:?}");
     for secret in SECRETS {
         assert!(
             !contains(body, secret),
@@ -376,4 +385,202 @@ async fn a_replica_without_keys_refuses_a_sealed_record(
     let keyless = InProcessProxy::start(&env.config().set("replay_cache.max_size", "0")).await;
     refused(&keyless, "sealed").await;
     assert_eq!(env.upstream.executions(), 1, "never executed again");
+}
+
+/// Every column of a record but its scope and key, as the backup below copies them back.
+const ROW_COLUMNS: [&str; 12] = [
+    "fingerprint",
+    "status",
+    "token",
+    "attempt",
+    "claim_kind",
+    "locked_until",
+    "created_at",
+    "updated_at",
+    "response_status",
+    "response_body",
+    "body_retained",
+    "expires_at",
+];
+
+/// Copies the record for `key`, whole, into a table `backup` beside the key table, as a backup would.
+async fn back_up(env: &TestEnv, key: &str) {
+    match &env.store {
+        TestStore::Postgres(db) => {
+            let sql = format!(
+                "CREATE TABLE idemproxy.backup AS SELECT * FROM idemproxy.records WHERE key = '{key}'"
+            );
+            db.client().await.batch_execute(&sql).await.unwrap();
+        }
+        TestStore::Sqlite(_) => {
+            let sql = "CREATE TABLE backup AS SELECT * FROM records WHERE key = ?1";
+            on_sqlite(env, key, move |db, key| db.execute(sql, [key]))
+                .await
+                .unwrap();
+        }
+        TestStore::Redis { .. } | TestStore::Citus(_) => {
+            unreachable!("these tests reach into the rows of the SQL stores they run on")
+        }
+    }
+}
+
+/// Puts the backed-up row back over the record for `key`, every column as it was; with `live_for_a_day`,
+/// its expiry is moved a day ahead, so the store sees a completed record and replays it.
+async fn put_back(env: &TestEnv, key: &str, live_for_a_day: bool) {
+    let (columns, expiry) = ROW_COLUMNS.split_at(ROW_COLUMNS.len() - 1);
+    let mut set: Vec<String> = columns.iter().map(|c| format!("{c} = b.{c}")).collect();
+    match &env.store {
+        TestStore::Postgres(db) => {
+            set.push("response_header_names = b.response_header_names".into());
+            set.push("response_header_values = b.response_header_values".into());
+            set.push(match live_for_a_day {
+                true => "expires_at = now() + interval '1 day'".into(),
+                false => format!("{} = b.{}", expiry[0], expiry[0]),
+            });
+            let sql = format!(
+                "UPDATE idemproxy.records r SET {} FROM idemproxy.backup b WHERE r.key = b.key AND r.key = $1",
+                set.join(", ")
+            );
+            let updated = db.client().await.execute(&sql, &[&key]).await.unwrap();
+            assert_eq!(updated, 1);
+        }
+        TestStore::Sqlite(_) => {
+            set.push("response_headers = b.response_headers".into());
+            set.push(match live_for_a_day {
+                true => "expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) + 86400000".into(),
+                false => format!("{} = b.{}", expiry[0], expiry[0]),
+            });
+            let sql = format!(
+                "UPDATE records SET {} FROM backup AS b WHERE records.key = b.key AND records.key = ?1",
+                set.join(", ")
+            );
+            let updated = on_sqlite(env, key, move |db, key| db.execute(&sql, [key])).await;
+            assert_eq!(updated.unwrap(), 1);
+        }
+        TestStore::Redis { .. } | TestStore::Citus(_) => {
+            unreachable!("these tests reach into the rows of the SQL stores they run on")
+        }
+    }
+}
+
+/// A key's first use completes and is backed up; once it expires the client uses the key again, which
+/// executes and completes anew. Someone with the backup puts the first row back, whole, with its expiry a
+/// day ahead, so that the store replays it: the record's sealed life has ended, so it is refused and not
+/// executed again. Put back as it was (expired), the row only makes the key run again, as deleting it
+/// would: that much a table writer can always do.
+#[rstest]
+#[tokio::test]
+async fn a_whole_row_put_back_after_its_life_ended_is_refused_even_with_a_new_expiry(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    // A record lives at most ttl + lock_timeout + store.timeout (1s) after its seal: 4 s.
+    let config = encrypted(&env, "k1", &[("k1", K1)])
+        .set("idempotency.ttl", "2s")
+        .set("idempotency.lock_timeout", "1s")
+        .set("encryption.max_clock_skew", "0s");
+    let proxy = InProcessProxy::start(&config).await;
+    let (first, _) = execute_and_settle(&proxy, "k").await;
+    let first_life_ends = Instant::now() + Duration::from_secs(4);
+    back_up(&env, "k").await;
+
+    let again = poll_until("the key to expire and run again", || async {
+        let reply = Reply::of(keyed_post(&proxy.url, "/orders", "k", ORDER)).await;
+        (reply.status == 201 && !reply.is_replay()).then_some(reply)
+    })
+    .await;
+    assert_ne!(again.body, first.body, "a second execution");
+    let replay = settled(|| keyed_post(&proxy.url, "/orders", "k", ORDER)).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, again.body);
+    // What is waited for is the clock itself: the end of the first record's sealed life (a second more
+    // for the seal, which came before the first answer).
+    tokio::time::sleep_until((first_life_ends + Duration::from_secs(1)).into()).await;
+
+    put_back(&env, "k", true).await;
+    refused(&proxy, "k").await;
+    assert_eq!(env.upstream.executions_for_key("k"), 2, "not executed again");
+    let undecryptable = metric(&proxy.admin_url, "idemproxy_undecryptable_records_total", &[]).await;
+    assert_eq!(undecryptable, 1.0);
+
+    put_back(&env, "k", false).await;
+    let third = Reply::of(keyed_post(&proxy.url, "/orders", "k", ORDER)).await;
+    assert_eq!(third.status, 201);
+    assert!(!third.is_replay(), "an expired row is a new key");
+    assert_eq!(env.upstream.executions_for_key("k"), 3);
+}
+
+/// Rewrites the record for `key` as format 2 stored it: one XChaCha20-Poly1305 blob bound to scope, key,
+/// epoch and status, without the end of the record's life.
+async fn write_v2(env: &TestEnv, key: &str, headers: &[(&str, &[u8])], body: &[u8]) {
+    let row = row(env, key).await;
+    let token = hex::decode(row.token.replace('-', "")).expect("a token");
+    let mut head = b"\0IPE\x02\x02k1".to_vec();
+    head.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+    let mut aad = b"idemproxy-record-v2".to_vec();
+    for field in [row.scope.as_bytes(), key.as_bytes()] {
+        aad.extend_from_slice(&(field.len() as u64).to_be_bytes());
+        aad.extend_from_slice(field);
+    }
+    aad.extend_from_slice(&token);
+    aad.extend_from_slice(&201u16.to_be_bytes());
+    aad.extend_from_slice(&head);
+    let mut plain = 201u16.to_be_bytes().to_vec();
+    plain.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+    for (name, value) in headers {
+        for field in [name.as_bytes(), value] {
+            plain.extend_from_slice(&(field.len() as u32).to_be_bytes());
+            plain.extend_from_slice(field);
+        }
+    }
+    plain.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    plain.extend_from_slice(body);
+    let nonce = XNonce::from([0x5a; 24]);
+    let cipher = XChaCha20Poly1305::new(&K1.into());
+    let tag = cipher
+        .encrypt_inout_detached(&nonce, &aad, plain.as_mut_slice().into())
+        .unwrap();
+    let blob = [&head[..], &nonce[..], &plain, &tag[..]].concat();
+    set_body(env, key, blob).await;
+}
+
+/// Every format a record may be in opens by default; once every record of an older format has had its
+/// `ttl` to expire, `min_format` refuses them: a record of a refused format answers 500 and is never
+/// executed again, whatever a database writer puts in its row.
+#[rstest]
+#[tokio::test]
+async fn min_format_refuses_records_of_the_formats_below_it(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let keys = [("k1", K1)];
+    let proxy = InProcessProxy::start(&encrypted(&env, "k1", &keys)).await;
+    execute_and_settle(&proxy, "v1").await;
+    execute_and_settle(&proxy, "v2").await;
+    let headers: [(&str, &[u8]); 1] = [("content-type", b"text/plain")];
+    write_v1(&env, "v1", &headers, b"sealed as format 1").await;
+    write_v2(&env, "v2", &headers, b"sealed as format 2").await;
+    for (key, body) in [("v1", "sealed as format 1"), ("v2", "sealed as format 2")] {
+        let replay = Reply::of(keyed_post(&proxy.url, "/orders", key, ORDER)).await;
+        assert!(replay.is_replay(), "{key}: {replay:?}");
+        assert_eq!(replay.text(), body);
+    }
+    proxy.stop().await.unwrap();
+
+    let no_v1 = encrypted(&env, "k1", &keys).set("encryption.min_format", 2);
+    let proxy = InProcessProxy::start(&no_v1).await;
+    refused(&proxy, "v1").await;
+    let replay = Reply::of(keyed_post(&proxy.url, "/orders", "v2", ORDER)).await;
+    assert_eq!(replay.text(), "sealed as format 2");
+    proxy.stop().await.unwrap();
+
+    let only_v3 = encrypted(&env, "k1", &keys).set("encryption.min_format", 3);
+    let proxy = InProcessProxy::start(&only_v3).await;
+    refused(&proxy, "v1").await;
+    refused(&proxy, "v2").await;
+    let (first, replay) = execute_and_settle(&proxy, "v3").await;
+    assert_eq!(replay.body, first.body, "what this version seals opens");
+    assert_eq!(env.upstream.executions(), 3, "nothing refused ran again");
+    let undecryptable = metric(&proxy.admin_url, "idemproxy_undecryptable_records_total", &[]).await;
+    assert_eq!(undecryptable, 2.0);
 }

@@ -1,18 +1,22 @@
-//! Format version 2, what every seal writes: one XChaCha20-Poly1305 blob per record, holding the status,
-//! every header and the body. Runs on `complete` (seal) and when `claim` finds a completed record (open);
-//! touches only the bytes handed to it.
+//! The one-blob formats: 3, what every seal writes, and 2, read only. One XChaCha20-Poly1305 blob per
+//! record, holding the status, every header and the body. Runs on `complete` (seal) and when `claim` finds
+//! a completed record (open); touches only the bytes handed to it.
 //!
 //! Envelope, stored in the body column (integers big-endian):
-//! `MAGIC` (4) | 2 | key id length (1) | key id | header count (u32) | nonce (24) | ciphertext | tag (16).
+//! `MAGIC` (4) | version | key id length (1) | key id | header count (u32) | [format 3: not after (u64,
+//! milliseconds since the Unix epoch)] | nonce (24) | ciphertext | tag (16).
 //!
 //! Plaintext: status (u16) | header count (u32) | per header: name length (u32), name, value length (u32),
 //! value | body length (u64), body. Every field is length-prefixed and nothing may follow the body, so a
 //! blob parses one way only and a cut one is refused even before the tag would refuse it.
 //!
-//! Associated data: a label | scope and key, each with a u64 length | the record's epoch (the token of the
-//! claim that completed it, 16 bytes) | the status column | every clear byte of the envelope before the
-//! nonce (which carries the header count and key id). A blob therefore opens only in its own row, for its
-//! own completion, with the status and header count it was sealed with.
+//! Associated data: the format's label | scope and key, each with a u64 length | the record's epoch (the
+//! token of the claim that completed it, 16 bytes) | the status column | every clear byte of the envelope
+//! before the nonce (which carries the header count, the key id and, in format 3, the end of the record's
+//! life). A blob therefore opens only in its own row, for its own completion, with the status and header
+//! count it was sealed with; a format 3 blob also says, unalterably, until when its record can be alive,
+//! which `encrypted.rs` checks against the clock: a whole row put back after its record's life ended (with
+//! its expiry rewritten so the store replays it) is refused.
 
 use std::ops::Range;
 
@@ -24,11 +28,27 @@ use uuid::Uuid;
 use super::{Keyring, MAGIC, SealError, Unreadable, key_id_of};
 use crate::store::StoredResponse;
 
-/// The format version this module writes and reads.
-pub(super) const VERSION: u8 = 2;
+/// The format bound to its record and completion, read only.
+pub(super) const V2: u8 = 2;
+/// The format every seal writes: format 2 plus the end of the record's life.
+pub(super) const V3: u8 = 3;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
-const LABEL: &[u8] = b"idemproxy-record-v2";
+
+/// What a blob says in clear besides its key id: how many headers it holds, and (format 3) until when
+/// its record can be alive, in milliseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Sealed {
+    pub header_count: u32,
+    pub not_after: Option<u64>,
+}
+
+fn label(version: u8) -> &'static [u8] {
+    match version {
+        V2 => b"idemproxy-record-v2",
+        _ => b"idemproxy-record-v3",
+    }
+}
 
 /// What a blob is bound to besides its own envelope.
 pub(super) struct Binding<'a> {
@@ -42,8 +62,34 @@ pub(super) struct Binding<'a> {
     pub status: u16,
 }
 
-/// Seals `headers` and `body` (with the binding's status) under `key_id`.
+/// Seals `headers` and `body` (with the binding's status) under `key_id`, in format 3, for a record
+/// alive until `not_after` at the latest.
 pub(super) fn seal(
+    cipher: &XChaCha20Poly1305,
+    key_id: &str,
+    binding: &Binding,
+    not_after: u64,
+    headers: &[(String, Vec<u8>)],
+    body: &[u8],
+) -> Result<Vec<u8>, SealError> {
+    seal_as(V3, Some(not_after), cipher, key_id, binding, headers, body)
+}
+
+/// `seal` as format 2 wrote it, kept only to make fixtures: production code writes format 3.
+#[cfg(test)]
+pub(super) fn seal_v2(
+    cipher: &XChaCha20Poly1305,
+    key_id: &str,
+    binding: &Binding,
+    headers: &[(String, Vec<u8>)],
+    body: &[u8],
+) -> Result<Vec<u8>, SealError> {
+    seal_as(V2, None, cipher, key_id, binding, headers, body)
+}
+
+fn seal_as(
+    version: u8,
+    not_after: Option<u64>,
     cipher: &XChaCha20Poly1305,
     key_id: &str,
     binding: &Binding,
@@ -51,8 +97,12 @@ pub(super) fn seal(
     body: &[u8],
 ) -> Result<Vec<u8>, SealError> {
     let header_count = u32::try_from(headers.len()).map_err(|_| SealError::TooLarge)?;
-    let mut blob = envelope_head(key_id, header_count);
-    let aad = associated_data(binding, &blob);
+    let clear = Sealed {
+        header_count,
+        not_after,
+    };
+    let mut blob = envelope_head(version, key_id, clear);
+    let aad = associated_data(version, binding, &blob);
     let nonce = XNonce::try_generate().map_err(|_| SealError::Random)?;
     blob.extend_from_slice(&nonce);
     let start = blob.len();
@@ -65,32 +115,41 @@ pub(super) fn seal(
     Ok(blob)
 }
 
-/// Opens a blob written by [`seal`] for the record described by `binding`.
-pub(super) fn open(keyring: &Keyring, binding: &Binding, blob: &[u8]) -> Result<StoredResponse, Unreadable> {
+/// Opens a blob of format 2 or 3 for the record described by `binding`; with the response, what its
+/// envelope said in clear, now authenticated.
+pub(super) fn open(
+    keyring: &Keyring,
+    binding: &Binding,
+    blob: &[u8],
+) -> Result<(StoredResponse, Sealed), Unreadable> {
     let envelope = Envelope::parse(blob)?;
-    let cipher = &keyring.cipher(envelope.key_id)?.v2;
-    let aad = associated_data(binding, envelope.head);
+    let cipher = &keyring.cipher(envelope.key_id)?.chacha;
+    let aad = associated_data(envelope.version, binding, envelope.head);
     let mut plain = envelope.sealed.to_vec();
     cipher
         .decrypt_inout_detached(&envelope.nonce, &aad, plain.as_mut_slice().into(), &envelope.tag)
         .map_err(|_| Unreadable::DoesNotOpen(envelope.key_id.to_owned()))?;
-    decode(Bytes::from(plain), binding.status, envelope.header_count)
+    let response = decode(Bytes::from(plain), binding.status, envelope.clear.header_count)?;
+    Ok((response, envelope.clear))
 }
 
 /// Everything before the nonce; authenticated as part of the associated data.
-fn envelope_head(key_id: &str, header_count: u32) -> Vec<u8> {
-    let mut head = Vec::with_capacity(MAGIC.len() + 2 + key_id.len() + 4);
+fn envelope_head(version: u8, key_id: &str, clear: Sealed) -> Vec<u8> {
+    let mut head = Vec::with_capacity(MAGIC.len() + 2 + key_id.len() + 4 + 8);
     head.extend_from_slice(MAGIC);
-    head.push(VERSION);
+    head.push(version);
     // Key ids are validated to at most 64 bytes when the config is loaded.
     head.push(key_id.len() as u8);
     head.extend_from_slice(key_id.as_bytes());
-    head.extend_from_slice(&header_count.to_be_bytes());
+    head.extend_from_slice(&clear.header_count.to_be_bytes());
+    if let Some(not_after) = clear.not_after {
+        head.extend_from_slice(&not_after.to_be_bytes());
+    }
     head
 }
 
-fn associated_data(binding: &Binding, head: &[u8]) -> Vec<u8> {
-    let mut aad = LABEL.to_vec();
+fn associated_data(version: u8, binding: &Binding, head: &[u8]) -> Vec<u8> {
+    let mut aad = label(version).to_vec();
     for field in [binding.scope.as_bytes(), binding.key.as_bytes()] {
         aad.extend_from_slice(&(field.len() as u64).to_be_bytes());
         aad.extend_from_slice(field);
@@ -101,11 +160,12 @@ fn associated_data(binding: &Binding, head: &[u8]) -> Vec<u8> {
     aad
 }
 
-/// A v2 envelope split into its parts, before anything is decrypted.
+/// A format 2 or 3 envelope split into its parts, before anything is decrypted.
 struct Envelope<'a> {
+    version: u8,
     head: &'a [u8],
     key_id: &'a str,
-    header_count: u32,
+    clear: Sealed,
     nonce: XNonce,
     sealed: &'a [u8],
     tag: Tag,
@@ -118,12 +178,20 @@ impl<'a> Envelope<'a> {
             return Err(Unreadable::Malformed("not a sealed record"));
         }
         let version = reader.u8()?;
-        if version != VERSION {
+        if version != V2 && version != V3 {
             return Err(Unreadable::UnknownVersion(version));
         }
         let id_len = usize::from(reader.u8()?);
         let key_id = key_id_of(reader.take(id_len)?)?;
         let header_count = reader.u32()?;
+        let not_after = match version {
+            V3 => Some(reader.u64()?),
+            _ => None,
+        };
+        let clear = Sealed {
+            header_count,
+            not_after,
+        };
         let head = &blob[..reader.position];
         let nonce = XNonce::try_from(reader.take(NONCE_LEN)?).map_err(|_| Unreadable::Truncated)?;
         let sealed_len = reader
@@ -133,9 +201,10 @@ impl<'a> Envelope<'a> {
         let sealed = reader.take(sealed_len)?;
         let tag = Tag::try_from(reader.take(TAG_LEN)?).map_err(|_| Unreadable::Truncated)?;
         Ok(Envelope {
+            version,
             head,
             key_id,
-            header_count,
+            clear,
             nonce,
             sealed,
             tag,
