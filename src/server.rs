@@ -421,14 +421,15 @@ async fn work(
     }) = handoffs.recv().await
     {
         let tls = serving.tls.is_some();
+        let share = proxy.keyed_per_connection;
         let (stream, downstream) = match stream {
             StdStream::Tcp(stream, addr) => (
                 TcpStream::from_std(stream).map(Either::Left),
-                Downstream::new(addr, tls),
+                Downstream::new(addr, tls, share),
             ),
             StdStream::Unix(stream) => (
                 UnixStream::from_std(stream).map(Either::Right),
-                Downstream::unix(tls),
+                Downstream::unix(tls, share),
             ),
         };
         let stream = match stream {

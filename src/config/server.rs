@@ -65,6 +65,11 @@ pub struct RawServer {
     /// Absent means `max_connections`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keyed_in_flight: Option<usize>,
+    /// Most of those keyed requests one client connection may have executing at once, detached ones
+    /// included (their clients gone, or their HTTP/2 streams reset); more get 503. Absent means a quarter
+    /// of `max_keyed_in_flight`, at most 100 (the streams one HTTP/2 connection may have open).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keyed_per_connection: Option<usize>,
     /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room is
     /// not retained.
     pub max_buffered_responses: ByteSize,
@@ -94,6 +99,7 @@ impl Default for RawServer {
             workers: None,
             write_timeout: Duration::from_secs(30),
             max_keyed_in_flight: None,
+            max_keyed_per_connection: None,
             max_buffered_responses: ByteSize::mib(256),
             problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.into(),
             max_waiting: None,
@@ -189,6 +195,8 @@ pub struct ServerConfig {
     pub write_timeout: Duration,
     /// Most keyed requests executing at once.
     pub max_keyed_in_flight: usize,
+    /// Most keyed requests of one connection executing at once.
+    pub max_keyed_per_connection: usize,
     /// Bytes of keyed responses captured for storage at once, in all.
     pub max_buffered_responses: usize,
     /// The base of problem `type` URIs.
@@ -213,9 +221,10 @@ impl RawServer {
             max_buffered_bodies: memory(self.max_buffered_bodies),
             workers: self.workers()?,
             write_timeout: positive("server.write_timeout", self.write_timeout)?,
-            max_keyed_in_flight: match self.max_keyed_in_flight {
-                Some(n) => within("server.max_keyed_in_flight", n, 1..=1_000_000)?,
-                None => self.max_connections,
+            max_keyed_in_flight: self.max_keyed_in_flight()?,
+            max_keyed_per_connection: match self.max_keyed_per_connection {
+                Some(n) => within("server.max_keyed_per_connection", n, 1..=1_000_000)?,
+                None => default_keyed_per_connection(self.max_keyed_in_flight()?),
             },
             max_buffered_responses: memory(self.max_buffered_responses),
             problem_type_base: self.problem_type_base()?,
@@ -224,6 +233,13 @@ impl RawServer {
                 None => self.max_connections,
             },
         })
+    }
+
+    fn max_keyed_in_flight(&self) -> Result<usize, ConfigError> {
+        match self.max_keyed_in_flight {
+            Some(n) => within("server.max_keyed_in_flight", n, 1..=1_000_000),
+            None => Ok(self.max_connections),
+        }
     }
 
     fn problem_type_base(&self) -> Result<String, ConfigError> {
@@ -282,6 +298,18 @@ impl RawServer {
         }
         Ok(bytes as usize)
     }
+}
+
+/// The most keyed slots one connection takes by default: as many as one HTTP/2 connection may have
+/// streams open (`server.rs` allows 100), so an ingress that carries many clients on one connection is
+/// held back by no more than HTTP/2 already holds it.
+const KEYED_PER_CONNECTION_MAX: usize = 100;
+
+/// `server.max_keyed_per_connection` when absent: a quarter of the keyed slots, so one connection (a
+/// client that resets streams as fast as it opens them, and leaves their work detached) leaves at least
+/// three quarters to everyone else, and at most [`KEYED_PER_CONNECTION_MAX`].
+fn default_keyed_per_connection(max_keyed_in_flight: usize) -> usize {
+    (max_keyed_in_flight / 4).clamp(1, KEYED_PER_CONNECTION_MAX)
 }
 
 /// A memory budget in bytes; past what the platform can address it is as good as unbounded.
@@ -428,9 +456,27 @@ mod tests {
         assert_eq!(config.server.write_timeout, Duration::from_secs(30));
         assert_eq!(config.server.max_keyed_in_flight, 100);
         assert_eq!(config.server.max_waiting, 100);
+        assert_eq!(config.server.max_keyed_per_connection, 25, "a quarter");
+        let share = |text: &str| {
+            Config::from_toml_str(&format!("[server]\n{text}\n"))
+                .unwrap()
+                .server
+                .max_keyed_per_connection
+        };
+        assert_eq!(
+            share(""),
+            100,
+            "1024 slots: no more than one HTTP/2 connection's streams"
+        );
+        assert_eq!(share("max_keyed_in_flight = 2"), 1);
+        assert_eq!(share("max_keyed_per_connection = 7"), 7);
         for (text, key) in [
             ("[server]\nwrite_timeout = \"0s\"", "server.write_timeout"),
             ("[server]\nmax_keyed_in_flight = 0", "server.max_keyed_in_flight"),
+            (
+                "[server]\nmax_keyed_per_connection = 0",
+                "server.max_keyed_per_connection",
+            ),
             ("[server]\nmax_waiting = 0", "server.max_waiting"),
             (
                 "[server]\nmax_buffered_responses = \"1MiB\"",

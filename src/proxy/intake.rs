@@ -13,6 +13,7 @@ use hyper::body::Incoming;
 use uuid::Uuid;
 
 use self::budget::ReservedBody;
+use super::passthrough::client_body;
 use super::upstream::Downstream;
 use super::{Handled, Proxy, key};
 use crate::access;
@@ -61,7 +62,7 @@ impl Proxy {
             check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
-        let body = self.read_body(policy, &parts.headers, body).await?;
+        let body = self.read_body(policy, &parts, body).await?;
         let key = match key {
             Some(key) => key,
             None => match key::source::from_body(policy, &parts, &body.bytes)? {
@@ -89,15 +90,18 @@ impl Proxy {
     /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
     /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive. Room
     /// for the body is reserved from the shared body budget first; 503 when none comes in that time.
+    /// A body is whole or not at all: one the client abandoned (an HTTP/2 stream reset before its end)
+    /// or whose length is not its `content-length` is refused, so nothing is claimed for it.
     async fn read_body(
         &self,
         policy: &IdempotencyConfig,
-        headers: &HeaderMap,
-        body: Incoming,
+        parts: &request::Parts,
+        mut body: Incoming,
     ) -> Result<ReservedBody, ProxyError> {
         let limit = policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
-        let declared = headers
+        let declared = parts
+            .headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
@@ -109,13 +113,14 @@ impl Proxy {
         let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
             return Err(ProxyError::Busy(Busy::Bodies));
         };
-        let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(body, limit).collect());
+        let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(&mut body, limit).collect());
         let bytes = match reading.await {
             Ok(Ok(collected)) => collected.to_bytes(),
             Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(too_large),
             Ok(Err(e)) => return Err(ProxyError::ClientBody(e.to_string())),
             Err(_) => return Err(ProxyError::RequestTimeout(self.body_read_timeout)),
         };
+        client_body::check_whole(&body, parts.version, declared, bytes.len())?;
         reservation.shrink_to(bytes.len());
         Ok(ReservedBody::new(bytes, reservation))
     }

@@ -29,7 +29,7 @@ impl Proxy {
         let (body, client) = if body.is_end_stream() {
             (body::empty(), None)
         } else {
-            let (body, client) = GuardedBody::new(body, self.body_read_timeout);
+            let (body, client) = GuardedBody::new(body, parts.version, self.body_read_timeout);
             (body.boxed(), Some(client))
         };
         let request = self.upstream.request(parts, body, peer);

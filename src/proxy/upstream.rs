@@ -6,12 +6,15 @@ mod connect;
 pub mod pool;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, Entry, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version, request};
 
+use http_body::Body as _;
 use http_body_util::BodyExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use self::pool::{Pool, PooledBody, SendError};
 use crate::body::{BoxError, ProxyBody};
@@ -33,28 +36,47 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// The client side of a connection, as far as the upstream is told about it. Made once per connection and
-/// shared by its requests.
+/// The client side of a connection: what the upstream is told about it, and the connection's share of
+/// keyed slots. Made once per connection and shared by its requests (and by their detached work).
 #[derive(Debug, Clone)]
-pub struct Downstream {
+pub struct Downstream(Arc<Client>);
+
+#[derive(Debug)]
+struct Client {
     /// The client's IP address, as `X-Forwarded-For` names it; none for a client on a unix socket, which
     /// has no address to name (its incoming `X-Forwarded-For` goes on as it came).
     ip: Option<HeaderValue>,
     /// Whether the client connected over TLS.
     tls: bool,
+    /// One permit per keyed request of this connection being executed (`server.max_keyed_per_connection`).
+    keyed: Arc<Semaphore>,
 }
 
 impl Downstream {
-    /// The client at `addr`, over TLS or not.
-    pub fn new(addr: SocketAddr, tls: bool) -> Downstream {
+    /// The client at `addr`, over TLS or not, whose connection may run `keyed_share` keyed requests at
+    /// once.
+    pub fn new(addr: SocketAddr, tls: bool, keyed_share: usize) -> Downstream {
         let ip = HeaderValue::from_str(&addr.ip().to_string())
             .expect("an IP address in text is a valid header value");
-        Downstream { ip: Some(ip), tls }
+        Downstream::of(Some(ip), tls, keyed_share)
     }
 
     /// A client connected to the proxy's unix socket, over TLS or not: no IP address to forward.
-    pub fn unix(tls: bool) -> Downstream {
-        Downstream { ip: None, tls }
+    pub fn unix(tls: bool, keyed_share: usize) -> Downstream {
+        Downstream::of(None, tls, keyed_share)
+    }
+
+    fn of(ip: Option<HeaderValue>, tls: bool, keyed_share: usize) -> Downstream {
+        Downstream(Arc::new(Client {
+            ip,
+            tls,
+            keyed: Arc::new(Semaphore::new(keyed_share.min(Semaphore::MAX_PERMITS))),
+        }))
+    }
+
+    /// One of the connection's keyed slots, if one is free; held by the request's work to its end.
+    pub(crate) fn keyed_slot(&self) -> Option<OwnedSemaphorePermit> {
+        self.0.keyed.clone().try_acquire_owned().ok()
     }
 }
 
@@ -133,7 +155,7 @@ impl Upstream {
     }
 
     /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
-    /// `X-Forwarded-*` set; the client's `Host` kept.
+    /// `X-Forwarded-*` set; the client's `Host` kept; the body's own length as `Content-Length`.
     pub fn request(&self, parts: request::Parts, body: ProxyBody, peer: &Downstream) -> Request<ProxyBody> {
         let request::Parts {
             method,
@@ -143,6 +165,7 @@ impl Upstream {
         } = parts;
         // The proxy has answered any 100-continue itself by reading the body.
         strip_hop_by_hop_and(&mut headers, |name| name == header::EXPECT);
+        set_length(&mut headers, &body);
         let host = match headers.get(header::HOST) {
             Some(host) => Some(host.clone()),
             None => {
@@ -250,9 +273,22 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
 
+/// `Content-Length` from the body when it knows its length (a body read whole, or a client's body whose
+/// length its head declared): hyper's client would frame the request by a client's header it finds,
+/// whatever the body holds. A body of no bytes gets one only if the client sent one.
+fn set_length(headers: &mut HeaderMap, body: &ProxyBody) {
+    match body.size_hint().exact() {
+        Some(0) if !headers.contains_key(header::CONTENT_LENGTH) => {}
+        Some(length) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+        }
+        None => {}
+    }
+}
+
 fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<HeaderValue>) {
     // One lookup of the name both reads the chain so far and writes the new one.
-    if let Some(ip) = &peer.ip {
+    if let Some(ip) = &peer.0.ip {
         match headers.entry(X_FORWARDED_FOR) {
             Entry::Occupied(mut chain) => {
                 if let Some(longer) = forwarded_chain(chain.get().as_bytes(), ip.as_bytes()) {
@@ -264,7 +300,7 @@ fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<Header
             }
         }
     }
-    let proto = if peer.tls { "https" } else { "http" };
+    let proto = if peer.0.tls { "https" } else { "http" };
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
         headers.insert(X_FORWARDED_HOST, host);
@@ -362,7 +398,7 @@ mod tests {
                 .header(header::TRANSFER_ENCODING, "chunked")
                 .header(header::CONTENT_TYPE, "application/json"),
         );
-        let peer = Downstream::new("10.1.2.3:5000".parse().unwrap(), false);
+        let peer = Downstream::new("10.1.2.3:5000".parse().unwrap(), false, 1);
         let request = upstream("http://127.0.0.1:9").request(client, crate::body::empty(), &peer);
         assert_eq!(request.method(), http::Method::POST);
         assert_eq!(request.uri(), "/pay?x=1");
@@ -377,7 +413,7 @@ mod tests {
 
     #[test]
     fn without_a_host_header_the_target_authority_or_else_the_upstream_is_the_host() {
-        let peer = Downstream::new("[::1]:5000".parse().unwrap(), true);
+        let peer = Downstream::new("[::1]:5000".parse().unwrap(), true, 1);
         let http2 = parts(Request::get("https://api.example:8443/a"));
         let request = upstream("http://10.0.0.9:8080").request(http2, crate::body::empty(), &peer);
         assert_eq!(request.uri(), "/a");
@@ -395,19 +431,19 @@ mod tests {
     fn forwarded_for_appends_the_peer() {
         let mut headers = HeaderMap::new();
         headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        let peer = Downstream::new("127.0.0.1:5000".parse().unwrap(), false);
+        let peer = Downstream::new("127.0.0.1:5000".parse().unwrap(), false, 1);
         set_forwarded(&mut headers, &peer, Some(HeaderValue::from_static("api")));
         assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
         assert_eq!(headers[&X_FORWARDED_HOST], "api");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
-        let tls = Downstream::new("127.0.0.1:5000".parse().unwrap(), true);
+        let tls = Downstream::new("127.0.0.1:5000".parse().unwrap(), true, 1);
         set_forwarded(&mut headers, &tls, None);
         assert_eq!(headers[&X_FORWARDED_PROTO], "https");
     }
 
     #[test]
     fn a_unix_socket_client_adds_no_forwarded_for_and_keeps_the_incoming_one() {
-        let peer = Downstream::unix(false);
+        let peer = Downstream::unix(false, 1);
         let mut headers = HeaderMap::new();
         set_forwarded(&mut headers, &peer, None);
         assert!(headers.get(&X_FORWARDED_FOR).is_none());
