@@ -73,7 +73,7 @@ pub struct ProxyListener {
     pub proxy: Proxy,
 }
 
-/// Bounds on the proxy listener's connections, from `[server]`.
+/// Bounds on the proxy listener's connections, and how far its clients are trusted, from `[server]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Most connections open at once; at this many, the listener accepts another only once one closes
@@ -87,6 +87,8 @@ pub struct Limits {
     pub max_headers: usize,
     /// Longest a client may accept no bytes while the proxy has bytes for it; its connection ends then.
     pub write_timeout: Duration,
+    /// Whether a unix-socket client's own `X-Forwarded-For` goes upstream (else it is removed).
+    pub trust_unix_forwarded_for: bool,
 }
 
 impl From<&ServerConfig> for Limits {
@@ -97,6 +99,7 @@ impl From<&ServerConfig> for Limits {
             max_header_size: server.max_header_size,
             max_headers: server.max_headers,
             write_timeout: server.write_timeout,
+            trust_unix_forwarded_for: server.trust_unix_forwarded_for,
         }
     }
 }
@@ -165,6 +168,7 @@ pub async fn serve(
         tls: tls.as_ref().map(|tls| TlsAcceptor::from(tls.config.clone())),
         deadline: deadline.clone(),
         problem_base: proxy.problem_base.clone(),
+        trust_unix_forwarded_for: limits.trust_unix_forwarded_for,
     };
     // The workers (and the certificate reload) stop when this function ends however it ends: an error,
     // or its future dropped.
@@ -183,6 +187,7 @@ pub async fn serve(
             tls: None,
             deadline,
             problem_base: proxy.problem_base.clone(),
+            trust_unix_forwarded_for: false,
         },
         admin_slots,
         admin_stop.clone(),
@@ -299,6 +304,8 @@ struct Serving {
     deadline: Deadline,
     /// `server.problem_type_base`, for the 503 of an evicted connection.
     problem_base: Arc<str>,
+    /// `server.trust_unix_forwarded_for`.
+    trust_unix_forwarded_for: bool,
 }
 
 /// The bound on a stalled write, and where its expiries are counted.
@@ -429,7 +436,7 @@ async fn work(
             ),
             StdStream::Unix(stream) => (
                 UnixStream::from_std(stream).map(Either::Right),
-                Downstream::unix(tls, share),
+                Downstream::unix(tls, share, serving.trust_unix_forwarded_for),
             ),
         };
         let stream = match stream {

@@ -29,6 +29,9 @@ pub struct RawServer {
     pub listen: String,
     /// Permissions of the proxy listener's unix socket file, in octal (only with a `unix:` listen).
     pub socket_mode: String,
+    /// Whether a unix-socket client's own `X-Forwarded-For` goes upstream as it came. Such a client has
+    /// no address to append, so by default its chain is removed rather than passed off as the proxy's.
+    pub trust_unix_forwarded_for: bool,
     /// Admin listener address (`/metrics`, `/healthz`, `/readyz`); TCP only.
     pub admin_listen: String,
     /// How long in-flight requests may run to completion after a shutdown signal.
@@ -87,6 +90,7 @@ impl Default for RawServer {
         RawServer {
             listen: "0.0.0.0:8080".into(),
             socket_mode: "0660".into(),
+            trust_unix_forwarded_for: false,
             admin_listen: "127.0.0.1:9090".into(),
             shutdown_grace: Duration::from_secs(30),
             tls: None,
@@ -171,6 +175,8 @@ pub struct ListenerTls {
 pub struct ServerConfig {
     /// Proxy listener address.
     pub listen: ListenAddr,
+    /// Whether a unix-socket client's `X-Forwarded-For` goes upstream as it came.
+    pub trust_unix_forwarded_for: bool,
     /// Admin listener address.
     pub admin_listen: SocketAddr,
     /// Drain bound after a shutdown signal.
@@ -210,6 +216,7 @@ impl RawServer {
     pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
         Ok(ServerConfig {
             listen: self.listen()?,
+            trust_unix_forwarded_for: self.trust_unix_forwarded_for,
             admin_listen: self.admin_listen()?,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,

@@ -43,13 +43,26 @@ pub struct Downstream(Arc<Client>);
 
 #[derive(Debug)]
 struct Client {
-    /// The client's IP address, as `X-Forwarded-For` names it; none for a client on a unix socket, which
-    /// has no address to name (its incoming `X-Forwarded-For` goes on as it came).
-    ip: Option<HeaderValue>,
+    /// What `X-Forwarded-For` says of the client.
+    forwarded_for: ForwardedFor,
     /// Whether the client connected over TLS.
     tls: bool,
     /// One permit per keyed request of this connection being executed (`server.max_keyed_per_connection`).
     keyed: Arc<Semaphore>,
+}
+
+/// What the upstream's `X-Forwarded-For` is made of, for one connection's requests.
+#[derive(Debug)]
+enum ForwardedFor {
+    /// The client's IP address, appended to the chain the client sent (a TCP client): the upstream
+    /// trusts the last entry, which the proxy wrote.
+    Append(HeaderValue),
+    /// The chain as the client sent it: a unix-socket client trusted to write it
+    /// (`server.trust_unix_forwarded_for`), such as an ingress that alone can reach the socket.
+    AsSent,
+    /// No chain: a unix-socket client has no address to append, and a chain it wrote is not taken as
+    /// given (the upstream would read its last entry as the proxy's word).
+    Removed,
 }
 
 impl Downstream {
@@ -58,17 +71,23 @@ impl Downstream {
     pub fn new(addr: SocketAddr, tls: bool, keyed_share: usize) -> Downstream {
         let ip = HeaderValue::from_str(&addr.ip().to_string())
             .expect("an IP address in text is a valid header value");
-        Downstream::of(Some(ip), tls, keyed_share)
+        Downstream::of(ForwardedFor::Append(ip), tls, keyed_share)
     }
 
-    /// A client connected to the proxy's unix socket, over TLS or not: no IP address to forward.
-    pub fn unix(tls: bool, keyed_share: usize) -> Downstream {
-        Downstream::of(None, tls, keyed_share)
+    /// A client connected to the proxy's unix socket, over TLS or not: no IP address to forward, and its
+    /// own `X-Forwarded-For` goes on only if `trusted`.
+    pub fn unix(tls: bool, keyed_share: usize, trusted: bool) -> Downstream {
+        let forwarded_for = if trusted {
+            ForwardedFor::AsSent
+        } else {
+            ForwardedFor::Removed
+        };
+        Downstream::of(forwarded_for, tls, keyed_share)
     }
 
-    fn of(ip: Option<HeaderValue>, tls: bool, keyed_share: usize) -> Downstream {
+    fn of(forwarded_for: ForwardedFor, tls: bool, keyed_share: usize) -> Downstream {
         Downstream(Arc::new(Client {
-            ip,
+            forwarded_for,
             tls,
             keyed: Arc::new(Semaphore::new(keyed_share.min(Semaphore::MAX_PERMITS))),
         }))
@@ -287,9 +306,9 @@ fn set_length(headers: &mut HeaderMap, body: &ProxyBody) {
 }
 
 fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<HeaderValue>) {
-    // One lookup of the name both reads the chain so far and writes the new one.
-    if let Some(ip) = &peer.0.ip {
-        match headers.entry(X_FORWARDED_FOR) {
+    match &peer.0.forwarded_for {
+        // One lookup of the name both reads the chain so far and writes the new one.
+        ForwardedFor::Append(ip) => match headers.entry(X_FORWARDED_FOR) {
             Entry::Occupied(mut chain) => {
                 if let Some(longer) = forwarded_chain(chain.get().as_bytes(), ip.as_bytes()) {
                     chain.insert(longer);
@@ -298,13 +317,19 @@ fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<Header
             Entry::Vacant(none) => {
                 none.insert(ip.clone());
             }
+        },
+        ForwardedFor::AsSent => {}
+        ForwardedFor::Removed => {
+            headers.remove(X_FORWARDED_FOR);
         }
     }
     let proto = if peer.0.tls { "https" } else { "http" };
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    if let Some(host) = host {
-        headers.insert(X_FORWARDED_HOST, host);
-    }
+    // The host as the proxy read it, or none: never one the client wrote itself.
+    match host {
+        Some(host) => headers.insert(X_FORWARDED_HOST, host),
+        None => headers.remove(X_FORWARDED_HOST),
+    };
 }
 
 /// `prior`, then `ip`, as one `X-Forwarded-For` value.
@@ -442,14 +467,19 @@ mod tests {
     }
 
     #[test]
-    fn a_unix_socket_client_adds_no_forwarded_for_and_keeps_the_incoming_one() {
-        let peer = Downstream::unix(false, 1);
-        let mut headers = HeaderMap::new();
-        set_forwarded(&mut headers, &peer, None);
-        assert!(headers.get(&X_FORWARDED_FOR).is_none());
-        assert_eq!(headers[&X_FORWARDED_PROTO], "http");
-        headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        set_forwarded(&mut headers, &peer, None);
-        assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1");
+    fn a_unix_socket_client_s_forwarded_for_goes_on_only_when_trusted() {
+        let forwarded = |peer: &Downstream| {
+            let mut headers = HeaderMap::new();
+            set_forwarded(&mut headers, peer, None);
+            assert!(headers.get(&X_FORWARDED_FOR).is_none(), "nothing is added");
+            assert_eq!(headers[&X_FORWARDED_PROTO], "http");
+            headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
+            headers.insert(X_FORWARDED_HOST, HeaderValue::from_static("forged"));
+            set_forwarded(&mut headers, peer, None);
+            assert!(headers.get(&X_FORWARDED_HOST).is_none(), "no host, so none");
+            headers.get(&X_FORWARDED_FOR).cloned()
+        };
+        assert_eq!(forwarded(&Downstream::unix(false, 1, false)), None);
+        assert_eq!(forwarded(&Downstream::unix(false, 1, true)).unwrap(), "10.0.0.1");
     }
 }
