@@ -244,7 +244,7 @@ impl Proxy {
         key: Option<String>,
         peer: Downstream,
     ) -> Handled {
-        let intake = match self.intake(request, route, key).await? {
+        let intake = match self.intake(request, route, key, &peer).await? {
             Ok(intake) => intake,
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
             Err(unkeyed) => return Box::pin(unkeyed.forward(self, &peer)).await,

@@ -41,7 +41,7 @@ use crate::body::ProxyBody;
 use crate::config::{ListenerTls, ServerConfig};
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
-use crate::proxy::upstream::Downstream;
+use crate::proxy::upstream::{Downstream, Peer};
 
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -427,18 +427,21 @@ async fn work(
         watcher,
     }) = handoffs.recv().await
     {
-        let tls = serving.tls.is_some();
-        let share = proxy.keyed_per_connection;
-        let (stream, downstream) = match stream {
-            StdStream::Tcp(stream, addr) => (
-                TcpStream::from_std(stream).map(Either::Left),
-                Downstream::new(addr, tls, share),
-            ),
+        let (stream, peer) = match stream {
+            StdStream::Tcp(stream, addr) => (TcpStream::from_std(stream).map(Either::Left), Peer::Tcp(addr)),
             StdStream::Unix(stream) => (
                 UnixStream::from_std(stream).map(Either::Right),
-                Downstream::unix(tls, share, serving.trust_unix_forwarded_for),
+                Peer::Unix {
+                    trusted: serving.trust_unix_forwarded_for,
+                },
             ),
         };
+        let downstream = Downstream::new(
+            peer,
+            serving.tls.is_some(),
+            proxy.keyed_per_connection,
+            Some(slot.tracked()),
+        );
         let stream = match stream {
             Ok(stream) => stream,
             Err(error) => {

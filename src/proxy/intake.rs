@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use uuid::Uuid;
 
 use self::budget::ReservedBody;
-use super::passthrough::client_body;
+use super::passthrough::client_body::{self, GuardedBody};
 use super::upstream::Downstream;
 use super::{Handled, Proxy, key};
 use crate::access;
@@ -51,18 +51,20 @@ impl Unkeyed {
 impl Proxy {
     /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
     /// the key when its source is in the head; a key taken from the body is read here, after the body.
+    /// `peer`'s connection is told when the body waits for its client.
     pub(crate) async fn intake(
         &self,
         request: Request<Incoming>,
         route: Arc<Route>,
         key: Option<String>,
+        peer: &Downstream,
     ) -> Result<Result<Intake, Unkeyed>, ProxyError> {
         let policy = &route.policy;
         if key.is_some() {
             check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
-        let body = self.read_body(policy, &parts, body).await?;
+        let body = self.read_body(policy, &parts, body, peer).await?;
         let key = match key {
             Some(key) => key,
             None => match key::source::from_body(policy, &parts, &body.bytes)? {
@@ -96,7 +98,8 @@ impl Proxy {
         &self,
         policy: &IdempotencyConfig,
         parts: &request::Parts,
-        mut body: Incoming,
+        body: Incoming,
+        peer: &Downstream,
     ) -> Result<ReservedBody, ProxyError> {
         let limit = policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
@@ -113,14 +116,15 @@ impl Proxy {
         let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
             return Err(ProxyError::Busy(Busy::Bodies));
         };
+        let mut body = GuardedBody::whole(body, parts.version, peer.body_watch());
         let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(&mut body, limit).collect());
         let bytes = match reading.await {
             Ok(Ok(collected)) => collected.to_bytes(),
             Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(too_large),
-            Ok(Err(e)) => return Err(ProxyError::ClientBody(e.to_string())),
+            Ok(Err(e)) => return Err(body.error().unwrap_or(ProxyError::ClientBody(e.to_string()))),
             Err(_) => return Err(ProxyError::RequestTimeout(self.body_read_timeout)),
         };
-        client_body::check_whole(&body, parts.version, declared, bytes.len())?;
+        client_body::check_length(declared, bytes.len())?;
         reservation.shrink_to(bytes.len());
         Ok(ReservedBody::new(bytes, reservation))
     }

@@ -17,6 +17,7 @@ use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use self::pool::{Pool, PooledBody, SendError};
+use super::passthrough::client_body::BodyWatch;
 use crate::body::{BoxError, ProxyBody};
 use crate::config::UpstreamConfig;
 use crate::error::{Busy, ProxyError};
@@ -41,7 +42,6 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 #[derive(Debug, Clone)]
 pub struct Downstream(Arc<Client>);
 
-#[derive(Debug)]
 struct Client {
     /// What `X-Forwarded-For` says of the client.
     forwarded_for: ForwardedFor,
@@ -49,6 +49,30 @@ struct Client {
     tls: bool,
     /// One permit per keyed request of this connection being executed (`server.max_keyed_per_connection`).
     keyed: Arc<Semaphore>,
+    /// What the connection is told of its requests' bodies (`server/slots.rs`), if anything.
+    watch: Option<Arc<dyn BodyWatch>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("forwarded_for", &self.forwarded_for)
+            .field("tls", &self.tls)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a connection's client reached the proxy.
+#[derive(Debug, Clone, Copy)]
+pub enum Peer {
+    /// Over TCP, from this address.
+    Tcp(SocketAddr),
+    /// Over the unix socket; its own `X-Forwarded-For` goes on only if `trusted`
+    /// (`server.trust_unix_forwarded_for`).
+    Unix {
+        /// Whether its `X-Forwarded-For` is passed on as it came.
+        trusted: bool,
+    },
 }
 
 /// What the upstream's `X-Forwarded-For` is made of, for one connection's requests.
@@ -66,31 +90,28 @@ enum ForwardedFor {
 }
 
 impl Downstream {
-    /// The client at `addr`, over TLS or not, whose connection may run `keyed_share` keyed requests at
-    /// once.
-    pub fn new(addr: SocketAddr, tls: bool, keyed_share: usize) -> Downstream {
-        let ip = HeaderValue::from_str(&addr.ip().to_string())
-            .expect("an IP address in text is a valid header value");
-        Downstream::of(ForwardedFor::Append(ip), tls, keyed_share)
-    }
-
-    /// A client connected to the proxy's unix socket, over TLS or not: no IP address to forward, and its
-    /// own `X-Forwarded-For` goes on only if `trusted`.
-    pub fn unix(tls: bool, keyed_share: usize, trusted: bool) -> Downstream {
-        let forwarded_for = if trusted {
-            ForwardedFor::AsSent
-        } else {
-            ForwardedFor::Removed
+    /// The client of a connection, over TLS or not, that may run `keyed_share` keyed requests at once
+    /// and whose bodies are reported to `watch`.
+    pub fn new(peer: Peer, tls: bool, keyed_share: usize, watch: Option<Arc<dyn BodyWatch>>) -> Downstream {
+        let forwarded_for = match peer {
+            Peer::Tcp(addr) => ForwardedFor::Append(
+                HeaderValue::from_str(&addr.ip().to_string())
+                    .expect("an IP address in text is a valid header value"),
+            ),
+            Peer::Unix { trusted: true } => ForwardedFor::AsSent,
+            Peer::Unix { trusted: false } => ForwardedFor::Removed,
         };
-        Downstream::of(forwarded_for, tls, keyed_share)
-    }
-
-    fn of(forwarded_for: ForwardedFor, tls: bool, keyed_share: usize) -> Downstream {
         Downstream(Arc::new(Client {
             forwarded_for,
             tls,
             keyed: Arc::new(Semaphore::new(keyed_share.min(Semaphore::MAX_PERMITS))),
+            watch,
         }))
+    }
+
+    /// What the connection is told of its requests' bodies.
+    pub(crate) fn body_watch(&self) -> Option<Arc<dyn BodyWatch>> {
+        self.0.watch.clone()
     }
 
     /// One of the connection's keyed slots, if one is free; held by the request's work to its end.
@@ -423,7 +444,7 @@ mod tests {
                 .header(header::TRANSFER_ENCODING, "chunked")
                 .header(header::CONTENT_TYPE, "application/json"),
         );
-        let peer = Downstream::new("10.1.2.3:5000".parse().unwrap(), false, 1);
+        let peer = Downstream::new(Peer::Tcp("10.1.2.3:5000".parse().unwrap()), false, 1, None);
         let request = upstream("http://127.0.0.1:9").request(client, crate::body::empty(), &peer);
         assert_eq!(request.method(), http::Method::POST);
         assert_eq!(request.uri(), "/pay?x=1");
@@ -438,7 +459,7 @@ mod tests {
 
     #[test]
     fn without_a_host_header_the_target_authority_or_else_the_upstream_is_the_host() {
-        let peer = Downstream::new("[::1]:5000".parse().unwrap(), true, 1);
+        let peer = Downstream::new(Peer::Tcp("[::1]:5000".parse().unwrap()), true, 1, None);
         let http2 = parts(Request::get("https://api.example:8443/a"));
         let request = upstream("http://10.0.0.9:8080").request(http2, crate::body::empty(), &peer);
         assert_eq!(request.uri(), "/a");
@@ -456,12 +477,12 @@ mod tests {
     fn forwarded_for_appends_the_peer() {
         let mut headers = HeaderMap::new();
         headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        let peer = Downstream::new("127.0.0.1:5000".parse().unwrap(), false, 1);
+        let peer = Downstream::new(Peer::Tcp("127.0.0.1:5000".parse().unwrap()), false, 1, None);
         set_forwarded(&mut headers, &peer, Some(HeaderValue::from_static("api")));
         assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
         assert_eq!(headers[&X_FORWARDED_HOST], "api");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
-        let tls = Downstream::new("127.0.0.1:5000".parse().unwrap(), true, 1);
+        let tls = Downstream::new(Peer::Tcp("127.0.0.1:5000".parse().unwrap()), true, 1, None);
         set_forwarded(&mut headers, &tls, None);
         assert_eq!(headers[&X_FORWARDED_PROTO], "https");
     }
@@ -479,7 +500,13 @@ mod tests {
             assert!(headers.get(&X_FORWARDED_HOST).is_none(), "no host, so none");
             headers.get(&X_FORWARDED_FOR).cloned()
         };
-        assert_eq!(forwarded(&Downstream::unix(false, 1, false)), None);
-        assert_eq!(forwarded(&Downstream::unix(false, 1, true)).unwrap(), "10.0.0.1");
+        assert_eq!(
+            forwarded(&Downstream::new(Peer::Unix { trusted: false }, false, 1, None)),
+            None
+        );
+        assert_eq!(
+            forwarded(&Downstream::new(Peer::Unix { trusted: true }, false, 1, None)).unwrap(),
+            "10.0.0.1"
+        );
     }
 }
