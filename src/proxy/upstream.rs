@@ -458,6 +458,22 @@ mod tests {
     }
 
     #[test]
+    fn the_upstream_is_told_the_body_s_own_length_whatever_the_client_declared() {
+        let peer = Downstream::new(Peer::Tcp("10.1.2.3:5000".parse().unwrap()), false, 1, None);
+        let length = |request: http::request::Builder, body: &'static [u8]| {
+            let upstream = upstream("http://127.0.0.1:9");
+            let request = upstream.request(parts(request), crate::body::full(body), &peer);
+            request.headers().get(header::CONTENT_LENGTH).cloned()
+        };
+        let declared = Request::post("/pay").header(header::CONTENT_LENGTH, "10");
+        assert_eq!(length(declared, b"12345").unwrap(), "5");
+        assert_eq!(length(Request::post("/pay"), b"12345").unwrap(), "5");
+        assert_eq!(length(Request::get("/pay"), b""), None, "no body, no length");
+        let empty = Request::post("/pay").header(header::CONTENT_LENGTH, "0");
+        assert_eq!(length(empty, b"").unwrap(), "0");
+    }
+
+    #[test]
     fn without_a_host_header_the_target_authority_or_else_the_upstream_is_the_host() {
         let peer = Downstream::new(Peer::Tcp("[::1]:5000".parse().unwrap()), true, 1, None);
         let http2 = parts(Request::get("https://api.example:8443/a"));

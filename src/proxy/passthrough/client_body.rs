@@ -42,7 +42,7 @@ pub const PROGRESS: usize = 16 * 1024;
 /// Where a body stands with its client; its wait is counted on the connection only in `WAITING`.
 const READING: u8 = 0;
 const WAITING: u8 = 1;
-/// A response has begun (or the body is gone): the body's waits no longer count.
+/// A response has begun: the body's waits no longer count.
 const ANSWERED: u8 = 2;
 
 /// The proxy's side of a client's body: why it failed, if it did, and whether it waits for its client;
@@ -139,7 +139,7 @@ const ABANDONED: &str = "the client abandoned the request body (its HTTP/2 strea
 /// stream with `NO_ERROR` (RFC 9113 §8.1 lets a client stop sending that way once it has its answer).
 /// The h2 stream remembers whether `END_STREAM` arrived, through a reset too, and `is_end_stream` reads
 /// it once every frame has been taken.
-pub fn ended_whole(body: &Incoming, version: Version) -> bool {
+fn ended_whole(body: &Incoming, version: Version) -> bool {
     version != Version::HTTP_2 || body.is_end_stream()
 }
 
