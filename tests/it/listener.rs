@@ -123,15 +123,17 @@ async fn the_socket_file_never_has_a_wider_mode_than_socket_mode() {
         let (started, watching) = std::sync::mpsc::channel();
         let watcher = std::thread::spawn(move || {
             started.send(()).unwrap();
-            loop {
+            let give_up = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while std::time::Instant::now() < give_up {
                 if let Ok(meta) = std::fs::symlink_metadata(&watched) {
-                    return meta.permissions().mode() & 0o777;
+                    return Some(meta.permissions().mode() & 0o777);
                 }
             }
+            None
         });
         watching.recv().unwrap();
         let socket = ProxySocket::bind_unix(&path, 0o600).unwrap();
-        let first = watcher.join().unwrap();
+        let first = watcher.join().unwrap().expect("the socket file appears");
         assert_eq!(
             first, 0o600,
             "round {round}: the socket file was first seen as {first:o}"
