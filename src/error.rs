@@ -19,6 +19,9 @@ pub enum Busy {
     Bodies,
     /// `server.max_keyed_in_flight` keyed requests are being executed.
     KeyedInFlight,
+    /// `server.max_keyed_per_connection` keyed requests of this connection are being executed (some
+    /// perhaps detached, their clients gone).
+    KeyedOnConnection,
     /// The worker's `upstream.max_connections` stayed busy for `upstream.connect_timeout`.
     UpstreamConnections,
     /// `server.max_connections` are open and this idle connection was closed to make room; the request
@@ -31,6 +34,9 @@ impl Busy {
         match self {
             Busy::Bodies => "Too many request bodies are being received at once; try again shortly.",
             Busy::KeyedInFlight => "Too many keyed requests are being executed at once; try again shortly.",
+            Busy::KeyedOnConnection => {
+                "Too many keyed requests of this connection are being executed at once; try again shortly."
+            }
             Busy::UpstreamConnections => {
                 "Every connection to the upstream service is in use; try again shortly."
             }

@@ -146,8 +146,9 @@ const CONNECTION_CAP_REACHED: Spec = Spec {
 };
 const CONNECTIONS_EVICTED: Spec = Spec {
     name: "idemproxy_connections_evicted_total",
-    help: "Idle client connections closed to make room for new ones \
-           while server.max_connections were open.",
+    help: "Idle client connections (no request in progress, or each one waiting on a body its \
+           client stalls or trickles) closed to make room for new ones while \
+           server.max_connections were open.",
 };
 const BODY_BUDGET_WAITS: Spec = Spec {
     name: "idemproxy_body_budget_waits_total",

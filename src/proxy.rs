@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -63,6 +63,8 @@ pub struct Proxy {
     pub(crate) captures: Arc<CaptureBudget>,
     /// One permit per keyed request being executed (`server.max_keyed_in_flight`), shared by every worker.
     pub(crate) keyed_slots: Arc<Semaphore>,
+    /// How many of those one client connection may hold (`server.max_keyed_per_connection`).
+    pub(crate) keyed_per_connection: usize,
     /// Longest a client waits for its record to be stored before it gets the end of its response.
     pub(crate) completion_hold: Duration,
     /// Longest a client may accept no bytes of a keyed response.
@@ -123,6 +125,7 @@ impl Proxy {
             body_read_timeout: config.server.body_read_timeout,
             captures,
             keyed_slots: Arc::new(Semaphore::new(config.server.max_keyed_in_flight)),
+            keyed_per_connection: config.server.max_keyed_per_connection,
             completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
             write_timeout: config.server.write_timeout,
             store_timeout: config.store.timeout,
@@ -273,7 +276,7 @@ impl Proxy {
         key: Option<String>,
         peer: Downstream,
     ) -> Handled {
-        let intake = match self.intake(request, route, key).await? {
+        let intake = match self.intake(request, route, key, &peer).await? {
             Ok(intake) => intake,
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
             Err(unkeyed) => return Box::pin(unkeyed.forward(self, &peer)).await,
@@ -282,9 +285,7 @@ impl Proxy {
             return answer;
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
-        let Ok(slot) = self.keyed_slots.clone().try_acquire_owned() else {
-            return Err(ProxyError::Busy(Busy::KeyedInFlight));
-        };
+        let slot = self.keyed_slot(&peer).map_err(ProxyError::Busy)?;
         let (head, response) = oneshot::channel();
         let head = Answer {
             head,
@@ -308,6 +309,18 @@ impl Proxy {
         })
     }
 
+    /// A slot for a keyed request's work, if its connection and the process both have one free.
+    pub(crate) fn keyed_slot(&self, peer: &Downstream) -> Result<KeyedSlot, Busy> {
+        let connection = peer.keyed_slot().ok_or(Busy::KeyedOnConnection)?;
+        let Ok(process) = self.keyed_slots.clone().try_acquire_owned() else {
+            return Err(Busy::KeyedInFlight);
+        };
+        Ok(KeyedSlot {
+            _process: process,
+            _connection: connection,
+        })
+    }
+
     /// A retry of a record this process has seen completed, answered without the store.
     fn answer_from_cache(&self, claim: &ClaimRequest, route: &Route) -> Option<Handled> {
         let answer = match self
@@ -324,6 +337,14 @@ impl Proxy {
         self.metrics.replay_cache_hits.inc();
         Some(answer)
     }
+}
+
+/// What a keyed request's work holds while it runs, detached from its client or not: one of the
+/// process's `server.max_keyed_in_flight` slots and one of its connection's
+/// `server.max_keyed_per_connection`.
+pub(crate) struct KeyedSlot {
+    _process: OwnedSemaphorePermit,
+    _connection: OwnedSemaphorePermit,
 }
 
 /// Where a keyed request's answer goes. `handle` counts every outcome, unless the client hung up and took

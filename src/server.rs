@@ -41,7 +41,7 @@ use crate::body::ProxyBody;
 use crate::config::{ListenerTls, ServerConfig};
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
-use crate::proxy::upstream::Downstream;
+use crate::proxy::upstream::{Downstream, Peer};
 
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -73,7 +73,7 @@ pub struct ProxyListener {
     pub proxy: Proxy,
 }
 
-/// Bounds on the proxy listener's connections, from `[server]`.
+/// Bounds on the proxy listener's connections, and how far its clients are trusted, from `[server]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Most connections open at once; at this many, the listener accepts another only once one closes
@@ -87,6 +87,8 @@ pub struct Limits {
     pub max_headers: usize,
     /// Longest a client may accept no bytes while the proxy has bytes for it; its connection ends then.
     pub write_timeout: Duration,
+    /// Whether a unix-socket client's own `X-Forwarded-For` goes upstream (else it is removed).
+    pub trust_unix_forwarded_for: bool,
 }
 
 impl From<&ServerConfig> for Limits {
@@ -97,6 +99,7 @@ impl From<&ServerConfig> for Limits {
             max_header_size: server.max_header_size,
             max_headers: server.max_headers,
             write_timeout: server.write_timeout,
+            trust_unix_forwarded_for: server.trust_unix_forwarded_for,
         }
     }
 }
@@ -165,6 +168,7 @@ pub async fn serve(
         tls: tls.as_ref().map(|tls| TlsAcceptor::from(tls.config.clone())),
         deadline: deadline.clone(),
         problem_base: proxy.problem_base.clone(),
+        trust_unix_forwarded_for: limits.trust_unix_forwarded_for,
     };
     // The workers (and the certificate reload) stop when this function ends however it ends: an error,
     // or its future dropped.
@@ -183,6 +187,7 @@ pub async fn serve(
             tls: None,
             deadline,
             problem_base: proxy.problem_base.clone(),
+            trust_unix_forwarded_for: false,
         },
         admin_slots,
         admin_stop.clone(),
@@ -299,6 +304,8 @@ struct Serving {
     deadline: Deadline,
     /// `server.problem_type_base`, for the 503 of an evicted connection.
     problem_base: Arc<str>,
+    /// `server.trust_unix_forwarded_for`.
+    trust_unix_forwarded_for: bool,
 }
 
 /// The bound on a stalled write, and where its expiries are counted.
@@ -420,17 +427,21 @@ async fn work(
         watcher,
     }) = handoffs.recv().await
     {
-        let tls = serving.tls.is_some();
-        let (stream, downstream) = match stream {
-            StdStream::Tcp(stream, addr) => (
-                TcpStream::from_std(stream).map(Either::Left),
-                Downstream::new(addr, tls),
-            ),
+        let (stream, peer) = match stream {
+            StdStream::Tcp(stream, addr) => (TcpStream::from_std(stream).map(Either::Left), Peer::Tcp(addr)),
             StdStream::Unix(stream) => (
                 UnixStream::from_std(stream).map(Either::Right),
-                Downstream::unix(tls),
+                Peer::Unix {
+                    trusted: serving.trust_unix_forwarded_for,
+                },
             ),
         };
+        let downstream = Downstream::new(
+            peer,
+            serving.tls.is_some(),
+            proxy.keyed_per_connection,
+            Some(slot.tracked()),
+        );
         let stream = match stream {
             Ok(stream) => stream,
             Err(error) => {

@@ -41,6 +41,9 @@ pub struct RawServer {
     pub listen: String,
     /// Permissions of the proxy listener's unix socket file, in octal (only with a `unix:` listen).
     pub socket_mode: String,
+    /// Whether a unix-socket client's own `X-Forwarded-For` goes upstream as it came. Such a client has
+    /// no address to append, so by default its chain is removed rather than passed off as the proxy's.
+    pub trust_unix_forwarded_for: bool,
     /// Admin listener address (`/metrics`, `/healthz`, `/readyz`); TCP only.
     pub admin_listen: String,
     /// How long in-flight requests may run to completion after a shutdown signal.
@@ -77,6 +80,11 @@ pub struct RawServer {
     /// Absent means `max_connections`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keyed_in_flight: Option<usize>,
+    /// Most of those keyed requests one client connection may have executing at once, detached ones
+    /// included (their clients gone, or their HTTP/2 streams reset); more get 503. Absent means a quarter
+    /// of `max_keyed_in_flight`, at most 100 (the streams one HTTP/2 connection may have open).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keyed_per_connection: Option<usize>,
     /// Memory for keyed responses captured for storage at once, in all; a capture that finds no room
     /// within `capture_wait` is not retained.
     pub max_buffered_responses: ByteSize,
@@ -116,6 +124,7 @@ impl Default for RawServer {
         RawServer {
             listen: "0.0.0.0:8080".into(),
             socket_mode: "0660".into(),
+            trust_unix_forwarded_for: false,
             admin_listen: "127.0.0.1:9090".into(),
             shutdown_grace: Duration::from_secs(30),
             tls: None,
@@ -128,6 +137,7 @@ impl Default for RawServer {
             workers: None,
             write_timeout: Duration::from_secs(30),
             max_keyed_in_flight: None,
+            max_keyed_per_connection: None,
             max_buffered_responses: ByteSize::mib(256),
             max_buffered_responses_per_scope: None,
             capture_wait: DEFAULT_CAPTURE_WAIT,
@@ -204,6 +214,8 @@ pub struct ListenerTls {
 pub struct ServerConfig {
     /// Proxy listener address.
     pub listen: ListenAddr,
+    /// Whether a unix-socket client's `X-Forwarded-For` goes upstream as it came.
+    pub trust_unix_forwarded_for: bool,
     /// Admin listener address.
     pub admin_listen: SocketAddr,
     /// Drain bound after a shutdown signal.
@@ -228,6 +240,8 @@ pub struct ServerConfig {
     pub write_timeout: Duration,
     /// Most keyed requests executing at once.
     pub max_keyed_in_flight: usize,
+    /// Most keyed requests of one connection executing at once.
+    pub max_keyed_per_connection: usize,
     /// Bytes of keyed responses captured for storage at once, in all.
     pub max_buffered_responses: usize,
     /// Bytes of those one scope may hold at once; `RawConfig::validate` raises the default to the
@@ -248,6 +262,7 @@ impl RawServer {
     pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
         Ok(ServerConfig {
             listen: self.listen()?,
+            trust_unix_forwarded_for: self.trust_unix_forwarded_for,
             admin_listen: self.admin_listen()?,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
@@ -259,9 +274,10 @@ impl RawServer {
             max_buffered_bodies: memory(self.max_buffered_bodies),
             workers: self.workers()?,
             write_timeout: positive("server.write_timeout", self.write_timeout)?,
-            max_keyed_in_flight: match self.max_keyed_in_flight {
-                Some(n) => within("server.max_keyed_in_flight", n, 1..=1_000_000)?,
-                None => self.max_connections,
+            max_keyed_in_flight: self.max_keyed_in_flight()?,
+            max_keyed_per_connection: match self.max_keyed_per_connection {
+                Some(n) => within("server.max_keyed_per_connection", n, 1..=1_000_000)?,
+                None => default_keyed_per_connection(self.max_keyed_in_flight()?),
             },
             max_buffered_responses: memory(self.max_buffered_responses),
             max_buffered_responses_per_scope: self.per_scope()?,
@@ -302,6 +318,13 @@ impl RawServer {
             ));
         }
         Ok(self.capture_wait)
+    }
+
+    fn max_keyed_in_flight(&self) -> Result<usize, ConfigError> {
+        match self.max_keyed_in_flight {
+            Some(n) => within("server.max_keyed_in_flight", n, 1..=1_000_000),
+            None => Ok(self.max_connections),
+        }
     }
 
     fn problem_type_base(&self) -> Result<String, ConfigError> {
@@ -360,6 +383,18 @@ impl RawServer {
         }
         Ok(bytes as usize)
     }
+}
+
+/// The most keyed slots one connection takes by default: as many as one HTTP/2 connection may have
+/// streams open (`server.rs` allows 100), so an ingress that carries many clients on one connection is
+/// held back by no more than HTTP/2 already holds it.
+const KEYED_PER_CONNECTION_MAX: usize = 100;
+
+/// `server.max_keyed_per_connection` when absent: a quarter of the keyed slots, so one connection (a
+/// client that resets streams as fast as it opens them, and leaves their work detached) leaves at least
+/// three quarters to everyone else, and at most [`KEYED_PER_CONNECTION_MAX`].
+fn default_keyed_per_connection(max_keyed_in_flight: usize) -> usize {
+    (max_keyed_in_flight / 4).clamp(1, KEYED_PER_CONNECTION_MAX)
 }
 
 /// A memory budget in bytes; past what the platform can address it is as good as unbounded.
@@ -535,9 +570,27 @@ mod tests {
         assert_eq!(config.server.write_timeout, Duration::from_secs(30));
         assert_eq!(config.server.max_keyed_in_flight, 100);
         assert_eq!(config.server.max_waiting, 100);
+        assert_eq!(config.server.max_keyed_per_connection, 25, "a quarter");
+        let share = |text: &str| {
+            Config::from_toml_str(&format!("[server]\n{text}\n"))
+                .unwrap()
+                .server
+                .max_keyed_per_connection
+        };
+        assert_eq!(
+            share(""),
+            100,
+            "1024 slots: no more than one HTTP/2 connection's streams"
+        );
+        assert_eq!(share("max_keyed_in_flight = 2"), 1);
+        assert_eq!(share("max_keyed_per_connection = 7"), 7);
         for (text, key) in [
             ("[server]\nwrite_timeout = \"0s\"", "server.write_timeout"),
             ("[server]\nmax_keyed_in_flight = 0", "server.max_keyed_in_flight"),
+            (
+                "[server]\nmax_keyed_per_connection = 0",
+                "server.max_keyed_per_connection",
+            ),
             ("[server]\nmax_waiting = 0", "server.max_waiting"),
             (
                 "[server]\nmax_buffered_responses = \"1MiB\"",

@@ -9,16 +9,15 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use super::cache::Fill;
 use super::execute::{self, Claimed};
 use super::intake::Intake;
 use super::upstream::Downstream;
-use super::{Answer, Proxy, expiry, replay};
+use super::{Answer, KeyedSlot, Proxy, expiry, replay};
 use crate::config::{OnInFlight, Route};
-use crate::error::{Busy, ProxyError};
+use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::store::notify::{Subscription, Topic};
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoredResponse};
@@ -68,8 +67,8 @@ pub(crate) struct Won {
     new_record: bool,
     /// The replay cache entry the completion may make.
     fill: Option<Fill>,
-    /// The request's `server.max_keyed_in_flight` slot, if it holds one.
-    slot: Option<OwnedSemaphorePermit>,
+    /// The request's keyed slot, if it holds one.
+    slot: Option<KeyedSlot>,
 }
 
 impl Proxy {
@@ -77,13 +76,13 @@ impl Proxy {
     /// a client that disconnects can no longer cancel anything, so a won claim is always executed and
     /// completed (or released) instead of being left to its lease. The answer goes to `head`, unless the
     /// route waits and the key is in flight: then the request comes back for `Proxy::wait`, its
-    /// `server.max_keyed_in_flight` slot given up.
+    /// keyed slot given up.
     pub(crate) async fn claim(
         self: Arc<Self>,
         intake: Intake,
         peer: Downstream,
         head: Answer,
-        slot: OwnedSemaphorePermit,
+        slot: KeyedSlot,
     ) -> Option<Box<InFlight>> {
         let subscription = self.subscribe(&intake.route, &intake.claim.id);
         let keyed = Keyed { intake, peer, head };
@@ -106,13 +105,13 @@ impl Proxy {
     }
 
     /// Sends the claim statement and answers what it can: a replay or a refusal. A won claim is handed
-    /// back to be executed, with `slot`, the request's `server.max_keyed_in_flight` slot if it holds one.
+    /// back to be executed, with `slot`, the request's keyed slot if it holds one.
     /// With a `subscription` (a route that waits), every wake before the statement is marked seen first,
     /// and a key in flight is handed back rather than refused.
     pub(crate) async fn claim_round(
         self: &Arc<Self>,
         keyed: Keyed,
-        slot: Option<OwnedSemaphorePermit>,
+        slot: Option<KeyedSlot>,
         mut subscription: Option<Subscription>,
     ) -> Round {
         if let Some(subscription) = &mut subscription {
@@ -199,13 +198,17 @@ impl Proxy {
             head.send(self.store_down(parts, body, &peer, late).await);
             return false;
         }
-        let slot = won
-            .slot
-            .or_else(|| self.keyed_slots.clone().try_acquire_owned().ok());
-        let Some(_slot) = slot else {
-            self.give_back(&route, &claim.id).await;
-            head.send(Err(ProxyError::Busy(Busy::KeyedInFlight)));
-            return false;
+        let slot = match won.slot {
+            Some(slot) => Ok(slot),
+            None => self.keyed_slot(&peer),
+        };
+        let _slot = match slot {
+            Ok(slot) => slot,
+            Err(busy) => {
+                self.give_back(&route, &claim.id).await;
+                head.send(Err(ProxyError::Busy(busy)));
+                return false;
+            }
         };
         let request = self.upstream.request(parts, body.into_body(), &peer);
         let claimed = Claimed {

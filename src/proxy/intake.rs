@@ -14,6 +14,7 @@ use hyper::body::Incoming;
 use uuid::Uuid;
 
 use self::budget::ReservedBody;
+use super::passthrough::client_body::{self, GuardedBody};
 use super::upstream::Downstream;
 use super::{Handled, Proxy, key};
 use crate::access;
@@ -51,18 +52,20 @@ impl Unkeyed {
 impl Proxy {
     /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
     /// the key when its source is in the head; a key taken from the body is read here, after the body.
+    /// `peer`'s connection is told when the body waits for its client.
     pub(crate) async fn intake(
         &self,
         request: Request<Incoming>,
         route: Arc<Route>,
         key: Option<String>,
+        peer: &Downstream,
     ) -> Result<Result<Intake, Unkeyed>, ProxyError> {
         let policy = &route.policy;
         if key.is_some() {
             check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
-        let body = self.read_body(policy, &parts.headers, body).await?;
+        let body = self.read_body(policy, &parts, body, peer).await?;
         self.verify_signature(policy, &parts.headers, &body.bytes).await?;
         let key = match key {
             Some(key) => key,
@@ -91,15 +94,19 @@ impl Proxy {
     /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
     /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive. Room
     /// for the body is reserved from the shared body budget first; 503 when none comes in that time.
+    /// A body is whole or not at all: one the client abandoned (an HTTP/2 stream reset before its end)
+    /// or whose length is not its `content-length` is refused, so nothing is claimed for it.
     async fn read_body(
         &self,
         policy: &IdempotencyConfig,
-        headers: &HeaderMap,
+        parts: &request::Parts,
         body: Incoming,
+        peer: &Downstream,
     ) -> Result<ReservedBody, ProxyError> {
         let limit = policy.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
-        let declared = headers
+        let declared = parts
+            .headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
@@ -111,13 +118,15 @@ impl Proxy {
         let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
             return Err(ProxyError::Busy(Busy::Bodies));
         };
-        let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(body, limit).collect());
+        let mut body = GuardedBody::whole(body, parts.version, peer.body_watch());
+        let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(&mut body, limit).collect());
         let bytes = match reading.await {
             Ok(Ok(collected)) => collected.to_bytes(),
             Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(too_large),
-            Ok(Err(e)) => return Err(ProxyError::ClientBody(e.to_string())),
+            Ok(Err(e)) => return Err(body.error().unwrap_or(ProxyError::ClientBody(e.to_string()))),
             Err(_) => return Err(ProxyError::RequestTimeout(self.body_read_timeout)),
         };
+        client_body::check_length(declared, bytes.len())?;
         reservation.shrink_to(bytes.len());
         Ok(ReservedBody::new(bytes, reservation))
     }

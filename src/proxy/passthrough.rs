@@ -10,7 +10,7 @@ use http_body::Body as _;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use self::client_body::GuardedBody;
+use self::client_body::{ClientSide, GuardedBody};
 use super::intake::budget::ReservedBody;
 use super::upstream::pool::PooledBody;
 use super::upstream::{Downstream, UpstreamFailure, stream_response};
@@ -29,15 +29,20 @@ impl Proxy {
         let (body, client) = if body.is_end_stream() {
             (body::empty(), None)
         } else {
-            let (body, client) = GuardedBody::new(body, self.body_read_timeout);
+            let (body, client) =
+                GuardedBody::new(body, parts.version, self.body_read_timeout, peer.body_watch());
             (body.boxed(), Some(client))
         };
         let request = self.upstream.request(parts, body, peer);
         let response = self.upstream.send(request).await.map_err(|failure| {
             client
-                .and_then(|client| client.error())
+                .as_ref()
+                .and_then(ClientSide::error)
                 .unwrap_or_else(|| failure.into_error())
         })?;
+        if let Some(client) = client {
+            client.answered();
+        }
         Ok((relayable(response)?, Outcome::Passthrough))
     }
 

@@ -6,14 +6,18 @@ mod connect;
 pub mod pool;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, Entry, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version, request};
 
+use http_body::Body as _;
 use http_body_util::BodyExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use self::pool::{Pool, PooledBody, SendError};
+use super::passthrough::client_body::BodyWatch;
 use crate::body::{BoxError, ProxyBody};
 use crate::config::UpstreamConfig;
 use crate::error::{Busy, ProxyError};
@@ -33,28 +37,86 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// The client side of a connection, as far as the upstream is told about it. Made once per connection and
-/// shared by its requests.
+/// The client side of a connection: what the upstream is told about it, and the connection's share of
+/// keyed slots. Made once per connection and shared by its requests (and by their detached work).
 #[derive(Debug, Clone)]
-pub struct Downstream {
-    /// The client's IP address, as `X-Forwarded-For` names it; none for a client on a unix socket, which
-    /// has no address to name (its incoming `X-Forwarded-For` goes on as it came).
-    ip: Option<HeaderValue>,
+pub struct Downstream(Arc<Client>);
+
+struct Client {
+    /// What `X-Forwarded-For` says of the client.
+    forwarded_for: ForwardedFor,
     /// Whether the client connected over TLS.
     tls: bool,
+    /// One permit per keyed request of this connection being executed (`server.max_keyed_per_connection`).
+    keyed: Arc<Semaphore>,
+    /// What the connection is told of its requests' bodies (`server/slots.rs`), if anything.
+    watch: Option<Arc<dyn BodyWatch>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("forwarded_for", &self.forwarded_for)
+            .field("tls", &self.tls)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a connection's client reached the proxy.
+#[derive(Debug, Clone, Copy)]
+pub enum Peer {
+    /// Over TCP, from this address.
+    Tcp(SocketAddr),
+    /// Over the unix socket; its own `X-Forwarded-For` goes on only if `trusted`
+    /// (`server.trust_unix_forwarded_for`).
+    Unix {
+        /// Whether its `X-Forwarded-For` is passed on as it came.
+        trusted: bool,
+    },
+}
+
+/// What the upstream's `X-Forwarded-For` is made of, for one connection's requests.
+#[derive(Debug)]
+enum ForwardedFor {
+    /// The client's IP address, appended to the chain the client sent (a TCP client): the upstream
+    /// trusts the last entry, which the proxy wrote.
+    Append(HeaderValue),
+    /// The chain as the client sent it: a unix-socket client trusted to write it
+    /// (`server.trust_unix_forwarded_for`), such as an ingress that alone can reach the socket.
+    AsSent,
+    /// No chain: a unix-socket client has no address to append, and a chain it wrote is not taken as
+    /// given (the upstream would read its last entry as the proxy's word).
+    Removed,
 }
 
 impl Downstream {
-    /// The client at `addr`, over TLS or not.
-    pub fn new(addr: SocketAddr, tls: bool) -> Downstream {
-        let ip = HeaderValue::from_str(&addr.ip().to_string())
-            .expect("an IP address in text is a valid header value");
-        Downstream { ip: Some(ip), tls }
+    /// The client of a connection, over TLS or not, that may run `keyed_share` keyed requests at once
+    /// and whose bodies are reported to `watch`.
+    pub fn new(peer: Peer, tls: bool, keyed_share: usize, watch: Option<Arc<dyn BodyWatch>>) -> Downstream {
+        let forwarded_for = match peer {
+            Peer::Tcp(addr) => ForwardedFor::Append(
+                HeaderValue::from_str(&addr.ip().to_string())
+                    .expect("an IP address in text is a valid header value"),
+            ),
+            Peer::Unix { trusted: true } => ForwardedFor::AsSent,
+            Peer::Unix { trusted: false } => ForwardedFor::Removed,
+        };
+        Downstream(Arc::new(Client {
+            forwarded_for,
+            tls,
+            keyed: Arc::new(Semaphore::new(keyed_share.min(Semaphore::MAX_PERMITS))),
+            watch,
+        }))
     }
 
-    /// A client connected to the proxy's unix socket, over TLS or not: no IP address to forward.
-    pub fn unix(tls: bool) -> Downstream {
-        Downstream { ip: None, tls }
+    /// What the connection is told of its requests' bodies.
+    pub(crate) fn body_watch(&self) -> Option<Arc<dyn BodyWatch>> {
+        self.0.watch.clone()
+    }
+
+    /// One of the connection's keyed slots, if one is free; held by the request's work to its end.
+    pub(crate) fn keyed_slot(&self) -> Option<OwnedSemaphorePermit> {
+        self.0.keyed.clone().try_acquire_owned().ok()
     }
 }
 
@@ -130,7 +192,7 @@ impl Upstream {
     }
 
     /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
-    /// `X-Forwarded-*` set; the client's `Host` kept.
+    /// `X-Forwarded-*` set; the client's `Host` kept; the body's own length as `Content-Length`.
     pub fn request(&self, parts: request::Parts, body: ProxyBody, peer: &Downstream) -> Request<ProxyBody> {
         let request::Parts {
             method,
@@ -140,6 +202,7 @@ impl Upstream {
         } = parts;
         // The proxy has answered any 100-continue itself by reading the body.
         strip_hop_by_hop_and(&mut headers, |name| name == header::EXPECT);
+        set_length(&mut headers, &body);
         let host = match headers.get(header::HOST) {
             Some(host) => Some(host.clone()),
             None => {
@@ -247,10 +310,23 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
 
+/// `Content-Length` from the body when it knows its length (a body read whole, or a client's body whose
+/// length its head declared): hyper's client would frame the request by a client's header it finds,
+/// whatever the body holds. A body of no bytes gets one only if the client sent one.
+fn set_length(headers: &mut HeaderMap, body: &ProxyBody) {
+    match body.size_hint().exact() {
+        Some(0) if !headers.contains_key(header::CONTENT_LENGTH) => {}
+        Some(length) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+        }
+        None => {}
+    }
+}
+
 fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<HeaderValue>) {
-    // One lookup of the name both reads the chain so far and writes the new one.
-    if let Some(ip) = &peer.ip {
-        match headers.entry(X_FORWARDED_FOR) {
+    match &peer.0.forwarded_for {
+        // One lookup of the name both reads the chain so far and writes the new one.
+        ForwardedFor::Append(ip) => match headers.entry(X_FORWARDED_FOR) {
             Entry::Occupied(mut chain) => {
                 if let Some(longer) = forwarded_chain(chain.get().as_bytes(), ip.as_bytes()) {
                     chain.insert(longer);
@@ -259,13 +335,19 @@ fn set_forwarded(headers: &mut HeaderMap, peer: &Downstream, host: Option<Header
             Entry::Vacant(none) => {
                 none.insert(ip.clone());
             }
+        },
+        ForwardedFor::AsSent => {}
+        ForwardedFor::Removed => {
+            headers.remove(X_FORWARDED_FOR);
         }
     }
-    let proto = if peer.tls { "https" } else { "http" };
+    let proto = if peer.0.tls { "https" } else { "http" };
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    if let Some(host) = host {
-        headers.insert(X_FORWARDED_HOST, host);
-    }
+    // The host as the proxy read it, or none: never one the client wrote itself.
+    match host {
+        Some(host) => headers.insert(X_FORWARDED_HOST, host),
+        None => headers.remove(X_FORWARDED_HOST),
+    };
 }
 
 /// `prior`, then `ip`, as one `X-Forwarded-For` value.
@@ -360,7 +442,7 @@ mod tests {
                 .header(header::TRANSFER_ENCODING, "chunked")
                 .header(header::CONTENT_TYPE, "application/json"),
         );
-        let peer = Downstream::new("10.1.2.3:5000".parse().unwrap(), false);
+        let peer = Downstream::new(Peer::Tcp("10.1.2.3:5000".parse().unwrap()), false, 1, None);
         let request = upstream("http://127.0.0.1:9").request(client, crate::body::empty(), &peer);
         assert_eq!(request.method(), http::Method::POST);
         assert_eq!(request.uri(), "/pay?x=1");
@@ -374,8 +456,24 @@ mod tests {
     }
 
     #[test]
+    fn the_upstream_is_told_the_body_s_own_length_whatever_the_client_declared() {
+        let peer = Downstream::new(Peer::Tcp("10.1.2.3:5000".parse().unwrap()), false, 1, None);
+        let length = |request: http::request::Builder, body: &'static [u8]| {
+            let upstream = upstream("http://127.0.0.1:9");
+            let request = upstream.request(parts(request), crate::body::full(body), &peer);
+            request.headers().get(header::CONTENT_LENGTH).cloned()
+        };
+        let declared = Request::post("/pay").header(header::CONTENT_LENGTH, "10");
+        assert_eq!(length(declared, b"12345").unwrap(), "5");
+        assert_eq!(length(Request::post("/pay"), b"12345").unwrap(), "5");
+        assert_eq!(length(Request::get("/pay"), b""), None, "no body, no length");
+        let empty = Request::post("/pay").header(header::CONTENT_LENGTH, "0");
+        assert_eq!(length(empty, b"").unwrap(), "0");
+    }
+
+    #[test]
     fn without_a_host_header_the_target_authority_or_else_the_upstream_is_the_host() {
-        let peer = Downstream::new("[::1]:5000".parse().unwrap(), true);
+        let peer = Downstream::new(Peer::Tcp("[::1]:5000".parse().unwrap()), true, 1, None);
         let http2 = parts(Request::get("https://api.example:8443/a"));
         let request = upstream("http://10.0.0.9:8080").request(http2, crate::body::empty(), &peer);
         assert_eq!(request.uri(), "/a");
@@ -393,25 +491,36 @@ mod tests {
     fn forwarded_for_appends_the_peer() {
         let mut headers = HeaderMap::new();
         headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        let peer = Downstream::new("127.0.0.1:5000".parse().unwrap(), false);
+        let peer = Downstream::new(Peer::Tcp("127.0.0.1:5000".parse().unwrap()), false, 1, None);
         set_forwarded(&mut headers, &peer, Some(HeaderValue::from_static("api")));
         assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1, 127.0.0.1");
         assert_eq!(headers[&X_FORWARDED_HOST], "api");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
-        let tls = Downstream::new("127.0.0.1:5000".parse().unwrap(), true);
+        let tls = Downstream::new(Peer::Tcp("127.0.0.1:5000".parse().unwrap()), true, 1, None);
         set_forwarded(&mut headers, &tls, None);
         assert_eq!(headers[&X_FORWARDED_PROTO], "https");
     }
 
     #[test]
-    fn a_unix_socket_client_adds_no_forwarded_for_and_keeps_the_incoming_one() {
-        let peer = Downstream::unix(false);
-        let mut headers = HeaderMap::new();
-        set_forwarded(&mut headers, &peer, None);
-        assert!(headers.get(&X_FORWARDED_FOR).is_none());
-        assert_eq!(headers[&X_FORWARDED_PROTO], "http");
-        headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
-        set_forwarded(&mut headers, &peer, None);
-        assert_eq!(headers[&X_FORWARDED_FOR], "10.0.0.1");
+    fn a_unix_socket_client_s_forwarded_for_goes_on_only_when_trusted() {
+        let forwarded = |peer: &Downstream| {
+            let mut headers = HeaderMap::new();
+            set_forwarded(&mut headers, peer, None);
+            assert!(headers.get(&X_FORWARDED_FOR).is_none(), "nothing is added");
+            assert_eq!(headers[&X_FORWARDED_PROTO], "http");
+            headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1"));
+            headers.insert(X_FORWARDED_HOST, HeaderValue::from_static("forged"));
+            set_forwarded(&mut headers, peer, None);
+            assert!(headers.get(&X_FORWARDED_HOST).is_none(), "no host, so none");
+            headers.get(&X_FORWARDED_FOR).cloned()
+        };
+        assert_eq!(
+            forwarded(&Downstream::new(Peer::Unix { trusted: false }, false, 1, None)),
+            None
+        );
+        assert_eq!(
+            forwarded(&Downstream::new(Peer::Unix { trusted: true }, false, 1, None)).unwrap(),
+            "10.0.0.1"
+        );
     }
 }

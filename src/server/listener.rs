@@ -1,12 +1,13 @@
 //! The proxy's listening socket, bound at start by `lib.rs` and accepted from by `server.rs`: a TCP
 //! listener, or a unix stream socket (`server.listen = "unix:/path"`). A unix socket's file is bound
 //! after removing a stale one that nothing listens on (never another kind of file, never a live one),
-//! given `server.socket_mode`, and removed when the listener closes at shutdown. Touches only that file.
+//! has `server.socket_mode` from the moment its path names it, and is removed when the listener closes
+//! at shutdown. Touches only that file, and a private directory beside it while binding.
 
 use std::fs::Permissions;
 use std::io;
 use std::net::SocketAddr;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
@@ -48,8 +49,7 @@ impl ProxySocket {
     pub fn bind_unix(path: &Path, mode: u32) -> io::Result<ProxySocket> {
         let named = |error: io::Error| io::Error::new(error.kind(), format!("{}: {error}", path.display()));
         clear_stale(path).map_err(named)?;
-        let listener = UnixListener::bind(path).map_err(named)?;
-        std::fs::set_permissions(path, Permissions::from_mode(mode)).map_err(named)?;
+        let listener = bind_with_mode(path, mode).map_err(named)?;
         let meta = std::fs::symlink_metadata(path).map_err(named)?;
         Ok(ProxySocket::Unix(UnixSocket {
             listener,
@@ -75,6 +75,64 @@ impl ProxySocket {
                 Ok(Accepted::Tcp(stream, addr))
             }
             ProxySocket::Unix(socket) => Ok(Accepted::Unix(socket.listener.accept().await?.0)),
+        }
+    }
+}
+
+/// Binds a unix socket at `path` whose file has `mode` from the moment `path` names it. Bound at `path`
+/// and then given its mode, the file would have the process's default mode (0777 less the umask) in
+/// between, open to any local user who connects then. So it is bound in a directory beside `path` that
+/// only this user may enter, given its mode there, and linked at `path`: like a bind, the link fails if
+/// anything is there already, and the socket is the same file under its new name.
+fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let private = PrivateDir::create(parent)?;
+    let staged = private.socket();
+    let listener = UnixListener::bind(&staged)?;
+    std::fs::set_permissions(&staged, Permissions::from_mode(mode))?;
+    std::fs::hard_link(&staged, path)?;
+    Ok(listener)
+}
+
+/// A directory only this user may enter, made beside the socket's path (so on its file system) and
+/// removed, with what it holds, when dropped.
+struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    /// Names are short, so a socket path within the system's limit (108 bytes on Linux) stays within it
+    /// when staged here.
+    fn create(parent: &Path) -> io::Result<PrivateDir> {
+        let pid = std::process::id();
+        let mut builder = std::fs::DirBuilder::new();
+        builder.mode(0o700);
+        for attempt in 0..64u32 {
+            let dir = parent.join(format!(".{pid:x}{attempt:x}"));
+            match builder.create(&dir) {
+                Ok(()) => return Ok(PrivateDir(dir)),
+                Err(error) if error.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(error) => return Err(error),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "cannot make a private directory beside the socket to bind it in",
+        ))
+    }
+
+    /// Where the socket is bound first.
+    fn socket(&self) -> PathBuf {
+        self.0.join("s")
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.socket());
+        if let Err(error) = std::fs::remove_dir(&self.0) {
+            tracing::warn!(path = %self.0.display(), %error, "cannot remove the directory the socket was bound in");
         }
     }
 }

@@ -7,13 +7,20 @@
 //! listen backlog for a whole `header_read_timeout`, and the attacker just reconnects. So under pressure
 //! (every slot taken and a client waiting) the connection idle the longest is closed, once it has been
 //! idle for the listener's minimum (as Envoy's overload manager shortens idle timeouts); one per slot
-//! needed, for as long as the pressure lasts. A connection is idle while no request of it is in
-//! progress: from the handler's call until its response body has been sent or dropped.
+//! needed, for as long as the pressure lasts. A connection is idle while each request of it in progress
+//! (from the handler's call until its response body has been sent or dropped) is waiting for its
+//! client's body, which has brought no progress since; with no request in progress, since its last one
+//! ended. A client that sends a head and then stalls or trickles its body holds its slot no better
+//! than one that sends half a head. What counts as progress, and as waiting (the proxy asked for body
+//! bytes and has none, with no response begun), the body says through [`BodyWatch`]
+//! (`proxy/passthrough/client_body.rs`).
 //!
-//! Eviction never cuts a request: evicting and starting a request race on one atomic per connection.
-//! Eviction swaps its count of requests in progress from exactly 0 to [`EVICTED`]; a request start
-//! increments it and gives up if it finds [`EVICTED`] set. Either the increment comes first (and the
-//! swap fails) or the swap does (and the request is answered 503 with `Connection: close`, unforwarded).
+//! Eviction never cuts a request that is not waiting for its client: evicting, starting a request and a
+//! body's wait ending race on one atomic per connection, which counts requests in progress and, apart,
+//! those waiting. Eviction sets [`EVICTED`] only while the two counts are equal; a request start
+//! increments the first and gives up if it finds [`EVICTED`] set (the request is answered 503 with
+//! `Connection: close`, unforwarded); a wait's end decrements the second, and the body fails if it finds
+//! [`EVICTED`] set, so a body the eviction caught waiting never ends whole.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,10 +36,23 @@ use tokio_util::sync::CancellationToken;
 
 use super::write_deadline::WriteDeadline;
 use crate::metrics::Metrics;
+use crate::proxy::passthrough::client_body::BodyWatch;
 
-/// The bit of a connection's state that says it was evicted; the bits below count its requests in
-/// progress.
+/// The bit of a connection's state that says it was evicted. Below it, from [`WAITING`] up, the count of
+/// its requests waiting for their client's body; below that, the count of its requests in progress.
 const EVICTED: u64 = 1 << 63;
+
+/// One request waiting for its client's body, in a connection's state.
+const WAITING: u64 = 1 << 32;
+
+/// The requests in progress in a connection's state.
+const IN_PROGRESS: u64 = WAITING - 1;
+
+/// Whether a connection in `state` may be evicted: not yet evicted, and each request in progress waits
+/// for its client (none in progress, or all of them).
+fn evictable(state: u64) -> bool {
+    state & EVICTED == 0 && state >> 32 == state & IN_PROGRESS
+}
 
 /// The longest a connection must be idle before it can be evicted; shorter when the listener's
 /// `header_read_timeout` is (it would close such a connection by then anyway).
@@ -79,23 +99,32 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// What the connections of a listener share with its accept loop: whether it waits for a slot now, and
-/// the signal that one of them has just become idle (sent only while it waits).
+/// What the connections of a listener share with its accept loop: whether it waits for a slot now with no
+/// connection idle, and the signal that one of them has just become idle (sent only while it so waits).
+/// While the loop knows of an idle connection it waits for that one's time instead, unwoken: a body that
+/// waits and is fed a byte at a time turns its connection idle and busy again each time.
 struct Pressure {
     clock: Arc<Clock>,
     on: AtomicBool,
     became_idle: Notify,
 }
 
-/// Marks the listener under pressure for as long as it lives.
+/// Marks the listener under pressure (with no connection known to be idle) for as long as it lives.
 struct UnderPressure<'a>(&'a Pressure);
 
 impl<'a> UnderPressure<'a> {
     fn begin(pressure: &'a Pressure) -> UnderPressure<'a> {
-        // SeqCst with the connections' own SeqCst state changes: either a connection that turns idle
-        // sees the flag (and signals), or the scan that follows sees it idle.
-        pressure.on.store(true, Ordering::SeqCst);
+        pressure.watch();
         UnderPressure(pressure)
+    }
+}
+
+impl Pressure {
+    /// Asks to be told when a connection becomes idle. SeqCst with the connections' own SeqCst state
+    /// changes: either a connection that turns idle sees the flag (and signals), or the scan that follows
+    /// sees it idle.
+    fn watch(&self) {
+        self.on.store(true, Ordering::SeqCst);
     }
 }
 
@@ -105,11 +134,13 @@ impl Drop for UnderPressure<'_> {
     }
 }
 
-/// One open connection's state, shared by its task, its requests and the accept loop.
+/// One open connection's state, shared by its task, its requests (their bodies too) and the accept loop.
 pub(super) struct Tracked {
-    /// Requests in progress, with [`EVICTED`] set once the connection was chosen to be closed.
+    /// Requests in progress and requests waiting for their client's body, with [`EVICTED`] set once the
+    /// connection was chosen to be closed.
     state: AtomicU64,
-    /// When its last request ended (or it was accepted), by the [`Clock`].
+    /// When its last request ended, or a body of it last made progress (or it was accepted), by the
+    /// [`Clock`].
     idle_since_ms: AtomicU64,
     /// The connection's task, woken when it is evicted.
     on_eviction: AtomicWaker,
@@ -129,29 +160,58 @@ impl Tracked {
     }
 
     fn finish(&self) {
-        // Written before the count drops, so an evictor that sees the count at 0 sees this time too.
+        // Written before the count drops, so an evictor that sees the connection idle sees this time too.
+        self.mark();
+        let before = self.state.fetch_sub(1, Ordering::SeqCst);
+        self.became_evictable(before - 1);
+    }
+
+    /// Stamps now as the connection's last activity.
+    fn mark(&self) {
         self.idle_since_ms
             .store(self.pressure.clock.coarse(), Ordering::Relaxed);
-        let before = self.state.fetch_sub(1, Ordering::SeqCst);
-        if before == 1 && self.pressure.on.load(Ordering::SeqCst) {
+    }
+
+    /// Tells a waiting accept loop that the connection, now in `state`, may be evicted.
+    fn became_evictable(&self, state: u64) {
+        if evictable(state) && self.pressure.on.load(Ordering::SeqCst) {
             self.pressure.became_idle.notify_one();
         }
     }
 
     fn idle_since(&self) -> Option<u64> {
         let state = self.state.load(Ordering::SeqCst);
-        (state == 0).then(|| self.idle_since_ms.load(Ordering::Relaxed))
+        evictable(state).then(|| self.idle_since_ms.load(Ordering::Relaxed))
     }
 
-    /// Closes the connection if it is still idle; `false` when a request started on it meanwhile.
+    /// Closes the connection if it is still idle; `false` when a request started on it meanwhile, or a
+    /// body's wait ended.
     fn evict(&self) -> bool {
         let swapped = self
             .state
-            .compare_exchange(0, EVICTED, Ordering::SeqCst, Ordering::SeqCst);
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |state| {
+                evictable(state).then_some(state | EVICTED)
+            });
         if swapped.is_ok() {
             self.on_eviction.wake();
         }
         swapped.is_ok()
+    }
+}
+
+impl BodyWatch for Tracked {
+    fn waiting(&self) {
+        let before = self.state.fetch_add(WAITING, Ordering::SeqCst);
+        self.became_evictable(before + WAITING);
+    }
+
+    fn resumed(&self) -> bool {
+        let before = self.state.fetch_sub(WAITING, Ordering::SeqCst);
+        before & EVICTED == 0
+    }
+
+    fn progressed(&self) {
+        self.mark();
     }
 }
 
@@ -422,9 +482,13 @@ impl Slots {
             metrics.connection_cap_reached.inc();
         }
         tracing::debug!("every connection slot is taken; the idlest connection makes room for a new one");
-        let _pressure = UnderPressure::begin(&self.0.pressure);
+        let pressure = UnderPressure::begin(&self.0.pressure);
         loop {
+            pressure.0.watch();
             let next = self.evict_idlest();
+            if !matches!(next, Next::Idle) {
+                pressure.0.on.store(false, Ordering::SeqCst);
+            }
             let matured = async {
                 match next {
                     Next::At(at) => tokio::time::sleep_until(at).await,
@@ -433,8 +497,8 @@ impl Slots {
             };
             let became_idle = async {
                 match next {
-                    Next::Evicted => std::future::pending().await,
-                    Next::At(_) | Next::Idle => self.0.pressure.became_idle.notified().await,
+                    Next::Evicted | Next::At(_) => std::future::pending().await,
+                    Next::Idle => self.0.pressure.became_idle.notified().await,
                 }
             };
             tokio::select! {
@@ -559,6 +623,53 @@ mod tests {
         // The other idle one has been idle for less than a second: it is due later.
         assert!(matches!(slots.evict_idlest(), Next::At(_)));
         assert!(recent.tracked().start().is_some());
+        drop(request);
+    }
+
+    #[test]
+    fn a_connection_whose_requests_all_wait_for_their_bodies_is_idle() {
+        let slots = slots(1);
+        let slot = slots.register(slots.0.free.clone().try_acquire_owned().unwrap());
+        let tracked = slot.tracked();
+        let (first, second) = (tracked.start().unwrap(), tracked.start().unwrap());
+        tracked.waiting();
+        assert!(
+            tracked.idle_since().is_none(),
+            "the other request is being handled"
+        );
+        assert!(!tracked.evict());
+        tracked.waiting();
+        assert!(tracked.idle_since().is_some(), "both wait for their clients");
+        assert!(tracked.resumed(), "a body may go on while not evicted");
+        assert!(!tracked.evict(), "one request has its bytes again");
+        tracked.waiting();
+        assert!(tracked.evict());
+        assert!(!tracked.resumed(), "a body caught waiting fails");
+        assert!(!tracked.resumed());
+        assert!(tracked.start().is_none());
+        drop((first, second));
+    }
+
+    #[test]
+    fn a_body_s_progress_makes_its_connection_recently_active() {
+        let clock = Arc::new(Clock {
+            epoch: Instant::now() - Duration::from_secs(60),
+            coarse_ms: AtomicU64::new(0),
+        });
+        let slots = Slots::new(1, Duration::from_secs(10), clock.clone(), None);
+        let slot = slots.register(slots.0.free.clone().try_acquire_owned().unwrap());
+        let tracked = slot.tracked();
+        slot.tracked.idle_since_ms.store(0, Ordering::SeqCst);
+        let request = tracked.start().unwrap();
+        clock.advance();
+        tracked.progressed();
+        tracked.waiting();
+        assert!(
+            matches!(slots.evict_idlest(), Next::At(_)),
+            "waiting, but it made progress just now"
+        );
+        slot.tracked.idle_since_ms.store(0, Ordering::SeqCst);
+        assert!(matches!(slots.evict_idlest(), Next::Evicted));
         drop(request);
     }
 

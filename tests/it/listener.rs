@@ -1,6 +1,7 @@
-//! The proxy listener on a unix socket (keyed requests and replays, the socket file's mode, a stale file
-//! cleared, a live one left alone, the file removed at shutdown), and its TLS certificate reloaded from
-//! changed files without a restart.
+//! The proxy listener on a unix socket (keyed requests and replays, the socket file's mode from its first
+//! moment, a stale file cleared, a live one left alone, the file removed at shutdown, a client's own
+//! `X-Forwarded-For` not taken as given), and its TLS certificate reloaded from changed files without a
+//! restart.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -66,9 +67,81 @@ async fn keyed_requests_run_once_and_replay_on_a_unix_socket_listener() {
         seen.headers.get("x-forwarded-for").is_none(),
         "a unix socket client has no address to forward"
     );
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "still, after serving");
 
     proxy.stop().await.unwrap();
     assert!(!path.exists(), "the socket file is removed at shutdown");
+}
+
+#[rstest::rstest]
+#[tokio::test]
+async fn a_unix_client_s_forwarded_for_is_removed_unless_trusted(#[values(false, true)] trusted: bool) {
+    let env = TestEnv::on(crate::support::Backend::Sqlite).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("proxy.sock");
+    let socket = ProxySocket::bind_unix(&path, 0o600).unwrap();
+    let config = env.config().set("server.trust_unix_forwarded_for", trusted);
+    let _proxy = InProcessProxy::start_on(&config, socket).await;
+
+    let forged = |mut request: http::Request<Full<Bytes>>| {
+        let headers = request.headers_mut();
+        headers.insert("x-forwarded-for", "203.0.113.9".parse().unwrap());
+        headers.insert("x-forwarded-host", "forged.example".parse().unwrap());
+        request
+    };
+    let connect = || async { UnixStream::connect(&path).await.unwrap() };
+    let (status, _, _) = exchange(connect().await, forged(keyed_post("xff"))).await;
+    assert_eq!(status, 201);
+    let (status, _, _) = exchange(connect().await, forged(get("/plain"))).await;
+    assert_eq!(status, 201);
+    let seen = env.upstream.requests();
+    assert_eq!(seen.len(), 2);
+    for request in &seen {
+        let chain = request.headers.get("x-forwarded-for");
+        if trusted {
+            assert_eq!(chain.unwrap(), "203.0.113.9", "{request:?}");
+        } else {
+            assert!(
+                chain.is_none(),
+                "a unix client's chain passed as given: {request:?}"
+            );
+        }
+        assert_eq!(request.headers["x-forwarded-host"], request.headers["host"]);
+    }
+}
+
+#[tokio::test]
+async fn the_socket_file_never_has_a_wider_mode_than_socket_mode() {
+    // A watcher stats the path as fast as it can while the socket is bound: the first mode it sees is
+    // the one the file was created with. Bound then chmod-ed, the file would first have the process's
+    // default (0777 less the umask) for a moment; many binds make that moment hard to miss.
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..200 {
+        let path = dir.path().join(format!("p{round}.sock"));
+        let watched = path.clone();
+        let (started, watching) = std::sync::mpsc::channel();
+        let watcher = std::thread::spawn(move || {
+            started.send(()).unwrap();
+            let give_up = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while std::time::Instant::now() < give_up {
+                if let Ok(meta) = std::fs::symlink_metadata(&watched) {
+                    return Some(meta.permissions().mode() & 0o777);
+                }
+            }
+            None
+        });
+        watching.recv().unwrap();
+        let socket = ProxySocket::bind_unix(&path, 0o600).unwrap();
+        let first = watcher.join().unwrap().expect("the socket file appears");
+        assert_eq!(
+            first, 0o600,
+            "round {round}: the socket file was first seen as {first:o}"
+        );
+        drop(socket);
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "nothing is left beside the sockets: {left:?}");
 }
 
 #[tokio::test]

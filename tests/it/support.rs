@@ -8,6 +8,7 @@ pub mod http;
 pub mod pg;
 pub mod proxy;
 pub mod raw;
+pub mod raw_h2;
 pub mod recorder;
 pub mod redis;
 pub mod relay;

@@ -1,10 +1,12 @@
 //! A connection flood does not lock clients out: at `server.max_connections`, connections with no request
-//! in progress (silent sockets, half-sent heads, idle keep-alives) are closed to make room, the idlest
-//! first, while a connection whose request is in progress is never cut. The admin listener has a cap of
-//! its own and makes room the same way.
+//! in progress (silent sockets, half-sent heads, idle keep-alives), or whose requests all wait on a body
+//! their client stalls or trickles, are closed to make room, the idlest first, while a connection whose
+//! request is being handled (or answered) is never cut. The admin listener has a cap of its own and makes
+//! room the same way.
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::future::select_all;
 use rstest::rstest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -12,6 +14,7 @@ use tokio::net::TcpStream;
 
 use crate::support::http::client;
 use crate::support::raw::{self, addr_of};
+use crate::support::raw_h2;
 use crate::support::{
     Backend, InProcessProxy, Reply, TestEnv, keyed_post, metric, metric_reaches, poll_until,
 };
@@ -30,32 +33,66 @@ enum Flood {
     Silent,
     /// The start of a request head, never finished (slowloris).
     PartialHead,
+    /// A keyed request's head and the start of its body, then nothing.
+    StalledBody,
+    /// A passthrough request's head, then its body a byte every 100 ms.
+    TrickledBody,
 }
+
+/// Bound on how long a flood socket trickles: far longer than any test.
+const TRICKLE_BYTES: usize = 10_000;
 
 /// A proxy with `max_connections` slots whose flood sockets would hold theirs for a minute.
 async fn crowded_proxy(env: &TestEnv, max_connections: i64) -> InProcessProxy {
     let config = env
         .config()
         .set("server.max_connections", max_connections)
-        .set("server.header_read_timeout", "60s");
+        .set("server.header_read_timeout", "60s")
+        .set("server.body_read_timeout", "60s");
     InProcessProxy::start(&config).await
 }
 
 /// Opens `count` flood sockets.
 async fn flood_with(proxy: &InProcessProxy, flood: Flood, count: usize) -> Vec<TcpStream> {
+    let host = addr_of(&proxy.url);
     let mut sockets = Vec::new();
     for _ in 0..count {
         let mut socket = raw::connect(&proxy.url).await;
-        if let Flood::PartialHead = flood {
-            let head = format!("POST /orders HTTP/1.1\r\nhost: {}\r\n", addr_of(&proxy.url));
-            socket
-                .write_all(head.as_bytes())
-                .await
-                .expect("write a partial head");
+        let bytes = match flood {
+            Flood::Silent => String::new(),
+            Flood::PartialHead => format!("POST /orders HTTP/1.1\r\nhost: {host}\r\n"),
+            Flood::StalledBody => {
+                let key = format!("idempotency-key: stalled-{}", sockets.len());
+                raw::head("POST /orders", host, &[&key, "content-length: 1000"]) + "{\"n\":"
+            }
+            Flood::TrickledBody => raw::head("POST /orders", host, &["content-length: 100000"]),
+        };
+        socket
+            .write_all(bytes.as_bytes())
+            .await
+            .expect("write the flood's bytes");
+        if let Flood::TrickledBody = flood {
+            socket = trickle(socket);
         }
         sockets.push(socket);
     }
     sockets
+}
+
+/// Writes a byte every 100 ms on a second handle of `socket` until the proxy closes it; returns the first
+/// handle, for reading.
+fn trickle(socket: TcpStream) -> TcpStream {
+    let socket = socket.into_std().expect("a std socket");
+    let mut writer = TcpStream::from_std(socket.try_clone().expect("a second handle")).unwrap();
+    tokio::spawn(async move {
+        for _ in 0..TRICKLE_BYTES {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if writer.write_all(b"x").await.is_err() {
+                return;
+            }
+        }
+    });
+    TcpStream::from_std(socket).unwrap()
 }
 
 /// Waits until exactly `count` connections are open on the proxy.
@@ -67,21 +104,19 @@ async fn open_connections_are(proxy: &InProcessProxy, count: usize) {
     .await;
 }
 
-/// Waits until one of `sockets` is closed by the proxy; panics if one gets anything but the close.
-async fn one_is_closed(sockets: &mut [TcpStream]) {
-    let reads = sockets.iter_mut().map(|socket| {
-        Box::pin(async move {
-            let mut byte = [0u8; 1];
-            socket.read(&mut byte).await
-        })
-    });
-    let (read, _, _) = tokio::time::timeout(SOON, select_all(reads))
+/// Waits until one of `sockets` is closed by the proxy; panics if one gets anything but the close, or,
+/// for a socket whose request waited on its body, anything but a 503 `busy` and the close.
+async fn one_is_closed(sockets: &mut [TcpStream], flood: Flood) {
+    let reads = sockets.iter_mut().map(|socket| Box::pin(raw::read_reply(socket)));
+    let (reply, _, _) = tokio::time::timeout(SOON, select_all(reads))
         .await
         .expect("a flood socket is closed to make room");
-    assert!(
-        matches!(read, Ok(0) | Err(_)),
-        "a flood socket got bytes: {read:?}"
-    );
+    match flood {
+        Flood::Silent | Flood::PartialHead => {
+            assert!(reply.head.is_empty(), "a flood socket got bytes: {reply:?}");
+        }
+        Flood::StalledBody | Flood::TrickledBody => reply.assert_problem(503, "busy"),
+    }
 }
 
 async fn answered_in_bound(request: reqwest::RequestBuilder) -> Reply {
@@ -94,7 +129,7 @@ async fn answered_in_bound(request: reqwest::RequestBuilder) -> Reply {
 #[tokio::test]
 async fn a_flood_of_idle_sockets_makes_room_for_real_clients(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
-    #[values(Flood::Silent, Flood::PartialHead)] flood: Flood,
+    #[values(Flood::Silent, Flood::PartialHead, Flood::StalledBody, Flood::TrickledBody)] flood: Flood,
 ) {
     let env = TestEnv::on(backend).await;
     let proxy = crowded_proxy(&env, 4).await;
@@ -106,7 +141,7 @@ async fn a_flood_of_idle_sockets_makes_room_for_real_clients(
     assert_eq!(keyed.status, 201, "{}", keyed.text());
     assert_eq!(env.upstream.executions_for_key("flooded"), 1);
     assert!(evicted().await >= 1.0);
-    one_is_closed(&mut sockets).await;
+    one_is_closed(&mut sockets, flood).await;
 
     // One flood socket made room and the client has gone; with the slots full again, a passthrough
     // request makes room the same way.
@@ -220,4 +255,46 @@ async fn a_flood_on_the_admin_port_does_not_lock_out_probes() {
         (sockets.iter().filter(|socket| is_closed(socket)).count() >= 17).then_some(())
     })
     .await;
+}
+
+#[tokio::test]
+async fn an_h2_connection_makes_room_only_once_every_stream_of_it_waits_on_its_client() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let proxy = crowded_proxy(&env, 1).await;
+    let admin = proxy.admin_url.clone();
+    let evicted = || metric(&admin, "idemproxy_connections_evicted_total", &[]);
+
+    // One connection, two streams: one waits on a body its client stalls, one is at the upstream.
+    let mut h2 = raw_h2::connect(&proxy.url).await;
+    let stalled_length = [("content-length", "100")];
+    let (_stalled, mut body) =
+        raw_h2::open_post(&mut h2, &proxy.url, "/orders", Some("stalled"), &stalled_length).await;
+    body.send_data(Bytes::from_static(b"{\"n\":"), false).unwrap();
+    let gate = [("x-gate", "h2")];
+    let (held, mut held_body) = raw_h2::open_post(&mut h2, &proxy.url, "/slow", Some("held"), &gate).await;
+    held_body.send_data(Bytes::from_static(b"{}"), true).unwrap();
+    env.upstream.wait_until_executions(1).await;
+
+    // Another client has to wait: a request of the connection is being handled.
+    let other = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/orders", "other", "{}")));
+    metric_reaches(&admin, "idemproxy_connection_cap_reached_total", &[], 1.0).await;
+    // Longer than a connection must be idle to be evicted (1 s plus the clock's slack): only the absence
+    // of an eviction is proven here, and no signal marks that.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!other.is_finished(), "served while a stream was being handled");
+    assert_eq!(evicted().await, 0.0);
+
+    // The held request is answered in full; then only the stalled stream is left, and it makes room.
+    env.upstream.release("h2");
+    let held = raw_h2::reply(held).await.expect("the whole response");
+    assert_eq!(held.status, 201, "{}", held.text());
+    assert!(held.text().starts_with("slow done"), "{}", held.text());
+    let other = tokio::time::timeout(ANSWER_BOUND, other)
+        .await
+        .expect("the other client is served once every stream waits on its client")
+        .expect("other client task");
+    assert_eq!(other.status, 201, "{}", other.text());
+    assert_eq!(evicted().await, 1.0);
+    assert_eq!(env.upstream.executions_for_key("stalled"), 0);
+    assert_eq!(env.upstream.executions(), 2);
 }
