@@ -114,8 +114,17 @@ async fn migrate(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Targets of dependencies whose lines would carry keys or bodies in clear, held at INFO whatever the
+/// filter asks: tokio-postgres logs every statement's parameters (scope, key, fingerprint) at DEBUG.
+const QUIET_TARGETS: [&str; 1] = ["tokio_postgres::query=info"];
+
 fn init_tracing(config: &Config) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
+    for directive in QUIET_TARGETS {
+        if let Ok(directive) = directive.parse() {
+            filter = filter.add_directive(directive);
+        }
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(MaskedStderr);

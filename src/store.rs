@@ -132,6 +132,26 @@ pub struct RecordId {
     pub token: Uuid,
 }
 
+impl RecordId {
+    /// The record's name in logs: [`key_hash`] of its scope and key. Keys never appear in a log line.
+    pub fn key_hash(&self) -> String {
+        key_hash(&self.scope, &self.key)
+    }
+}
+
+/// A short name for a record in logs and the access log: the first 8 bytes of a SHA-256 over its scope
+/// and key (each with its length first), in hex. Lines about one key can be matched up without the key
+/// itself (which may be guessable or carry data) ever being written.
+pub fn key_hash(scope: &str, key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for field in [scope, key] {
+        hash.update((field.len() as u64).to_be_bytes());
+        hash.update(field.as_bytes());
+    }
+    hex::encode(&hash.finalize()[..8])
+}
+
 /// How a winning claim came about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -141,8 +141,8 @@ impl Proxy {
             }
         );
         let policy = &keyed.intake.route.policy;
-        let key = &keyed.intake.claim.id.key;
-        match decide(result, key, policy.in_flight_retry_after, &self.metrics) {
+        let id = &keyed.intake.claim.id;
+        match decide(result, id, policy.in_flight_retry_after, &self.metrics) {
             Ok(Decision::Execute) => Round::Won(Box::new(Won {
                 keyed,
                 started,
@@ -230,7 +230,7 @@ impl Proxy {
     /// token) and the request is answered as if the store had not answered in time.
     async fn claimed_too_late(&self, route: &Route, claim: &ClaimRequest, waited: Duration) -> StoreError {
         tracing::warn!(
-            key = %claim.id.key,
+            key_hash = %claim.id.key_hash(),
             waited_ms = waited.as_millis() as u64,
             lease_ms = claim.lease.as_millis() as u64,
             "claim answered after more than half its lease; not forwarded on it"
@@ -246,7 +246,7 @@ impl Proxy {
             Ok(true) => self.settled(route, id).await,
             Ok(false) => {}
             Err(error) => {
-                tracing::warn!(key = %id.key, %error, "giving the claim back failed; it expires with its lease")
+                tracing::warn!(key_hash = %id.key_hash(), %error, "giving the claim back failed; it expires with its lease")
             }
         }
     }
@@ -277,14 +277,14 @@ async fn release_orphan(proxy: Arc<Proxy>, id: RecordId, lease: Duration) {
         match proxy.store.release(&id).await {
             Ok(true) => {
                 proxy.metrics.orphan_claims_released.inc();
-                tracing::warn!(key = %id.key, "a claim won after its request gave up waiting was given back");
+                tracing::warn!(key_hash = %id.key_hash(), "a claim won after its request gave up waiting was given back");
                 return;
             }
             Ok(false) => {}
             // The give-back may have been applied with its answer lost: then the next try finds the key
             // released, or re-claimed by a retry, and the log would otherwise never say why.
             Err(_) => {
-                tracing::info!(key = %id.key, "an orphaned claim's give-back went unanswered; it may have been given back")
+                tracing::info!(key_hash = %id.key_hash(), "an orphaned claim's give-back went unanswered; it may have been given back")
             }
         }
         wait *= 2;
@@ -306,7 +306,7 @@ pub enum Decision {
 /// client waiting for nothing.
 pub fn decide(
     result: ClaimResult,
-    key: &str,
+    id: &RecordId,
     retry_hint: Duration,
     metrics: &Metrics,
 ) -> Result<Decision, ProxyError> {
@@ -314,9 +314,9 @@ pub fn decide(
         ClaimResult::Won { attempt, kind } => {
             if kind == ClaimKind::Takeover {
                 metrics.stale_takeovers.inc();
-                tracing::warn!(key, attempt, "stale claim taken over: its lease ran out");
+                tracing::warn!(key_hash = %id.key_hash(), attempt, "stale claim taken over: its lease ran out");
             } else if kind == ClaimKind::Retry {
-                tracing::info!(key, attempt, "released key executes again");
+                tracing::info!(key_hash = %id.key_hash(), attempt, "released key executes again");
             }
             Ok(Decision::Execute)
         }
@@ -360,6 +360,14 @@ mod tests {
 
     const HINT: Duration = Duration::from_secs(1);
 
+    fn id() -> RecordId {
+        RecordId {
+            scope: "default:s".into(),
+            key: "k".into(),
+            token: uuid::Uuid::nil(),
+        }
+    }
+
     fn stored() -> StoredResponse {
         StoredResponse {
             status: 201,
@@ -376,7 +384,7 @@ mod tests {
             kind: ClaimKind::Takeover,
         };
         assert!(matches!(
-            decide(result, "k", HINT, &metrics),
+            decide(result, &id(), HINT, &metrics),
             Ok(Decision::Execute)
         ));
         assert_eq!(metrics.stale_takeovers.get(), 1);
@@ -391,7 +399,7 @@ mod tests {
             token: uuid::Uuid::nil(),
         });
         assert!(matches!(
-            decide(result, "k", HINT, &Metrics::new()),
+            decide(result, &id(), HINT, &Metrics::new()),
             Ok(Decision::Replay(..))
         ));
     }
@@ -415,7 +423,7 @@ mod tests {
             },
         ];
         for state in states {
-            let result = decide(ClaimResult::Held(state), "k", HINT, &Metrics::new());
+            let result = decide(ClaimResult::Held(state), &id(), HINT, &Metrics::new());
             assert!(matches!(result, Err(ProxyError::KeyReused)), "{result:?}");
         }
     }
@@ -427,7 +435,7 @@ mod tests {
                 same_fingerprint: true,
                 lease_remaining: Duration::from_millis(lease_ms),
             });
-            match decide(result, "k", hint, &Metrics::new()) {
+            match decide(result, &id(), hint, &Metrics::new()) {
                 Err(ProxyError::KeyInFlight { retry_after }) => retry_after,
                 other => panic!("expected a conflict, got {other:?}"),
             }
@@ -447,7 +455,7 @@ mod tests {
             same_fingerprint: true,
         });
         assert!(matches!(
-            decide(result, "k", HINT, &Metrics::new()),
+            decide(result, &id(), HINT, &Metrics::new()),
             Err(ProxyError::OutcomeUnknown)
         ));
     }

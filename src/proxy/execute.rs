@@ -110,13 +110,13 @@ pub(crate) async fn execute(
 /// `completion_hold`.
 async fn unknown_outcome(proxy: &Proxy, claim: &Claimed, head: Answer, error: ProxyError) {
     proxy.metrics.unknown_outcomes.inc();
-    let key = &claim.id.key;
+    let key_hash = claim.id.key_hash();
     if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
-        tracing::warn!(%key, %error, "upstream outcome unknown; claim left to its lease");
+        tracing::warn!(%key_hash, %error, "upstream outcome unknown; claim left to its lease");
         head.send(Err(error));
         return;
     }
-    tracing::warn!(%key, %error, "upstream outcome unknown; holding the key until released");
+    tracing::warn!(%key_hash, %error, "upstream outcome unknown; holding the key until released");
     let holding = hold(proxy, claim);
     tokio::pin!(holding);
     let in_time = tokio::time::timeout(proxy.completion_hold, &mut holding).await;
@@ -141,7 +141,7 @@ async fn hold(proxy: &Proxy, claim: &Claimed) -> bool {
             false
         }
         Err(error) => {
-            tracing::error!(key = %id.key, %error, "holding the key failed; claim left to its lease");
+            tracing::error!(key_hash = %id.key_hash(), %error, "holding the key failed; claim left to its lease");
             false
         }
     }
@@ -173,7 +173,7 @@ async fn finish(
     let in_time = tokio::time::timeout(proxy.completion_hold, &mut storing).await;
     if in_time.is_err() {
         proxy.metrics.completion_hold_expired.inc();
-        tracing::warn!(key = %id.key, hold = ?proxy.completion_hold,
+        tracing::warn!(key_hash = %id.key_hash(), hold = ?proxy.completion_hold,
             "record not stored within the hold; the client gets the rest of its response first");
     }
     held.release(proxy, id).await;
@@ -218,7 +218,7 @@ async fn broken_body(
 ) {
     heartbeat.stop();
     proxy.metrics.unknown_outcomes.inc();
-    tracing::warn!(key = %claim.id.key, %error, "upstream body broke off; outcome unknown");
+    tracing::warn!(key_hash = %claim.id.key_hash(), %error, "upstream body broke off; outcome unknown");
     client.fail(error, failure);
     if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold && hold(proxy, claim).await {
         proxy.settled(&claim.route, &claim.id).await;
@@ -235,7 +235,7 @@ async fn complete(proxy: &Proxy, claim: &Claimed, stored: &StoredResponse) -> bo
             false
         }
         Err(error) => {
-            tracing::error!(key = %id.key, %error, "completion failed; claim left to its lease");
+            tracing::error!(key_hash = %id.key_hash(), %error, "completion failed; claim left to its lease");
             false
         }
     }
@@ -257,7 +257,7 @@ async fn release_then_answer(proxy: &Proxy, claim: &Claimed, head: Answer, answe
             head.send(answer);
         }
         Err(error) => {
-            tracing::warn!(key = %id.key, %error, "release failed; answering, then retrying");
+            tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; answering, then retrying");
             head.send(answer);
             release(proxy, claim).await;
         }
@@ -270,7 +270,7 @@ async fn release(proxy: &Proxy, claim: &Claimed) {
         Ok(true) => proxy.settled(&claim.route, id).await,
         Ok(false) => lost_claim(proxy, id, "release"),
         Err(error) => {
-            tracing::warn!(key = %id.key, %error, "release failed; claim left to its lease")
+            tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease")
         }
     }
 }
@@ -302,7 +302,7 @@ where
 
 fn lost_claim(proxy: &Proxy, id: &RecordId, write: &str) {
     proxy.metrics.lost_claims.inc();
-    tracing::warn!(key = %id.key, write, "claim was taken over meanwhile; write refused by its fence");
+    tracing::warn!(key_hash = %id.key_hash(), write, "claim was taken over meanwhile; write refused by its fence");
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ impl Proxy {
     /// request has stopped counting as waiting.
     pub(crate) async fn wait(self: Arc<Self>, in_flight: Box<InFlight>) {
         let Ok(permit) = self.waiting.clone().try_acquire_owned() else {
-            tracing::debug!(key = %in_flight.keyed.intake.claim.id.key, "too many requests waiting; 409");
+            tracing::debug!(key_hash = %in_flight.keyed.intake.claim.id.key_hash(), "too many requests waiting; 409");
             self.metrics.wait_ended(WaitResult::RejectedFull);
             conflict(in_flight);
             return;

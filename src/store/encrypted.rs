@@ -340,7 +340,7 @@ impl EncryptedStore {
             })),
             Err(why) => {
                 self.metrics.undecryptable.inc();
-                tracing::error!(key = %id.key, reason = %why, "stored response cannot be decrypted");
+                tracing::error!(key_hash = %id.key_hash(), reason = %why, "stored response cannot be decrypted");
                 Err(StoreError::Undecryptable(why.to_string()))
             }
         }

@@ -122,10 +122,10 @@ impl Store for RedisStore {
                     match given_back {
                         Ok(Ok(false)) => {}
                         Ok(Ok(true)) => {
-                            tracing::info!(key = %id.key, "a claim no replica confirmed was given back")
+                            tracing::info!(key_hash = %id.key_hash(), "a claim no replica confirmed was given back")
                         }
                         Ok(Err(_)) | Err(_) => tracing::info!(
-                            key = %id.key,
+                            key_hash = %id.key_hash(),
                             "the give-back of a claim no replica confirmed went unanswered; it may have been given back"
                         ),
                     }

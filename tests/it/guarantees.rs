@@ -2,7 +2,8 @@
 //! matters: a retry sent the moment a response is read gets the replay, no two clients share a scope by
 //! accident, secrets are not stored, a running key is never new, a client that stops reading does not hold
 //! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP
-//! edge cases are refused, and stored responses are sealed per record. One file per promise.
+//! edge cases are refused, stored responses are sealed per record, and logs never hold a key. One file
+//! per promise.
 
 mod bounds;
 mod encryption;
@@ -10,6 +11,7 @@ mod file_modes;
 mod flood;
 mod full_response;
 mod http_edges;
+mod log_keys;
 mod readiness;
 mod running_key;
 mod scope;

@@ -23,7 +23,7 @@ impl Proxy {
             return;
         }
         if let Err(error) = self.store.announce(&self.waiters.announcement(topic)).await {
-            tracing::warn!(key = %id.key, %error,
+            tracing::warn!(key_hash = %id.key_hash(), %error,
                 "could not tell other replicas the key settled; their waiters re-check at lease end");
         }
     }

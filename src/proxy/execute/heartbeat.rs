@@ -41,11 +41,11 @@ impl Heartbeat {
                     Ok(true) => {}
                     Ok(false) => {
                         metrics.lost_claims.inc();
-                        tracing::warn!(key = %id.key, "claim was taken over; heartbeat stopped");
+                        tracing::warn!(key_hash = %id.key_hash(), "claim was taken over; heartbeat stopped");
                         return;
                     }
                     Err(error) => {
-                        tracing::warn!(key = %id.key, %error, "heartbeat failed; will retry")
+                        tracing::warn!(key_hash = %id.key_hash(), %error, "heartbeat failed; will retry")
                     }
                 }
             }

@@ -44,7 +44,7 @@ impl Client {
             return;
         };
         if !answer.send(Ok((response, Outcome::Executed))) {
-            tracing::debug!(key = %id.key, "client left before the response head; reading upstream to the end");
+            tracing::debug!(key_hash = %id.key_hash(), "client left before the response head; reading upstream to the end");
             self.sender = None;
         }
     }
@@ -60,12 +60,12 @@ impl Client {
         match tokio::time::timeout(self.write_timeout, sender.send(frame)).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => {
-                tracing::debug!(key = %id.key, "client left mid-body; reading upstream to the end");
+                tracing::debug!(key_hash = %id.key_hash(), "client left mid-body; reading upstream to the end");
                 self.sender = None;
             }
             Err(_) => {
                 proxy.metrics.write_timeouts.inc();
-                tracing::warn!(key = %id.key, timeout = ?self.write_timeout,
+                tracing::warn!(key_hash = %id.key_hash(), timeout = ?self.write_timeout,
                     "client accepted no response bytes; letting it go and reading upstream to the end");
                 self.abort("the client stopped reading the response".into());
             }

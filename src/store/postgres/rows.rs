@@ -99,7 +99,7 @@ pub(super) fn claimable(view: &View) -> bool {
 
 /// The answer to a claim whose key changed under every round: in flight, to be retried in a second.
 pub(super) fn changed_under_every_round(id: &RecordId) -> ClaimResult {
-    tracing::warn!(key = %id.key, "key changed under every claim round; answering in flight");
+    tracing::warn!(key_hash = %id.key_hash(), "key changed under every claim round; answering in flight");
     ClaimResult::Held(Existing::Processing {
         same_fingerprint: true,
         lease_remaining: Duration::from_secs(1),

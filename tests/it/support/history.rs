@@ -188,7 +188,8 @@ impl fmt::Display for Report {
 
 /// Judges the history; see the module documentation for the rules. A key's executions must come at
 /// least `spacing` apart: the lease less the longest a won claim may take to reach the upstream.
-/// `given_back` holds the keys of which a proxy logged giving back an orphaned claim.
+/// `given_back` holds the key hashes (`store::key_hash`) of which a proxy logged giving back an orphaned
+/// claim.
 pub fn check(
     observations: &[Observation],
     executions: &[Execution],
@@ -330,7 +331,7 @@ fn check_keys(
     for (id, record) in records {
         let runs = by_key.get(id).map_or(&[][..], Vec::as_slice);
         report.takeovers += (record.attempt - 1).max(0) as usize;
-        if record.claim_kind == "retry" && !given_back.contains(&id.1) {
+        if record.claim_kind == "retry" && !given_back.contains(&idemproxy::store::key_hash(&id.0, &id.1)) {
             report.violation(format!(
                 "{id:?}: re-claimed as a retry, but nothing in the workload releases a claim and no \
                  proxy gave back an orphaned claim of it"
@@ -401,9 +402,10 @@ fn check_record_state(key: &str, record: &Record, report: &mut Report) {
     }
 }
 
-/// The keys of which a proxy logged giving back an orphaned claim (a claim won after its request
-/// stopped waiting for the store, or a Redis claim no replica confirmed), or sending a give-back whose
-/// answer was lost (it may have been applied), from the proxies' JSON logs.
+/// The key hashes (`store::key_hash`, as the logs name records) of which a proxy logged giving back an
+/// orphaned claim (a claim won after its request stopped waiting for the store, or a Redis claim no
+/// replica confirmed), or sending a give-back whose answer was lost (it may have been applied), from the
+/// proxies' JSON logs.
 pub fn orphans_given_back(logs: &[String]) -> HashSet<String> {
     logs.iter()
         .filter(|line| {
@@ -415,7 +417,7 @@ pub fn orphans_given_back(logs: &[String]) -> HashSet<String> {
         .filter_map(|line| {
             let json = &line[line.find('{')?..];
             let event: serde_json::Value = serde_json::from_str(json).ok()?;
-            Some(event["fields"]["key"].as_str()?.to_string())
+            Some(event["fields"]["key_hash"].as_str()?.to_string())
         })
         .collect()
 }
