@@ -2,20 +2,24 @@
 //! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope
 //! name and the client's credentials (scope headers and the scope cookie, `key/cookie.rs`), and
 //! fingerprints the request under the route's policy (a JSON body by its meaning with
-//! `fingerprint_body = "json"`, `key/canonical.rs`). Pure functions of the request; touches nothing
-//! else.
+//! `fingerprint_body = "json"`, `key/canonical.rs`). A body is read as JSON by streaming
+//! (`key/json.rs`, `key/pointer.rs`), its working memory taken from an allowance the caller charges to
+//! its budget. Pure functions of the request; touches nothing else.
 
 pub mod canonical;
 pub mod cloudevents;
 pub mod cookie;
+pub mod json;
+pub mod pointer;
 pub mod source;
 
 use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
+use self::json::Scratch;
 use crate::config::{FingerprintBody, IdempotencyConfig};
-use crate::error::ProxyError;
+use crate::error::{Busy, ProxyError};
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
 ///
@@ -119,35 +123,44 @@ fn hash_cookie(hash: &mut Sha256, name: &str, headers: &HeaderMap) {
 
 /// The fingerprint of a request under its route's policy: SHA-256 over what makes two requests "the
 /// same": method, path with query, the fingerprint headers' values, and the body, byte for byte or (with
-/// `fingerprint_body = "json"`) by its JSON meaning.
+/// `fingerprint_body = "json"`) by its JSON meaning, read within `scratch` (503 `busy` when the budget
+/// cannot supply what the body's objects need).
 pub fn fingerprint(
     policy: &IdempotencyConfig,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
     body: &[u8],
-) -> [u8; 32] {
+    scratch: &mut Scratch<'_>,
+) -> Result<[u8; 32], ProxyError> {
     let mut hash = head_hash(method, uri, headers, &policy.fingerprint_headers);
     match policy.fingerprint_body {
         FingerprintBody::Bytes => hash_field(&mut hash, body),
-        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude),
+        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude, scratch)?,
     }
-    hash.finalize().into()
+    Ok(hash.finalize().into())
 }
 
-/// A body counted by its meaning when it parses as JSON, else by its bytes; a tag field says which, so
-/// the two never meet.
-fn hash_json_body(hash: &mut Sha256, body: &[u8], exclude: &[String]) {
-    match canonical::parse(body, exclude) {
-        Some(value) => {
+/// A body counted by its meaning when it is I-JSON, else by its bytes; a tag field says which, so the
+/// two never meet.
+fn hash_json_body(
+    hash: &mut Sha256,
+    body: &[u8],
+    exclude: &[String],
+    scratch: &mut Scratch<'_>,
+) -> Result<(), ProxyError> {
+    match canonical::digest(body, exclude, scratch) {
+        Ok(Some(digest)) => {
             hash_field(hash, b"json");
-            canonical::write(hash, &value);
+            hash_field(hash, &digest);
         }
-        None => {
+        Ok(None) => {
             hash_field(hash, b"bytes");
             hash_field(hash, body);
         }
+        Err(_) => return Err(ProxyError::Busy(Busy::Parsing)),
     }
+    Ok(())
 }
 
 /// The fingerprint with the body counted byte for byte.
@@ -352,7 +365,16 @@ mod tests {
 
     fn json_fingerprint(policy: &IdempotencyConfig, body: &str) -> [u8; 32] {
         let uri: Uri = "/pay".parse().unwrap();
-        fingerprint(policy, &Method::POST, &uri, &HeaderMap::new(), body.as_bytes())
+        let mut scratch = Scratch::unbounded();
+        fingerprint(
+            policy,
+            &Method::POST,
+            &uri,
+            &HeaderMap::new(),
+            body.as_bytes(),
+            &mut scratch,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -407,9 +429,46 @@ mod tests {
             hash_field(&mut hash, field);
         }
         let expected: [u8; 32] = hash.finalize().into();
+        let mut scratch = Scratch::unbounded();
         assert_eq!(
-            fingerprint(&policy, &Method::POST, &uri, &headers, b"{}"),
+            fingerprint(&policy, &Method::POST, &uri, &headers, b"{}", &mut scratch).unwrap(),
             expected
+        );
+    }
+
+    #[test]
+    fn a_json_fingerprint_counts_a_body_with_a_repeated_name_by_its_bytes() {
+        let policy = json_policy(&[]);
+        assert_eq!(
+            json_fingerprint(&policy, r#"{"a":1,"a":2}"#),
+            json_fingerprint(&policy, r#"{"a":1,"a":2}"#)
+        );
+        assert_ne!(
+            json_fingerprint(&policy, r#"{"a":1,"a":2}"#),
+            json_fingerprint(&policy, r#"{"a":2,"a":1}"#),
+            "not reordered as JSON: counted byte for byte"
+        );
+    }
+
+    #[test]
+    fn a_json_fingerprint_the_budget_cannot_supply_is_503_busy() {
+        let policy = json_policy(&[]);
+        let members: Vec<String> = (0..1000).map(|i| format!(r#""m{i}":{i}"#)).collect();
+        let body = format!("{{{}}}", members.join(","));
+        let uri: Uri = "/pay".parse().unwrap();
+        let mut refuse = |_: usize| false;
+        let mut scratch = Scratch::within(&mut refuse);
+        let result = fingerprint(
+            &policy,
+            &Method::POST,
+            &uri,
+            &HeaderMap::new(),
+            body.as_bytes(),
+            &mut scratch,
+        );
+        assert!(
+            matches!(result, Err(ProxyError::Busy(Busy::Parsing))),
+            "{result:?}"
         );
     }
 
