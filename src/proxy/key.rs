@@ -100,10 +100,7 @@ pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
 pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
     for name in &policy.scope_headers {
-        hash_field(&mut hash, name.as_str().as_bytes());
-        for value in headers.get_all(name) {
-            hash_field(&mut hash, value.as_bytes());
-        }
+        hash_header(&mut hash, name, headers);
     }
     if let Some(name) = &policy.scope_cookie {
         hash_cookie(&mut hash, name, headers);
@@ -111,12 +108,25 @@ pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) 
     format!("{scope_name}:{}", hex::encode(hash.finalize()))
 }
 
-/// The scope cookie's part of the scope hash, after the headers' (which leave a scope without a cookie
-/// as it always was). It opens with a field that starts with a NUL byte, which no header name or value
-/// can hold, so where the headers' values end and the cookie's begin is never in doubt.
+/// The scope cookie's part of the scope hash, after the headers'. It opens with a field that starts
+/// with a NUL byte, which no header name or value can hold, so where the headers' values end and the
+/// cookie's begin is never in doubt. A cookie sent more than once counts as the set of its values
+/// (`key/cookie.rs`), so a retry that sends them in another order keeps its scope.
 fn hash_cookie(hash: &mut Sha256, name: &str, headers: &HeaderMap) {
     hash_field(hash, format!("\0cookie:{name}").as_bytes());
-    for value in cookie::values(headers, name) {
+    let values = cookie::values(headers, name);
+    hash_count(hash, values.len());
+    for value in values {
+        hash_field(hash, value.as_bytes());
+    }
+}
+
+/// A header's name, the number of its values, then each value, in the order sent: the count frames
+/// them, so no value can pass from one header (or one count of values) to another.
+fn hash_header(hash: &mut Sha256, name: &HeaderName, headers: &HeaderMap) {
+    hash_field(hash, name.as_str().as_bytes());
+    hash_count(hash, headers.get_all(name).iter().count());
+    for value in headers.get_all(name) {
         hash_field(hash, value.as_bytes());
     }
 }
@@ -185,10 +195,7 @@ fn head_hash(method: &Method, uri: &Uri, headers: &HeaderMap, names: &[HeaderNam
     let target = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
     hash_field(&mut hash, target.as_bytes());
     for name in names {
-        hash_field(&mut hash, name.as_str().as_bytes());
-        for value in headers.get_all(name) {
-            hash_field(&mut hash, value.as_bytes());
-        }
+        hash_header(&mut hash, name, headers);
     }
     hash
 }
@@ -204,8 +211,12 @@ pub fn key_hash(scope: &str, key: &str) -> String {
 }
 
 fn hash_field(hash: &mut Sha256, bytes: &[u8]) {
-    hash.update((bytes.len() as u64).to_be_bytes());
+    hash_count(hash, bytes.len());
     hash.update(bytes);
+}
+
+fn hash_count(hash: &mut Sha256, count: usize) {
+    hash.update((count as u64).to_be_bytes());
 }
 
 #[cfg(test)]
@@ -299,7 +310,7 @@ mod tests {
     }
 
     #[test]
-    fn a_scope_without_a_scope_cookie_is_what_it_always_was() {
+    fn a_scope_hashes_each_scope_header_with_its_count_of_values() {
         let plain = crate::config::RawIdempotency::default().validate().unwrap();
         let headers = with_cookie("session=s");
         assert_ne!(
@@ -308,10 +319,69 @@ mod tests {
         );
         let mut hash = Sha256::new();
         hash_field(&mut hash, b"authorization");
+        hash_count(&mut hash, 1);
         hash_field(&mut hash, b"Bearer app");
         assert_eq!(
             scope("r", &plain, &headers),
             format!("r:{}", hex::encode(hash.finalize()))
+        );
+    }
+
+    /// Headers `x-a` and `x-b` with these values (in order).
+    fn two_headers(a: &[&'static str], b: &[&'static str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in a {
+            headers.append("x-a", HeaderValue::from_static(value));
+        }
+        for value in b {
+            headers.append("x-b", HeaderValue::from_static(value));
+        }
+        headers
+    }
+
+    #[test]
+    fn values_never_pass_from_one_header_to_another() {
+        // Without the count, both hash the fields x-a, a, x-b, c, x-b.
+        let one = two_headers(&["a", "x-b", "c"], &[]);
+        let other = two_headers(&["a"], &["c", "x-b"]);
+        let policy = crate::config::RawIdempotency {
+            scope_headers: vec!["x-a".into(), "x-b".into()],
+            fingerprint_headers: vec!["x-a".into(), "x-b".into()],
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        assert_ne!(scope("r", &policy, &one), scope("r", &policy, &other));
+        let uri: Uri = "/pay".parse().unwrap();
+        let mut scratch = Scratch::unbounded();
+        let mut fp = |headers| fingerprint(&policy, &Method::POST, &uri, headers, b"", &mut scratch).unwrap();
+        let (a, b) = (fp(&one), fp(&other));
+        assert_ne!(a, b);
+        assert_ne!(
+            scope("r", &policy, &two_headers(&["a", "b"], &[])),
+            scope("r", &policy, &two_headers(&["a"], &["b"]))
+        );
+        assert_eq!(
+            scope("r", &policy, &two_headers(&["a", "b"], &["c"])),
+            scope("r", &policy, &two_headers(&["a", "b"], &["c"]))
+        );
+    }
+
+    #[test]
+    fn a_scope_cookie_sent_twice_counts_as_its_set_of_values() {
+        let policy = cookie_policy();
+        let one = with_cookie("session=a; theme=dark; session=b");
+        let reordered = with_cookie("session=b; session=a");
+        let repeated = with_cookie("session=a; session=b; session=a");
+        assert_eq!(scope("r", &policy, &one), scope("r", &policy, &reordered));
+        assert_eq!(scope("r", &policy, &one), scope("r", &policy, &repeated));
+        assert_ne!(
+            scope("r", &policy, &one),
+            scope("r", &policy, &with_cookie("session=a"))
+        );
+        assert_ne!(
+            scope("r", &policy, &one),
+            scope("r", &policy, &with_cookie("session=b"))
         );
     }
 
@@ -413,19 +483,17 @@ mod tests {
     }
 
     #[test]
-    fn the_bytes_fingerprint_is_what_it_always_was() {
+    fn the_bytes_fingerprint_frames_every_field() {
         let policy = crate::config::RawIdempotency::default().validate().unwrap();
         let uri: Uri = "/pay?x=1".parse().unwrap();
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         let mut hash = Sha256::new();
-        for field in [
-            &b"POST"[..],
-            b"/pay?x=1",
-            b"content-type",
-            b"application/json",
-            b"{}",
-        ] {
+        for field in [&b"POST"[..], b"/pay?x=1", b"content-type"] {
+            hash_field(&mut hash, field);
+        }
+        hash_count(&mut hash, 1);
+        for field in [&b"application/json"[..], b"{}"] {
             hash_field(&mut hash, field);
         }
         let expected: [u8; 32] = hash.finalize().into();

@@ -3,8 +3,8 @@
 //! id in each mode, a template; a JSON body fingerprinted by its meaning; a scope taken from a session
 //! cookie. Each test is a client of the real proxy, with `[[routes]]` as an operator would write them, on
 //! both stores; the stub upstream's execution count proves what ran. Some attack the key itself: ids
-//! that differ only past a float's precision, a JSON member named twice, a body-keyed request without a
-//! scope that never sends its body.
+//! that differ only past a float's precision, template parts that would run together, a JSON member
+//! named twice, a cookie sent twice, a body-keyed request without a scope that never sends its body.
 
 use rstest::rstest;
 use tokio::io::AsyncWriteExt;
@@ -479,6 +479,36 @@ async fn keys_two_24_digit_ids_are_two_keys_and_two_executions(
 
 #[rstest]
 #[tokio::test]
+async fn keys_template_parts_that_would_run_together_are_two_keys(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = start(&env).await;
+    let op = |tenant: &str, op: &str| {
+        post(&proxy, "/tenant-ops")
+            .header("x-tenant", tenant)
+            .header("x-op", op)
+            .body(format!("{tenant}|{op}"))
+    };
+    let first = Reply::of(op("ac", "me1")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let second = Reply::of(op("acme", "1")).await;
+    assert_eq!(second.status, 201, "{}", second.text());
+    assert!(
+        !second.is_replay(),
+        "tenant acme's op 1 is not tenant ac's op me1"
+    );
+    assert_eq!(env.upstream.executions(), 2);
+    let bodies: Vec<_> = env.upstream.requests().iter().map(|r| r.body.clone()).collect();
+    assert_eq!(bodies, [&b"ac|me1"[..], b"acme|1"]);
+    let retry = Reply::of(op("acme", "1")).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, second.body);
+    assert_eq!(env.upstream.executions(), 2);
+}
+
+#[rstest]
+#[tokio::test]
 async fn keys_a_json_key_named_twice_in_its_object_is_refused_naming_the_pointer(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
@@ -497,6 +527,31 @@ async fn keys_a_json_key_named_twice_in_its_object_is_refused_naming_the_pointer
     assert_eq!(env.upstream.executions(), 0);
     let other_objects = r#"{"id":"evt_3","data":{"id":"a"},"items":[{"id":1},{"id":2}]}"#;
     assert_eq!(Reply::of(stripe_event(&proxy, other_objects)).await.status, 201);
+}
+
+#[rstest]
+#[tokio::test]
+async fn keys_a_scope_cookie_sent_twice_keeps_its_scope_in_either_order(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = start(&env).await;
+    let first = Reply::of(checkout(
+        &proxy,
+        Some("session=app-7f3a; theme=dark; session=dom-91c2"),
+    ))
+    .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let retry = Reply::of(checkout(&proxy, Some("session=dom-91c2; session=app-7f3a"))).await;
+    assert!(
+        retry.is_replay(),
+        "the same two cookies in another order: {}",
+        retry.text()
+    );
+    assert_eq!(retry.body, first.body);
+    let one_of_them = Reply::of(checkout(&proxy, Some("session=app-7f3a"))).await;
+    assert!(!one_of_them.is_replay(), "one of the two is another scope");
+    assert_eq!(env.upstream.executions(), 2);
 }
 
 #[rstest]

@@ -1,9 +1,9 @@
 //! Reads a request's idempotency key from its route's key source: a header (the `Idempotency-Key`
 //! form: an sf-string or a bare token), a CloudEvent's source and id (`key/cloudevents.rs`), a JSON
-//! pointer into the body (`key/pointer.rs`), or a template joining such parts. [`from_head`] serves the
-//! sources found in the head, before the body is read; [`from_body`] the rest, once it has been. Every
-//! key, whatever its source, is 1 to `max_key_length` visible ASCII characters or a 400 `invalid-key`.
-//! Pure functions of the request;
+//! pointer into the body (`key/pointer.rs`), or a template joining such parts, each part taken from the
+//! request written as its length, `:` and itself. [`from_head`] serves the sources found in the head,
+//! before the body is read; [`from_body`] the rest, once it has been. Every key, whatever its source, is
+//! 1 to `max_key_length` visible ASCII characters or a 400 `invalid-key`. Pure functions of the request;
 //! the body is read as JSON at most once, by streaming, and only when a source asks for it.
 
 use http::request::Parts;
@@ -175,7 +175,9 @@ impl Request<'_> {
         }
     }
 
-    /// The template's parts joined; `None` as soon as one is missing.
+    /// The template's parts joined, each part taken from the request written as `<length>:<value>`
+    /// (literal text as written), so no two sets of values make one key; `None` as soon as one is
+    /// missing.
     fn template(&self, parts: &[KeyPart], max_len: usize) -> Result<Option<String>, ProxyError> {
         let mut key = String::new();
         for part in parts {
@@ -186,6 +188,9 @@ impl Request<'_> {
                 return Err(ProxyError::InvalidKey(format!(
                     "the key part {part} holds characters other than visible ASCII"
                 )));
+            }
+            if !matches!(part, KeyPart::Literal(_)) {
+                key.push_str(&format!("{}:", value.len()));
             }
             key.push_str(&value);
         }
@@ -367,8 +372,37 @@ mod tests {
         let headers = [("x-hook", "h1")];
         assert_eq!(
             key(source, &headers, r#"{"id":7}"#).unwrap().as_deref(),
-            Some("POST:/hooks/pay:h1/7"),
+            Some("4:POST:10:/hooks/pay:2:h1/1:7"),
             "the path is taken without its query"
+        );
+    }
+
+    #[test]
+    fn template_parts_cannot_run_into_each_other() {
+        let source = "template:{header:x-tenant}{header:x-op}";
+        let read = |tenant: &str, op: &str| {
+            key(source, &[("x-tenant", tenant), ("x-op", op)], "")
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(read("acme", "1"), "4:acme1:1");
+        assert_ne!(read("ac", "me1"), read("acme", "1"));
+        assert_ne!(read("1:a", "b"), read("1", "a:b"));
+        let shopify = "template:{header:X-Shopify-Topic}/{header:X-Shopify-Event-Id}";
+        let read = |topic: &str, id: &str| {
+            key(
+                shopify,
+                &[("x-shopify-topic", topic), ("x-shopify-event-id", id)],
+                "",
+            )
+            .unwrap()
+            .unwrap()
+        };
+        assert_eq!(read("orders/create", "e1"), "13:orders/create/2:e1");
+        assert_ne!(read("orders/create", "e1"), read("orders", "create/e1"));
+        assert_ne!(
+            key("template:{json:/a}{json:/b}", &[], r#"{"a":"12","b":"3"}"#).unwrap(),
+            key("template:{json:/a}{json:/b}", &[], r#"{"a":"1","b":"23"}"#).unwrap()
         );
     }
 
@@ -395,7 +429,7 @@ mod tests {
         let policy = policy("template:{method}{path}-{header:webhook-id}");
         let parts = parts("/p?q", &[("webhook-id", "msg_1")]);
         let key = from_head(&policy, &parts.method, &parts.uri, &parts.headers).unwrap();
-        assert_eq!(key.as_deref(), Some("POST/p-msg_1"));
+        assert_eq!(key.as_deref(), Some("4:POST2:/p-5:msg_1"));
     }
 
     #[test]
