@@ -2,14 +2,15 @@
 //! what a JSON body means, so a retry that re-serialises its body (members in another order, other
 //! whitespace) still matches and one whose content changed does not. Built by streaming
 //! (`key/json.rs`), member by member, never as a tree: each array is hashed as its elements arrive; each
-//! object keeps one short entry per member (a digest of its name and one of the whole member) and, when
-//! it closes, hashes its members' digests in the order of their names' digests. Memory grows with the
-//! nesting and the widest object, not with the body, and is charged to the allowance. The members
-//! `fingerprint_exclude` names are left out. A body that is not I-JSON (RFC 7493) — not JSON, nested too
-//! deep, or with an object that names a member twice, which parsers read differently — has no digest,
-//! and counts byte for byte. The digests are SHA-256 by ring (already linked for TLS), whose compiled
-//! routine hashes the many short inputs here as fast in a debug build as in a release one. Pure
-//! functions of the body.
+//! object keeps one 48-byte entry per member (a 64-bit hash of its name, and the member itself when it is
+//! short, else its SHA-256) and, when it closes, hashes the entries in the order of their names' hashes.
+//! Memory grows with the nesting and the widest object, not with the body, and is charged to the
+//! allowance. The members `fingerprint_exclude` names are left out. A body that is not I-JSON
+//! (RFC 7493) — not JSON, nested too deep, or with an object that names a member twice, which parsers
+//! read differently — has no digest, and counts byte for byte (as does, by chance, one whose object
+//! holds two names with one 64-bit hash). The digests are SHA-256 by ring (already linked for TLS),
+//! whose compiled routine hashes the many short inputs here as fast in a debug build as in a release
+//! one. Pure functions of the body.
 
 use json_event_parser::JsonEvent;
 use ring::digest::{Context, SHA256};
@@ -34,15 +35,34 @@ pub fn digest(body: &[u8], exclude: &[String], scratch: &mut Scratch<'_>) -> Res
     }
 }
 
-/// One member of an open object: the first half of its name's digest (to order members and find a
-/// name given twice) and the digest of the whole member (name and value), or none for a member
-/// `fingerprint_exclude` names (it still counts when its name is given twice).
+/// One member of an open object, as its object's digest counts it.
 struct Member {
-    name: [u8; 16],
-    digest: Option<[u8; 32]>,
+    /// The 64-bit hash of its name: orders the members, and finds a name given twice.
+    name: u64,
+    entry: Entry,
 }
 
+/// A member's part of its object's digest.
+enum Entry {
+    /// A short member (a short name and a short scalar) as it is: name length, name, tag, text length,
+    /// text, in the first `len` bytes.
+    Inline { len: u8, bytes: [u8; INLINE] },
+    /// The SHA-256 of the member: its name's length and name, then its value as an [`Item`].
+    Hashed([u8; 32]),
+    /// A member `fingerprint_exclude` names: it counts only when its name is given twice.
+    Excluded,
+}
+
+/// The most bytes a member is kept as, rather than hashed.
+const INLINE: usize = 31;
+
 const MEMBER: usize = size_of::<Member>();
+
+/// The member whose value is being read: its name, kept short or already hashed.
+enum Named {
+    Short { name: u64, len: u8, bytes: [u8; INLINE] },
+    Long { name: u64, hash: Context },
+}
 
 /// An open array or object.
 struct Frame {
@@ -54,11 +74,11 @@ struct Frame {
 enum Kind {
     /// Elements are hashed as they arrive.
     Array { hash: Context, count: u64 },
-    /// Members wait for the object's end, to be put in order; `name` is the digest of the name of the
-    /// member whose value is being read.
+    /// Members wait for the object's end, to be put in order; `name` is the member whose value is being
+    /// read.
     Object {
         members: Vec<Member>,
-        name: Option<[u8; 32]>,
+        name: Option<Named>,
     },
 }
 
@@ -85,17 +105,96 @@ impl Item<'_> {
     }
 }
 
+/// FNV-1a, 64 bits: a stable hash of a member's name, to order an object's members. Two names with one
+/// hash make the body count byte for byte; no one gains by forging that but the sender, who makes its own
+/// retries differ.
+fn name_hash(name: &[u8]) -> u64 {
+    name.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl Named {
+    fn new(name: &str) -> Named {
+        let hash = name_hash(name.as_bytes());
+        let mut bytes = [0; INLINE];
+        match u8::try_from(name.len()) {
+            Ok(len) if name.len() < INLINE => {
+                bytes[0] = len;
+                bytes[1..=name.len()].copy_from_slice(name.as_bytes());
+                Named::Short {
+                    name: hash,
+                    len: len + 1,
+                    bytes,
+                }
+            }
+            _ => {
+                let mut context = Context::new(&SHA256);
+                context.update(&(name.len() as u64).to_be_bytes());
+                context.update(name.as_bytes());
+                Named::Long {
+                    name: hash,
+                    hash: context,
+                }
+            }
+        }
+    }
+
+    /// The member this name and `item` make.
+    fn member(self, item: &Item<'_>, excluded: bool) -> Member {
+        match self {
+            _ if excluded => Member {
+                name: self.hash(),
+                entry: Entry::Excluded,
+            },
+            Named::Short { name, len, mut bytes } => match item {
+                Item::Scalar(tag, text) if usize::from(len) + 2 + text.len() <= INLINE => {
+                    let at = usize::from(len);
+                    bytes[at] = *tag;
+                    bytes[at + 1] = text.len() as u8;
+                    bytes[at + 2..at + 2 + text.len()].copy_from_slice(text);
+                    let len = (at + 2 + text.len()) as u8;
+                    Member {
+                        name,
+                        entry: Entry::Inline { len, bytes },
+                    }
+                }
+                _ => {
+                    let name_len = usize::from(bytes[0]);
+                    Named::Long {
+                        name,
+                        hash: {
+                            let mut context = Context::new(&SHA256);
+                            context.update(&(name_len as u64).to_be_bytes());
+                            context.update(&bytes[1..=name_len]);
+                            context
+                        },
+                    }
+                    .member(item, false)
+                }
+            },
+            Named::Long { name, mut hash } => {
+                item.write(&mut hash);
+                Member {
+                    name,
+                    entry: Entry::Hashed(finish(hash)),
+                }
+            }
+        }
+    }
+
+    fn hash(&self) -> u64 {
+        match self {
+            Named::Short { name, .. } | Named::Long { name, .. } => *name,
+        }
+    }
+}
+
 /// The SHA-256 of what `hash` was given.
 fn finish(hash: Context) -> [u8; 32] {
     let mut digest = [0; 32];
     digest.copy_from_slice(hash.finish().as_ref());
     digest
-}
-
-fn sha256(bytes: &[u8]) -> [u8; 32] {
-    let mut hash = Context::new(&SHA256);
-    hash.update(bytes);
-    finish(hash)
 }
 
 struct Walk {
@@ -122,7 +221,7 @@ impl Walk {
                     ..
                 }) = self.frames.last_mut()
                 {
-                    *pending = Some(sha256(name.as_bytes()));
+                    *pending = Some(Named::new(name));
                 }
                 Ok(())
             }
@@ -207,16 +306,8 @@ impl Walk {
                 Ok(())
             }
             Some(Kind::Object { members, name }) => {
-                let name = name.take().ok_or(Stop::NotJson)?;
-                let digest = (!excluded).then(|| {
-                    let mut hash = Context::new(&SHA256);
-                    hash.update(&name);
-                    item.write(&mut hash);
-                    finish(hash)
-                });
-                let mut short = [0; 16];
-                short.copy_from_slice(&name[..16]);
-                push(members, Member { name: short, digest }, scratch)
+                let named = name.take().ok_or(Stop::NotJson)?;
+                push(members, named.member(item, excluded), scratch)
             }
         }
     }
@@ -246,18 +337,34 @@ fn push(members: &mut Vec<Member>, member: Member, scratch: &mut Scratch<'_>) ->
     Ok(())
 }
 
-/// An object's digest: its members' digests in the order of their names' digests, after their count
-/// (members left out count in neither); `None` when two members share a name.
+/// An object's digest: its members' entries in the order of their names' hashes, after their count
+/// (members left out count in neither), each tagged (`1`, a length and the member; `2` and its
+/// SHA-256) so the two kinds never meet; `None` when two members share a name (or a name's hash).
 fn object_digest(mut members: Vec<Member>, scratch: &mut Scratch<'_>) -> Option<[u8; 32]> {
     scratch.give_back(members.capacity() * MEMBER);
     members.sort_unstable_by_key(|member| member.name);
     if members.windows(2).any(|pair| pair[0].name == pair[1].name) {
         return None;
     }
-    let counted = || members.iter().filter_map(|member| member.digest.as_ref());
+    let counted = members
+        .iter()
+        .filter(|member| !matches!(member.entry, Entry::Excluded))
+        .count();
     let mut hash = Context::new(&SHA256);
-    hash.update(&(counted().count() as u64).to_be_bytes());
-    counted().for_each(|digest| hash.update(digest));
+    hash.update(&(counted as u64).to_be_bytes());
+    for member in &members {
+        match &member.entry {
+            Entry::Inline { len, bytes } => {
+                hash.update(&[1, *len]);
+                hash.update(&bytes[..usize::from(*len)]);
+            }
+            Entry::Hashed(digest) => {
+                hash.update(&[2]);
+                hash.update(digest);
+            }
+            Entry::Excluded => {}
+        }
+    }
     Some(finish(hash))
 }
 
@@ -331,6 +438,47 @@ mod tests {
         ];
         for (a, b) in pairs {
             assert_ne!(of(a, &[]), of(b, &[]), "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn short_and_long_members_count_alike_in_any_order_and_every_byte_counts() {
+        // Around the size kept as it is (31 bytes) rather than hashed, with scalar and container values.
+        let members: Vec<(String, String)> = [1, 12, 13, 14, 15, 28, 29, 30, 31, 40]
+            .iter()
+            .flat_map(|&n| {
+                let name = "n".repeat(n);
+                // A name and text of 28 bytes together are kept as they are; of 29, hashed.
+                [
+                    (
+                        format!("{name}s"),
+                        format!("\"{}\"", "v".repeat(27usize.saturating_sub(n).max(1))),
+                    ),
+                    (format!("{name}n"), "7".repeat(28usize.saturating_sub(n).max(1))),
+                    (format!("{name}o"), "{\"a\":1}".to_owned()),
+                    (format!("{name}t"), "true".to_owned()),
+                ]
+            })
+            .collect();
+        let object = |members: &[(String, String)]| {
+            let text: Vec<String> = members.iter().map(|(n, v)| format!("\"{n}\":{v}")).collect();
+            format!("{{{}}}", text.join(","))
+        };
+        let base = of(&object(&members), &[]);
+        assert!(base.is_some());
+        let mut reversed = members.clone();
+        reversed.reverse();
+        assert_eq!(base, of(&object(&reversed), &[]));
+        for i in 0..members.len() {
+            let mut changed = members.clone();
+            changed[i].1 = match changed[i].1.as_str() {
+                "true" => "false".to_owned(),
+                value => value.replacen(['v', '7', '1'], "8", 1),
+            };
+            assert_ne!(base, of(&object(&changed), &[]), "{:?}", changed[i]);
+            let mut renamed = members.clone();
+            renamed[i].0.insert(0, 'x');
+            assert_ne!(base, of(&object(&renamed), &[]), "{:?}", renamed[i]);
         }
     }
 
