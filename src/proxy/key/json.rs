@@ -144,7 +144,7 @@ impl<'a> Reader<'a> {
                     return Err(Stop::NotJson);
                 }
             }
-            JsonEvent::EndArray | JsonEvent::EndObject => self.depth -= 1,
+            JsonEvent::EndArray | JsonEvent::EndObject => self.depth = self.depth.saturating_sub(1),
             _ => {}
         }
         Ok(())
@@ -157,12 +157,6 @@ impl<'a> Reader<'a> {
         }
         Ok(())
     }
-}
-
-/// Reads the rest of a body to its end, to know that the whole of it is JSON.
-pub fn finish(reader: &mut Reader<'_>, scratch: &mut Scratch<'_>) -> Result<(), Stop> {
-    while reader.next(scratch)?.is_some() {}
-    Ok(())
 }
 
 /// One RFC 6901 reference token, read once: the member name it names, and the array index it names
@@ -311,5 +305,92 @@ impl Paths {
         for pointer in &mut self.pointers {
             pointer.open = pointer.open.min(depth);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_allowance_asks_its_budget_in_growing_pieces_and_stops_when_refused() {
+        let mut asked = Vec::new();
+        let mut budget = |bytes: usize| {
+            asked.push(bytes);
+            asked.iter().sum::<usize>() <= 100_000
+        };
+        let mut scratch = Scratch::within(&mut budget);
+        scratch.take(10).unwrap();
+        scratch.take(100).unwrap();
+        scratch.give_back(110);
+        scratch.take(4000).unwrap();
+        assert_eq!(scratch.granted(), CHUNK, "one piece for small needs");
+        scratch.take(50_000).unwrap();
+        assert_eq!(scratch.take(60_000), Err(Stop::OverBudget));
+        assert_eq!(scratch.peak(), 54_000);
+        assert_eq!(asked[0], CHUNK);
+        assert_eq!(asked.len(), 3);
+    }
+
+    fn events(body: &[u8]) -> Result<usize, Stop> {
+        let mut reader = Reader::new(body);
+        let mut scratch = Scratch::unbounded();
+        let mut count = 0;
+        while reader.next(&mut scratch)?.is_some() {
+            count += 1;
+        }
+        Ok(count)
+    }
+
+    #[test]
+    fn a_reader_reads_one_json_text_and_nothing_else() {
+        assert_eq!(events(br#" {"a":[1,"x",null]} "#), Ok(8));
+        for body in [
+            &b"\xEF\xBB\xBF{}"[..],
+            b"",
+            b"{}{}",
+            b"[1,]",
+            b"\"\\ud800\"",
+            b"\"\xff\"",
+            b"[1",
+            b"nul",
+        ] {
+            assert_eq!(
+                events(body),
+                Err(Stop::NotJson),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let nested = |depth: usize| format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        assert!(events(nested(MAX_DEPTH).as_bytes()).is_ok());
+        assert_eq!(events(nested(MAX_DEPTH + 1).as_bytes()), Err(Stop::NotJson));
+    }
+
+    #[test]
+    fn a_string_the_parser_copies_is_charged_until_the_next_event() {
+        let body = format!(r#"["{}\n", 1]"#, "a".repeat(10_000));
+        let mut reader = Reader::new(body.as_bytes());
+        let mut scratch = Scratch::unbounded();
+        assert!(matches!(
+            reader.next(&mut scratch),
+            Ok(Some(JsonEvent::StartArray))
+        ));
+        assert!(matches!(
+            reader.next(&mut scratch),
+            Ok(Some(JsonEvent::String(_)))
+        ));
+        assert!(scratch.peak() >= 10_001);
+        assert!(matches!(
+            reader.next(&mut scratch),
+            Ok(Some(JsonEvent::Number(_)))
+        ));
+        scratch.take(0).unwrap();
+        assert_eq!(scratch.used, 0, "given back at the next event");
+        let mut refuse = |_: usize| false;
+        let mut reader = Reader::new(body.as_bytes());
+        let mut scratch = Scratch::within(&mut refuse);
+        assert!(reader.next(&mut scratch).is_ok());
+        assert_eq!(reader.next(&mut scratch).err(), Some(Stop::OverBudget));
     }
 }
