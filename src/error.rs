@@ -17,6 +17,9 @@ pub const PROBLEM_BASE: &str = crate::config::DEFAULT_PROBLEM_TYPE_BASE;
 pub enum Busy {
     /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
     Bodies,
+    /// Reading a JSON body (its key or its fingerprint) needs more working memory than
+    /// `server.max_buffered_bodies` has left.
+    Parsing,
     /// `server.max_keyed_in_flight` keyed requests are being executed.
     KeyedInFlight,
     /// `server.max_keyed_per_connection` keyed requests of this connection are being executed (some
@@ -33,6 +36,10 @@ impl Busy {
     fn detail(self) -> &'static str {
         match self {
             Busy::Bodies => "Too many request bodies are being received at once; try again shortly.",
+            Busy::Parsing => {
+                "The request's JSON body needs more working memory than the proxy has free; try again \
+                 shortly."
+            }
             Busy::KeyedInFlight => "Too many keyed requests are being executed at once; try again shortly.",
             Busy::KeyedOnConnection => {
                 "Too many keyed requests of this connection are being executed at once; try again shortly."

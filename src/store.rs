@@ -488,3 +488,18 @@ pub(crate) fn epoch_ms(ms: i64) -> SystemTime {
         SystemTime::UNIX_EPOCH - offset
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::key_hash;
+
+    #[test]
+    fn key_hash_is_short_stable_and_separates_scope_from_key() {
+        let hash = key_hash("default:aa", "order-1");
+        assert_eq!(hash.len(), 16);
+        assert!(hash.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(hash, key_hash("default:aa", "order-1"));
+        assert_ne!(hash, key_hash("default:ab", "order-1"));
+        assert_ne!(key_hash("a", "bc"), key_hash("ab", "c"));
+    }
+}

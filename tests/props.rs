@@ -1,10 +1,13 @@
 //! Property tests of what the proxy parses from untrusted input: the key header, the scope and the
-//! fingerprint, and the configuration loader. Case counts stay modest so the suite stays fast.
+//! fingerprint, JSON bodies (read by streaming: never a panic, and JSON exactly when serde_json says so),
+//! and the configuration loader. Case counts stay modest so the suite stays fast.
 
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use idemproxy::config::Config;
 use idemproxy::error::ProxyError;
-use idemproxy::proxy::key::{fingerprint, parse_key, scope};
+use idemproxy::proxy::key::json::Scratch;
+use idemproxy::proxy::key::pointer::{self, Found};
+use idemproxy::proxy::key::{canonical, fingerprint, parse_key, scope};
 use proptest::prelude::*;
 
 const MAX_KEY: usize = 64;
@@ -39,7 +42,8 @@ fn fp(method: &Method, target: &str, content_type: &[u8], body: &[u8]) -> [u8; 3
         HeaderValue::from_bytes(content_type).expect("valid header value"),
     );
     let uri: Uri = target.parse().expect("valid target");
-    fingerprint(&policy(), method, &uri, &headers, body)
+    fingerprint(&policy(), method, &uri, &headers, body, &mut Scratch::unbounded())
+        .expect("no budget to run out of")
 }
 
 fn auth(value: &[u8]) -> HeaderMap {
@@ -299,7 +303,15 @@ fn json_fp(body: &str) -> [u8; 32] {
     .validate()
     .expect("a JSON fingerprint policy is valid");
     let uri: Uri = "/pay".parse().expect("valid target");
-    fingerprint(&policy, &Method::POST, &uri, &HeaderMap::new(), body.as_bytes())
+    fingerprint(
+        &policy,
+        &Method::POST,
+        &uri,
+        &HeaderMap::new(),
+        body.as_bytes(),
+        &mut Scratch::unbounded(),
+    )
+    .expect("no budget to run out of")
 }
 
 /// The key a source reads from a request with these headers and body, keys up to `max` long.
@@ -321,7 +333,7 @@ fn source_key(
         request = request.header(*name, value.as_str());
     }
     let (parts, ()) = request.body(()).expect("a valid request").into_parts();
-    idemproxy::proxy::key::source::from_body(&policy, &parts, body)
+    idemproxy::proxy::key::source::from_body(&policy, &parts, body, &mut Scratch::unbounded())
 }
 
 fn assert_a_key_or_a_400(result: Result<Option<String>, ProxyError>) -> Result<(), TestCaseError> {
@@ -439,5 +451,75 @@ proptest! {
         let accepted = normal(&once, &reject);
         prop_assert_eq!(accepted.as_deref(), Ok(&*once));
         prop_assert_eq!(normal(&path, &reject).is_ok(), path == *once, "{}", path);
+    }
+}
+
+/// A JSON document's text with a few bytes changed, inserted or removed: mostly not JSON, some still JSON.
+fn mangled_json() -> impl Strategy<Value = Vec<u8>> {
+    let edit = (
+        any::<prop::sample::Index>(),
+        0u8..3,
+        prop::sample::select(b"{}[]\",:0-1.eE \\utnf\xff\xc3".to_vec()),
+    );
+    (json_value(), prop::collection::vec(edit, 0..4)).prop_map(|(value, edits)| {
+        let mut bytes = value.to_string().into_bytes();
+        for (at, kind, byte) in edits {
+            let i = at.index(bytes.len() + 1);
+            match kind {
+                0 => bytes.insert(i, byte),
+                1 if i < bytes.len() => {
+                    bytes.remove(i);
+                }
+                _ if i < bytes.len() => bytes[i] = byte,
+                _ => {}
+            }
+        }
+        bytes
+    })
+}
+
+/// Whether serde_json reads `bytes` as one JSON document with no number it cannot hold (the streaming
+/// reader keeps numbers as text, so it reads `1e999` too).
+fn serde_reads(bytes: &[u8]) -> Option<serde_json::Value> {
+    serde_json::from_slice(bytes).ok()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn the_json_readers_never_panic_and_read_json_exactly_when_serde_json_does(
+        bytes in prop_oneof![prop::collection::vec(any::<u8>(), 0..120), mangled_json()],
+    ) {
+        let pointers = ["", "/a", "/0", "/a/0/b"].map(String::from).to_vec();
+        let found = pointer::find(&bytes, pointers, &mut Scratch::unbounded()).expect("no budget to run out of");
+        let digest = canonical::digest(&bytes, &["/a".to_owned()], &mut Scratch::unbounded())
+            .expect("no budget to run out of");
+        match serde_reads(&bytes) {
+            Some(_) => prop_assert!(found.is_some(), "serde_json reads {:?}", String::from_utf8_lossy(&bytes)),
+            None => {
+                let text = String::from_utf8_lossy(&bytes);
+                let big_number = text.contains('e') || text.contains('E');
+                prop_assert!(found.is_none() || big_number, "serde_json refuses {:?}", text);
+                prop_assert!(digest.is_none() || big_number, "serde_json refuses {:?}", text);
+            }
+        }
+    }
+
+    #[test]
+    fn a_pointer_finds_the_value_serde_json_finds(value in json_value(), other in json_value()) {
+        let body = serde_json::json!({"a": [{"b": value.clone()}], "z": other}).to_string();
+        let found = pointer::find(body.as_bytes(), vec!["/a/0/b".into()], &mut Scratch::unbounded())
+            .expect("no budget to run out of")
+            .expect("a JSON body");
+        let expected = match &value {
+            serde_json::Value::String(s) => Found::String(s.clone()),
+            serde_json::Value::Number(n) => Found::Number(n.to_string()),
+            serde_json::Value::Null => Found::Other("null"),
+            serde_json::Value::Bool(_) => Found::Other("a boolean"),
+            serde_json::Value::Array(_) => Found::Other("an array"),
+            serde_json::Value::Object(_) => Found::Other("an object"),
+        };
+        prop_assert_eq!(found.get("/a/0/b"), &expected, "{}", body);
     }
 }

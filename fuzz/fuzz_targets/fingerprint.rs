@@ -1,8 +1,10 @@
 //! Any bytes split into a scope header and a body: hashing never panics, equal input hashes alike, and
-//! flipping a body byte changes the fingerprint.
+//! flipping a body byte changes the fingerprint (counted byte for byte).
 #![no_main]
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+use http::{HeaderMap, HeaderValue, Method, Uri};
+use idemproxy::config::RawIdempotency;
+use idemproxy::proxy::key::json::Scratch;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,12 +14,14 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(value) = HeaderValue::from_bytes(credential) {
         headers.insert("authorization", value);
     }
-    let names = [HeaderName::from_static("authorization")];
-    let scope = idemproxy::proxy::key::scope(&headers, &names);
-    assert_eq!(scope, idemproxy::proxy::key::scope(&headers, &names));
+    let policy = RawIdempotency::default().validate().expect("the default policy is valid");
+    let scope = idemproxy::proxy::key::scope("default", &policy, &headers);
+    assert_eq!(scope, idemproxy::proxy::key::scope("default", &policy, &headers));
     let uri = Uri::from_static("/pay");
-    let fingerprint =
-        |body: &[u8]| idemproxy::proxy::key::fingerprint(&Method::POST, &uri, &headers, &names, body);
+    let fingerprint = |body: &[u8]| {
+        idemproxy::proxy::key::fingerprint(&policy, &Method::POST, &uri, &headers, body, &mut Scratch::unbounded())
+            .expect("no budget to run out of")
+    };
     let base = fingerprint(body);
     assert_eq!(base, fingerprint(body));
     if let Some((first, rest)) = body.split_first() {

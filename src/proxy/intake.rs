@@ -1,10 +1,13 @@
-//! Runs for a request that carries an idempotency key, before anything touches the store: checks that it
-//! names a client in a scope header, reads its body whole under the shared body budget
-//! (`intake/budget.rs`) and `server.body_read_timeout`, has its webhook signature verified where the
-//! route has one (`signature.rs`), and turns it into the claim the store will be asked for: scope, key,
-//! fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
+//! Runs for a request that carries an idempotency key, or whose route reads its key from the body or
+//! checks signatures, before anything touches the store: checks that it names a client in a scope
+//! header (before its body is read, so a request that would be refused is never waited for), reads its
+//! body whole under the shared body budget (`intake/budget.rs`) and `server.body_read_timeout`, has its
+//! webhook signature verified where the route has one (`signature.rs`), reads the key from the body and
+//! the fingerprint (`intake/examine.rs`), and turns it into the claim the store will be asked for: scope,
+//! key, fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
 
 pub mod budget;
+pub mod examine;
 
 use std::sync::Arc;
 
@@ -51,8 +54,11 @@ impl Unkeyed {
 
 impl Proxy {
     /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
-    /// the key when its source is in the head; a key taken from the body is read here, after the body.
-    /// `peer`'s connection is told when the body waits for its client.
+    /// the key when its source is in the head; a key taken from the body is read after the body. The
+    /// scope is checked first: on a route that reads its key from the body, a request that names no
+    /// client is refused before its body is read, whether or not the body would hold a key (keys
+    /// optional or not), rather than forwarded unprotected. `peer`'s connection is told when the body
+    /// waits for its client.
     pub(crate) async fn intake(
         &self,
         request: Request<Incoming>,
@@ -60,28 +66,24 @@ impl Proxy {
         key: Option<String>,
         peer: &Downstream,
     ) -> Result<Result<Intake, Unkeyed>, ProxyError> {
-        let policy = &route.policy;
-        if key.is_some() {
+        // A keyless request on a header-keyed route comes here only to have its signature verified.
+        if key.is_some() || route.policy.key.needs_body() {
             check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
-        let body = self.read_body(policy, &parts, body, peer).await?;
-        self.verify_signature(policy, &parts.headers, &body.bytes).await?;
-        let key = match key {
-            Some(key) => key,
-            None => match key::source::from_body(policy, &parts, &body.bytes)? {
-                Some(key) => {
-                    check_scope(&route, &parts.headers)?;
-                    key
-                }
-                None if policy.required => {
-                    return Err(ProxyError::MissingKey(key::source::describe(&policy.key)));
-                }
-                None => return Ok(Err(Unkeyed { parts, body })),
-            },
+        let body = self.read_body(&route.policy, &parts, body, peer).await?;
+        self.verify_signature(&route.policy, &parts.headers, &body.bytes)
+            .await?;
+        let examined = examine::examine(route.clone(), parts, body, key).await?;
+        let (parts, body) = (examined.parts, examined.body);
+        let Some((key, fingerprint)) = examined.keyed else {
+            if route.policy.required {
+                return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
+            }
+            return Ok(Err(Unkeyed { parts, body }));
         };
-        let claim = claim_request(&route, &parts, key, &body.bytes);
-        access::key(|| key::key_hash(&claim.id.scope, &claim.id.key));
+        let claim = claim_request(&route, &parts, key, fingerprint);
+        access::key(|| claim.id.key_hash());
         Ok(Ok(Intake {
             route,
             parts,
@@ -161,7 +163,7 @@ fn scope_setting(route: &Route, policy: &IdempotencyConfig) -> String {
     }
 }
 
-fn claim_request(route: &Route, parts: &request::Parts, key: String, body: &[u8]) -> ClaimRequest {
+fn claim_request(route: &Route, parts: &request::Parts, key: String, fingerprint: [u8; 32]) -> ClaimRequest {
     let policy = &route.policy;
     ClaimRequest {
         id: RecordId {
@@ -169,7 +171,7 @@ fn claim_request(route: &Route, parts: &request::Parts, key: String, body: &[u8]
             key,
             token: Uuid::new_v4(),
         },
-        fingerprint: key::fingerprint(policy, &parts.method, &parts.uri, &parts.headers, body),
+        fingerprint,
         lease: policy.lock_timeout,
         ttl: policy.ttl,
     }

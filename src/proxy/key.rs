@@ -2,20 +2,24 @@
 //! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope
 //! name and the client's credentials (scope headers and the scope cookie, `key/cookie.rs`), and
 //! fingerprints the request under the route's policy (a JSON body by its meaning with
-//! `fingerprint_body = "json"`, `key/canonical.rs`). Pure functions of the request; touches nothing
-//! else.
+//! `fingerprint_body = "json"`, `key/canonical.rs`). A body is read as JSON by streaming
+//! (`key/json.rs`, `key/pointer.rs`), its working memory taken from an allowance the caller charges to
+//! its budget. Pure functions of the request; touches nothing else.
 
 pub mod canonical;
 pub mod cloudevents;
 pub mod cookie;
+pub mod json;
+pub mod pointer;
 pub mod source;
 
 use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
+use self::json::Scratch;
 use crate::config::{FingerprintBody, IdempotencyConfig};
-use crate::error::ProxyError;
+use crate::error::{Busy, ProxyError};
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
 ///
@@ -96,10 +100,7 @@ pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
 pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
     for name in &policy.scope_headers {
-        hash_field(&mut hash, name.as_str().as_bytes());
-        for value in headers.get_all(name) {
-            hash_field(&mut hash, value.as_bytes());
-        }
+        hash_header(&mut hash, name, headers);
     }
     if let Some(name) = &policy.scope_cookie {
         hash_cookie(&mut hash, name, headers);
@@ -107,47 +108,69 @@ pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) 
     format!("{scope_name}:{}", hex::encode(hash.finalize()))
 }
 
-/// The scope cookie's part of the scope hash, after the headers' (which leave a scope without a cookie
-/// as it always was). It opens with a field that starts with a NUL byte, which no header name or value
-/// can hold, so where the headers' values end and the cookie's begin is never in doubt.
+/// The scope cookie's part of the scope hash, after the headers'. It opens with a field that starts
+/// with a NUL byte, which no header name or value can hold, so where the headers' values end and the
+/// cookie's begin is never in doubt. A cookie sent more than once counts as the set of its values
+/// (`key/cookie.rs`), so a retry that sends them in another order keeps its scope.
 fn hash_cookie(hash: &mut Sha256, name: &str, headers: &HeaderMap) {
     hash_field(hash, format!("\0cookie:{name}").as_bytes());
-    for value in cookie::values(headers, name) {
+    let values = cookie::values(headers, name);
+    hash_count(hash, values.len());
+    for value in values {
+        hash_field(hash, value.as_bytes());
+    }
+}
+
+/// A header's name, the number of its values, then each value, in the order sent: the count frames
+/// them, so no value can pass from one header (or one count of values) to another.
+fn hash_header(hash: &mut Sha256, name: &HeaderName, headers: &HeaderMap) {
+    hash_field(hash, name.as_str().as_bytes());
+    hash_count(hash, headers.get_all(name).iter().count());
+    for value in headers.get_all(name) {
         hash_field(hash, value.as_bytes());
     }
 }
 
 /// The fingerprint of a request under its route's policy: SHA-256 over what makes two requests "the
 /// same": method, path with query, the fingerprint headers' values, and the body, byte for byte or (with
-/// `fingerprint_body = "json"`) by its JSON meaning.
+/// `fingerprint_body = "json"`) by its JSON meaning, read within `scratch` (503 `busy` when the budget
+/// cannot supply what the body's objects need).
 pub fn fingerprint(
     policy: &IdempotencyConfig,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
     body: &[u8],
-) -> [u8; 32] {
+    scratch: &mut Scratch<'_>,
+) -> Result<[u8; 32], ProxyError> {
     let mut hash = head_hash(method, uri, headers, &policy.fingerprint_headers);
     match policy.fingerprint_body {
         FingerprintBody::Bytes => hash_field(&mut hash, body),
-        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude),
+        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude, scratch)?,
     }
-    hash.finalize().into()
+    Ok(hash.finalize().into())
 }
 
-/// A body counted by its meaning when it parses as JSON, else by its bytes; a tag field says which, so
-/// the two never meet.
-fn hash_json_body(hash: &mut Sha256, body: &[u8], exclude: &[String]) {
-    match canonical::parse(body, exclude) {
-        Some(value) => {
+/// A body counted by its meaning when it is I-JSON, else by its bytes; a tag field says which, so the
+/// two never meet.
+fn hash_json_body(
+    hash: &mut Sha256,
+    body: &[u8],
+    exclude: &[String],
+    scratch: &mut Scratch<'_>,
+) -> Result<(), ProxyError> {
+    match canonical::digest(body, exclude, scratch) {
+        Ok(Some(digest)) => {
             hash_field(hash, b"json");
-            canonical::write(hash, &value);
+            hash_field(hash, &digest);
         }
-        None => {
+        Ok(None) => {
             hash_field(hash, b"bytes");
             hash_field(hash, body);
         }
+        Err(_) => return Err(ProxyError::Busy(Busy::Parsing)),
     }
+    Ok(())
 }
 
 /// The fingerprint with the body counted byte for byte.
@@ -172,27 +195,18 @@ fn head_hash(method: &Method, uri: &Uri, headers: &HeaderMap, names: &[HeaderNam
     let target = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
     hash_field(&mut hash, target.as_bytes());
     for name in names {
-        hash_field(&mut hash, name.as_str().as_bytes());
-        for value in headers.get_all(name) {
-            hash_field(&mut hash, value.as_bytes());
-        }
+        hash_header(&mut hash, name, headers);
     }
     hash
 }
 
-/// A short name for a record in logs: the first 8 bytes of a SHA-256 over its scope and key, in hex.
-/// Lines about one key can be matched up without the key itself (which may be guessable or carry data)
-/// ever being written.
-pub fn key_hash(scope: &str, key: &str) -> String {
-    let mut hash = Sha256::new();
-    hash_field(&mut hash, scope.as_bytes());
-    hash_field(&mut hash, key.as_bytes());
-    hex::encode(&hash.finalize()[..8])
+fn hash_field(hash: &mut Sha256, bytes: &[u8]) {
+    hash_count(hash, bytes.len());
+    hash.update(bytes);
 }
 
-fn hash_field(hash: &mut Sha256, bytes: &[u8]) {
-    hash.update((bytes.len() as u64).to_be_bytes());
-    hash.update(bytes);
+fn hash_count(hash: &mut Sha256, count: usize) {
+    hash.update((count as u64).to_be_bytes());
 }
 
 #[cfg(test)]
@@ -286,7 +300,7 @@ mod tests {
     }
 
     #[test]
-    fn a_scope_without_a_scope_cookie_is_what_it_always_was() {
+    fn a_scope_hashes_each_scope_header_with_its_count_of_values() {
         let plain = crate::config::RawIdempotency::default().validate().unwrap();
         let headers = with_cookie("session=s");
         assert_ne!(
@@ -295,10 +309,69 @@ mod tests {
         );
         let mut hash = Sha256::new();
         hash_field(&mut hash, b"authorization");
+        hash_count(&mut hash, 1);
         hash_field(&mut hash, b"Bearer app");
         assert_eq!(
             scope("r", &plain, &headers),
             format!("r:{}", hex::encode(hash.finalize()))
+        );
+    }
+
+    /// Headers `x-a` and `x-b` with these values (in order).
+    fn two_headers(a: &[&'static str], b: &[&'static str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in a {
+            headers.append("x-a", HeaderValue::from_static(value));
+        }
+        for value in b {
+            headers.append("x-b", HeaderValue::from_static(value));
+        }
+        headers
+    }
+
+    #[test]
+    fn values_never_pass_from_one_header_to_another() {
+        // Without the count, both hash the fields x-a, a, x-b, c, x-b.
+        let one = two_headers(&["a", "x-b", "c"], &[]);
+        let other = two_headers(&["a"], &["c", "x-b"]);
+        let policy = crate::config::RawIdempotency {
+            scope_headers: vec!["x-a".into(), "x-b".into()],
+            fingerprint_headers: vec!["x-a".into(), "x-b".into()],
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        assert_ne!(scope("r", &policy, &one), scope("r", &policy, &other));
+        let uri: Uri = "/pay".parse().unwrap();
+        let mut scratch = Scratch::unbounded();
+        let mut fp = |headers| fingerprint(&policy, &Method::POST, &uri, headers, b"", &mut scratch).unwrap();
+        let (a, b) = (fp(&one), fp(&other));
+        assert_ne!(a, b);
+        assert_ne!(
+            scope("r", &policy, &two_headers(&["a", "b"], &[])),
+            scope("r", &policy, &two_headers(&["a"], &["b"]))
+        );
+        assert_eq!(
+            scope("r", &policy, &two_headers(&["a", "b"], &["c"])),
+            scope("r", &policy, &two_headers(&["a", "b"], &["c"]))
+        );
+    }
+
+    #[test]
+    fn a_scope_cookie_sent_twice_counts_as_its_set_of_values() {
+        let policy = cookie_policy();
+        let one = with_cookie("session=a; theme=dark; session=b");
+        let reordered = with_cookie("session=b; session=a");
+        let repeated = with_cookie("session=a; session=b; session=a");
+        assert_eq!(scope("r", &policy, &one), scope("r", &policy, &reordered));
+        assert_eq!(scope("r", &policy, &one), scope("r", &policy, &repeated));
+        assert_ne!(
+            scope("r", &policy, &one),
+            scope("r", &policy, &with_cookie("session=a"))
+        );
+        assert_ne!(
+            scope("r", &policy, &one),
+            scope("r", &policy, &with_cookie("session=b"))
         );
     }
 
@@ -352,7 +425,16 @@ mod tests {
 
     fn json_fingerprint(policy: &IdempotencyConfig, body: &str) -> [u8; 32] {
         let uri: Uri = "/pay".parse().unwrap();
-        fingerprint(policy, &Method::POST, &uri, &HeaderMap::new(), body.as_bytes())
+        let mut scratch = Scratch::unbounded();
+        fingerprint(
+            policy,
+            &Method::POST,
+            &uri,
+            &HeaderMap::new(),
+            body.as_bytes(),
+            &mut scratch,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -391,36 +473,61 @@ mod tests {
     }
 
     #[test]
-    fn the_bytes_fingerprint_is_what_it_always_was() {
+    fn the_bytes_fingerprint_frames_every_field() {
         let policy = crate::config::RawIdempotency::default().validate().unwrap();
         let uri: Uri = "/pay?x=1".parse().unwrap();
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         let mut hash = Sha256::new();
-        for field in [
-            &b"POST"[..],
-            b"/pay?x=1",
-            b"content-type",
-            b"application/json",
-            b"{}",
-        ] {
+        for field in [&b"POST"[..], b"/pay?x=1", b"content-type"] {
+            hash_field(&mut hash, field);
+        }
+        hash_count(&mut hash, 1);
+        for field in [&b"application/json"[..], b"{}"] {
             hash_field(&mut hash, field);
         }
         let expected: [u8; 32] = hash.finalize().into();
+        let mut scratch = Scratch::unbounded();
         assert_eq!(
-            fingerprint(&policy, &Method::POST, &uri, &headers, b"{}"),
+            fingerprint(&policy, &Method::POST, &uri, &headers, b"{}", &mut scratch).unwrap(),
             expected
         );
     }
 
     #[test]
-    fn key_hash_is_short_stable_and_separates_scope_from_key() {
-        let hash = key_hash("default:aa", "order-1");
-        assert_eq!(hash.len(), 16);
-        assert!(hash.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_eq!(hash, key_hash("default:aa", "order-1"));
-        assert_ne!(hash, key_hash("default:ab", "order-1"));
-        assert_ne!(key_hash("a", "bc"), key_hash("ab", "c"));
+    fn a_json_fingerprint_counts_a_body_with_a_repeated_name_by_its_bytes() {
+        let policy = json_policy(&[]);
+        assert_eq!(
+            json_fingerprint(&policy, r#"{"a":1,"a":2}"#),
+            json_fingerprint(&policy, r#"{"a":1,"a":2}"#)
+        );
+        assert_ne!(
+            json_fingerprint(&policy, r#"{"a":1,"a":2}"#),
+            json_fingerprint(&policy, r#"{"a":2,"a":1}"#),
+            "not reordered as JSON: counted byte for byte"
+        );
+    }
+
+    #[test]
+    fn a_json_fingerprint_the_budget_cannot_supply_is_503_busy() {
+        let policy = json_policy(&[]);
+        let members: Vec<String> = (0..1000).map(|i| format!(r#""m{i}":{i}"#)).collect();
+        let body = format!("{{{}}}", members.join(","));
+        let uri: Uri = "/pay".parse().unwrap();
+        let mut refuse = |_: usize| false;
+        let mut scratch = Scratch::within(&mut refuse);
+        let result = fingerprint(
+            &policy,
+            &Method::POST,
+            &uri,
+            &HeaderMap::new(),
+            body.as_bytes(),
+            &mut scratch,
+        );
+        assert!(
+            matches!(result, Err(ProxyError::Busy(Busy::Parsing))),
+            "{result:?}"
+        );
     }
 
     #[test]

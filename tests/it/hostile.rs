@@ -520,3 +520,135 @@ async fn keyed_bodies_beyond_max_buffered_bodies_wait_then_get_503() {
     assert_eq!(reply.status, 201, "{}", reply.text());
     assert_eq!(env.upstream.executions(), 1);
 }
+
+/// A route keyed by a JSON field of the body, beside the default policy with JSON fingerprints; bodies
+/// up to 9 MiB, and a body budget of `budget`.
+async fn json_proxy(env: &TestEnv, budget: &str) -> InProcessProxy {
+    let config = env
+        .config()
+        .set("server.max_buffered_bodies", budget)
+        .set("idempotency.max_request_body", "9MiB")
+        .set("idempotency.fingerprint_body", "json")
+        .with_toml(
+            r#"
+[[routes]]
+name = "events"
+path = "/events"
+key = "json:/id"
+required = true
+unscoped = "shared"
+scope_headers = []
+fingerprint_body = "json"
+max_request_body = "9MiB"
+"#,
+        );
+    InProcessProxy::start(&config).await
+}
+
+/// About `bytes` of small JSON objects in one array, each `{"id":N,"n":"x"}` (or with its members the
+/// other way round, the same length), then the body's own `"id"`.
+fn small_objects(bytes: usize, reversed: bool) -> String {
+    let mut body = String::from("{\"items\":[");
+    let mut i = 0;
+    while body.len() < bytes {
+        if i > 0 {
+            body.push(',');
+        }
+        match reversed {
+            false => body.push_str(&format!("{{\"id\":{i},\"n\":\"x\"}}")),
+            true => body.push_str(&format!("{{\"n\":\"x\",\"id\":{i}}}")),
+        }
+        i += 1;
+    }
+    body.push_str("],\"id\":\"evt-8mib\"}");
+    body
+}
+
+#[tokio::test]
+async fn an_8_mib_json_body_of_small_objects_is_read_within_the_body_budget() {
+    let env = TestEnv::new().await;
+    // Room for the body and little more: the JSON is read in kilobytes, not in a tree of hundreds of
+    // megabytes.
+    let proxy = json_proxy(&env, "9MiB").await;
+    let body = small_objects(8 << 20, false);
+    let reordered = small_objects(8 << 20, true);
+    assert_eq!(body.len(), reordered.len());
+
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "big-1", &body)).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let retry = Reply::of(keyed_post(&proxy.url, "/orders", "big-1", &reordered)).await;
+    assert!(
+        retry.is_replay(),
+        "the same JSON, members reordered: {}",
+        retry.text()
+    );
+    assert_eq!(env.upstream.executions(), 1);
+
+    let event = || {
+        crate::support::http::client()
+            .post(format!("{}/events", proxy.url))
+            .header("content-type", "application/json")
+            .body(body.clone())
+    };
+    let delivered = Reply::of(event()).await;
+    assert_eq!(delivered.status, 201, "{}", delivered.text());
+    assert!(
+        Reply::of(event()).await.is_replay(),
+        "keyed by the id after 8 MiB of items"
+    );
+    assert_eq!(env.upstream.executions(), 2);
+    let seen = env.upstream.requests();
+    assert_eq!(seen[1].body.len(), body.len(), "the app got the body whole");
+}
+
+#[tokio::test]
+async fn a_json_body_whose_objects_need_more_than_the_budget_has_gets_503_and_runs_nothing() {
+    let env = TestEnv::new().await;
+    let proxy = json_proxy(&env, "9MiB").await;
+    // 600,000 members in one object (8 MiB): ordering them takes about 30 MB, more than the budget.
+    let members: Vec<String> = (0..600_000).map(|i| format!("\"m{i:07}\":1")).collect();
+    let wide = format!("{{{}}}", members.join(","));
+    assert!(wide.len() < 9 << 20);
+    let refused = Reply::of(keyed_post(&proxy.url, "/orders", "wide", &wide)).await;
+    refused.assert_problem(503, "busy");
+    let detail = refused.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("JSON"), "{detail}");
+    assert_eq!(env.upstream.executions(), 0);
+
+    // Its reservation went back with the answer: the same key, a small body, executes.
+    let reply = Reply::of(keyed_post(&proxy.url, "/orders", "wide", r#"{"m":1}"#)).await;
+    assert_eq!(reply.status, 201, "{}", reply.text());
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+#[tokio::test]
+async fn hostile_json_nesting_is_counted_by_its_bytes_and_holds_no_key() {
+    let env = TestEnv::new().await;
+    let proxy = json_proxy(&env, "32MiB").await;
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "deep", &deep)).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(
+        Reply::of(keyed_post(&proxy.url, "/orders", "deep", &deep))
+            .await
+            .is_replay()
+    );
+    let spaced = format!("{} ", deep);
+    Reply::of(keyed_post(&proxy.url, "/orders", "deep", &spaced))
+        .await
+        .assert_problem(422, "key-reused");
+
+    let deep_id = format!("{}\"x\"{}", "{\"id\":".repeat(100_000), "}".repeat(100_000));
+    for body in [
+        deep.as_str(),
+        &deep_id,
+        "{\"id\":\"e1\"",
+        "\u{feff}{\"id\":\"e1\"}",
+    ] {
+        let request = crate::support::http::client()
+            .post(format!("{}/events", proxy.url))
+            .body(body.to_owned());
+        Reply::of(request).await.assert_problem(400, "missing-key");
+    }
+    assert_eq!(env.upstream.executions(), 1);
+}

@@ -2,11 +2,15 @@
 //! delivery id (GitHub, Standard Webhooks), a JSON field of the body (Stripe), a CloudEvent's source and
 //! id in each mode, a template; a JSON body fingerprinted by its meaning; a scope taken from a session
 //! cookie. Each test is a client of the real proxy, with `[[routes]]` as an operator would write them, on
-//! both stores; the stub upstream's execution count proves what ran.
+//! both stores; the stub upstream's execution count proves what ran. Some attack the key itself: ids
+//! that differ only past a float's precision, template parts that would run together, a JSON member
+//! named twice, a cookie sent twice, a body-keyed request without a scope that never sends its body.
 
 use rstest::rstest;
+use tokio::io::AsyncWriteExt;
 
 use crate::support::http::client;
+use crate::support::raw::{self, addr_of};
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv};
 
 /// The routes every test here runs under; each test uses the ones it names.
@@ -69,6 +73,27 @@ path = "/optional"
 key = "json:/id"
 unscoped = "shared"
 scope_headers = []
+
+[[routes]]
+name = "tenant-ops"
+path = "/tenant-ops"
+key = "template:{header:x-tenant}{header:x-op}"
+required = true
+unscoped = "shared"
+scope_headers = []
+
+[[routes]]
+name = "orders-optional"
+path = "/orders-optional"
+key = "json:/order_id"
+scope_headers = ["x-api-key"]
+
+[[routes]]
+name = "orders-required"
+path = "/orders-required"
+key = "json:/order_id"
+required = true
+scope_headers = ["x-api-key"]
 "#;
 
 async fn start(env: &TestEnv) -> InProcessProxy {
@@ -423,4 +448,152 @@ async fn keys_a_body_without_the_key_passes_through_unprotected_when_keys_are_op
     assert!(!Reply::of(post(&proxy, "/optional").body(keyed)).await.is_replay());
     assert!(Reply::of(post(&proxy, "/optional").body(keyed)).await.is_replay());
     assert_eq!(env.upstream.executions(), 7);
+}
+
+#[rstest]
+#[tokio::test]
+async fn keys_two_24_digit_ids_are_two_keys_and_two_executions(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = start(&env).await;
+    // One f64 holds both (1.2345678901234568e23): read as a float, they were one key.
+    let first = r#"{"id":123456789012345678901234,"type":"charge.succeeded"}"#;
+    let second = r#"{"id":123456789012345678901235,"type":"charge.succeeded"}"#;
+    for body in [first, second] {
+        let reply = Reply::of(stripe_event(&proxy, body)).await;
+        assert_eq!(reply.status, 201, "{body}: {}", reply.text());
+        assert!(!reply.is_replay(), "{body}");
+    }
+    assert_eq!(env.upstream.executions(), 2);
+    assert!(Reply::of(stripe_event(&proxy, first)).await.is_replay());
+    let as_text = r#"{"id":"123456789012345678901234","type":"charge.succeeded"}"#;
+    let reply = Reply::of(stripe_event(&proxy, as_text)).await;
+    reply.assert_problem(422, "key-reused");
+    assert_eq!(
+        env.upstream.executions(),
+        2,
+        "the id's text is the key, the body another request"
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn keys_template_parts_that_would_run_together_are_two_keys(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = start(&env).await;
+    let op = |tenant: &str, op: &str| {
+        post(&proxy, "/tenant-ops")
+            .header("x-tenant", tenant)
+            .header("x-op", op)
+            .body(format!("{tenant}|{op}"))
+    };
+    let first = Reply::of(op("ac", "me1")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let second = Reply::of(op("acme", "1")).await;
+    assert_eq!(second.status, 201, "{}", second.text());
+    assert!(
+        !second.is_replay(),
+        "tenant acme's op 1 is not tenant ac's op me1"
+    );
+    assert_eq!(env.upstream.executions(), 2);
+    let bodies: Vec<_> = env.upstream.requests().iter().map(|r| r.body.clone()).collect();
+    assert_eq!(bodies, [&b"ac|me1"[..], b"acme|1"]);
+    let retry = Reply::of(op("acme", "1")).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, second.body);
+    assert_eq!(env.upstream.executions(), 2);
+}
+
+#[rstest]
+#[tokio::test]
+async fn keys_a_json_key_named_twice_in_its_object_is_refused_naming_the_pointer(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = start(&env).await;
+    // One parser reads evt_1, another evt_2: which delivery this is depends on who reads it.
+    for body in [
+        r#"{"id":"evt_1","type":"charge.succeeded","id":"evt_2"}"#,
+        r#"{"id":"evt_1","\u0069d":"evt_1"}"#,
+    ] {
+        let refused = Reply::of(stripe_event(&proxy, body)).await;
+        refused.assert_problem(400, "invalid-key");
+        let detail = refused.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("/id") && detail.contains("twice"), "{detail}");
+    }
+    assert_eq!(env.upstream.executions(), 0);
+    let other_objects = r#"{"id":"evt_3","data":{"id":"a"},"items":[{"id":1},{"id":2}]}"#;
+    assert_eq!(Reply::of(stripe_event(&proxy, other_objects)).await.status, 201);
+}
+
+#[rstest]
+#[tokio::test]
+async fn keys_a_scope_cookie_sent_twice_keeps_its_scope_in_either_order(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let proxy = start(&env).await;
+    let first = Reply::of(checkout(
+        &proxy,
+        Some("session=app-7f3a; theme=dark; session=dom-91c2"),
+    ))
+    .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let retry = Reply::of(checkout(&proxy, Some("session=dom-91c2; session=app-7f3a"))).await;
+    assert!(
+        retry.is_replay(),
+        "the same two cookies in another order: {}",
+        retry.text()
+    );
+    assert_eq!(retry.body, first.body);
+    let one_of_them = Reply::of(checkout(&proxy, Some("session=app-7f3a"))).await;
+    assert!(!one_of_them.is_replay(), "one of the two is another scope");
+    assert_eq!(env.upstream.executions(), 2);
+}
+
+#[rstest]
+#[tokio::test]
+async fn keys_a_body_keyed_request_without_a_scope_is_refused_before_its_body_is_sent(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let env = TestEnv::on(backend).await;
+    let config = env
+        .config()
+        .with_toml(ROUTES)
+        .set("server.body_read_timeout", "60s");
+    let proxy = InProcessProxy::start(&config).await;
+    for path in ["/orders-optional", "/orders-required"] {
+        // The head promises a body that never comes: a proxy that read it first would answer 408 only
+        // after body_read_timeout, long past the reply's bound.
+        let mut stream = raw::connect(&proxy.url).await;
+        let head = raw::head(
+            &format!("POST {path}"),
+            addr_of(&proxy.url),
+            &["content-type: application/json", "content-length: 100000"],
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let reply = raw::read_reply(&mut stream).await;
+        reply.assert_problem(400, "missing-scope");
+        let problem: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+        assert!(
+            problem["detail"].as_str().unwrap().contains("x-api-key"),
+            "{problem}"
+        );
+    }
+    assert_eq!(env.upstream.executions(), 0);
+
+    let order = |path: &str| {
+        post(&proxy, path)
+            .header("x-api-key", "shop-1")
+            .header("content-type", "application/json")
+            .body(r#"{"order_id":"o-1"}"#)
+    };
+    for path in ["/orders-optional", "/orders-required"] {
+        assert!(!Reply::of(order(path)).await.is_replay());
+        assert!(Reply::of(order(path)).await.is_replay(), "{path}");
+    }
+    assert_eq!(env.upstream.executions(), 2);
 }

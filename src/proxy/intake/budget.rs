@@ -2,8 +2,10 @@
 //! upstream: one budget of bytes, `server.max_buffered_bodies`, shared by every such body in the process.
 //! Each body reserves its declared length (or `max_request_body` when the length is not declared) in one
 //! piece before a byte is read, so no body holds part of the budget while waiting for more; what a body of
-//! undeclared length did not use is returned once it has been read. A flood of large bodies waits, then
-//! gets 503 — it never costs more memory than the budget.
+//! undeclared length did not use is returned once it has been read. Reading a body as JSON takes its
+//! working memory from the budget too, growing the body's reservation while the parse runs, without
+//! waiting (a body held while waiting for more would hold the budget against others). A flood of large
+//! bodies waits, then gets 503 — it never costs more memory than the budget.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -27,6 +29,7 @@ pub struct BodyBudget {
 
 /// Bytes of the budget held by one body; returned when dropped.
 pub struct Reservation {
+    free: Arc<Semaphore>,
     held: Option<OwnedSemaphorePermit>,
 }
 
@@ -43,7 +46,10 @@ impl BodyBudget {
     /// stays spent that long.
     pub async fn reserve(&self, bytes: usize, patience: Duration) -> Option<Reservation> {
         if bytes == 0 {
-            return Some(Reservation { held: None });
+            return Some(Reservation {
+                free: self.free.clone(),
+                held: None,
+            });
         }
         let bytes = u32::try_from(bytes).ok()?;
         let permit = match self.free.clone().try_acquire_many_owned(bytes) {
@@ -54,11 +60,34 @@ impl BodyBudget {
                 tokio::time::timeout(patience, waiting).await.ok()?.ok()?
             }
         };
-        Some(Reservation { held: Some(permit) })
+        Some(Reservation {
+            free: self.free.clone(),
+            held: Some(permit),
+        })
     }
 }
 
 impl Reservation {
+    /// Takes `bytes` more from the budget if they are free now; `false` (and nothing taken) if not.
+    pub fn try_grow(&mut self, bytes: usize) -> bool {
+        let Ok(bytes) = u32::try_from(bytes) else {
+            return false;
+        };
+        let Ok(more) = self.free.clone().try_acquire_many_owned(bytes) else {
+            return false;
+        };
+        match &mut self.held {
+            Some(held) => held.merge(more),
+            None => self.held = Some(more),
+        }
+        true
+    }
+
+    /// The bytes it holds.
+    pub fn held(&self) -> usize {
+        self.held.as_ref().map_or(0, OwnedSemaphorePermit::num_permits)
+    }
+
     /// Returns everything beyond `bytes` to the budget.
     pub fn shrink_to(&mut self, bytes: usize) {
         if let Some(held) = &mut self.held
@@ -81,6 +110,17 @@ impl ReservedBody {
     /// Bytes and the reservation that pays for them.
     pub fn new(bytes: Bytes, reservation: Reservation) -> ReservedBody {
         ReservedBody { bytes, reservation }
+    }
+
+    /// Runs `work` on the bytes, giving it a way to grow the reservation for working memory (`true`
+    /// when the budget had the bytes free); what it grew by goes back to the budget when it returns.
+    pub fn working<R>(&mut self, work: impl FnOnce(&[u8], &mut dyn FnMut(usize) -> bool) -> R) -> R {
+        let reservation = &mut self.reservation;
+        let held = reservation.held();
+        let mut grow = |bytes| reservation.try_grow(bytes);
+        let result = work(&self.bytes, &mut grow);
+        self.reservation.shrink_to(held);
+        result
     }
 
     /// The body for the upstream request; the reservation goes with it.
@@ -146,6 +186,26 @@ mod tests {
         );
         drop(body);
         assert!(second.await.unwrap(), "room once the first body is gone");
+    }
+
+    #[tokio::test]
+    async fn working_memory_grows_the_reservation_while_free_and_goes_back_after() {
+        let budget = BodyBudget::new(100, Metrics::new());
+        let reservation = budget.reserve(40, PATIENCE).await.unwrap();
+        let mut body = ReservedBody::new(Bytes::from(vec![0; 40]), reservation);
+        let (first, second) = body.working(|bytes, grow| {
+            assert_eq!(bytes.len(), 40);
+            (grow(50), grow(20))
+        });
+        assert!(first, "50 of the 60 left are free");
+        assert!(!second, "20 more are not: refused at once, not waited for");
+        assert!(budget.reserve(60, Duration::from_millis(10)).await.is_some());
+        drop(body);
+        assert!(budget.reserve(100, Duration::from_millis(10)).await.is_some());
+
+        let mut empty = ReservedBody::new(Bytes::new(), budget.reserve(0, PATIENCE).await.unwrap());
+        assert!(empty.working(|_, grow| grow(100)));
+        assert!(budget.reserve(100, Duration::from_millis(10)).await.is_some());
     }
 
     #[tokio::test]

@@ -13,8 +13,8 @@
 use http::HeaderMap;
 use http::header::CONTENT_TYPE;
 use percent_encoding::{AsciiSet, CONTROLS, percent_decode_str, utf8_percent_encode};
-use serde_json::Value;
 
+use super::pointer::{Findings, Found};
 use crate::error::ProxyError;
 
 /// The media type of a structured-mode event.
@@ -26,11 +26,20 @@ const BATCH: &str = "application/cloudevents-batch+json";
 /// ASCII is always encoded.
 const KEY_UNSAFE: &AsciiSet = &CONTROLS.add(b' ').add(b'"').add(b'%');
 
-/// The CloudEvent's key, or `None` when the request carries no CloudEvent. `json` gives the body as
-/// JSON (`None` when it is not); it is only asked for in structured mode.
+/// The pointers a structured-mode event is read at: the whole body (an object), its `source` and `id`.
+pub const POINTERS: [&str; 3] = ["", "/source", "/id"];
+
+/// Whether the body is to be read for the event: the request is in structured mode (the key is then
+/// read from [`POINTERS`]).
+pub fn reads_body(headers: &HeaderMap) -> bool {
+    media_type(headers).as_deref() == Some(STRUCTURED)
+}
+
+/// The CloudEvent's key, or `None` when the request carries no CloudEvent. `json` gives what the body
+/// holds at [`POINTERS`] (`None` when it is not JSON); it is only asked for in structured mode.
 pub fn key<'a>(
     headers: &HeaderMap,
-    json: impl FnOnce() -> Option<&'a Value>,
+    json: impl FnOnce() -> Option<&'a Findings>,
 ) -> Result<Option<String>, ProxyError> {
     let media_type = media_type(headers);
     if media_type.as_deref() == Some(BATCH) {
@@ -101,19 +110,22 @@ fn header(headers: &HeaderMap, name: &str) -> Result<Option<String>, ProxyError>
 }
 
 /// The structured-mode event: the body's `source` and `id`.
-fn structured(json: Option<&Value>) -> Result<Event, ProxyError> {
-    let Some(Value::Object(event)) = json else {
+fn structured(json: Option<&Findings>) -> Result<Event, ProxyError> {
+    let Some(event) = json.filter(|json| json.get("") == &Found::Other("an object")) else {
         return Err(invalid(
             "the application/cloudevents+json body is not a JSON object",
         ));
     };
-    let field = |name: &str| match event.get(name) {
-        None => Err(invalid(&format!("the CloudEvent has no {name}"))),
-        Some(Value::String(text)) if text.is_empty() => {
-            Err(invalid(&format!("the CloudEvent's {name} is empty")))
+    let field = |name: &str| match event.get(&format!("/{name}")) {
+        Found::Absent => Err(invalid(&format!("the CloudEvent has no {name}"))),
+        Found::String(text) if text.is_empty() => Err(invalid(&format!("the CloudEvent's {name} is empty"))),
+        Found::String(text) => Ok(text.clone()),
+        Found::Repeated => Err(invalid(&format!(
+            "the CloudEvent names its {name} twice; which one counts is ambiguous"
+        ))),
+        Found::Number(_) | Found::Other(_) => {
+            Err(invalid(&format!("the CloudEvent's {name} is not a string")))
         }
-        Some(Value::String(text)) => Ok(text.clone()),
-        Some(_) => Err(invalid(&format!("the CloudEvent's {name} is not a string"))),
     };
     Ok(Event {
         source: field("source")?,
@@ -143,7 +155,13 @@ mod tests {
     }
 
     fn read(pairs: &[(&str, &str)], body: &str) -> Result<Option<String>, ProxyError> {
-        let json: Option<Value> = serde_json::from_str(body).ok();
+        let pointers = POINTERS.map(String::from).to_vec();
+        let json = super::super::pointer::find(
+            body.as_bytes(),
+            pointers,
+            &mut super::super::json::Scratch::unbounded(),
+        )
+        .unwrap();
         key(&headers(pairs), || json.as_ref())
     }
 
@@ -246,6 +264,12 @@ mod tests {
             (r#"{"id":"1"}"#, "has no source"),
             (r#"{"source":"/s","id":1}"#, "id is not a string"),
             (r#"{"source":"","id":"1"}"#, "source is empty"),
+            (r#"{"source":"/s","id":"1","id":"2"}"#, "names its id twice"),
+            (
+                r#"{"source":"/s","source":"/t","id":"1"}"#,
+                "names its source twice",
+            ),
+            (r#"{"source":"/s","id":"1"} x"#, "not a JSON object"),
         ] {
             let why = invalid_because(read(&structured, body));
             assert!(why.contains(says), "{body}: {why}");

@@ -1,14 +1,18 @@
 //! Runs while a keyed request's scope is derived, on routes with `scope_cookie`: finds the named
 //! cookie's values in the request's `Cookie` headers (HTTP/2 clients may split them over several), with
-//! the `cookie` crate's parser. Pure functions of the headers; the values go into the scope's hash only.
+//! the `cookie` crate's parser. A cookie sent more than once (a browser holds one per domain or path
+//! that set it, and orders them by path length and age, which a retry need not repeat) is read as the
+//! set of its values, so the same cookies in another order are the same scope. Pure functions of the
+//! headers; the values go into the scope's hash only.
 
 use http::HeaderMap;
 use http::header::COOKIE;
 
-/// The values of every cookie called `name`, in the order sent, with a surrounding pair of double quotes
-/// removed. Pieces that do not parse as `name=value`, and header lines that are not UTF-8, are skipped.
+/// The distinct values of the cookies called `name`, in byte order, each with a surrounding pair of
+/// double quotes removed. Pieces that do not parse as `name=value`, and header lines that are not UTF-8,
+/// are skipped.
 pub fn values(headers: &HeaderMap, name: &str) -> Vec<String> {
-    headers
+    let mut values: Vec<String> = headers
         .get_all(COOKIE)
         .iter()
         .filter_map(|line| std::str::from_utf8(line.as_bytes()).ok())
@@ -16,7 +20,10 @@ pub fn values(headers: &HeaderMap, name: &str) -> Vec<String> {
         .filter_map(Result::ok)
         .filter(|cookie| cookie.name() == name)
         .map(|cookie| cookie.value_trimmed().to_owned())
-        .collect()
+        .collect();
+    values.sort_unstable();
+    values.dedup();
+    values
 }
 
 #[cfg(test)]
@@ -48,9 +55,11 @@ mod tests {
     }
 
     #[test]
-    fn every_value_of_a_repeated_cookie_counts_in_order() {
-        let headers = cookies(&[b"session=a; session=b"]);
+    fn a_repeated_cookie_is_the_set_of_its_values() {
+        let headers = cookies(&[b"session=b; session=a"]);
         assert_eq!(values(&headers, "session"), ["a", "b"]);
+        let across_lines = cookies(&[b"session=a", b"lang=en; session=\"b\"; session=a"]);
+        assert_eq!(values(&across_lines, "session"), ["a", "b"]);
     }
 
     #[test]

@@ -1,20 +1,19 @@
 //! Reads a request's idempotency key from its route's key source: a header (the `Idempotency-Key`
 //! form: an sf-string or a bare token), a CloudEvent's source and id (`key/cloudevents.rs`), a JSON
-//! pointer into the body, or a template joining such parts. [`from_head`] serves the sources found in the
-//! head, before the body is read; [`from_body`] the rest, once it has been. Every key, whatever its
-//! source, is 1 to `max_key_length` visible ASCII characters or a 400 `invalid-key`. Pure functions of
-//! the request; the body is parsed as JSON at most once, and only when a source asks for it.
-
-use std::cell::OnceCell;
+//! pointer into the body (`key/pointer.rs`), or a template joining such parts, each part taken from the
+//! request written as its length, `:` and itself. [`from_head`] serves the sources found in the head,
+//! before the body is read; [`from_body`] the rest, once it has been. Every key, whatever its source, is
+//! 1 to `max_key_length` visible ASCII characters or a 400 `invalid-key`. Pure functions of the request;
+//! the body is read as JSON at most once, by streaming, and only when a source asks for it.
 
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Uri};
-use serde_json::Value;
 
-use super::cloudevents;
-use super::{check_key, parse_key};
+use super::json::Scratch;
+use super::pointer::{self, Findings, Found};
+use super::{check_key, cloudevents, parse_key};
 use crate::config::{IdempotencyConfig, KeyPart, KeySource};
-use crate::error::ProxyError;
+use crate::error::{Busy, ProxyError};
 
 /// The key of a request whose source is in its head (`KeySource::needs_body` is false). `Ok(None)`
 /// when the request carries none.
@@ -25,17 +24,56 @@ pub fn from_head(
     headers: &HeaderMap,
 ) -> Result<Option<String>, ProxyError> {
     debug_assert!(!policy.key.needs_body(), "{} needs the body", policy.key);
-    Request::new(method, uri, headers, &[]).key(policy)
+    Request {
+        method,
+        uri,
+        headers,
+        json: None,
+    }
+    .key(policy)
 }
 
-/// The key of a request whose source needs its body. `Ok(None)` when the request carries none: the
-/// body is not JSON, or holds nothing at the pointer, or no CloudEvent.
+/// The key of a request whose source needs its body, read within `scratch` (503 `busy` when the budget
+/// cannot supply it). `Ok(None)` when the request carries none: the body is not JSON, or holds nothing
+/// at the pointer, or no CloudEvent.
 pub fn from_body(
     policy: &IdempotencyConfig,
     parts: &Parts,
     body: &[u8],
+    scratch: &mut Scratch<'_>,
 ) -> Result<Option<String>, ProxyError> {
-    Request::new(&parts.method, &parts.uri, &parts.headers, body).key(policy)
+    let pointers = pointers(&policy.key, &parts.headers);
+    let json = if pointers.is_empty() {
+        None
+    } else {
+        pointer::find(body, pointers, scratch).map_err(|_| ProxyError::Busy(Busy::Parsing))?
+    };
+    Request {
+        method: &parts.method,
+        uri: &parts.uri,
+        headers: &parts.headers,
+        json: json.as_ref(),
+    }
+    .key(policy)
+}
+
+/// The pointers a source reads the body at: its `json:` pointers, and a structured CloudEvent's.
+fn pointers(source: &KeySource, headers: &HeaderMap) -> Vec<String> {
+    let mut pointers = Vec::new();
+    let mut add = |part: &KeyPart| match part {
+        KeyPart::Json(pointer) => pointers.push(pointer.clone()),
+        KeyPart::CloudEvents if cloudevents::reads_body(headers) => {
+            pointers.extend(cloudevents::POINTERS.map(String::from));
+        }
+        _ => {}
+    };
+    match source {
+        KeySource::Header(_) => {}
+        KeySource::CloudEvents => add(&KeyPart::CloudEvents),
+        KeySource::Json(pointer) => add(&KeyPart::Json(pointer.clone())),
+        KeySource::Template(parts) => parts.iter().for_each(add),
+    }
+    pointers
 }
 
 /// What a request on this source must carry, for the 400 `missing-key` detail.
@@ -89,34 +127,16 @@ fn join_and(items: &[String]) -> String {
     }
 }
 
-/// The request as the key sources see it; its body is parsed as JSON on first use.
+/// The request as the key sources see it: its head, and what its body holds at the source's pointers
+/// (`None` when the body is not JSON, or was not read).
 struct Request<'a> {
     method: &'a Method,
     uri: &'a Uri,
     headers: &'a HeaderMap,
-    body: &'a [u8],
-    json: OnceCell<Option<Value>>,
+    json: Option<&'a Findings>,
 }
 
-impl<'a> Request<'a> {
-    fn new(method: &'a Method, uri: &'a Uri, headers: &'a HeaderMap, body: &'a [u8]) -> Request<'a> {
-        Request {
-            method,
-            uri,
-            headers,
-            body,
-            json: OnceCell::new(),
-        }
-    }
-
-    /// The body as JSON; `None` when it does not parse (hostile nesting included: serde_json stops at
-    /// 128 levels).
-    fn json(&self) -> Option<&Value> {
-        self.json
-            .get_or_init(|| serde_json::from_slice(self.body).ok())
-            .as_ref()
-    }
-
+impl Request<'_> {
     fn key(&self, policy: &IdempotencyConfig) -> Result<Option<String>, ProxyError> {
         let max_len = policy.max_key_length;
         let key = match &policy.key {
@@ -133,25 +153,31 @@ impl<'a> Request<'a> {
     }
 
     fn cloudevent(&self) -> Result<Option<String>, ProxyError> {
-        cloudevents::key(self.headers, || self.json())
+        cloudevents::key(self.headers, || self.json)
     }
 
-    /// The value at `pointer` in a JSON body: a string as it is, a number as its JSON text.
+    /// The value at `pointer` in a JSON body: a string as it is (escapes decoded), a number as its exact
+    /// text.
     fn json_field(&self, pointer: &str) -> Result<Option<String>, ProxyError> {
-        let Some(value) = self.json().and_then(|json| json.pointer(pointer)) else {
+        let Some(json) = self.json else {
             return Ok(None);
         };
-        match value {
-            Value::String(text) => Ok(Some(text.clone())),
-            Value::Number(number) => Ok(Some(number.to_string())),
-            other => Err(ProxyError::InvalidKey(format!(
-                "the JSON field {pointer} is {}; a key must be a string or a number",
-                json_type(other)
+        match json.get(pointer) {
+            Found::Absent => Ok(None),
+            Found::String(text) | Found::Number(text) => Ok(Some(text.clone())),
+            Found::Other(kind) => Err(ProxyError::InvalidKey(format!(
+                "the JSON field {pointer} is {kind}; a key must be a string or a number"
+            ))),
+            Found::Repeated => Err(ProxyError::InvalidKey(format!(
+                "the body names the JSON field {pointer} twice in one object; which one counts is \
+                 ambiguous"
             ))),
         }
     }
 
-    /// The template's parts joined; `None` as soon as one is missing.
+    /// The template's parts joined, each part taken from the request written as `<length>:<value>`
+    /// (literal text as written), so no two sets of values make one key; `None` as soon as one is
+    /// missing.
     fn template(&self, parts: &[KeyPart], max_len: usize) -> Result<Option<String>, ProxyError> {
         let mut key = String::new();
         for part in parts {
@@ -162,6 +188,9 @@ impl<'a> Request<'a> {
                 return Err(ProxyError::InvalidKey(format!(
                     "the key part {part} holds characters other than visible ASCII"
                 )));
+            }
+            if !matches!(part, KeyPart::Literal(_)) {
+                key.push_str(&format!("{}:", value.len()));
             }
             key.push_str(&value);
         }
@@ -180,17 +209,6 @@ impl<'a> Request<'a> {
             KeyPart::Json(pointer) => self.json_field(pointer),
             KeyPart::CloudEvents => self.cloudevent(),
         }
-    }
-}
-
-fn json_type(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 
@@ -224,6 +242,7 @@ mod tests {
             &policy(source),
             &parts("/hooks/pay?x=1", headers),
             body.as_bytes(),
+            &mut Scratch::unbounded(),
         )
     }
 
@@ -267,6 +286,44 @@ mod tests {
             key("json:/a~1b/0", &[], r#"{"a/b":[-1.5]}"#).unwrap().as_deref(),
             Some("-1.5")
         );
+    }
+
+    #[test]
+    fn a_json_number_is_its_exact_text() {
+        let one = key("json:/id", &[], r#"{"id":123456789012345678901234}"#).unwrap();
+        let two = key("json:/id", &[], r#"{"id":123456789012345678901235}"#).unwrap();
+        assert_eq!(one.as_deref(), Some("123456789012345678901234"));
+        assert_ne!(one, two, "two ids one f64 holds as one are two keys");
+        assert_eq!(
+            key("json:/id", &[], r#"{"id":1.0}"#).unwrap().as_deref(),
+            Some("1.0")
+        );
+        assert_eq!(
+            key("json:/id", &[], r#"{"id":1e2}"#).unwrap().as_deref(),
+            Some("1e2")
+        );
+    }
+
+    #[test]
+    fn a_json_field_named_twice_on_its_path_is_an_invalid_key() {
+        for body in [
+            r#"{"id":"a","id":"b"}"#,
+            r#"{"id":"a","id":"a"}"#,
+            r#"{"id":"a","\u0069d":"b"}"#,
+        ] {
+            let why = invalid(key("json:/id", &[], body));
+            assert!(why.contains("/id") && why.contains("twice"), "{body}: {why}");
+        }
+        let why = invalid(key("json:/data/id", &[], r#"{"data":{"id":1},"data":{"id":2}}"#));
+        assert!(why.contains("/data/id"), "{why}");
+        assert_eq!(
+            key("json:/id", &[], r#"{"id":"a","x":{"id":"b"},"y":1,"y":2}"#)
+                .unwrap()
+                .as_deref(),
+            Some("a"),
+            "names repeated off the path do not count"
+        );
+        assert_eq!(key("json:/id", &[], r#"{"id":"a","id":"b"} x"#).unwrap(), None);
     }
 
     #[test]
@@ -315,8 +372,37 @@ mod tests {
         let headers = [("x-hook", "h1")];
         assert_eq!(
             key(source, &headers, r#"{"id":7}"#).unwrap().as_deref(),
-            Some("POST:/hooks/pay:h1/7"),
+            Some("4:POST:10:/hooks/pay:2:h1/1:7"),
             "the path is taken without its query"
+        );
+    }
+
+    #[test]
+    fn template_parts_cannot_run_into_each_other() {
+        let source = "template:{header:x-tenant}{header:x-op}";
+        let read = |tenant: &str, op: &str| {
+            key(source, &[("x-tenant", tenant), ("x-op", op)], "")
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(read("acme", "1"), "4:acme1:1");
+        assert_ne!(read("ac", "me1"), read("acme", "1"));
+        assert_ne!(read("1:a", "b"), read("1", "a:b"));
+        let shopify = "template:{header:X-Shopify-Topic}/{header:X-Shopify-Event-Id}";
+        let read = |topic: &str, id: &str| {
+            key(
+                shopify,
+                &[("x-shopify-topic", topic), ("x-shopify-event-id", id)],
+                "",
+            )
+            .unwrap()
+            .unwrap()
+        };
+        assert_eq!(read("orders/create", "e1"), "13:orders/create/2:e1");
+        assert_ne!(read("orders/create", "e1"), read("orders", "create/e1"));
+        assert_ne!(
+            key("template:{json:/a}{json:/b}", &[], r#"{"a":"12","b":"3"}"#).unwrap(),
+            key("template:{json:/a}{json:/b}", &[], r#"{"a":"1","b":"23"}"#).unwrap()
         );
     }
 
@@ -343,7 +429,7 @@ mod tests {
         let policy = policy("template:{method}{path}-{header:webhook-id}");
         let parts = parts("/p?q", &[("webhook-id", "msg_1")]);
         let key = from_head(&policy, &parts.method, &parts.uri, &parts.headers).unwrap();
-        assert_eq!(key.as_deref(), Some("POST/p-msg_1"));
+        assert_eq!(key.as_deref(), Some("4:POST2:/p-5:msg_1"));
     }
 
     #[test]
