@@ -111,6 +111,11 @@ const COMPLETION_HOLD_EXPIRED: Spec = Spec {
            took longer than the hold.",
 };
 // The store and the upstream.
+const STORE_OPENED: Spec = Spec {
+    name: "idemproxy_store_opened",
+    help: "1 once serve has opened its store (on PostgreSQL with store.migrate: reached and migrated), \
+           0 while it is still trying: keyed requests follow store.on_error until then.",
+};
 const STORE_ERRORS: Spec = Spec {
     name: "idemproxy_store_errors_total",
     help: "Failed store operations by operation.",
@@ -451,6 +456,8 @@ pub struct MetricSet {
     pub wait_listener_connected: IntGauge,
     /// `WAIT_LISTENER_RECONNECTS`: the wait listener's lost or failed connections.
     pub wait_listener_reconnects: IntCounter,
+    /// `STORE_OPENED`: 1 once `serve` has opened its store.
+    pub store_opened: IntGauge,
 }
 
 impl Metrics {
@@ -475,6 +482,7 @@ impl MetricSet {
             waiting: gauge(r, &WAITING),
             wait_listener_connected: gauge(r, &WAIT_LISTENER_CONNECTED),
             wait_listener_reconnects: counter(r, &WAIT_LISTENER_RECONNECTS),
+            store_opened: gauge(r, &STORE_OPENED),
             tls_reloads_ok: tls_reloads.with_label_values(&["ok"]),
             tls_reloads_error: tls_reloads.with_label_values(&["error"]),
             by_outcome: Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()])),
