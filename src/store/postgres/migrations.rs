@@ -36,8 +36,8 @@ pub(crate) enum Unmigrated {
     /// for the whole `lock_timeout`. Trying again later may succeed.
     Unavailable(StoreError),
     /// The server answered and refused (credentials, a missing database, rights, a migration that
-    /// fails or differs from the one applied), or the configuration cannot connect: waiting mends none
-    /// of these.
+    /// fails or differs from the one applied), its TLS certificate is not trusted, or the configuration
+    /// cannot connect: waiting mends none of these.
     Refused(StoreError),
 }
 
@@ -130,13 +130,29 @@ fn failed(error: &(dyn std::error::Error + 'static), lock_wait: Duration) -> Unm
 }
 
 /// `store_error`, reporting `error`, as unavailable or refused by the driver's error in `error`'s chain.
+/// A TLS handshake that failed on the server's certificate (or an alert it sent) is refused: the server
+/// answered, and it is not the one the configuration trusts.
 fn sorted(error: &(dyn std::error::Error + 'static), store_error: StoreError) -> Unmigrated {
-    let cause = std::iter::successors(Some(error), |e| e.source())
-        .find_map(|e| e.downcast_ref::<tokio_postgres::Error>());
+    let chain = || std::iter::successors(Some(error), |e| e.source());
+    let cause = chain().find_map(|e| e.downcast_ref::<tokio_postgres::Error>());
     match cause {
-        Some(cause) if unavailable(cause) => Unmigrated::Unavailable(store_error),
+        Some(cause) if unavailable(cause) && !chain().any(is_tls_failure) => {
+            Unmigrated::Unavailable(store_error)
+        }
         _ => Unmigrated::Refused(store_error),
     }
+}
+
+/// Whether `error` is rustls's, alone or inside an I/O error (whose `source` skips the error it wraps).
+fn is_tls_failure(error: &(dyn std::error::Error + 'static)) -> bool {
+    let inner = error
+        .downcast_ref::<std::io::Error>()
+        .and_then(std::io::Error::get_ref)
+        .map(|inner| inner as &(dyn std::error::Error + 'static));
+    [Some(error), inner]
+        .into_iter()
+        .flatten()
+        .any(|e| e.downcast_ref::<rustls::Error>().is_some())
 }
 
 /// Whether the server could not be had now, rather than answering and refusing: no answer at all (the
