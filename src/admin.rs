@@ -1,6 +1,6 @@
 //! The admin listener's three endpoints: `/metrics` (Prometheus text), `/healthz` (the process runs) and
-//! `/readyz` (the store answers and no shutdown has begun). Reads metrics and pings the store, at most
-//! about once a second however many probes come; never touches the request path.
+//! `/readyz` (the store is open, answers, and no shutdown has begun). Reads metrics and pings the store,
+//! at most about once a second however many probes come; never touches the request path.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::body::{self, ProxyBody};
 use crate::metrics::Metrics;
-use crate::store::StoreHandle;
+use crate::store::{StoreError, StoreHandle};
 
 /// How long one store ping's answer stands for `/readyz`: several checkers probing, or a burst of
 /// probes, cost the store about one ping a second.
@@ -38,35 +38,64 @@ struct Readiness(Mutex<Option<Ping>>);
 #[derive(Clone, Copy)]
 struct Ping {
     at: Instant,
-    answered: bool,
+    answer: Answer,
     /// Failed store operations counted when it came.
     failures: u64,
+}
+
+/// What a ping found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// The store answered.
+    Ready,
+    /// `serve` has not opened the store yet (its server could not be had at start).
+    NotOpen,
+    /// The store did not answer.
+    Unavailable,
+}
+
+impl Answer {
+    fn of(ping: Result<(), StoreError>) -> Answer {
+        match ping {
+            Ok(()) => Answer::Ready,
+            Err(StoreError::NotOpen) => Answer::NotOpen,
+            Err(_) => Answer::Unavailable,
+        }
+    }
+
+    fn response(self) -> Response<ProxyBody> {
+        match self {
+            Answer::Ready => text(StatusCode::OK, "ready\n"),
+            Answer::NotOpen => text(StatusCode::SERVICE_UNAVAILABLE, "store not open yet\n"),
+            Answer::Unavailable => text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n"),
+        }
+    }
 }
 
 impl Ping {
     /// Whether this answer still stands: for [`READINESS_TTL`], and a "ready" only while no store
     /// operation has failed since (the requests saw the store go before the next ping would).
     fn stands(&self, failures: u64) -> bool {
-        self.at.elapsed() < READINESS_TTL && (!self.answered || failures == self.failures)
+        self.at.elapsed() < READINESS_TTL && (self.answer != Answer::Ready || failures == self.failures)
     }
 }
 
 impl Readiness {
-    async fn store_answers(&self, store: &StoreHandle, metrics: &Metrics) -> bool {
+    async fn store_answers(&self, store: &StoreHandle, metrics: &Metrics) -> Answer {
         let mut last = self.0.lock().await;
         if let Some(ping) = *last
             && ping.stands(metrics.store_failures())
         {
-            return ping.answered;
+            return ping.answer;
         }
-        let answered = store.ping().await.is_ok();
+        let answer = Answer::of(store.ping().await);
         let ping = Ping {
             at: Instant::now(),
-            answered,
+            answer,
             failures: metrics.store_failures(),
         };
         *last = Some(ping);
-        answered
+        answer
     }
 }
 
@@ -104,15 +133,16 @@ impl Admin {
 
     /// Not ready from the moment shutdown begins, whatever the last ping said; otherwise ready while the
     /// store answers, by a ping at most [`READINESS_TTL`] old and not contradicted by a failure since.
+    /// Before the store has opened, the ping fails at once (and is counted, as the store-unavailable
+    /// alert expects), and the answer says so.
     async fn readyz(&self) -> Response<ProxyBody> {
         if self.shutdown.is_cancelled() {
             return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
         }
-        if self.readiness.store_answers(&self.store, &self.metrics).await {
-            text(StatusCode::OK, "ready\n")
-        } else {
-            text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
-        }
+        self.readiness
+            .store_answers(&self.store, &self.metrics)
+            .await
+            .response()
     }
 }
 

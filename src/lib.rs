@@ -22,7 +22,8 @@
 //!   runner and migrations each in a file under `store/postgres/`), `store/redis_store.rs` (a Redis server or
 //!   cluster, its scripts under `store/redis_store/lua/`) or `store/sqlite.rs` (embedded, the default) holds
 //!   the key table, `store/coalesce.rs` batches what arrives together,
-//!   `store/encrypted.rs` seals stored responses around any backend, `store/sweeper.rs` deletes
+//!   `store/encrypted.rs` seals stored responses around any backend, `store/opening.rs` opens it at
+//!   start (waiting out a server that cannot be had yet), `store/sweeper.rs` deletes
 //!   expired records in the background, and `store/notify.rs` wakes waiting requests (fed across
 //!   replicas by `store/postgres/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
@@ -64,12 +65,11 @@ use tokio_util::task::TaskTracker;
 pub use config::Config;
 
 use crate::admin::Admin;
-use crate::config::{ListenAddr, OnInFlight, StoreBackend};
+use crate::config::ListenAddr;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::encrypted::EncryptedStore;
+use crate::store::StoreError;
 use crate::store::notify::Waiters;
-use crate::store::{Purpose, StoreError, StoreHandle};
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
 pub struct Listeners {
@@ -109,28 +109,14 @@ pub enum RunError {
 }
 
 /// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
-/// Applies pending migrations first unless `store.migrate` is off.
+/// Applies pending migrations first unless `store.migrate` is off; a PostgreSQL server that cannot be had
+/// yet does not stop the start: the proxy serves, keyed requests follow `store.on_error`, and the store
+/// opens once it answers (`store/opening.rs`).
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     let metrics = Metrics::new();
-    let backend = store::open(&config.store, Purpose::Serve).await?;
-    let backend = EncryptedStore::wrap(backend, config.encryption.as_ref(), &metrics);
-    let store = StoreHandle::new(backend, metrics.clone());
     let tracker = TaskTracker::new();
-    // Redis deletes expired records itself (their TTL): there is nothing to sweep.
-    let self_expiring = matches!(config.store.backend, StoreBackend::Redis(_));
-    if config.sweeper.enabled && !self_expiring {
-        let sweeper = store::sweeper::run(
-            store.clone(),
-            config.sweeper.clone(),
-            metrics.clone(),
-            shutdown.clone(),
-        );
-        tracker.spawn(sweeper);
-    }
     let waiters = Waiters::new();
-    if let Some(listener) = wait_listener(&config, &waiters, &metrics, &shutdown) {
-        tracker.spawn(listener);
-    }
+    let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
     let proxy = Proxy::new(
         &config,
         store.clone(),
@@ -158,41 +144,6 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     )
     .await
     .map_err(RunError::Workers)
-}
-
-/// The listener that wakes this process's waiting requests when another replica settles their keys:
-/// only on a shared store (PostgreSQL or Redis; an embedded store has no other replica) and only when
-/// some route waits.
-fn wait_listener(
-    config: &Config,
-    waiters: &std::sync::Arc<Waiters>,
-    metrics: &Metrics,
-    shutdown: &CancellationToken,
-) -> Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>> {
-    let waits = config
-        .routes
-        .policies()
-        .any(|policy| policy.on_in_flight == OnInFlight::Wait);
-    if !waits {
-        return None;
-    }
-    let (waiters, metrics, shutdown) = (waiters.clone(), metrics.clone(), shutdown.clone());
-    match &config.store.backend {
-        StoreBackend::Postgres => Some(Box::pin(store::postgres::listen(
-            config.store.clone(),
-            waiters,
-            metrics,
-            shutdown,
-        ))),
-        StoreBackend::Redis(target) => Some(Box::pin(store::redis_store::listen(
-            config.store.clone(),
-            target.clone(),
-            waiters,
-            metrics,
-            shutdown,
-        ))),
-        StoreBackend::Sqlite { .. } => None,
-    }
 }
 
 /// Applies pending migrations and reports how many were applied.

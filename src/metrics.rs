@@ -122,6 +122,11 @@ const COMPLETION_HOLD_EXPIRED: Spec = Spec {
            took longer than the hold.",
 };
 // The store and the upstream.
+const STORE_OPENED: Spec = Spec {
+    name: "idemproxy_store_opened",
+    help: "1 once serve has opened its store (on PostgreSQL with store.migrate: reached and migrated), \
+           0 while it is still trying: keyed requests follow store.on_error until then.",
+};
 const STORE_ERRORS: Spec = Spec {
     name: "idemproxy_store_errors_total",
     help: "Failed store operations by operation.",
@@ -514,6 +519,8 @@ pub struct MetricSet {
     pub wait_listener_reconnects: IntCounter,
     /// The series of `SIGNATURE_CHECKS`, by [`SignatureCheck`] in declaration order.
     by_signature_check: [IntCounter; SignatureCheck::ALL.len()],
+    /// `STORE_OPENED`: 1 once `serve` has opened its store.
+    pub store_opened: IntGauge,
 }
 
 impl Metrics {
@@ -541,6 +548,7 @@ impl MetricSet {
             waiting: gauge(r, &WAITING),
             wait_listener_connected: gauge(r, &WAIT_LISTENER_CONNECTED),
             wait_listener_reconnects: counter(r, &WAIT_LISTENER_RECONNECTS),
+            store_opened: gauge(r, &STORE_OPENED),
             tls_reloads_ok: tls_reloads.with_label_values(&["ok"]),
             tls_reloads_error: tls_reloads.with_label_values(&["error"]),
             by_outcome: Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()])),

@@ -1,19 +1,21 @@
 //! The key table behind every decision: the [`Store`] trait, the types that cross it, and [`StoreHandle`],
 //! which times and counts every operation. Backends live in `store/`; they decide claims atomically in the
-//! database and never by a read followed by a write.
+//! database and never by a read followed by a write. `serve` opens its store through `store/opening.rs`,
+//! which waits out a store that cannot be reached yet; the handle answers [`StoreError::NotOpen`] until then.
 
 mod blob;
 mod coalesce;
 pub mod encrypted;
 mod listener;
 pub mod notify;
+mod opening;
 pub mod postgres;
 pub mod redis_store;
 pub mod sqlite;
 pub mod sweeper;
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
@@ -24,6 +26,8 @@ use crate::metrics::{Metrics, StoreOp};
 use postgres::PostgresStore;
 use redis_store::RedisStore;
 use sqlite::SqliteStore;
+
+pub use opening::serve;
 
 /// A store failure. Whatever the cause, the request path treats it as "the store is unavailable".
 #[derive(Debug, Clone, thiserror::Error)]
@@ -48,6 +52,10 @@ pub enum StoreError {
         .0.display()
     )]
     InUse(PathBuf),
+    /// `serve` has not opened the store yet: its server could not be reached, or its migrations are not
+    /// applied yet (`store/opening.rs` keeps trying and logs why).
+    #[error("the store is not open yet")]
+    NotOpen,
 }
 
 /// What a store is opened for.
@@ -59,18 +67,37 @@ pub enum Purpose {
     Tool,
 }
 
-/// Opens the configured store.
+/// Opens the configured store. With `Purpose::Serve` and `store.migrate`, pending migrations are applied
+/// first; `serve` itself opens through [`serve`], which waits for a PostgreSQL server that does not answer
+/// yet instead of failing.
 pub async fn open(config: &StoreConfig, purpose: Purpose) -> Result<Arc<dyn Store>, StoreError> {
+    let Built { store, migrate } = build(config, purpose).await?;
+    if migrate {
+        let applied = PostgresStore::migrate(config).await?;
+        tracing::info!(applied, "store schema is up to date");
+    }
+    Ok(store)
+}
+
+/// A store built without waiting for its server, and whether its shared schema must still be migrated
+/// before it is used (PostgreSQL, opened for `serve` with `store.migrate`).
+struct Built {
+    store: Arc<dyn Store>,
+    migrate: bool,
+}
+
+/// Builds the configured store. A shared store's connections open at first use, so this needs no server
+/// and fails only on what no wait can mend; the embedded store's file is opened (and migrated) here.
+async fn build(config: &StoreConfig, purpose: Purpose) -> Result<Built, StoreError> {
     let migrate = purpose == Purpose::Serve && config.migrate;
-    match &config.backend {
+    let store: Arc<dyn Store> = match &config.backend {
         StoreBackend::Postgres => {
-            if migrate {
-                let applied = PostgresStore::migrate(config).await?;
-                tracing::info!(applied, "store schema is up to date");
-            }
-            Ok(Arc::new(PostgresStore::connect(config)?))
+            return Ok(Built {
+                store: Arc::new(PostgresStore::connect(config)?),
+                migrate,
+            });
         }
-        StoreBackend::Redis(target) => Ok(Arc::new(RedisStore::connect(config, target))),
+        StoreBackend::Redis(target) => Arc::new(RedisStore::connect(config, target)),
         StoreBackend::Sqlite { path } => {
             let access = match purpose {
                 Purpose::Serve => sqlite::Access::Serve,
@@ -88,7 +115,42 @@ pub async fn open(config: &StoreConfig, purpose: Purpose) -> Result<Arc<dyn Stor
                      run several replicas on PostgreSQL (store.url = postgres://...)"
                 );
             }
-            Ok(Arc::new(store))
+            Arc::new(store)
+        }
+    };
+    Ok(Built {
+        store,
+        migrate: false,
+    })
+}
+
+/// What the configured store does beside claims, known from the configuration before it opens, so that
+/// nothing above `store/` asks which backend it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Several replicas share it (PostgreSQL, Redis): settlements on wait routes are announced to the
+    /// others, and a listener hears theirs.
+    pub shared: bool,
+    /// It deletes expired records itself (Redis, by each record's TTL): no sweeper runs.
+    pub self_expiring: bool,
+}
+
+impl Capabilities {
+    /// The capabilities of the store `config` names.
+    pub fn of(config: &StoreConfig) -> Capabilities {
+        match &config.backend {
+            StoreBackend::Postgres => Capabilities {
+                shared: true,
+                self_expiring: false,
+            },
+            StoreBackend::Redis(_) => Capabilities {
+                shared: true,
+                self_expiring: true,
+            },
+            StoreBackend::Sqlite { .. } => Capabilities {
+                shared: false,
+                self_expiring: false,
+            },
         }
     }
 }
@@ -388,78 +450,123 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// The store as the request path uses it: every call timed and counted by operation.
+/// The store as the request path uses it: every call timed and counted by operation. It may start
+/// unopened (`serve`, while its store cannot be reached yet): every call then fails at once with
+/// [`StoreError::NotOpen`], counted as a failure of its operation, until the store is installed.
 #[derive(Clone)]
 pub struct StoreHandle {
-    inner: Arc<dyn Store>,
+    inner: Arc<OnceLock<Arc<dyn Store>>>,
     metrics: Metrics,
 }
 
 impl StoreHandle {
-    /// Wraps a backend.
+    /// Wraps an open backend.
     pub fn new(inner: Arc<dyn Store>, metrics: Metrics) -> StoreHandle {
-        StoreHandle { inner, metrics }
+        StoreHandle {
+            inner: Arc::new(OnceLock::from(inner)),
+            metrics,
+        }
+    }
+
+    /// A handle whose store is not open yet.
+    fn unopened(metrics: Metrics) -> StoreHandle {
+        StoreHandle {
+            inner: Arc::new(OnceLock::new()),
+            metrics,
+        }
+    }
+
+    /// Puts the opened store behind every clone of this handle; a handle is opened once.
+    fn install(&self, store: Arc<dyn Store>) {
+        if self.inner.set(store).is_err() {
+            tracing::error!("the store was opened twice; the first stays");
+        }
+    }
+
+    /// Whether the store is open (it may still fail to answer).
+    pub fn is_open(&self) -> bool {
+        self.inner.get().is_some()
     }
 
     /// See [`Store::claim`].
     pub async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        self.measured(StoreOp::Claim, self.inner.claim(request)).await
+        self.measured(StoreOp::Claim, async { self.store()?.claim(request).await })
+            .await
     }
 
     /// See [`Store::heartbeat`].
     pub async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
-        self.measured(StoreOp::Heartbeat, self.inner.heartbeat(id, lease))
-            .await
+        self.measured(StoreOp::Heartbeat, async {
+            self.store()?.heartbeat(id, lease).await
+        })
+        .await
     }
 
     /// See [`Store::complete`].
     pub async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
-        self.measured(StoreOp::Complete, self.inner.complete(id, response))
-            .await
+        self.measured(StoreOp::Complete, async {
+            self.store()?.complete(id, response).await
+        })
+        .await
     }
 
     /// See [`Store::release`].
     pub async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
-        self.measured(StoreOp::Release, self.inner.release(id)).await
+        self.measured(StoreOp::Release, async { self.store()?.release(id).await })
+            .await
     }
 
     /// See [`Store::hold`].
     pub async fn hold(&self, id: &RecordId) -> Result<bool, StoreError> {
-        self.measured(StoreOp::Hold, self.inner.hold(id)).await
+        self.measured(StoreOp::Hold, async { self.store()?.hold(id).await })
+            .await
     }
 
     /// See [`Store::ping`].
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.measured(StoreOp::Ping, self.inner.ping()).await
+        self.measured(StoreOp::Ping, async { self.store()?.ping().await })
+            .await
     }
 
     /// See [`Store::release_stale`].
     pub async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
-        self.measured(StoreOp::Release, self.inner.release_stale(id))
+        self.measured(StoreOp::Release, async { self.store()?.release_stale(id).await })
             .await
     }
 
     /// See [`Store::sweep`].
     pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-        self.measured(StoreOp::Sweep, self.inner.sweep(batch)).await
+        self.measured(StoreOp::Sweep, async { self.store()?.sweep(batch).await })
+            .await
     }
 
     /// See [`Store::find`].
     pub async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
-        self.measured(StoreOp::Find, self.inner.find(key, scope)).await
+        self.measured(StoreOp::Find, async { self.store()?.find(key, scope).await })
+            .await
     }
 
     /// See [`Store::stats`].
     pub async fn stats(&self) -> Result<RecordStats, StoreError> {
-        self.measured(StoreOp::Stats, self.inner.stats()).await
+        self.measured(StoreOp::Stats, async { self.store()?.stats().await })
+            .await
     }
 
     /// See [`Store::announce`].
     pub async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
-        self.measured(StoreOp::Notify, self.inner.announce(announcement))
-            .await
+        self.measured(StoreOp::Notify, async {
+            self.store()?.announce(announcement).await
+        })
+        .await
     }
 
+    fn store(&self) -> Result<&Arc<dyn Store>, StoreError> {
+        self.inner.get().ok_or(StoreError::NotOpen)
+    }
+
+    /// Times and counts `call`. A call on an unopened store is counted as a failure like any other (the
+    /// store-unavailable alert reads these counts), but logged only at debug: the task opening the store
+    /// logs each attempt's cause once.
     async fn measured<T>(
         &self,
         op: StoreOp,
@@ -472,8 +579,10 @@ impl StoreHandle {
         // An undecryptable record is an answer from a working store, counted where it is found.
         let ok = matches!(&result, Ok(_) | Err(StoreError::Undecryptable(_)));
         self.metrics.store_op(op, elapsed.as_secs_f64(), ok);
-        if let Err(error) = &result {
-            tracing::warn!(op = op.as_str(), %error, "store operation failed");
+        match &result {
+            Err(StoreError::NotOpen) => tracing::debug!(op = op.as_str(), "store not open yet"),
+            Err(error) => tracing::warn!(op = op.as_str(), %error, "store operation failed"),
+            Ok(_) => {}
         }
         result
     }

@@ -52,6 +52,7 @@ use runner::Db;
 use write::{Write, Written};
 
 pub use listen::listen;
+pub(crate) use migrations::Unmigrated;
 
 /// The PostgreSQL-backed [`Store`]. Claims and completions that arrive together are coalesced into one
 /// statement (`store.max_batch`), and so are announcements; everything else runs one statement per
@@ -98,8 +99,14 @@ impl PostgresStore {
     }
 
     /// Applies pending migrations. Several replicas may call this at once: a session advisory lock on a
-    /// dedicated connection serialises them, and each applies only what is still missing.
+    /// dedicated connection serialises them, and each applies only what is still missing. A caller that
+    /// finds the lock taken waits for it at most `store.timeout`, then fails.
     pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
+        Ok(migrations::run(config).await?)
+    }
+
+    /// [`PostgresStore::migrate`], saying whether trying again later may succeed.
+    pub(crate) async fn try_migrate(config: &StoreConfig) -> Result<usize, Unmigrated> {
         migrations::run(config).await
     }
 }

@@ -29,6 +29,7 @@ mod store_pg;
 mod store_recovery;
 mod store_redis;
 mod store_sqlite;
+mod store_start;
 mod store_suite;
 mod store_tls;
 mod storm;

@@ -181,6 +181,14 @@ impl ProxyProcess {
     /// Spawns `idemproxy serve --config <file>`, reads the listening addresses from its JSON log
     /// on stderr and waits until `/readyz` answers 200.
     pub async fn spawn(config: &ProxyConfig) -> ProxyProcess {
+        let process = ProxyProcess::spawn_serving(config).await;
+        process.wait_ready().await;
+        process
+    }
+
+    /// [`ProxyProcess::spawn`] without waiting for `/readyz`: returns once both listeners are logged,
+    /// for a proxy whose store is not there yet.
+    pub async fn spawn_serving(config: &ProxyConfig) -> ProxyProcess {
         let config_path = write_config(config);
         let mut child = command(&config_path).spawn().expect("spawn the idemproxy binary");
         let stderr = Arc::new(Mutex::new(Vec::new()));
@@ -194,15 +202,18 @@ impl ProxyProcess {
                 stderr.lock().unwrap().join("\n")
             );
         };
-        let process = ProxyProcess {
+        ProxyProcess {
             child,
             url: base_url(proxy),
             admin_url: base_url(admin),
             stderr,
             _config_path: config_path,
-        };
-        process.wait_ready().await;
-        process
+        }
+    }
+
+    /// Whether the process is still running (it has not exited).
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// The process id, for sending signals.

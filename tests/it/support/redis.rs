@@ -27,7 +27,11 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts a server in `dir` with `extra` arguments (`--name value` pairs), and waits for it to answer.
     pub fn start(dir: &Path, extra: &[&str]) -> RedisServer {
-        let port = free_port();
+        RedisServer::start_at(dir, free_port(), extra)
+    }
+
+    /// [`RedisServer::start`] on a port the caller chose (see [`free_port`]).
+    pub fn start_at(dir: &Path, port: u16, extra: &[&str]) -> RedisServer {
         let mut args: Vec<String> = [
             "--port",
             &port.to_string(),
@@ -286,7 +290,7 @@ pub fn unique_prefix() -> String {
 }
 
 /// A loopback port that is free, and whose cluster bus port (+10000) is free too.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     loop {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
         let port = listener.local_addr().expect("local address").port();
