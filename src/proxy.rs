@@ -34,14 +34,15 @@ use tracing::Instrument;
 use self::cache::{Lookup, ReplayCache};
 use self::execute::capture::CaptureBudget;
 use self::intake::budget::BodyBudget;
+use self::intake::examine::Examiners;
 use self::upstream::{Downstream, Upstream};
 use crate::access::{self, Line};
 use crate::body::ProxyBody;
-use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable, StoreBackend};
+use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
 use crate::store::notify::Waiters;
-use crate::store::{ClaimRequest, StoreHandle};
+use crate::store::{Capabilities, ClaimRequest, StoreHandle};
 
 /// Everything a request needs; shared behind an `Arc` by every connection and forwarding task of a worker.
 #[derive(Clone)]
@@ -58,6 +59,8 @@ pub struct Proxy {
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) body_read_timeout: Duration,
     pub(crate) budget: BodyBudget,
+    /// Examinations of large keyed bodies (JSON keys and fingerprints) off the workers, one per CPU.
+    pub(crate) examiners: Examiners,
     /// Bytes of keyed responses being captured for storage, and each scope's share, shared by every
     /// worker.
     pub(crate) captures: Arc<CaptureBudget>,
@@ -116,6 +119,7 @@ impl Proxy {
             store,
             upstream: Upstream::new(&config.upstream, metrics.clone()),
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
+            examiners: Examiners::per_cpu(),
             metrics,
             tracker,
             cache: Arc::new(ReplayCache::new(
@@ -133,10 +137,7 @@ impl Proxy {
             problem_base: config.server.problem_type_base.as_str().into(),
             waiters,
             waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
-            announce: matches!(
-                config.store.backend,
-                StoreBackend::Postgres | StoreBackend::Redis(_)
-            ),
+            announce: Capabilities::of(&config.store).shared,
             shutdown,
         }
     }

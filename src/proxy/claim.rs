@@ -177,7 +177,10 @@ impl Proxy {
             return Round::Refused;
         }
         let claim = &intake.claim;
-        tokio::spawn(release_orphan(self.clone(), claim.id.clone(), claim.lease));
+        // A store not open yet was never sent the claim: there is nothing to give back.
+        if !matches!(error, StoreError::NotOpen) {
+            tokio::spawn(release_orphan(self.clone(), claim.id.clone(), claim.lease));
+        }
         head.send(self.store_down(intake.parts, intake.body, &peer, error).await);
         Round::Refused
     }

@@ -74,7 +74,7 @@ impl Proxy {
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
         self.verify_signature(&route.policy, &parts.headers, &body.bytes)
             .await?;
-        let examined = examine::examine(route.clone(), parts, body, key).await?;
+        let examined = examine::examine(&self.examiners, route.clone(), parts, body, key).await?;
         let (parts, body) = (examined.parts, examined.body);
         let Some((key, fingerprint)) = examined.keyed else {
             if route.policy.required {

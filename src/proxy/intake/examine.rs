@@ -3,11 +3,14 @@
 //! fingerprint (`key.rs`). The working memory a JSON body needs is charged to the body's reservation
 //! (`intake/budget.rs`); what the budget cannot supply is 503 `busy`. A body larger than [`ON_WORKER`] is
 //! examined on the runtime's blocking pool, so parsing or hashing it never holds up the other
-//! connections of its worker (each worker is a single-threaded runtime). Touches the body budget only.
+//! connections of its worker (each worker is a single-threaded runtime), by at most one examiner per
+//! CPU in the whole process ([`Examiners`]): more would only share the same cores, each with a thread of
+//! its own. Touches the body budget and the examiners only.
 
 use std::sync::Arc;
 
 use http::request;
+use tokio::sync::Semaphore;
 
 use super::budget::ReservedBody;
 use crate::config::Route;
@@ -28,8 +31,22 @@ pub(crate) struct Examined {
     pub(crate) keyed: Option<(String, [u8; 32])>,
 }
 
+/// Examinations of large bodies running at once, in the whole process: one per CPU. A body waits for
+/// its turn on its worker without blocking it.
+#[derive(Clone)]
+pub struct Examiners(Arc<Semaphore>);
+
+impl Examiners {
+    /// One examiner per CPU the process may use.
+    pub fn per_cpu() -> Examiners {
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        Examiners(Arc::new(Semaphore::new(cpus)))
+    }
+}
+
 /// Examines a request: `key` is its key when the key's source is in the head.
 pub(crate) async fn examine(
+    examiners: &Examiners,
     route: Arc<Route>,
     parts: request::Parts,
     body: ReservedBody,
@@ -44,7 +61,14 @@ pub(crate) async fn examine(
         examined.run(&route, key)?;
         return Ok(examined);
     }
-    let off_worker = tokio::task::spawn_blocking(move || examined.run(&route, key).map(|()| examined));
+    // The permit goes with the work: a client that hangs up meanwhile does not free its examiner early.
+    let Ok(turn) = examiners.0.clone().acquire_owned().await else {
+        return Err(ProxyError::Busy(Busy::Parsing));
+    };
+    let off_worker = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        examined.run(&route, key).map(|()| examined)
+    });
     off_worker.await.unwrap_or_else(|e| {
         tracing::error!(error = %e, "examining a request body ended without an answer");
         Err(ProxyError::Busy(Busy::Parsing))
