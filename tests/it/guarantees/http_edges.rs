@@ -3,12 +3,13 @@
 //! ends before its declared `content-length` is a malformed request (RFC 9113 §8.1.1) that reaches the
 //! upstream only as an aborted one, never as complete, and claims nothing.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use rstest::rstest;
 
 use crate::support::http::TEST_CREDENTIAL;
 use crate::support::raw::{self, addr_of, head};
+use crate::support::raw_h2;
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, poll_until};
 
 #[tokio::test]
@@ -34,37 +35,11 @@ async fn connect_and_trace_get_405_on_http1_and_are_never_forwarded() {
     assert_eq!(env.upstream.executions(), 0);
 }
 
-/// An HTTP/2 connection to the proxy with prior knowledge, driven on its own task.
-async fn h2_client(proxy: &InProcessProxy) -> h2::client::SendRequest<Bytes> {
-    let socket = raw::connect(&proxy.url).await;
-    let (client, connection) = h2::client::handshake(socket).await.expect("h2 handshake");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client.ready().await.expect("h2 connection ready")
-}
-
-/// The whole answer to an HTTP/2 request, or the stream error that ended it.
-async fn h2_reply(response: h2::client::ResponseFuture) -> Result<Reply, h2::Error> {
-    let (parts, mut body) = response.await?.into_parts();
-    let mut bytes = BytesMut::new();
-    while let Some(chunk) = body.data().await {
-        let chunk = chunk?;
-        let _ = body.flow_control().release_capacity(chunk.len());
-        bytes.extend_from_slice(&chunk);
-    }
-    Ok(Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body: bytes.freeze(),
-    })
-}
-
 #[tokio::test]
 async fn connect_and_trace_get_405_on_http2_and_are_never_forwarded() {
     let env = TestEnv::on(Backend::Sqlite).await;
     let proxy = env.proxy().await;
-    let mut client = h2_client(&proxy).await;
+    let mut client = raw_h2::connect(&proxy.url).await;
     let connect = Request::builder()
         .method(Method::CONNECT)
         .uri("example.com:443")
@@ -80,7 +55,7 @@ async fn connect_and_trace_get_405_on_http2_and_are_never_forwarded() {
     for request in [connect, trace] {
         let method = request.method().clone();
         let (response, _) = client.send_request(request, true).expect("send");
-        let reply = h2_reply(response).await.expect("an answer, not a reset");
+        let reply = raw_h2::reply(response).await.expect("an answer, not a reset");
         reply.assert_problem(405, "method-not-allowed");
         assert!(reply.header("allow").is_some(), "{method}: no Allow header");
     }
@@ -90,7 +65,7 @@ async fn connect_and_trace_get_405_on_http2_and_are_never_forwarded() {
 /// Sends `content-length: 10` with 5 bytes and END_STREAM: in one DATA frame, or (`split`) the bytes
 /// first and END_STREAM in an empty frame after them, so the proxy has already read part of the body.
 async fn short_h2_body(proxy: &InProcessProxy, key: Option<&str>, split: bool) -> Result<Reply, h2::Error> {
-    let mut client = h2_client(proxy).await;
+    let mut client = raw_h2::connect(&proxy.url).await;
     let mut request = Request::post(format!("{}/orders", proxy.url))
         .header("content-length", "10")
         .header("content-type", "application/json")
@@ -109,7 +84,7 @@ async fn short_h2_body(proxy: &InProcessProxy, key: Option<&str>, split: bool) -
         body.send_data(Bytes::from_static(b"12345"), true)
             .expect("send 5 bytes and end");
     }
-    h2_reply(response).await
+    raw_h2::reply(response).await
 }
 
 /// RFC 9113 §8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR, which the h2 library
