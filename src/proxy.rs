@@ -158,12 +158,11 @@ impl Proxy {
         peer: Downstream,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let _in_flight = InFlight::enter(&self.metrics);
-        // Before anything reads the path: the span and the access line record the path that is routed.
+        // Before anything reads the path: the access line records the path that is routed.
         let normal = path::normalise(&mut request, &self.paths);
         let span = tracing::info_span!(
             "request",
             method = %request.method(),
-            path = request.uri().path(),
             route = tracing::field::Empty,
             outcome = tracing::field::Empty,
             trace_id = tracing::field::Empty,

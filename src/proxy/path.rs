@@ -1,4 +1,4 @@
-//! Runs first for every request on the proxy listener, before the span, the access line and the routes
+//! Runs first for every request on the proxy listener, before the access line and the routes
 //! read its path: [`normalise`] brings the path to its one spelling (`config/path.rs`) or refuses it
 //! (400 `non-normal-path`, per `server.paths`, `server.escaped_slashes`, `server.path_parameters`);
 //! once a route is chosen, [`respell`] writes the path as that route does (`ignore_case`,

@@ -668,7 +668,7 @@ async fn a_route_may_ignore_case_and_a_trailing_slash_and_forwards_its_own_spell
 }
 
 #[tokio::test]
-async fn the_access_log_and_span_carry_the_path_that_was_routed() {
+async fn the_access_log_carries_the_path_that_was_routed() {
     let env = TestEnv::on(Backend::Sqlite).await;
     let config = env
         .config()
@@ -694,7 +694,6 @@ async fn the_access_log_and_span_carry_the_path_that_was_routed() {
     assert_eq!(access["fields"]["path"], "/payments", "{access}");
     assert_eq!(access["fields"]["route"], "payments", "{access}");
     let refused = event(|e| e["fields"]["message"] == "request refused").expect("the refusal's event");
-    assert_eq!(refused["span"]["path"], "/payments", "{refused}");
     assert_eq!(refused["span"]["route"], "payments", "{refused}");
     assert!(!proxy.stderr().contains("secret=1"), "the query is never logged");
 }

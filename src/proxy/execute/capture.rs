@@ -7,6 +7,7 @@
 //! never forwarding. Touches only the budget.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,8 +31,11 @@ pub(crate) struct CaptureBudget {
 
 struct Ledger {
     free: usize,
-    /// Bytes held by each scope that holds any; a scope leaves the map when it holds none.
-    held: HashMap<Arc<str>, usize>,
+    /// Bytes held by each scope that holds any; a scope leaves the map when it holds none. Every frame
+    /// of every keyed response looks its scope up here, so the map hashes with foldhash rather than
+    /// SipHash: a scope is a route name and a SHA-256, which no client can steer into collisions, and
+    /// the hasher's seed is random per process besides.
+    held: HashMap<Arc<str>, usize, foldhash::fast::RandomState>,
 }
 
 /// Why a capture found no room.
@@ -50,7 +54,7 @@ impl CaptureBudget {
         CaptureBudget {
             ledger: Mutex::new(Ledger {
                 free: total,
-                held: HashMap::new(),
+                held: HashMap::default(),
             }),
             freed: Notify::new(),
             share,
@@ -65,29 +69,40 @@ impl CaptureBudget {
 
     fn try_take(&self, scope: &Arc<str>, bytes: usize) -> Result<(), Short> {
         let mut ledger = self.lock();
-        let held = ledger.held.get(scope).copied().unwrap_or(0);
-        if held.saturating_add(bytes) > self.share {
-            return Err(Short::Share);
+        let Ledger { free, held } = &mut *ledger;
+        let entry = held.entry(scope.clone());
+        let holds = match &entry {
+            Entry::Occupied(holding) => *holding.get(),
+            Entry::Vacant(_) => 0,
+        };
+        let short = if holds.saturating_add(bytes) > self.share {
+            Some(Short::Share)
+        } else if *free < bytes {
+            Some(Short::Budget)
+        } else {
+            None
+        };
+        if let Some(short) = short {
+            return Err(short);
         }
-        if ledger.free < bytes {
-            return Err(Short::Budget);
-        }
-        ledger.free -= bytes;
-        *ledger.held.entry(scope.clone()).or_insert(0) += bytes;
+        *free -= bytes;
+        *entry.or_insert(0) += bytes;
         Ok(())
     }
 
-    fn give_back(&self, scope: &str, bytes: usize) {
+    fn give_back(&self, scope: &Arc<str>, bytes: usize) {
         if bytes == 0 {
             return;
         }
         {
             let mut ledger = self.lock();
             ledger.free += bytes;
-            if let Some(held) = ledger.held.get_mut(scope) {
-                *held -= bytes.min(*held);
-                if *held == 0 {
-                    ledger.held.remove(scope);
+            if let Entry::Occupied(mut holding) = ledger.held.entry(scope.clone()) {
+                let left = holding.get().saturating_sub(bytes);
+                if left == 0 {
+                    holding.remove();
+                } else {
+                    holding.insert(left);
                 }
             }
         }
