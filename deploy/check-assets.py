@@ -6,8 +6,13 @@ each subcommand prints what it checked and exits 1 with one line per problem.
   dashboard-exprs DASHBOARD OUT      checks the dashboard's shape; writes its PromQL as a rule file to OUT
   metric-refs METRICS_TEXT FILE...   every idemproxy_ metric, and every outcome/op/status/le value, used in
                                      the rule files and dashboards exists in the scraped exposition
-  kubernetes DIR                     the manifests agree with each other and are hardened
-  configmap-toml CONFIGMAP OUT       writes the ConfigMap's idemproxy.toml to OUT
+  kubernetes ALERTS RENDERED...      each rendered overlay (kubectl kustomize output) agrees with itself,
+                                     is hardened, and carries ALERTS as its PrometheusRule; together they
+                                     have both Deployment forms
+  configmap-toml RENDERED OUT        writes the idemproxy.toml of the ConfigMap the proxy mounts to OUT
+  config-rolls BEFORE AFTER          two renders around an edit of idemproxy.toml: the pod template
+                                     changed, in the name of the mounted ConfigMap only
+  prometheusrule-groups RENDERED OUT writes the PrometheusRule's groups to OUT as a rule file
 """
 
 import json
@@ -160,27 +165,48 @@ def metric_refs(metrics_path, files):
     finish(f"{len(used)} metric names and their label values, used by {len(files)} files, are served")
 
 
-def kubernetes(directory):
-    docs = []
-    for path in sorted(Path(directory).glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                docs.append((path.name, doc))
+def rendered(path):
+    """The documents of one rendered overlay (`kubectl kustomize` output), grouped by kind."""
     by_kind = {}
-    for name, doc in docs:
-        by_kind.setdefault(doc["kind"], []).append((name, doc))
+    for doc in yaml.safe_load_all(Path(path).read_text()):
+        if doc:
+            by_kind.setdefault(doc["kind"], []).append(doc)
+    return by_kind
 
-    def subset(selector, labels):
-        return all(labels.get(k) == v for k, v in selector.items())
 
-    secrets = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
-               for _, d in by_kind.get("Secret", [])}
-    configmaps = {d["metadata"]["name"] for _, d in by_kind.get("ConfigMap", [])}
-    deployments = by_kind.get("Deployment", [])
-    if not deployments:
-        problem("no Deployment")
+def subset(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# The suffix kustomize's configMapGenerator hashes from the content: while the Deployment mounts a
+# ConfigMap named so, a changed config is a changed pod template.
+HASHED = re.compile(r".+-[a-z0-9]{10}$")
+
+
+def kubernetes(alerts_path, *paths):
+    alerts = yaml.safe_load(Path(alerts_path).read_text())["groups"]
     forms = set()
-    for file, deployment in deployments:
+    count = 0
+    for path in paths:
+        by_kind = rendered(path)
+        count += sum(len(docs) for docs in by_kind.values())
+        forms |= kubernetes_overlay(Path(path).stem, by_kind, alerts)
+    if forms != {"native sidecar", "two containers"}:
+        problem(f"Deployment forms found: {sorted(forms)}; want the native sidecar and two containers")
+    finish(f"{len(paths)} overlays, {count} manifests: they agree (selectors, ports, Secret keys, volumes, "
+           f"the PrometheusRule is alerts.yml), and every container is hardened")
+
+
+def kubernetes_overlay(file, by_kind, alerts):
+    """Checks one rendered overlay; returns the Deployment forms it has."""
+    secrets = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
+               for d in by_kind.get("Secret", [])}
+    configmaps = {d["metadata"]["name"] for d in by_kind.get("ConfigMap", [])}
+    deployments = by_kind.get("Deployment", [])
+    if len(deployments) != 1:
+        problem(f"{file}: {len(deployments)} Deployments, not 1")
+    forms = set()
+    for deployment in deployments:
         spec = deployment["spec"]
         pod = spec["template"]["spec"]
         labels = spec["template"]["metadata"]["labels"]
@@ -217,7 +243,7 @@ def kubernetes(directory):
             for env in container.get("env", []):
                 ref = env.get("valueFrom", {}).get("secretKeyRef")
                 if ref and ref["key"] not in secrets.get(ref["name"], set()):
-                    problem(f"{where}: {env['name']} names {ref['name']}/{ref['key']}, which secret.yaml lacks")
+                    problem(f"{where}: {env['name']} names {ref['name']}/{ref['key']}, which the Secret lacks")
             for mount in container.get("volumeMounts", []):
                 if mount["name"] not in volumes:
                     problem(f"{where}: mounts unknown volume {mount['name']}")
@@ -238,7 +264,10 @@ def kubernetes(directory):
             mounts = {m["mountPath"]: m["name"] for m in proxy.get("volumeMounts", [])}
             config = volumes.get(mounts.get("/etc/idemproxy"), {}).get("configMap", {}).get("name")
             if config not in configmaps:
-                problem(f"{where}: /etc/idemproxy is not a ConfigMap of configmap.yaml")
+                problem(f"{where}: /etc/idemproxy is not a ConfigMap of the overlay")
+            elif not HASHED.fullmatch(config):
+                problem(f"{where}: /etc/idemproxy is ConfigMap {config}, whose name has no content hash "
+                        "(a config change would not roll the pods)")
             if "emptyDir" not in volumes.get(mounts.get("/var/lib/idemproxy"), {}):
                 problem(f"{where}: /var/lib/idemproxy is not an emptyDir")
             env = {e["name"] for e in proxy.get("env", [])}
@@ -259,42 +288,83 @@ def kubernetes(directory):
         migrations = [c for c in pod.get("initContainers", []) if "migrate" in c.get("args", [])]
         if not migrations:
             problem(f"{file}: no init container runs idemproxy migrate")
-        for service_file, service in by_kind.get("Service", []):
+        for service in by_kind.get("Service", []):
             if not subset(service["spec"]["selector"], labels):
-                problem(f"{service_file}: selects no pod of {file}")
+                problem(f"{file}: Service {service['metadata']['name']} selects no pod of the Deployment")
             for port in service["spec"]["ports"]:
                 if port["targetPort"] not in ports:
-                    problem(f"{service_file}: targetPort {port['targetPort']} is no port of {file}")
+                    problem(f"{file}: Service targetPort {port['targetPort']} is no port of the Deployment")
         for kind in ("PodDisruptionBudget", "NetworkPolicy"):
-            for other_file, other in by_kind.get(kind, []):
+            for other in by_kind.get(kind, []):
                 selector = other["spec"].get("selector") or other["spec"].get("podSelector")
                 if not subset(selector["matchLabels"], labels):
-                    problem(f"{other_file}: selects no pod of {file}")
+                    problem(f"{file}: {kind} selects no pod of the Deployment")
                 for rule in other["spec"].get("ingress", []):
                     for port in rule.get("ports", []):
                         if port["port"] not in ports:
-                            problem(f"{other_file}: port {port['port']} is no port of {file}")
-    if forms != {"native sidecar", "two containers"}:
-        problem(f"Deployment forms found: {sorted(forms)}; want the native sidecar and two containers")
+                            problem(f"{file}: {kind} port {port['port']} is no port of the Deployment")
     services = by_kind.get("Service", [])
-    for file, monitor in by_kind.get("ServiceMonitor", []):
-        matched = [s for _, s in services if subset(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    monitors = by_kind.get("ServiceMonitor", [])
+    for monitor in monitors:
+        matched = [s for s in services if subset(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
         if not matched:
-            problem(f"{file}: selects no Service")
+            problem(f"{file}: the ServiceMonitor selects no Service")
         for endpoint in monitor["spec"]["endpoints"]:
             if not any(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in matched):
-                problem(f"{file}: port {endpoint['port']} is no port of the Service")
-    if not by_kind.get("ServiceMonitor"):
-        problem("no ServiceMonitor")
-    if not by_kind.get("PodDisruptionBudget"):
-        problem("no PodDisruptionBudget")
-    finish(f"{len(docs)} manifests agree (selectors, ports, Secret keys, volumes) and every container is hardened")
+                problem(f"{file}: ServiceMonitor port {endpoint['port']} is no port of the Service")
+    rules = by_kind.get("PrometheusRule", [])
+    for rule in rules:
+        if rule["spec"].get("groups") != alerts:
+            problem(f"{file}: the PrometheusRule's groups are not those of deploy/prometheus/alerts.yml "
+                    "(run deploy/kubernetes/prometheusrule)")
+        # A kube-prometheus-stack Prometheus selects both by the same label.
+        release = rule["metadata"].get("labels", {}).get("release")
+        if any(m["metadata"].get("labels", {}).get("release") != release for m in monitors):
+            problem(f"{file}: the PrometheusRule's release label {release!r} is not the ServiceMonitor's")
+    for kind in ("ServiceMonitor", "PrometheusRule", "PodDisruptionBudget", "NetworkPolicy", "Service", "Secret"):
+        if not by_kind.get(kind):
+            problem(f"{file}: no {kind}")
+    return forms
+
+
+def mounted_config(by_kind):
+    """The ConfigMap the idemproxy container mounts at /etc/idemproxy, and the Deployment's pod template."""
+    deployment = by_kind["Deployment"][0]
+    pod = deployment["spec"]["template"]["spec"]
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        if "serve" in container.get("args", []):
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            volume = next(v for v in pod["volumes"] if v["name"] == mounts["/etc/idemproxy"])
+            name = volume["configMap"]["name"]
+            configmap = next(c for c in by_kind["ConfigMap"] if c["metadata"]["name"] == name)
+            return configmap, deployment["spec"]["template"]
+    sys.exit("no container serves")
 
 
 def configmap_toml(path, out):
-    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    text = docs[0]["data"]["idemproxy.toml"]
-    Path(out).write_text(text)
+    configmap, _ = mounted_config(rendered(path))
+    Path(out).write_text(configmap["data"]["idemproxy.toml"])
+
+
+def config_rolls(before_path, after_path):
+    """BEFORE and AFTER render one overlay before and after an edit of idemproxy.toml: the pod template
+    changes (so the Deployment rolls), and only in the name of the ConfigMap it mounts."""
+    before_map, before = mounted_config(rendered(before_path))
+    after_map, after = mounted_config(rendered(after_path))
+    old, new = before_map["metadata"]["name"], after_map["metadata"]["name"]
+    if before_map["data"] == after_map["data"]:
+        problem("the edit did not change the ConfigMap's data")
+    if before == after:
+        problem(f"the pod template is the same after the config changed (ConfigMap {old} both times)")
+    elif json.loads(json.dumps(before).replace(json.dumps(old), json.dumps(new))) != after:
+        problem("the pod template changed in more than the ConfigMap's name")
+    finish(f"{Path(before_path).stem}: a changed idemproxy.toml changes the pod template: ConfigMap {old} -> {new}")
+
+
+def prometheusrule_groups(path, out):
+    """Writes the rendered PrometheusRule's groups as a rule file, for promtool."""
+    rule = rendered(path)["PrometheusRule"][0]
+    Path(out).write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
 
 
 def main():
@@ -305,6 +375,8 @@ def main():
         "metric-refs": lambda metrics, *files: metric_refs(metrics, files),
         "kubernetes": kubernetes,
         "configmap-toml": configmap_toml,
+        "config-rolls": config_rolls,
+        "prometheusrule-groups": prometheusrule_groups,
     }[command](*args)
 
 
