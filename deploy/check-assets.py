@@ -9,6 +9,9 @@ each subcommand prints what it checked and exits 1 with one line per problem.
   kubernetes ALERTS RENDERED...      each rendered overlay (kubectl kustomize output) agrees with itself,
                                      is hardened, and carries ALERTS as its PrometheusRule; together they
                                      have both Deployment forms
+  kubernetes-own ALERTS RENDERED     the same checks of one overlay of one form (an example of your own)
+  operator-crds RENDERED...          their ServiceMonitor and PrometheusRule against the Prometheus
+                                     Operator's schemas (cloudcoil's models), unknown fields refused
   configmap-toml RENDERED OUT        writes the idemproxy.toml of the ConfigMap the proxy mounts to OUT
   config-rolls BEFORE AFTER          two renders around an edit of idemproxy.toml: the pod template
                                      changed, in the name of the mounted ConfigMap only
@@ -178,6 +181,11 @@ def subset(selector, labels):
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def is_idemproxy(container):
+    """Whether the container runs idemproxy's image, under whatever registry and tag an overlay gives it."""
+    return re.match(r"(.+/)?idemproxy[:@]", container["image"]) is not None
+
+
 # The suffix kustomize's configMapGenerator hashes from the content: while the Deployment mounts a
 # ConfigMap named so, a changed config is a changed pod template.
 HASHED = re.compile(r".+-[a-z0-9]{10}$")
@@ -195,6 +203,14 @@ def kubernetes(alerts_path, *paths):
         problem(f"Deployment forms found: {sorted(forms)}; want the native sidecar and two containers")
     finish(f"{len(paths)} overlays, {count} manifests: they agree (selectors, ports, Secret keys, volumes, "
            f"the PrometheusRule is alerts.yml), and every container is hardened")
+
+
+def kubernetes_own(alerts_path, path):
+    by_kind = rendered(path)
+    alerts = yaml.safe_load(Path(alerts_path).read_text())["groups"]
+    forms = kubernetes_overlay(Path(path).stem, by_kind, alerts)
+    count = sum(len(docs) for docs in by_kind.values())
+    finish(f"{Path(path).stem} ({', '.join(sorted(forms))}), {count} manifests: they agree and are hardened")
 
 
 def kubernetes_overlay(file, by_kind, alerts):
@@ -221,7 +237,7 @@ def kubernetes_overlay(file, by_kind, alerts):
         containers = pod.get("initContainers", []) + pod["containers"]
         ports = {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", [])}
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        proxies = [c for c in containers if c["image"].startswith("idemproxy:") and "serve" in c.get("args", [])]
+        proxies = [c for c in containers if is_idemproxy(c) and "serve" in c.get("args", [])]
         if len(proxies) != 1:
             problem(f"{file}: {len(proxies)} idemproxy serve containers, not 1")
         for container in containers:
@@ -278,7 +294,7 @@ def kubernetes_overlay(file, by_kind, alerts):
                 problem(f"{where}: an init container without restartPolicy Always")
             forms.add("native sidecar" if native else "two containers")
         # Every other container of the pod is the app: reached only through the proxy, over loopback.
-        for app in (c for c in pod["containers"] if not c["image"].startswith("idemproxy:")):
+        for app in (c for c in pod["containers"] if not is_idemproxy(c)):
             where = f"{file}: container {app['name']}"
             if app.get("ports"):
                 problem(f"{where} declares ports; the app is reached through idemproxy only")
@@ -325,6 +341,45 @@ def kubernetes_overlay(file, by_kind, alerts):
         if not by_kind.get(kind):
             problem(f"{file}: no {kind}")
     return forms
+
+
+def unknown_fields(given, known, path):
+    """The fields of `given` that `known` (the same document as a schema's model dumps it) lacks."""
+    found = []
+    if isinstance(given, dict):
+        for key, value in given.items():
+            if not isinstance(known, dict) or key not in known:
+                found.append(f"{path}.{key}")
+            else:
+                found += unknown_fields(value, known[key], f"{path}.{key}")
+    elif isinstance(given, list) and isinstance(known, list):
+        for i, (one, other) in enumerate(zip(given, known)):
+            found += unknown_fields(one, other, f"{path}[{i}]")
+    return found
+
+
+def operator_crds(*paths):
+    """kubernetes-validate has no schema for the Prometheus Operator's kinds: validates them against the
+    operator's CRD schemas as cloudcoil's generated models carry them (types, patterns, enums), and, as
+    --strict does, rejects a field the schema does not have (the model drops it on the way through)."""
+    import pydantic
+    from cloudcoil.models.prometheus_operator import v1
+
+    count = 0
+    for path in paths:
+        for kind in ("ServiceMonitor", "PrometheusRule"):
+            for doc in rendered(path).get(kind, []):
+                where = f"{Path(path).stem}: {kind} {doc['metadata']['name']}"
+                count += 1
+                try:
+                    model = getattr(v1, kind).model_validate(doc)
+                except pydantic.ValidationError as e:
+                    problem(f"{where}: {e}")
+                    continue
+                known = model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+                for field in unknown_fields(doc, known, ""):
+                    problem(f"{where}: unknown field {field}")
+    finish(f"{count} ServiceMonitors and PrometheusRules match the Prometheus Operator's schemas, no field unknown")
 
 
 def mounted_config(by_kind):
@@ -375,6 +430,8 @@ def main():
         "metric-refs": lambda metrics, *files: metric_refs(metrics, files),
         "kubernetes": kubernetes,
         "configmap-toml": configmap_toml,
+        "kubernetes-own": kubernetes_own,
+        "operator-crds": lambda *paths: operator_crds(*paths),
         "config-rolls": config_rolls,
         "prometheusrule-groups": prometheusrule_groups,
     }[command](*args)
