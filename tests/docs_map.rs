@@ -313,12 +313,19 @@ fn anchors(text: &str) -> BTreeSet<String> {
     let mut found = BTreeSet::new();
     for line in prose(text).lines() {
         let hashes = line.len() - line.trim_start_matches('#').len();
-        let Some(heading) = line[hashes..].strip_prefix(' ').filter(|_| (1..=6).contains(&hashes)) else {
+        let Some(heading) = line[hashes..]
+            .strip_prefix(' ')
+            .filter(|_| (1..=6).contains(&hashes))
+        else {
             continue;
         };
         let base = slug(heading.trim_end_matches('#'));
         let count = seen.entry(base.clone()).or_insert(0);
-        found.insert(if *count == 0 { base.clone() } else { format!("{base}-{count}") });
+        found.insert(if *count == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{count}")
+        });
         *count += 1;
     }
     found
@@ -358,7 +365,9 @@ fn check_links(page: &str, text: &str) -> Vec<String> {
         let (path, fragment) = target.split_once('#').unwrap_or((target.as_str(), ""));
         if path.is_empty() {
             if !anchors(text).contains(fragment) {
-                problems.push(format!("{page}: (#{fragment}): no heading of the page has that anchor"));
+                problems.push(format!(
+                    "{page}: (#{fragment}): no heading of the page has that anchor"
+                ));
             }
             continue;
         }
@@ -375,7 +384,9 @@ fn check_links(page: &str, text: &str) -> Vec<String> {
                 BTreeSet::new()
             };
             if !headings.contains(fragment) {
-                problems.push(format!("{page}: ({target}): no heading there has the anchor #{fragment}"));
+                problems.push(format!(
+                    "{page}: ({target}): no heading there has the anchor #{fragment}"
+                ));
             }
         }
     }
@@ -384,7 +395,16 @@ fn check_links(page: &str, text: &str) -> Vec<String> {
 
 /// Where a repository path cited in backticks starts.
 const CITED_ROOTS: [&str; 10] = [
-    "src/", "tests/", "examples/", "deploy/", "bench/", "migrations/", "config/", "docs/", "fuzz/", ".ci/",
+    "src/",
+    "tests/",
+    "examples/",
+    "deploy/",
+    "bench/",
+    "migrations/",
+    "config/",
+    "docs/",
+    "fuzz/",
+    ".ci/",
 ];
 
 /// Every problem with the repository paths and configuration keys `page` cites in backticks.
@@ -396,7 +416,9 @@ fn check_citations(page: &str, text: &str, keys: &BTreeSet<String>) -> Vec<Strin
     for token in inside {
         let token = token.trim();
         let is_repo_path = CITED_ROOTS.iter().any(|r| token.starts_with(r))
-            && token.chars().all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c));
+            && token
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c));
         if is_repo_path && !root().join(token).exists() {
             problems.push(format!("{page}: `{token}` does not exist"));
         }
@@ -433,8 +455,14 @@ fn every_path_and_key_the_docs_cite_exists() {
 
 #[test]
 fn the_link_checks_catch_what_is_not_there() {
-    assert_eq!(slug("What \"at most once\" means, exactly"), "what-at-most-once-means-exactly");
-    assert_eq!(slug("Retention: `ttl` and the sweeper"), "retention-ttl-and-the-sweeper");
+    assert_eq!(
+        slug("What \"at most once\" means, exactly"),
+        "what-at-most-once-means-exactly"
+    );
+    assert_eq!(
+        slug("Retention: `ttl` and the sweeper"),
+        "retention-ttl-and-the-sweeper"
+    );
     let page = "# Top\n\n## Twice\n\n## Twice\n\n```sh\n# not a heading\n```\n";
     assert_eq!(
         anchors(page),
@@ -442,7 +470,10 @@ fn the_link_checks_catch_what_is_not_there() {
     );
     let good = "[a](#top) [b](operations.md#metrics) [c](../src/lib.rs) [d](https://example.com/x#y) \
                 `[e](nowhere.md)`\n\n```md\n[f](nowhere.md)\n```\n";
-    assert_eq!(check_links("docs/x.md", &format!("# Top\n{good}")), Vec::<String>::new());
+    assert_eq!(
+        check_links("docs/x.md", &format!("# Top\n{good}")),
+        Vec::<String>::new()
+    );
     let bad = "# Top\n[a](#nothing) [b](operations.md#no-such-heading) [c](no-such-page.md) \
                [d](../../outside.md) [e](../src/lib.rs#no-heading-in-rust)\n";
     let problems = check_links("docs/x.md", bad);
