@@ -484,3 +484,13 @@ fn the_link_checks_catch_what_is_not_there() {
     let problems = check_citations("x.md", cited, &keys);
     assert_eq!(problems.len(), 3, "{problems:#?}");
 }
+
+#[test]
+fn the_readme_stays_a_front_page_of_at_most_300_lines() {
+    let readme = read("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 300,
+        "README.md has {lines} lines: move reference to a page under docs/ and link to it"
+    );
+}
