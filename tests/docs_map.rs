@@ -6,7 +6,7 @@
 //! every relative link leads to a file that exists and, with a `#fragment`, to a heading of that page (as
 //! GitHub makes anchors); and, outside the CHANGELOG's history, every repository path it cites in backticks
 //! exists and every `section.key` whose section is one of the configuration's is a key of
-//! `config/idemproxy.toml`.
+//! `config/idemproxy.toml`. The README stays a front page: at most 300 lines.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
