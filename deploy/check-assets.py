@@ -6,6 +6,8 @@ each subcommand prints what it checked and exits 1 with one line per problem.
   dashboard-exprs DASHBOARD OUT      checks the dashboard's shape; writes its PromQL as a rule file to OUT
   metric-refs METRICS_TEXT FILE...   every idemproxy_ metric, and every outcome/op/status/le value, used in
                                      the rule files and dashboards exists in the scraped exposition
+  metrics-table METRICS_TEXT DOC     the table under DOC's "## Metrics" has one row per idemproxy_ family in
+                                     the scraped exposition, and no row for a family it does not serve
   kubernetes ALERTS RENDERED...      each rendered overlay (kubectl kustomize output) agrees with itself,
                                      is hardened, and carries ALERTS as its PrometheusRule; together they
                                      have both Deployment forms
@@ -166,6 +168,26 @@ def metric_refs(metrics_path, files):
                     if one not in values.get(label, set()):
                         problem(f'{path}: {label}="{one}" is not a value /metrics has')
     finish(f"{len(used)} metric names and their label values, used by {len(files)} files, are served")
+
+
+def metrics_table(metrics_path, doc_path):
+    served = set()
+    for line in Path(metrics_path).read_text().splitlines():
+        if line.startswith("# TYPE idemproxy_"):
+            served.add(line.split()[2])
+    text = Path(doc_path).read_text()
+    if "\n## Metrics\n" not in text:
+        problem(f"{doc_path} has no ## Metrics section")
+        finish("")
+    section = text.split("\n## Metrics\n", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(idemproxy_[a-z0-9_]+)", section, re.M)
+    for name in sorted(served - set(rows)):
+        problem(f"{name} is served but has no row in the table of {doc_path}")
+    for name in sorted(set(rows) - served):
+        problem(f"{doc_path} has a row for {name}, which a running proxy does not serve")
+    for name in sorted({n for n in rows if rows.count(n) > 1}):
+        problem(f"{doc_path} has more than one row for {name}")
+    finish(f"{len(served)} served idemproxy_ families, each with one row in {doc_path}")
 
 
 def rendered(path):
@@ -428,6 +450,7 @@ def main():
         "alerts-tested": alerts_tested,
         "dashboard-exprs": dashboard_exprs,
         "metric-refs": lambda metrics, *files: metric_refs(metrics, files),
+        "metrics-table": metrics_table,
         "kubernetes": kubernetes,
         "configmap-toml": configmap_toml,
         "kubernetes-own": kubernetes_own,
