@@ -1,9 +1,9 @@
-//! The README's client snippets, run as a reader runs them: the Python and JavaScript programs, taken
-//! from README.md as written (the address swapped for the test proxy's), against the real proxy on
-//! SQLite and the stub upstream. Each sends a key and gets the one execution, takes a retry's replay as
-//! the original answer, waits out a `409` and comes back with the same key, and does not retry a `422`.
-//! Skipped, saying so, where `python3` or `node` is not installed; the Go snippet is not run (no Go
-//! toolchain where these tests run).
+//! The README's client snippets, run as a reader runs them: the Python, JavaScript and Go programs,
+//! taken from README.md as written (the address swapped for the test proxy's, the example call replaced
+//! by the test's), against the real proxy on SQLite and the stub upstream. Each sends a key and gets the
+//! one execution, takes a retry's replay as the original answer, waits out a `409` and comes back with
+//! the same key, and does not retry a `422`. Skipped, saying so, where `python3`, `node` or `go` is not
+//! installed (`.ci/run` installs Go).
 
 use std::process::Stdio;
 
@@ -20,16 +20,23 @@ const README_ADDRESS: &str = "http://localhost:8080";
 struct Snippet {
     program: &'static str,
     args: &'static [&'static str],
+    /// The file the program is written to (in a scratch directory, named last on the command line), for
+    /// a toolchain that does not read its program from stdin.
+    file: Option<&'static str>,
     fence: &'static str,
     example_call: &'static str,
+    /// How the program names the proxy's address for the driver.
+    base: &'static str,
     driver: &'static str,
 }
 
 const PYTHON: Snippet = Snippet {
     program: "python3",
     args: &["-"],
+    file: None,
     fence: "```python\n",
     example_call: "print(post_once(",
+    base: "BASE = ",
     driver: r#"
 import threading
 def show(label, answer):
@@ -51,8 +58,10 @@ except ValueError:
 const JAVASCRIPT: Snippet = Snippet {
     program: "node",
     args: &["--input-type=module", "-"],
+    file: None,
     fence: "```js\n",
     example_call: "postOnce(\"http",
+    base: "const BASE = ",
     driver: r#"
 const show = (label, answer) => console.log(label, answer.status, String(answer.replayed));
 show("first", await postOnce(BASE + "/payments", { amount: 100 }, "demo-client", "js-1"));
@@ -64,6 +73,45 @@ try {
   console.log("reused retried");
 } catch {
   console.log("reused refused");
+}
+"#,
+};
+
+const GO: Snippet = Snippet {
+    program: "go",
+    args: &["run"],
+    file: Some("main.go"),
+    fence: "```go\n",
+    example_call: "func main() {",
+    base: "const BASE = ",
+    driver: r#"
+func show(label string, status int, replayed bool, err error) {
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(label, status, replayed)
+}
+
+func main() {
+	status, _, replayed, err := postOnce(BASE+"/payments", "demo-client", "go-1", []byte(`{"amount":100}`))
+	show("first", status, replayed, err)
+	status, _, replayed, err = postOnce(BASE+"/payments", "demo-client", "go-1", []byte(`{"amount":100}`))
+	show("retry", status, replayed, err)
+	done := make(chan bool)
+	for i := 0; i < 2; i++ {
+		go func() {
+			status, _, replayed, err := postOnce(BASE+"/slow", "demo-client", "go-slow", []byte(`{"n":1}`))
+			show("slow", status, replayed, err)
+			done <- true
+		}()
+	}
+	<-done
+	<-done
+	if _, _, _, err := postOnce(BASE+"/payments", "demo-client", "go-1", []byte(`{"amount":999}`)); err != nil {
+		fmt.Println("reused refused")
+	} else {
+		fmt.Println("reused retried")
+	}
 }
 "#,
 };
@@ -89,22 +137,26 @@ fn snippet_code(snippet: &Snippet) -> String {
 /// Runs the snippet against `base` and returns the lines it printed, or `None` if its interpreter is
 /// not installed. Opens the stub's `slow` gate once the proxy has answered a duplicate `409`.
 async fn run(snippet: &Snippet, env: &TestEnv, base: &str, admin: &str) -> Option<Vec<String>> {
-    let installed = Command::new(snippet.program).arg("--version").output().await;
+    let version = if snippet.program == "go" { "version" } else { "--version" };
+    let installed = Command::new(snippet.program).arg(version).output().await;
     if !installed.is_ok_and(|out| out.status.success()) {
         eprintln!("skipped: {} is not installed", snippet.program);
         return None;
     }
     let program = format!(
-        "BASE = \"{base}\"\n{}\n{}",
+        "{}\n{}\"{base}\"\n{}",
         snippet_code(snippet).replace(README_ADDRESS, base),
+        snippet.base,
         snippet.driver
     );
-    let program = match snippet.program {
-        "node" => program.replacen("BASE =", "const BASE =", 1),
-        _ => program,
-    };
-    let mut child = Command::new(snippet.program)
-        .args(snippet.args)
+    let scratch = tempfile::tempdir().unwrap();
+    let mut command = Command::new(snippet.program);
+    command.args(snippet.args).current_dir(scratch.path());
+    if let Some(file) = snippet.file {
+        std::fs::write(scratch.path().join(file), &program).unwrap();
+        command.arg(file);
+    }
+    let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -170,4 +222,9 @@ async fn the_python_snippet_handles_a_replay_a_409_and_a_422() {
 #[tokio::test]
 async fn the_javascript_snippet_handles_a_replay_a_409_and_a_422() {
     the_snippet_handles_every_answer(&JAVASCRIPT, "js").await;
+}
+
+#[tokio::test]
+async fn the_go_snippet_handles_a_replay_a_409_and_a_422() {
+    the_snippet_handles_every_answer(&GO, "go").await;
 }
