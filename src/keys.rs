@@ -215,10 +215,11 @@ fn route<'a>(config: &'a Config, args: &ClientArgs) -> Result<&'a Route, KeysErr
         let found = routes.routes.iter().find(|route| &route.name == name);
         return found.map(|route| &**route).ok_or_else(|| {
             let names: Vec<&str> = routes.routes.iter().map(|r| r.name.as_str()).collect();
-            KeysError::Usage(format!(
-                "no route named {name:?} in the configuration (routes: {}, and default)",
-                names.join(", ")
-            ))
+            let known = match names.as_slice() {
+                [] => "it has none but default; pass the proxy's --config".to_owned(),
+                names => format!("its routes: {}, and default", names.join(", ")),
+            };
+            KeysError::Usage(format!("no route named {name:?} in the configuration ({known})"))
         });
     }
     let Some(path) = &args.path else {

@@ -292,3 +292,65 @@ async fn forget_refuses_a_claim_in_flight_without_force(
         (1, ClaimKind::New)
     );
 }
+
+/// `idemproxy keys --store URL forget KEY` at a terminal (a pseudo-terminal from util-linux `script`),
+/// with `typed` typed in; its exit code and everything the terminal showed.
+async fn forget_at_a_terminal(store: &TestStore, key: &str, typed: &str) -> (Option<i32>, String) {
+    use tokio::io::AsyncWriteExt;
+    let inner = format!(
+        "{} keys --store {} forget {key}",
+        env!("CARGO_BIN_EXE_idemproxy"),
+        store.url()
+    );
+    let mut command = tokio::process::Command::new("script");
+    command
+        .args(["-qec", &inner, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .env_remove("RUST_LOG")
+        .kill_on_drop(true);
+    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("IDEMPROXY_")) {
+        command.env_remove(name);
+    }
+    let mut child = command.spawn().expect("util-linux script runs");
+    let mut stdin = child.stdin.take().expect("piped");
+    stdin.write_all(typed.as_bytes()).await.expect("typed");
+    let output = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("the command ends")
+        .expect("script ran");
+    drop(stdin);
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn forget_at_a_terminal_deletes_only_when_the_key_is_typed_back() {
+    let test_store = TestStore::create(Backend::Sqlite).await;
+    let store = test_store.open().await;
+    let done = request("order-9", 1, LONG, DAY);
+    won(&*store, &done).await;
+    assert!(
+        store
+            .complete(&done.id, &crate::store_suite::response(b"ok"))
+            .await
+            .unwrap()
+    );
+
+    let (code, shown) = forget_at_a_terminal(&test_store, "order-9", "order-8\n").await;
+    assert_eq!(code, Some(1), "{shown}");
+    assert!(shown.contains("Type the key to confirm"), "{shown}");
+    assert!(shown.contains("does not match; nothing was forgotten"), "{shown}");
+    assert_eq!(store.find("order-9", None).await.unwrap().len(), 1, "kept");
+
+    let (code, shown) = forget_at_a_terminal(&test_store, "order-9", "order-9\n").await;
+    assert_eq!(code, Some(0), "{shown}");
+    assert!(
+        shown.contains("forgotten: the next request with this key executes again"),
+        "{shown}"
+    );
+    assert!(store.find("order-9", None).await.unwrap().is_empty());
+}
