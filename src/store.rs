@@ -783,7 +783,84 @@ pub(crate) fn epoch_ms(ms: i64) -> SystemTime {
 
 #[cfg(test)]
 mod tests {
-    use super::key_hash;
+    use super::*;
+
+    fn info(scope: &str, key: &str) -> RecordInfo {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        RecordInfo {
+            scope: scope.into(),
+            key: key.into(),
+            status: RecordStatus::Completed,
+            attempt: 1,
+            claim_kind: ClaimKind::New,
+            token: Uuid::nil(),
+            created_at: now,
+            updated_at: now,
+            expires_at: now + Duration::from_secs(60),
+            locked_until: now,
+            observed_at: now,
+            response_status: Some(201),
+            response_bytes: Some(2),
+            body_retained: Some(true),
+        }
+    }
+
+    fn query(scope: ScopeFilter, limit: u32, examine: u32) -> ListQuery {
+        ListQuery {
+            scope,
+            states: Vec::new(),
+            after: None,
+            limit,
+            examine,
+        }
+    }
+
+    #[test]
+    fn a_scope_name_admits_its_own_scopes_only() {
+        let orders = ScopeFilter::Named("orders".into());
+        assert!(orders.admits("orders:ab"));
+        assert!(!orders.admits("orders2:ab") && !orders.admits("orders"));
+        assert!(ScopeFilter::Exact("orders:ab".into()).admits("orders:ab"));
+        assert!(!ScopeFilter::Exact("orders:ab".into()).admits("orders:abc"));
+    }
+
+    #[test]
+    fn a_sql_page_stops_at_its_limit_on_the_last_record_kept_and_ends_with_a_short_read() {
+        let read = vec![
+            info("a:1", "k1"),
+            info("b:1", "k2"),
+            info("a:1", "k3"),
+            info("a:1", "k4"),
+        ];
+        let named = query(ScopeFilter::Named("a".into()), 2, 4);
+        let page = page(read.clone(), &named);
+        assert_eq!(page.records.len(), 2);
+        assert_eq!(
+            page.next.as_deref(),
+            Some("a:1/k3"),
+            "the next page starts after k3, not after k4"
+        );
+        assert_eq!(page.examined, 3);
+
+        let page = super::page(read.clone(), &query(ScopeFilter::All, 10, 4));
+        assert_eq!(
+            page.next.as_deref(),
+            Some("a:1/k4"),
+            "a full read may have more after it"
+        );
+        let page = super::page(read, &query(ScopeFilter::All, 10, 5));
+        assert_eq!(page.next, None, "a short read reached the end");
+    }
+
+    #[test]
+    fn a_cursor_is_read_back_and_one_from_another_scope_is_refused() {
+        let mut within = query(ScopeFilter::Exact("a:1".into()), 10, 10);
+        assert_eq!(sql_start(&within).unwrap(), ("a:1".to_owned(), String::new()));
+        within.after = Some(sql_cursor("a:1", "k/9"));
+        assert_eq!(sql_start(&within).unwrap(), ("a:1".to_owned(), "k/9".to_owned()));
+        within.after = Some(sql_cursor("b:1", "k"));
+        assert!(sql_start(&within).is_err());
+    }
 
     #[test]
     fn key_hash_is_short_stable_and_separates_scope_from_key() {
