@@ -35,7 +35,8 @@
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
 //!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
 //!   `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
-//!   (`idemproxy keys ...`).
+//!   (`idemproxy keys ...`: `keys/client.rs` finds a client's scope from its credential, `keys/list.rs`
+//!   pages through records, `keys/forget.rs` deletes one).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
