@@ -1,6 +1,7 @@
 //! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
 //! the library. Exit codes: 0 done, 1 runtime failure (or a `keys` command that found nothing to act on or
-//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration.
+//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration (or, for
+//! `check-config --deny-warnings`, a risky one).
 
 use std::process::ExitCode;
 
