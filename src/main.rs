@@ -1,6 +1,7 @@
 //! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
 //! the library. Exit codes: 0 done, 1 runtime failure (or a `keys` command that found nothing to act on or
-//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration.
+//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration (or, for
+//! `check-config --deny-warnings`, a risky one).
 
 use std::process::ExitCode;
 
@@ -31,9 +32,8 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    if let Command::CheckConfig(_) = cli.command {
-        print!("{}", config.to_masked_toml());
-        return ExitCode::SUCCESS;
+    if let Command::CheckConfig(args) = &cli.command {
+        return check_config(&config, args.deny_warnings);
     }
     init_tracing(&config);
     let runtime = match tokio::runtime::Runtime::new() {
@@ -59,6 +59,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints the effective configuration, each risky setting first as a comment; with `--deny-warnings`
+/// any such setting makes it a bad configuration.
+fn check_config(config: &Config, deny_warnings: bool) -> ExitCode {
+    let warnings = config.warnings();
+    print!("{}", config.to_checked_toml(&warnings));
+    if deny_warnings && !warnings.is_empty() {
+        eprintln!(
+            "idemproxy check-config: {} warning(s) and --deny-warnings",
+            warnings.len()
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    ExitCode::SUCCESS
 }
 
 /// Prints the runbook command's report; its exit code says whether it did what was asked.
