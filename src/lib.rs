@@ -34,7 +34,8 @@
 //!   the store and upstream; `proxy/trace_context.rs` reads the caller's W3C `traceparent`;
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
 //!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
-//!   `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
+//!   `shutdown.rs` turns signals into cancellation (and hands SIGHUP to `reload.rs`, which reads the
+//!   configuration again); `logging.rs` sets up the log lines; `keys.rs` is the operator's runbook
 //!   (`idemproxy keys ...`: `keys/client.rs` finds a client's scope from its credential, `keys/list.rs`
 //!   pages through records, `keys/forget.rs` deletes one).
 
@@ -52,8 +53,10 @@ pub mod error_chain;
 pub mod headers;
 pub mod health;
 pub mod keys;
+pub mod logging;
 pub mod metrics;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod store;
@@ -69,6 +72,7 @@ use crate::admin::Admin;
 use crate::config::ListenAddr;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
+use crate::reload::Reload;
 use crate::store::StoreError;
 use crate::store::notify::Waiters;
 
@@ -210,8 +214,30 @@ pub enum RunError {
 /// yet does not stop the start: the proxy serves, keyed requests follow `store.on_error`, and the store
 /// opens once it answers (`store/opening.rs`).
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
+    serve(config, listeners, shutdown, None).await
+}
+
+/// [`run`], and at each SIGHUP meanwhile, `reload` reads the configuration again (`reload.rs`).
+pub async fn run_reloading(
+    config: Config,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    reload: Reload,
+) -> Result<(), RunError> {
+    serve(config, listeners, shutdown, Some(reload)).await
+}
+
+async fn serve(
+    config: Config,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    reload: Option<Reload>,
+) -> Result<(), RunError> {
     announce_config(&config);
     let metrics = Metrics::new();
+    if let Some(reload) = reload {
+        reload.spawn(&config, metrics.clone(), shutdown.clone());
+    }
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
     let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;

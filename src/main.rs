@@ -7,9 +7,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use idemproxy::cli::{Cli, Command, HealthArgs, KeysArgs};
-use idemproxy::config::{Config, LogFormat, MaskedStderr, mask_passwords};
+use idemproxy::config::{Config, mask_passwords};
+use idemproxy::logging;
+use idemproxy::reload::Reload;
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 /// The allocator for the whole process (see `Cargo.toml`).
 #[cfg(not(target_env = "msvc"))]
@@ -35,7 +36,7 @@ fn main() -> ExitCode {
     if let Command::CheckConfig(args) = &cli.command {
         return check_config(&config, args.deny_warnings);
     }
-    init_tracing(&config);
+    let filter = logging::init(&config.log);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -49,7 +50,14 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Migrate(_) => migrate(&config).await,
-            _ => serve(config).await,
+            _ => {
+                let reload = Reload {
+                    file: file.map(ToOwned::to_owned),
+                    overrides,
+                    filter,
+                };
+                serve(config, reload).await
+            }
         }
     });
     match result {
@@ -115,11 +123,12 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
     }
 }
 
-async fn serve(config: Config) -> anyhow::Result<()> {
+async fn serve(config: Config, reload: Reload) -> anyhow::Result<()> {
+    logging::announce(&config);
     let listeners = idemproxy::Listeners::bind(&config).await?;
     let shutdown = CancellationToken::new();
     idemproxy::shutdown::cancel_on_signal(shutdown.clone())?;
-    idemproxy::run(config, listeners, shutdown).await?;
+    idemproxy::run_reloading(config, listeners, shutdown, reload).await?;
     Ok(())
 }
 
@@ -127,24 +136,4 @@ async fn migrate(config: &Config) -> anyhow::Result<()> {
     let applied = idemproxy::migrate(config).await?;
     tracing::info!(applied, "migrations applied");
     Ok(())
-}
-
-/// Targets of dependencies whose lines would carry keys or bodies in clear, held at INFO whatever the
-/// filter asks: tokio-postgres logs every statement's parameters (scope, key, fingerprint) at DEBUG.
-const QUIET_TARGETS: [&str; 1] = ["tokio_postgres::query=info"];
-
-fn init_tracing(config: &Config) {
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
-    for directive in QUIET_TARGETS {
-        if let Ok(directive) = directive.parse() {
-            filter = filter.add_directive(directive);
-        }
-    }
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(MaskedStderr);
-    match config.log.format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
 }

@@ -37,6 +37,7 @@ mod store_suite;
 mod store_tls;
 mod storm;
 mod sweeper;
+mod telemetry;
 mod upstream_faults;
 mod upstream_transports;
 mod wait;
