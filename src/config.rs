@@ -5,7 +5,7 @@
 //! Each TOML section lives in its own file under `config/`, with its structs, defaults, checks and tests:
 //! `server.rs` (and the listener's TLS files), `upstream.rs` (and the upstream's TLS files), `store.rs` (and the PostgreSQL URL),
 //! `idempotency.rs` (and a route's webhook `signature.rs`), `routes.rs`, `sweeper.rs`, `log.rs`,
-//! `replay_cache.rs`, `encryption.rs` (and the keys); `path.rs` is the normal form of request paths
+//! `replay_cache.rs`, `encryption.rs` (and the keys), `traces.rs` (OTLP export); `path.rs` is the normal form of request paths
 //! (`server.paths`) that routes are written in;
 //! `parse.rs` holds the checks they share, `tls.rs` the PEM files and rustls configs. A section whose TOML form is already its typed form is one
 //! struct; the others have a `Raw…` struct as written and a `…Config` as run. Nothing here imports from
@@ -26,6 +26,7 @@ pub(crate) mod signature;
 mod store;
 mod sweeper;
 pub mod tls;
+mod traces;
 mod upstream;
 
 use std::path::Path;
@@ -55,6 +56,7 @@ pub use signature::{
 };
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig};
 pub use sweeper::SweeperConfig;
+pub use traces::{DEFAULT_SERVICE_NAME, HTTP_PROTOBUF, RawTraces, TracesConfig};
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
 
 /// A configuration error: one line naming the key and what is wrong with it.
@@ -110,6 +112,8 @@ pub struct RawConfig {
     pub replay_cache: ReplayCacheConfig,
     /// Encryption at rest of stored responses.
     pub encryption: RawEncryption,
+    /// OpenTelemetry traces over OTLP.
+    pub traces: RawTraces,
     /// Per-endpoint policies over `[idempotency]`, first match wins.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<RawRoute>,
@@ -136,6 +140,8 @@ pub struct Config {
     pub replay_cache: ReplayCacheConfig,
     /// Encryption at rest; `None` when no keys are configured.
     pub encryption: Option<EncryptionConfig>,
+    /// OpenTelemetry traces.
+    pub traces: TracesConfig,
     raw: RawConfig,
 }
 
@@ -198,6 +204,9 @@ impl Config {
         for secret in raw.encryption.keys.values_mut() {
             *secret = "***".into();
         }
+        for secret in raw.traces.headers.values_mut() {
+            *secret = "***".into();
+        }
         let mut text =
             toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"));
         text.push_str(&self.routes.describe());
@@ -248,6 +257,7 @@ impl RawConfig {
         self.sweeper.validate()?;
         let encryption = self.encryption.validate()?;
         let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
+        let traces = self.traces.validate()?;
         Ok(Config {
             server,
             upstream,
@@ -258,6 +268,7 @@ impl RawConfig {
             log: self.log.clone(),
             replay_cache: self.replay_cache.clone(),
             encryption,
+            traces,
             raw: self,
         })
     }

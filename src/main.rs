@@ -7,8 +7,11 @@ use std::process::ExitCode;
 use clap::Parser;
 use idemproxy::cli::{Cli, Command, HealthArgs, KeysArgs};
 use idemproxy::config::{Config, LogFormat, MaskedStderr, mask_passwords};
+use idemproxy::otlp::{self, Exporting, StartError};
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 /// The allocator for the whole process (see `Cargo.toml`).
 #[cfg(not(target_env = "msvc"))]
@@ -35,7 +38,22 @@ fn main() -> ExitCode {
         print!("{}", config.to_masked_toml());
         return ExitCode::SUCCESS;
     }
-    init_tracing(&config);
+    let traces = match init_tracing(&config) {
+        Ok(traces) => traces,
+        Err(error) => {
+            eprintln!("{}", mask_passwords(&error.to_string()));
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = run(cli, config);
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    code
+}
+
+/// The commands that run with logging (and traces) set up.
+fn run(cli: Cli, config: Config) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -118,18 +136,21 @@ async fn migrate(config: &Config) -> anyhow::Result<()> {
 /// filter asks: tokio-postgres logs every statement's parameters (scope, key, fingerprint) at DEBUG.
 const QUIET_TARGETS: [&str; 1] = ["tokio_postgres::query=info"];
 
-fn init_tracing(config: &Config) {
+/// Sets up the log output (with its own filter) and, with `traces.enabled`, the OTLP export beside it
+/// (`otlp.rs`), which sees the request spans whatever the log filter; returns the export to flush at exit.
+fn init_tracing(config: &Config) -> Result<Option<Exporting>, StartError> {
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
-    for directive in QUIET_TARGETS {
+    for directive in QUIET_TARGETS.iter().chain([&otlp::NOT_LOGGED]) {
         if let Ok(directive) = directive.parse() {
             filter = filter.add_directive(directive);
         }
     }
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(MaskedStderr);
-    match config.log.format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
+    let fmt = tracing_subscriber::fmt::layer().with_writer(MaskedStderr);
+    let fmt = match config.log.format {
+        LogFormat::Json => fmt.json().with_filter(filter).boxed(),
+        LogFormat::Text => fmt.with_filter(filter).boxed(),
+    };
+    let (traces, exporting) = otlp::layer(&config.traces)?.unzip();
+    tracing_subscriber::registry().with(fmt).with(traces).init();
+    Ok(exporting)
 }

@@ -41,6 +41,7 @@ use crate::body::ProxyBody;
 use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{Metrics, Outcome};
+use crate::otlp;
 use crate::store::notify::Waiters;
 use crate::store::{Capabilities, ClaimRequest, StoreHandle};
 
@@ -76,6 +77,8 @@ pub struct Proxy {
     pub(crate) store_timeout: Duration,
     /// Whether each request writes an access line (`log.access`).
     pub(crate) access_log: bool,
+    /// Whether requests are traced (`traces.enabled`, `otlp.rs`): off, no span beyond the log's is made.
+    pub(crate) traced: bool,
     /// What every problem `type` URI starts with (`server.problem_type_base`).
     pub(crate) problem_base: Arc<str>,
     /// The requests waiting for a key in flight, by record; shared by every worker (and the listener).
@@ -117,7 +120,7 @@ impl Proxy {
             paths: config.server.paths,
             on_store_error: config.store.on_error,
             store,
-            upstream: Upstream::new(&config.upstream, metrics.clone()),
+            upstream: Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces)),
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             examiners: Examiners::per_cpu(),
             metrics,
@@ -134,6 +137,7 @@ impl Proxy {
             write_timeout: config.server.write_timeout,
             store_timeout: config.store.timeout,
             access_log: config.log.access,
+            traced: otlp::traced(&config.traces),
             problem_base: config.server.problem_type_base.as_str().into(),
             waiters,
             waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
@@ -167,8 +171,11 @@ impl Proxy {
             outcome = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             parent_id = tracing::field::Empty,
+            otel.kind = tracing::field::Empty,
+            otel.name = tracing::field::Empty,
         );
         let line = self.open_line(&request, &span);
+        otlp::adopt(&span, self.traced, request.method(), request.version(), request.headers());
         let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
         let inner = access::within(
             line.as_ref().map(Line::ledger),
@@ -193,6 +200,7 @@ impl Proxy {
             }
         };
         span.record("outcome", outcome.as_str());
+        otlp::answered(&span, self.traced, response.status());
         self.metrics.record(outcome);
         if let Some(started) = started {
             tracing::debug!(

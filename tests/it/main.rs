@@ -34,6 +34,7 @@ mod store_suite;
 mod store_tls;
 mod storm;
 mod sweeper;
+mod traces;
 mod upstream_faults;
 mod upstream_transports;
 mod wait;
