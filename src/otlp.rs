@@ -211,7 +211,9 @@ mod tests {
         let mut request = http::Request::new(());
         request.headers_mut().insert(
             "traceparent",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap(),
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+                .parse()
+                .unwrap(),
         );
         let before = request.headers().clone();
         assert!(upstream(false, &mut request).is_none());

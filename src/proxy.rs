@@ -175,7 +175,13 @@ impl Proxy {
             otel.name = tracing::field::Empty,
         );
         let line = self.open_line(&request, &span);
-        otlp::adopt(&span, self.traced, request.method(), request.version(), request.headers());
+        otlp::adopt(
+            &span,
+            self.traced,
+            request.method(),
+            request.version(),
+            request.headers(),
+        );
         let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
         let inner = access::within(
             line.as_ref().map(Line::ledger),

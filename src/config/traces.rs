@@ -204,10 +204,7 @@ mod tests {
             ("https://otlp.example/v1/traces", "https://otlp.example/v1/traces"),
             ("http://gw:80/otlp/v1/traces", "http://gw:80/otlp/v1/traces"),
         ] {
-            let config = Config::from_toml_str(&format!(
-                "[traces]\nendpoint = \"{written}\"\n"
-            ))
-            .unwrap();
+            let config = Config::from_toml_str(&format!("[traces]\nendpoint = \"{written}\"\n")).unwrap();
             assert_eq!(config.traces.endpoint.as_deref(), Some(used), "{written}");
         }
     }
@@ -225,8 +222,14 @@ mod tests {
             ("max_batch = 0", "traces.max_batch"),
             ("max_batch = 4096", "traces.max_batch"),
             ("service_name = \"\"", "traces.service_name"),
-            ("headers = { \"bad header\" = \"x\" }", "traces.headers.bad header"),
-            ("headers = { authorization = \"a\\nb\" }", "traces.headers.authorization"),
+            (
+                "headers = { \"bad header\" = \"x\" }",
+                "traces.headers.bad header",
+            ),
+            (
+                "headers = { authorization = \"a\\nb\" }",
+                "traces.headers.authorization",
+            ),
         ] {
             let err = Config::from_toml_str(&format!("[traces]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{text}: {err}");
@@ -236,7 +239,8 @@ mod tests {
     #[test]
     fn export_headers_are_masked_when_the_config_is_printed() {
         let config =
-            Config::from_toml_str("[traces]\nheaders = { authorization = \"Bearer s3cret-token\" }\n").unwrap();
+            Config::from_toml_str("[traces]\nheaders = { authorization = \"Bearer s3cret-token\" }\n")
+                .unwrap();
         let (name, value) = &config.traces.headers[0];
         assert_eq!((name.as_str(), value.is_sensitive()), ("authorization", true));
         let printed = config.to_masked_toml();

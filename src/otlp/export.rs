@@ -89,8 +89,7 @@ where
         .with_target(false)
         .with_context_activation(false)
         .with_filter(FilterFn::new(|meta| {
-            meta.is_span()
-                && (meta.target() == TARGET || (meta.target(), meta.name()) == REQUEST_SPAN)
+            meta.is_span() && (meta.target() == TARGET || (meta.target(), meta.name()) == REQUEST_SPAN)
         }));
     Ok(Some((layer, Exporting { provider, runtime })))
 }
@@ -108,9 +107,10 @@ fn provider(config: &TracesConfig, runtime: tokio::runtime::Handle) -> Result<Sd
         exporter = exporter.with_timeout(timeout);
     }
     if !config.headers.is_empty() {
-        let headers = config.headers.iter().filter_map(|(name, value)| {
-            Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
-        });
+        let headers = config
+            .headers
+            .iter()
+            .filter_map(|(name, value)| Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned())));
         exporter = exporter.with_headers(headers.collect());
     }
     let exporter = exporter
@@ -145,10 +145,8 @@ fn export_timeout(config: &TracesConfig) -> Duration {
 /// `service.name` (the configuration's, else `OTEL_SERVICE_NAME`'s, else `idemproxy`), `service.version`,
 /// and what `OTEL_RESOURCE_ATTRIBUTES` adds.
 fn resource(config: &TracesConfig) -> Resource {
-    let builder = Resource::builder().with_attribute(KeyValue::new(
-        "service.version",
-        env!("CARGO_PKG_VERSION"),
-    ));
+    let builder =
+        Resource::builder().with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
     let from_environment = std::env::var_os("OTEL_SERVICE_NAME").is_some_and(|name| !name.is_empty());
     match (&config.service_name, from_environment) {
         (Some(name), _) => builder.with_service_name(name.clone()),
@@ -208,7 +206,10 @@ struct HeadersMut<'a>(&'a mut HeaderMap);
 
 impl Injector for HeadersMut<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::from_str(&value)) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(key.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
             self.0.insert(name, value);
         }
     }
@@ -242,7 +243,10 @@ impl HyperClient {
 
 #[async_trait::async_trait]
 impl opentelemetry_http::HttpClient for HyperClient {
-    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, opentelemetry_http::HttpError> {
+    async fn send_bytes(
+        &self,
+        request: Request<Bytes>,
+    ) -> Result<Response<Bytes>, opentelemetry_http::HttpError> {
         let client = self.client.clone();
         let send = async move {
             let response = client.request(request.map(Full::new)).await?;

@@ -122,7 +122,8 @@ impl Proxy {
         let started = Instant::now();
         let sent = SystemTime::now();
         let span = otlp::claim(self.traced);
-        let result = match self.store.claim(&keyed.intake.claim).instrument(span.clone()).await {
+        let claiming = self.store.claim(&keyed.intake.claim);
+        let result = match claiming.instrument(span.clone()).await {
             Ok(result) => {
                 otlp::claimed(&span, found(&result));
                 result

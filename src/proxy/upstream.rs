@@ -254,7 +254,10 @@ impl Upstream {
 
     /// Sends the request and waits for the response head within `upstream.timeout`. Traced, the call is
     /// a span of its own, which the upstream gets as the parent in its `traceparent`.
-    pub async fn send(&self, mut request: Request<ProxyBody>) -> Result<Response<PooledBody>, UpstreamFailure> {
+    pub async fn send(
+        &self,
+        mut request: Request<ProxyBody>,
+    ) -> Result<Response<PooledBody>, UpstreamFailure> {
         let span = otlp::upstream(self.traced, &mut request);
         let started = std::time::Instant::now();
         let sending = tokio::time::timeout(self.timeout, self.pool.send(request));

@@ -39,7 +39,9 @@ struct Collector {
 
 impl Collector {
     async fn start() -> Collector {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the collector");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the collector");
         let url = format!("http://{}", listener.local_addr().unwrap());
         let spans = Arc::new(Mutex::new(Vec::new()));
         let content_types = Arc::new(Mutex::new(Vec::new()));
@@ -155,7 +157,8 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
     let proxy = ProxyProcess::spawn(&traced(&env, &collector)).await;
 
     let executed = Reply::of(
-        keyed_post(&proxy.url, "/orders", KEY, "{}").header("traceparent", traceparent(CALLER_TRACE, CALLER_SPAN)),
+        keyed_post(&proxy.url, "/orders", KEY, "{}")
+            .header("traceparent", traceparent(CALLER_TRACE, CALLER_SPAN)),
     )
     .await;
     assert_eq!(executed.status, 201);
@@ -168,15 +171,26 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
         .await;
 
     let request = the(&spans, "POST");
-    assert_eq!(hex(&request.parent_span_id), CALLER_SPAN, "the caller's span is the parent");
+    assert_eq!(
+        hex(&request.parent_span_id),
+        CALLER_SPAN,
+        "the caller's span is the parent"
+    );
     assert_eq!(request.kind, SpanKind::Server as i32);
     assert_eq!(attribute(request, "http.request.method").as_deref(), Some("POST"));
-    assert_eq!(attribute(request, "http.response.status_code").as_deref(), Some("201"));
+    assert_eq!(
+        attribute(request, "http.response.status_code").as_deref(),
+        Some("201")
+    );
     assert_eq!(attribute(request, "outcome").as_deref(), Some("executed"));
     assert_eq!(attribute(request, "route").as_deref(), Some("default"));
     for child in ["claim", "upstream", "completion"] {
         let child = the(&spans, child);
-        assert_eq!(child.parent_span_id, request.span_id, "{} is the request's child", child.name);
+        assert_eq!(
+            child.parent_span_id, request.span_id,
+            "{} is the request's child",
+            child.name
+        );
         assert!(
             child.start_time_unix_nano >= request.start_time_unix_nano
                 && child.end_time_unix_nano <= request.end_time_unix_nano,
@@ -184,13 +198,22 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
             child.name
         );
     }
-    assert_eq!(attribute(the(&spans, "claim"), "idemproxy.claim").as_deref(), Some("new"));
+    assert_eq!(
+        attribute(the(&spans, "claim"), "idemproxy.claim").as_deref(),
+        Some("new")
+    );
     let upstream = the(&spans, "upstream");
     assert_eq!(upstream.kind, SpanKind::Client as i32);
-    assert_eq!(attribute(upstream, "http.response.status_code").as_deref(), Some("201"));
+    assert_eq!(
+        attribute(upstream, "http.response.status_code").as_deref(),
+        Some("201")
+    );
 
     let received = &env.upstream.requests()[0];
-    let sent = received.headers.get("traceparent").expect("a traceparent upstream");
+    let sent = received
+        .headers
+        .get("traceparent")
+        .expect("a traceparent upstream");
     assert_eq!(
         sent.to_str().unwrap(),
         traceparent(CALLER_TRACE, &hex(&upstream.span_id)),
@@ -198,7 +221,8 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
     );
 
     let replay = Reply::of(
-        keyed_post(&proxy.url, "/orders", KEY, "{}").header("traceparent", traceparent(RETRY_TRACE, CALLER_SPAN)),
+        keyed_post(&proxy.url, "/orders", KEY, "{}")
+            .header("traceparent", traceparent(RETRY_TRACE, CALLER_SPAN)),
     )
     .await;
     assert!(replay.is_replay());
@@ -208,14 +232,20 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
     let request = the(&retry, "POST");
     assert_eq!(attribute(request, "outcome").as_deref(), Some("replayed"));
     assert_eq!(hex(&request.parent_span_id), CALLER_SPAN);
-    assert!(named(&retry, "upstream").is_none(), "a replay calls no upstream: {retry:#?}");
+    assert!(
+        named(&retry, "upstream").is_none(),
+        "a replay calls no upstream: {retry:#?}"
+    );
     assert_eq!(env.upstream.executions(), 1);
 
     let (services, spans): (Vec<String>, Vec<Span>) = collector.spans().into_iter().unzip();
     assert!(services.iter().all(|s| s == "idemproxy"), "{services:?}");
     let everything = format!("{spans:?}");
     for secret in [KEY, TEST_CREDENTIAL, "/orders"] {
-        assert!(!everything.contains(secret), "{secret:?} was exported: {everything}");
+        assert!(
+            !everything.contains(secret),
+            "{secret:?} was exported: {everything}"
+        );
     }
     let types = collector.content_types.lock().unwrap().clone();
     assert!(types.iter().all(|t| t == "application/x-protobuf"), "{types:?}");
@@ -239,7 +269,10 @@ async fn refusals_get_a_span_of_their_own_with_no_upstream_child() {
         .await;
     let request = the(&spans, "POST");
     assert_eq!(attribute(request, "outcome").as_deref(), Some("mismatch"));
-    assert_eq!(attribute(request, "http.response.status_code").as_deref(), Some("422"));
+    assert_eq!(
+        attribute(request, "http.response.status_code").as_deref(),
+        Some("422")
+    );
     assert!(named(&spans, "upstream").is_none(), "{spans:#?}");
 }
 
@@ -252,7 +285,8 @@ async fn spans_still_queued_are_sent_when_the_proxy_stops() {
         .set("traces.service_name", "payments-proxy");
     let mut proxy = ProxyProcess::spawn(&config).await;
     let reply = Reply::of(
-        keyed_post(&proxy.url, "/orders", KEY, "{}").header("traceparent", traceparent(CALLER_TRACE, CALLER_SPAN)),
+        keyed_post(&proxy.url, "/orders", KEY, "{}")
+            .header("traceparent", traceparent(CALLER_TRACE, CALLER_SPAN)),
     )
     .await;
     assert_eq!(reply.status, 201);
