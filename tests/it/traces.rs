@@ -277,27 +277,50 @@ async fn refusals_get_a_span_of_their_own_with_no_upstream_child() {
 }
 
 #[tokio::test]
-async fn spans_still_queued_are_sent_when_the_proxy_stops() {
+async fn sampling_follows_the_callers_decision_and_queued_spans_are_sent_when_the_proxy_stops() {
     let env = TestEnv::on(Backend::Sqlite).await;
     let collector = Collector::start().await;
     let config = traced(&env, &collector)
         .set("traces.batch_delay", "1h")
+        .set("traces.sample_ratio", 0.0)
         .set("traces.service_name", "payments-proxy");
     let mut proxy = ProxyProcess::spawn(&config).await;
-    let reply = Reply::of(
-        keyed_post(&proxy.url, "/orders", KEY, "{}")
-            .header("traceparent", traceparent(CALLER_TRACE, CALLER_SPAN)),
-    )
-    .await;
-    assert_eq!(reply.status, 201);
+    let unsampled = format!("00-{RETRY_TRACE}-{CALLER_SPAN}-00");
+    for (key, trace) in [
+        ("sampled", Some(traceparent(CALLER_TRACE, CALLER_SPAN))),
+        ("unsampled", Some(unsampled)),
+        ("root", None),
+    ] {
+        let mut request = keyed_post(&proxy.url, "/orders", key, "{}");
+        if let Some(trace) = trace {
+            request = request.header("traceparent", trace);
+        }
+        assert_eq!(Reply::of(request).await.status, 201);
+    }
     proxy.terminate();
     assert!(proxy.wait().await.success(), "{}", proxy.stderr());
+
     let spans = collector.spans();
+    let traces: std::collections::BTreeSet<String> =
+        spans.iter().map(|(_, span)| hex(&span.trace_id)).collect();
+    assert_eq!(
+        traces,
+        [CALLER_TRACE.to_owned()].into(),
+        "the caller's sampled trace is kept whatever the ratio; an unsampled one and a root at ratio 0 \
+         are not: {spans:#?}"
+    );
     assert!(
-        spans
-            .iter()
-            .any(|(service, span)| span.name == "POST" && service == "payments-proxy"),
+        spans.iter().all(|(service, _)| service == "payments-proxy"),
         "{spans:#?}"
+    );
+    assert!(spans.iter().any(|(_, span)| span.name == "POST"), "{spans:#?}");
+    let upstream = env.upstream.requests();
+    let told = upstream[1].headers["traceparent"].to_str().unwrap();
+    assert!(
+        told.starts_with(&format!("00-{RETRY_TRACE}-"))
+            && told.ends_with("-00")
+            && !told.contains(CALLER_SPAN),
+        "an unsampled request still tells the upstream the proxy's span: {told}"
     );
 }
 
