@@ -720,7 +720,30 @@ mod tests {
 
     use super::*;
 
-    const README: &str = include_str!("../README.md");
+    /// The metric reference: the table under `## Metrics` in the operations guide.
+    const REFERENCE: &str = include_str!("../docs/operations.md");
+
+    /// Every page of the documentation, by path: none may name a metric the proxy does not serve.
+    const DOCS: [(&str, &str); 13] = [
+        ("README.md", include_str!("../README.md")),
+        ("docs/contract.md", include_str!("../docs/contract.md")),
+        ("docs/routes.md", include_str!("../docs/routes.md")),
+        ("docs/configuration.md", include_str!("../docs/configuration.md")),
+        ("docs/stores.md", include_str!("../docs/stores.md")),
+        ("docs/security.md", include_str!("../docs/security.md")),
+        ("docs/deploying.md", include_str!("../docs/deploying.md")),
+        ("docs/development.md", include_str!("../docs/development.md")),
+        ("docs/operations.md", REFERENCE),
+        ("docs/on-call.md", include_str!("../docs/on-call.md")),
+        ("docs/tracing.md", include_str!("../docs/tracing.md")),
+        ("docs/kubernetes.md", include_str!("../docs/kubernetes.md")),
+        ("docs/LIFECYCLE.md", include_str!("../docs/LIFECYCLE.md")),
+    ];
+
+    /// Words the documentation writes with the metric prefix that are not metrics.
+    const NOT_METRICS: [&str; 1] = [
+        "idemproxy_owner", // the role that owns the schema (docs/operations.md, Database roles)
+    ];
 
     #[test]
     fn every_outcome_and_store_op_is_counted_under_its_own_label() {
@@ -862,9 +885,9 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_reference_lists_exactly_the_served_families() {
+    fn the_metric_reference_lists_exactly_the_served_families() {
         let served = served();
-        let reference = readme_reference();
+        let reference = reference();
         let unlisted: Vec<&String> = served
             .keys()
             .filter(|name| !reference.contains_key(name.as_str()))
@@ -875,11 +898,11 @@ mod tests {
             .collect();
         assert!(
             unlisted.is_empty(),
-            "served but not in the README's reference: {unlisted:?}"
+            "served but not in the reference (docs/operations.md): {unlisted:?}"
         );
         assert!(
             not_served.is_empty(),
-            "in the README's reference but not served: {not_served:?}"
+            "in the reference (docs/operations.md) but not served: {not_served:?}"
         );
         for (name, row) in reference {
             let family = &served[name];
@@ -888,37 +911,39 @@ mod tests {
             for value in label_values(family) {
                 assert!(
                     row.text.contains(&format!("`{value}`")),
-                    "{name}: README omits `{value}`"
+                    "{name}: the reference omits `{value}`"
                 );
             }
         }
     }
 
     #[test]
-    fn the_readme_mentions_no_metric_that_is_not_served() {
+    fn the_docs_mention_no_metric_that_is_not_served() {
         let served = served();
-        for mention in README.split("idemproxy_").skip(1) {
-            let word: String = mention
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
-                .collect();
-            if word.is_empty() {
-                continue; // the prefix alone, as in a grep pattern
+        for (page, text) in DOCS {
+            for mention in text.split("idemproxy_").skip(1) {
+                let word: String = mention
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                let name = format!("idemproxy_{word}");
+                if word.is_empty() || NOT_METRICS.contains(&name.as_str()) {
+                    continue; // the prefix alone, as in a grep pattern, or a role's name
+                }
+                let family = ["_bucket", "_count", "_sum"]
+                    .into_iter()
+                    .filter_map(|series| name.strip_suffix(series))
+                    .find(|base| served.contains_key(*base))
+                    .unwrap_or(&name);
+                assert!(
+                    served.contains_key(family),
+                    "{page} mentions {name}, which is not served"
+                );
             }
-            let name = format!("idemproxy_{word}");
-            let family = ["_bucket", "_count", "_sum"]
-                .into_iter()
-                .filter_map(|series| name.strip_suffix(series))
-                .find(|base| served.contains_key(*base))
-                .unwrap_or(&name);
-            assert!(
-                served.contains_key(family),
-                "the README mentions {name}, which is not served"
-            );
         }
     }
 
-    /// A row of the README's metric reference.
+    /// A row of the metric reference.
     #[derive(Debug)]
     struct Row {
         kind: &'static str,
@@ -926,18 +951,19 @@ mod tests {
         text: &'static str,
     }
 
-    /// The table in the README's `## Metrics` section, by metric name.
-    fn readme_reference() -> BTreeMap<&'static str, Row> {
-        let section = README
+    /// The table in the `## Metrics` section of docs/operations.md, by metric name.
+    fn reference() -> BTreeMap<&'static str, Row> {
+        let section = REFERENCE
             .split("\n## Metrics\n")
             .nth(1)
-            .expect("README has a ## Metrics section");
-        // The reference table comes before the section's subsections (the access log has a table of its own).
+            .expect("docs/operations.md has a ## Metrics section");
+        // The section ends at the next heading (the access log has a table of its own, elsewhere).
         let section = section.split("\n#").next().unwrap_or(section);
         section.lines().filter_map(reference_row).collect()
     }
 
-    /// `| `name{label}` | type | meaning |`; the header and the rule under it have no backtick.
+    /// `| `name{label}` | type | meaning | normal | when it moves |`; the header and the rule under it have
+    /// no backtick.
     fn reference_row(line: &'static str) -> Option<(&'static str, Row)> {
         let mut cells = line.strip_prefix("| `")?.splitn(3, '|');
         let metric = cells.next()?.trim().strip_suffix('`')?;

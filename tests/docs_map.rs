@@ -1,7 +1,12 @@
-//! The maps of the code (`docs/LIFECYCLE.md` and the module list in `src/lib.rs`) stay true: every file
-//! path they cite exists, every `module::item` or `Type::item` they cite is defined where it says, every
-//! `section.key` they cite is a configuration key of `config/idemproxy.toml`, and each step of a request
-//! in `docs/LIFECYCLE.md` names exactly one file, a file no other step names.
+//! The maps of the code and the documentation stay true. `docs/LIFECYCLE.md` and the module list in
+//! `src/lib.rs`: every file path they cite exists, every `module::item` or `Type::item` they cite is defined
+//! where it says, every `section.key` they cite is a configuration key of `config/idemproxy.toml`, and
+//! each step of a request in `docs/LIFECYCLE.md` names exactly one file, a file no other step names. Every
+//! page of the documentation (all of `docs/`, and README.md, SECURITY.md, CONTRIBUTING.md, CHANGELOG.md):
+//! every relative link leads to a file that exists and, with a `#fragment`, to a heading of that page (as
+//! GitHub makes anchors); and, outside the CHANGELOG's history, every repository path it cites in backticks
+//! exists and every `section.key` whose section is one of the configuration's is a key of
+//! `config/idemproxy.toml`. The README stays a front page: at most 300 lines.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -251,4 +256,241 @@ fn the_checks_catch_what_is_not_there() {
     assert_eq!(found.len(), 2);
     assert_eq!(found[1].0, "B");
     assert!(found[1].1.ends_with("more `x`"), "{:?}", found[1]);
+}
+
+/// The pages a reader can reach: every markdown file under `docs/`, and the pages at the root.
+fn pages() -> Vec<String> {
+    fn walk(dir: &Path, found: &mut Vec<String>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, found);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                found.push(path.strip_prefix(root()).unwrap().to_string_lossy().into_owned());
+            }
+        }
+    }
+    let mut found: Vec<String> = ["README.md", "SECURITY.md", "CONTRIBUTING.md", "CHANGELOG.md"]
+        .map(String::from)
+        .into();
+    walk(&root().join("docs"), &mut found);
+    found
+}
+
+/// `text` without its fenced code blocks (their lines left empty, so the rest keeps its shape).
+fn prose(text: &str) -> String {
+    let mut fence: Option<&str> = None;
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let marker = ["```", "~~~"].into_iter().find(|m| trimmed.starts_with(m));
+        match (fence, marker) {
+            (None, Some(m)) => fence = Some(m),
+            (Some(open), Some(m)) if open == m => fence = None,
+            (None, None) => out.push_str(line),
+            _ => {}
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The anchor GitHub gives a heading: lower case, every character but letters, digits, `-`, `_` and
+/// spaces dropped, spaces made hyphens.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of the headings of `text`; a heading met again gets `-1`, `-2`, … as on GitHub.
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut found = BTreeSet::new();
+    for line in prose(text).lines() {
+        let hashes = line.len() - line.trim_start_matches('#').len();
+        let Some(heading) = line[hashes..]
+            .strip_prefix(' ')
+            .filter(|_| (1..=6).contains(&hashes))
+        else {
+            continue;
+        };
+        let base = slug(heading.trim_end_matches('#'));
+        let count = seen.entry(base.clone()).or_insert(0);
+        found.insert(if *count == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{count}")
+        });
+        *count += 1;
+    }
+    found
+}
+
+/// `text` split at its backticks: the parts outside inline code, and the parts inside.
+fn code_spans(text: &str) -> (Vec<&str>, Vec<&str>) {
+    let parts: Vec<&str> = text.split('`').collect();
+    let outside = parts.iter().step_by(2).copied().collect();
+    let inside = parts.iter().skip(1).step_by(2).copied().collect();
+    (outside, inside)
+}
+
+/// The targets of the inline links (`[text](target)`, images too) outside code.
+fn links(text: &str) -> Vec<String> {
+    let prose = prose(text);
+    let (outside, _) = code_spans(&prose);
+    let mut found = Vec::new();
+    for part in outside {
+        for after in part.split("](").skip(1) {
+            let Some(end) = after.find(')') else { continue };
+            let target = after[..end].split_whitespace().next().unwrap_or_default();
+            found.push(target.trim_matches(['<', '>']).to_owned());
+        }
+    }
+    found
+}
+
+/// Every problem with the relative links of `page` (a path from the repository root), whose text is `text`.
+fn check_links(page: &str, text: &str) -> Vec<String> {
+    let dir = Path::new(page).parent().unwrap_or(Path::new(""));
+    let mut problems = Vec::new();
+    for target in links(text) {
+        if target.contains("://") || target.starts_with("mailto:") {
+            continue;
+        }
+        let (path, fragment) = target.split_once('#').unwrap_or((target.as_str(), ""));
+        if path.is_empty() {
+            if !anchors(text).contains(fragment) {
+                problems.push(format!(
+                    "{page}: (#{fragment}): no heading of the page has that anchor"
+                ));
+            }
+            continue;
+        }
+        let Ok(file) = root().join(dir).join(path).canonicalize() else {
+            problems.push(format!("{page}: ({target}) leads nowhere"));
+            continue;
+        };
+        if !file.starts_with(root().canonicalize().unwrap()) {
+            problems.push(format!("{page}: ({target}) leads out of the repository"));
+        } else if !fragment.is_empty() {
+            let headings = if file.extension().is_some_and(|e| e == "md") {
+                anchors(&fs::read_to_string(&file).unwrap())
+            } else {
+                BTreeSet::new()
+            };
+            if !headings.contains(fragment) {
+                problems.push(format!(
+                    "{page}: ({target}): no heading there has the anchor #{fragment}"
+                ));
+            }
+        }
+    }
+    problems
+}
+
+/// Where a repository path cited in backticks starts.
+const CITED_ROOTS: [&str; 10] = [
+    "src/",
+    "tests/",
+    "examples/",
+    "deploy/",
+    "bench/",
+    "migrations/",
+    "config/",
+    "docs/",
+    "fuzz/",
+    ".ci/",
+];
+
+/// Every problem with the repository paths and configuration keys `page` cites in backticks.
+fn check_citations(page: &str, text: &str, keys: &BTreeSet<String>) -> Vec<String> {
+    let sections: BTreeSet<&str> = keys.iter().filter_map(|k| k.split('.').next()).collect();
+    let prose = prose(text);
+    let (_, inside) = code_spans(&prose);
+    let mut problems = Vec::new();
+    for token in inside {
+        let token = token.trim();
+        let is_repo_path = CITED_ROOTS.iter().any(|r| token.starts_with(r))
+            && token
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c));
+        if is_repo_path && !root().join(token).exists() {
+            problems.push(format!("{page}: `{token}` does not exist"));
+        }
+        let section = token.split('.').next().unwrap_or_default();
+        if is_config_key(token) && sections.contains(section) && !keys.contains(token) {
+            problems.push(format!("{page}: `{token}` is not a key of config/idemproxy.toml"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_relative_link_in_the_docs_leads_to_a_file_and_heading_that_exist() {
+    let pages = pages();
+    assert!(pages.len() >= 12, "only {pages:?}");
+    let problems: Vec<String> = pages
+        .iter()
+        .flat_map(|page| check_links(page, &read(page)))
+        .collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn every_path_and_key_the_docs_cite_exists() {
+    let keys = config_keys();
+    // Past releases in the CHANGELOG may name files and keys as they were then; its links still lead somewhere.
+    let problems: Vec<String> = pages()
+        .iter()
+        .filter(|page| *page != "CHANGELOG.md")
+        .flat_map(|page| check_citations(page, &read(page), &keys))
+        .collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_link_checks_catch_what_is_not_there() {
+    assert_eq!(
+        slug("What \"at most once\" means, exactly"),
+        "what-at-most-once-means-exactly"
+    );
+    assert_eq!(
+        slug("Retention: `ttl` and the sweeper"),
+        "retention-ttl-and-the-sweeper"
+    );
+    let page = "# Top\n\n## Twice\n\n## Twice\n\n```sh\n# not a heading\n```\n";
+    assert_eq!(
+        anchors(page),
+        BTreeSet::from(["top", "twice", "twice-1"].map(String::from))
+    );
+    let good = "[a](#top) [b](operations.md#metrics) [c](../src/lib.rs) [d](https://example.com/x#y) \
+                `[e](nowhere.md)`\n\n```md\n[f](nowhere.md)\n```\n";
+    assert_eq!(
+        check_links("docs/x.md", &format!("# Top\n{good}")),
+        Vec::<String>::new()
+    );
+    let bad = "# Top\n[a](#nothing) [b](operations.md#no-such-heading) [c](no-such-page.md) \
+               [d](../../outside.md) [e](../src/lib.rs#no-heading-in-rust)\n";
+    let problems = check_links("docs/x.md", bad);
+    assert_eq!(problems.len(), 5, "{problems:#?}");
+    let keys = config_keys();
+    let cited = "`src/lib.rs` `src/no_such.rs` `tests/it/no_such/` `store.no_such_key` `store.url` \
+                 `idemproxy.db` `bench/run --quick`";
+    let problems = check_citations("x.md", cited, &keys);
+    assert_eq!(problems.len(), 3, "{problems:#?}");
+}
+
+#[test]
+fn the_readme_stays_a_front_page_of_at_most_300_lines() {
+    let readme = read("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 300,
+        "README.md has {lines} lines: move reference to a page under docs/ and link to it"
+    );
 }

@@ -240,13 +240,13 @@ mod tests {
         }
     }
 
-    /// The ```toml blocks of the README's "Webhook and event receivers" section.
-    fn readme_receiver_examples() -> Vec<&'static str> {
-        const README: &str = include_str!("../../README.md");
-        let start = README
+    /// The ```toml blocks of the "Webhook and event receivers" section of docs/routes.md.
+    fn receiver_examples() -> Vec<&'static str> {
+        const ROUTES: &str = include_str!("../../docs/routes.md");
+        let start = ROUTES
             .find("\n## Webhook and event receivers\n")
-            .expect("README has a Webhook and event receivers section");
-        let section = &README[start + 1..];
+            .expect("docs/routes.md has a Webhook and event receivers section");
+        let section = &ROUTES[start + 1..];
         let section = &section[..section.find("\n## ").unwrap_or(section.len())];
         section
             .split("```toml\n")
@@ -269,14 +269,14 @@ mod tests {
     }
 
     #[test]
-    fn every_receiver_example_in_the_readme_loads() {
+    fn every_receiver_example_in_the_docs_loads() {
         use crate::config::SchemeName;
-        let examples = readme_receiver_examples();
+        let examples = receiver_examples();
         let mut names = Vec::new();
         let mut verified = Vec::new();
         for example in &examples {
             let config = crate::config::Config::from_toml_str_with(example, &AnySecret)
-                .unwrap_or_else(|e| panic!("README example does not load: {e}\n{example}"));
+                .unwrap_or_else(|e| panic!("docs/routes.md example does not load: {e}\n{example}"));
             assert!(!config.routes.routes.is_empty(), "{example}");
             names.extend(config.routes.routes.iter().map(|r| r.name.clone()));
             let signed = config.routes.routes.iter().filter_map(|r| {
@@ -293,7 +293,7 @@ mod tests {
         ] {
             assert!(
                 verified.contains(&(name.to_owned(), scheme)),
-                "the README's {name} example verifies {scheme:?} signatures: {verified:?}"
+                "the {name} example of docs/routes.md verifies {scheme:?} signatures: {verified:?}"
             );
         }
         for name in [
@@ -307,7 +307,7 @@ mod tests {
         ] {
             assert!(
                 names.iter().any(|n| n == name),
-                "no README example named {name}: {names:?}"
+                "no example in docs/routes.md named {name}: {names:?}"
             );
         }
     }

@@ -1,9 +1,9 @@
 //! A route's `signature`: the webhook signature the proxy checks before it claims a delivery's key
-//! (README: Webhook and event receivers). Validated once at load into [`SignatureConfig`]: the scheme,
+//! (docs/routes.md: Signatures). Validated once at load into [`SignatureConfig`]: the scheme,
 //! the timestamp tolerance, and the secrets, read through a [`SecretReader`] from the file or the
 //! environment variables the config names — never from the TOML itself. Secrets are read at start only:
 //! a changed file is not read again until the next start (rotation works by listing both secrets for a
-//! while, see the README). `proxy/signature.rs` verifies with the result. Touches nothing but the files
+//! while, see docs/routes.md). `proxy/signature.rs` verifies with the result. Touches nothing but the files
 //! and variables the config names.
 
 use std::fmt;

@@ -6,7 +6,7 @@
 //!
 //! Redis answers a write before it is on disk or on a replica. With `store.redis.wait_replicas = n` a claim,
 //! completion or hold is followed by `WAIT n` on the same connection, and counts as done only once n
-//! replicas have it; the README's store table says what each setting means when a primary dies.
+//! replicas have it; the store table in docs/stores.md says what each setting means when a primary dies.
 //!
 //! This file wires the parts into [`RedisStore`]:
 //! - `connect.rs`: the connection (one server or a cluster), scripts with `WAIT`, per-node pipelines;

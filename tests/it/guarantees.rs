@@ -1,4 +1,4 @@
-//! The promises of the README's contract, each tested as a client sees it, on both stores where the store
+//! The promises of the HTTP contract (docs/contract.md), each tested as a client sees it, on both stores where the store
 //! matters: a retry sent the moment a response is read gets the replay, no two clients share a scope by
 //! accident, secrets are not stored, a running key is never new, a client that stops reading does not hold
 //! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP

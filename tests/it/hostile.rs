@@ -1,7 +1,7 @@
 //! Hostile and malformed input on a real socket: slow clients, oversized heads, smuggling shapes, bytes
 //! that are not text, and connection floods. Each gets a clear answer (or a closed connection) and none
-//! reaches the upstream in a form the proxy did not itself decide on. The README's "Hostile input" table
-//! lists these rows.
+//! reaches the upstream in a form the proxy did not itself decide on. The "Hostile input" table of
+//! docs/security.md lists these rows.
 
 use std::time::Duration;
 

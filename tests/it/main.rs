@@ -19,6 +19,7 @@ mod listener;
 mod processes;
 mod protocols;
 mod proxy_basic;
+mod readme_clients;
 mod replay_cache;
 mod roles;
 mod routes;

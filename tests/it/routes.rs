@@ -303,24 +303,24 @@ async fn a_route_that_can_never_match_stops_the_start_with_one_line() {
     );
 }
 
-/// The text between `start` and the next fence after it, in README.md.
-fn readme_block(after: &str, fence: &str) -> String {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let section = &readme[readme.find(after).expect("the README section")..];
+/// The text of the first block opened by `fence` after `after`, in docs/routes.md.
+fn doc_block(after: &str, fence: &str) -> String {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/routes.md")).unwrap();
+    let section = &doc[doc.find(after).expect("the section of docs/routes.md")..];
     let start = section.find(fence).expect("the block") + fence.len();
     let end = start + section[start..].find("```").expect("the block's end");
     section[start..end].to_owned()
 }
 
 #[tokio::test]
-async fn the_readme_route_example_prints_the_table_the_readme_shows() {
-    let example = readme_block("## Routes", "```toml\n");
+async fn the_documented_route_example_prints_the_table_the_docs_show() {
+    let example = doc_block("\n## Routes\n", "```toml\n");
     let file = config_file(&example);
     let output = idemproxy(&["check-config", "--config", file.path().to_str().unwrap()], &[]).await;
     assert!(output.status.success(), "{output:?}");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let printed = &stdout[stdout.find("# Routes").expect("the route table")..];
-    let shown = readme_block("`check-config`** prints the resolved table", "```\n");
+    let shown = doc_block("`check-config`** prints the resolved table", "```\n");
     assert_eq!(printed, shown);
 }
 

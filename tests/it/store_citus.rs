@@ -1,4 +1,4 @@
-//! The PostgreSQL store on a key table distributed by Citus (on `key`, as docs/operations.md sets it
+//! The PostgreSQL store on a key table distributed by Citus (on `key`, as docs/stores.md sets it
 //! up): the request path reaches one shard per statement, whatever the load, and the sweeper deletes on
 //! every shard. Run where `IDEMPROXY_TEST_CITUS_URL` names a coordinator, skipped otherwise (saying so);
 //! the store suite runs on Citus under the same condition.

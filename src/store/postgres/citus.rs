@@ -1,5 +1,5 @@
 //! What changes when the key table is distributed by Citus (`create_distributed_table` on `key`; see
-//! docs/operations.md). Runs as each pooled connection opens (the check, whose answer every claim,
+//! docs/stores.md). Runs as each pooled connection opens (the check, whose answer every claim,
 //! completion and sweep reads) and in the sweeper; touches the Citus catalog (read only) and, through the
 //! coordinator, every shard of the key table.
 //!

@@ -1,6 +1,6 @@
 //! A key table distributed by Citus, for the tests that need one. They run when
 //! `IDEMPROXY_TEST_CITUS_URL` names a database on a Citus coordinator (the citus extension created and
-//! the workers added, as docs/operations.md sets it up) and are skipped, saying so, otherwise: Citus is
+//! the workers added, as docs/stores.md sets it up) and are skipped, saying so, otherwise: Citus is
 //! not packaged for the machines CI runs on.
 //!
 //! The tests share that database's `idemproxy` schema, so they run one at a time: each holds its turn
@@ -26,7 +26,7 @@ pub fn url() -> Option<String> {
         _ => {
             eprintln!(
                 "skipped on Citus: {CITUS_URL} is not set (a Citus coordinator's database, set up as \
-                 docs/operations.md says)"
+                 docs/stores.md says)"
             );
             None
         }
