@@ -77,7 +77,7 @@ pub fn claim(traced: bool) -> Span {
     )
 }
 
-/// What the claim statement found, on its span (`won`, `completed`, `in_flight`, …).
+/// What the claim statement found, on its span (`new`, `retry`, `takeover`, `completed`, `processing`, …).
 pub fn claimed(span: &Span, found: &'static str) {
     if !span.is_none() {
         span.record("idemproxy.claim", found);

@@ -26,6 +26,7 @@ use tracing_subscriber::filter::FilterFn;
 use tracing_subscriber::registry::LookupSpan;
 
 use super::{AttributeValue, REQUEST_SPAN, TARGET};
+use crate::config::tls::{self, roots};
 use crate::config::{DEFAULT_SERVICE_NAME, TracesConfig};
 
 /// The instrumentation scope the spans are exported under.
@@ -40,6 +41,9 @@ pub enum StartError {
     /// The runtime the exports run on could not be started.
     #[error("traces: cannot start the export thread: {0}")]
     Runtime(std::io::Error),
+    /// The TLS settings for https:// collectors could not be made.
+    #[error("traces: TLS: {0}")]
+    Tls(String),
     /// The exporter refused its settings.
     #[error("traces: {0}")]
     Exporter(String),
@@ -226,9 +230,16 @@ struct HyperClient {
 
 impl HyperClient {
     fn new(runtime: tokio::runtime::Handle, timeout: Duration) -> Result<HyperClient, StartError> {
+        // https:// collectors are verified against the system's CA certificates; with none found, an
+        // https:// export fails (and says so in the log) while http:// ones still work.
+        let roots = roots(None).map_err(StartError::Tls)?;
+        let tls = rustls::ClientConfig::builder_with_provider(tls::provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| StartError::Tls(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_native_roots()
-            .map_err(StartError::Runtime)?
+            .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
             .build();
