@@ -26,8 +26,9 @@ pub enum Command {
     Serve(ConfigArgs),
     /// Apply pending store migrations and exit.
     Migrate(ConfigArgs),
-    /// Validate the configuration and print it, secrets masked.
-    CheckConfig(ConfigArgs),
+    /// Validate the configuration and print it, secrets masked, after a comment line for each risky
+    /// setting found (exit 0 whatever they are, unless --deny-warnings).
+    CheckConfig(CheckArgs),
     /// Inspect and repair records in the configured store.
     Keys(KeysArgs),
     /// Probe a running proxy's admin listener (for a container HEALTHCHECK): exit 0 when `/readyz`
@@ -39,9 +40,8 @@ impl Command {
     /// The configuration layers this command was given.
     pub fn overrides(&self) -> (Option<&std::path::Path>, Overrides) {
         match self {
-            Command::Serve(args) | Command::Migrate(args) | Command::CheckConfig(args) => {
-                (args.config.as_deref(), args.overrides())
-            }
+            Command::Serve(args) | Command::Migrate(args) => (args.config.as_deref(), args.overrides()),
+            Command::CheckConfig(args) => (args.config.config.as_deref(), args.config.overrides()),
             Command::Keys(args) => (args.config.as_deref(), args.overrides()),
             Command::Health(args) => (args.config.as_deref(), args.overrides()),
         }
@@ -78,13 +78,56 @@ impl KeysArgs {
 /// The `keys` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum KeysCommand {
-    /// Show the records holding KEY: status, attempts, lease, expiry, stored response.
+    /// Show the records holding KEY: status, attempts, lease, expiry, stored response. With a client's
+    /// credential (--header, --cookie) and its route (--route, or --method and --path), only the record
+    /// in the scope the proxy gives that client.
     Show {
         /// The idempotency key.
         key: String,
         /// Only the record in this scope (as `keys show` prints it).
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["route", "path", "headers", "cookie"])]
         scope: Option<String>,
+        /// The client and route whose scope to look in.
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// List records, a page at a time: by route, by client (--header, --cookie) or by scope, and by
+    /// state. Each page reads a bounded number of records; the last line gives the next page's --after.
+    List {
+        /// Only the records of this scope (as `keys show` prints it).
+        #[arg(long, conflicts_with_all = ["route", "path", "headers", "cookie"])]
+        scope: Option<String>,
+        /// The route or client whose records to list.
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Only records in these states (repeat, or separate with commas).
+        #[arg(long, value_enum, value_delimiter = ',')]
+        state: Vec<ListState>,
+        /// Most records on the page.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        limit: u32,
+        /// Start after this cursor, as the previous page's last line gives it.
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
+    },
+    /// Delete one stored record, so the next request with its key executes again. Asks to type the key
+    /// back (or --yes); refuses a claim in flight without --force.
+    Forget {
+        /// The idempotency key.
+        key: String,
+        /// The record's scope, needed when the key exists in several.
+        #[arg(long, conflicts_with_all = ["route", "path", "headers", "cookie"])]
+        scope: Option<String>,
+        /// The client and route whose record to forget.
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Do not ask for confirmation (for scripts; without a terminal it is required).
+        #[arg(long)]
+        yes: bool,
+        /// Forget a claim in flight too: its request is executing, and a retry will then execute it again
+        /// while the first may still be running.
+        #[arg(long)]
+        force: bool,
     },
     /// Release a stuck in-flight claim so the next retry executes.
     Release {
@@ -106,6 +149,58 @@ pub enum KeysCommand {
     },
     /// Count records by state.
     Stats,
+}
+
+/// A client as the proxy sees it: the route its request takes and the credential it sends. The scope
+/// is computed from them by the proxy's own code, so `keys` finds the record the proxy would.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ClientArgs {
+    /// The route, by its name in [[routes]] (`default` for [idempotency]).
+    #[arg(long, conflicts_with = "path")]
+    pub route: Option<String>,
+    /// The request's path, to choose the route as the proxy does.
+    #[arg(long)]
+    pub path: Option<String>,
+    /// The request's method, with --path.
+    #[arg(long, requires = "path", default_value = "POST")]
+    pub method: String,
+    /// A request header as the client sends it, `Name: value` (repeat for several): the route's scope
+    /// headers are read from these, e.g. --header 'Authorization: Bearer abc'.
+    #[arg(long = "header", short = 'H', value_name = "NAME: VALUE")]
+    pub headers: Vec<String>,
+    /// The client's Cookie header as it sends it (`session=abc; theme=dark`), for a route whose scope is
+    /// a cookie (scope_cookie).
+    #[arg(long, value_name = "COOKIES")]
+    pub cookie: Option<String>,
+}
+
+impl ClientArgs {
+    /// Whether a credential was given (a header or a cookie).
+    pub fn has_credential(&self) -> bool {
+        !self.headers.is_empty() || self.cookie.is_some()
+    }
+
+    /// Whether a route was named, by name or by path.
+    pub fn has_route(&self) -> bool {
+        self.route.is_some() || self.path.is_some()
+    }
+}
+
+/// The states `keys list --state` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ListState {
+    /// Processing under a live lease: a proxy is executing it.
+    InFlight,
+    /// Processing, its lease run out: the next retry takes it over.
+    Stale,
+    /// Completed: retries replay the stored response.
+    Completed,
+    /// Released: the next retry executes.
+    Released,
+    /// Held (outcome unknown): refused until `keys release`.
+    Held,
+    /// Past its expiry, waiting for the sweeper.
+    Expired,
 }
 
 /// `idemproxy health`: where the admin listener is, read from the same layers as `serve`.
@@ -138,6 +233,17 @@ impl HealthArgs {
     pub fn probe(&self) -> Probe {
         if self.live { Probe::Live } else { Probe::Ready }
     }
+}
+
+/// `idemproxy check-config`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Where the configuration comes from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Exit 64, as for a bad configuration, when any risky setting is found (for CI).
+    #[arg(long)]
+    pub deny_warnings: bool,
 }
 
 /// Where the configuration comes from.

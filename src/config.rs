@@ -7,8 +7,10 @@
 //! `idempotency.rs` (and a route's webhook `signature.rs`), `routes.rs`, `sweeper.rs`, `log.rs`,
 //! `replay_cache.rs`, `encryption.rs` (and the keys), `traces.rs` (OTLP export); `path.rs` is the normal form of request paths
 //! (`server.paths`) that routes are written in;
-//! `parse.rs` holds the checks they share, `tls.rs` the PEM files and rustls configs. A section whose TOML form is already its typed form is one
-//! struct; the others have a `Raw…` struct as written and a `…Config` as run. Nothing here imports from
+//! `parse.rs` holds the checks they share (and the "did you mean" of an unknown key), `tls.rs` the PEM
+//! files and rustls configs; `service_links.rs` recognises the Kubernetes service-link variables the
+//! `IDEMPROXY_` layer leaves out, and `warnings.rs` finds the risky settings `check-config` warns about.
+//! A section whose TOML form is already its typed form is one struct; the others have a `Raw…` struct as written and a `…Config` as run. Nothing here imports from
 //! the rest of the crate: the store, the proxy and the server read this, never the other way round.
 
 mod encryption;
@@ -22,12 +24,14 @@ mod redis;
 mod replay_cache;
 mod routes;
 mod server;
+mod service_links;
 pub(crate) mod signature;
 mod store;
 mod sweeper;
 pub mod tls;
 mod traces;
 mod upstream;
+mod warnings;
 
 use std::path::Path;
 
@@ -58,6 +62,7 @@ pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreCo
 pub use sweeper::SweeperConfig;
 pub use traces::{DEFAULT_SERVICE_NAME, HTTP_PROTOBUF, RawTraces, TracesConfig};
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
+pub use warnings::Warning;
 
 /// A configuration error: one line naming the key and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
@@ -78,17 +83,33 @@ impl ConfigError {
     }
 
     fn from_figment(err: figment::Error) -> Self {
-        let key = if err.path.is_empty() {
+        let mut path = err.path.clone();
+        let source = err.metadata.as_ref().map(|m| match &m.source {
+            Some(figment::Source::File(file)) => file.display().to_string(),
+            _ => m.name.to_string(),
+        });
+        let from = source
+            .as_deref()
+            .map(|s| format!(" (from {s})"))
+            .unwrap_or_default();
+        let message = match &err.kind {
+            figment::error::Kind::UnknownField(field, expected) => {
+                if path.last() != Some(field) {
+                    path.push(field.clone());
+                }
+                // The variable that set it, if one did: figment may tag the error with the layer
+                // whose table holds the key rather than the one that added it.
+                parse::unknown_variable(&path, expected, std::env::vars_os())
+                    .unwrap_or_else(|| format!("{}{from}", parse::unknown_key(field, expected)))
+            }
+            kind => format!("{kind}{from}"),
+        };
+        let key = if path.is_empty() {
             "config".to_owned()
         } else {
-            err.path.join(".")
+            path.join(".")
         };
-        let source = err
-            .metadata
-            .as_ref()
-            .map(|m| format!(" (from {})", m.name))
-            .unwrap_or_default();
-        ConfigError::new(&key, format!("{}{source}", err.kind))
+        ConfigError::new(&key, message)
     }
 }
 
@@ -142,6 +163,9 @@ pub struct Config {
     pub encryption: Option<EncryptionConfig>,
     /// OpenTelemetry traces.
     pub traces: TracesConfig,
+    /// The Kubernetes service-link variables (`IDEMPROXY_PORT`, `IDEMPROXY_SERVICE_HOST`, ...) the
+    /// environment layer left out, by name; empty unless loaded with [`Config::load`].
+    pub service_links: Vec<String>,
     raw: RawConfig,
 }
 
@@ -186,10 +210,22 @@ impl Config {
             }
             figment = figment.merge(Toml::file_exact(path));
         }
-        figment = figment
-            .merge(Env::prefixed("IDEMPROXY_").split("__").lowercase(true))
-            .merge(overrides.figment());
-        Self::from_figment(figment)
+        let vars: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+            .collect();
+        let links = service_links::service_links(vars.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+        let ignored: Vec<&str> = links
+            .iter()
+            .map(|name| &name[service_links::PREFIX.len()..])
+            .collect();
+        let env = Env::prefixed(service_links::PREFIX)
+            .ignore(&ignored)
+            .split("__")
+            .lowercase(true);
+        figment = figment.merge(env).merge(overrides.figment());
+        let mut config = Self::from_figment(figment)?;
+        config.service_links = links;
+        Ok(config)
     }
 
     fn from_figment(figment: Figment) -> Result<Config, ConfigError> {
@@ -269,6 +305,7 @@ impl RawConfig {
             replay_cache: self.replay_cache.clone(),
             encryption,
             traces,
+            service_links: Vec::new(),
             raw: self,
         })
     }

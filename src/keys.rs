@@ -2,6 +2,12 @@
 //! configured store while proxies keep serving. Opens the store as a tool (no migrations, no instance
 //! lock) and touches only the records it is asked about. Every command reports in text for people or in
 //! JSON for scripts; nothing here prints request data, which the store never holds in the clear.
+//! `keys/client.rs` resolves whom a command is about (a client's scope from its credential),
+//! `keys/list.rs` pages through records, `keys/forget.rs` deletes one.
+
+mod client;
+mod forget;
+mod list;
 
 use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
@@ -9,13 +15,31 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::KeysCommand;
+use crate::cli::{KeysCommand, ListState};
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::store::{self, Purpose, RecordId, RecordInfo, RecordStatus, StoreError, StoreHandle, sweeper};
+use crate::store::{
+    self, Purpose, RecordId, RecordInfo, RecordState, RecordStatus, StoreError, StoreHandle, sweeper,
+};
+use client::Client;
+use forget::Forget;
 
 /// Records deleted per statement by `keys purge`, as by the sweeper's default.
 const PURGE_BATCH: u32 = 1000;
+
+/// Why a `keys` command could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum KeysError {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The command names a route, path or credential that cannot be used.
+    #[error("{0}")]
+    Usage(String),
+    /// The confirmation could not be read.
+    #[error("cannot read the confirmation: {0}")]
+    Confirmation(std::io::Error),
+}
 
 /// What a command has to say, and whether it did what was asked (the exit status).
 #[derive(Debug)]
@@ -27,16 +51,46 @@ pub struct Report {
 }
 
 /// Runs one `keys` command against the configured store.
-pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<Report, StoreError> {
+pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<Report, KeysError> {
     let backend = store::open(&config.store, Purpose::Tool).await?;
     let store = StoreHandle::new(backend, Metrics::new());
     let out = Output { json };
     match command {
-        KeysCommand::Show { key, scope } => show(&store, &out, key, scope.as_deref()).await,
-        KeysCommand::Release { key, scope, force } => {
-            release(&store, &out, key, scope.as_deref(), *force).await
+        KeysCommand::Show { key, scope, client } => {
+            let scope = Client::resolve(config, scope.as_deref(), client)?;
+            show(&store, &out, key, &scope).await
         }
-        KeysCommand::Purge { .. } => purge(&store, &out).await,
+        KeysCommand::List {
+            scope,
+            client,
+            state,
+            limit,
+            after,
+        } => {
+            let scope = Client::resolve(config, scope.as_deref(), client)?;
+            let states = state.iter().map(|s| s.state()).collect();
+            list::list(&store, &out, scope.filter(), states, *limit, after.clone()).await
+        }
+        KeysCommand::Forget {
+            key,
+            scope,
+            client,
+            yes,
+            force,
+        } => {
+            let scope = Client::resolve(config, scope.as_deref(), client)?;
+            let asked = Forget {
+                key,
+                yes: *yes,
+                force: *force,
+                cache_age: forget::replay_cache_age(config),
+            };
+            forget::forget(&store, &out, &scope, &asked).await
+        }
+        KeysCommand::Release { key, scope, force } => {
+            Ok(release(&store, &out, key, scope.as_deref(), *force).await?)
+        }
+        KeysCommand::Purge { .. } => Ok(purge(&store, &out).await?),
         KeysCommand::Stats => Ok(out.report(&store.stats().await?, true, |stats, text| {
             let _ = writeln!(text, "processing  {}", stats.processing);
             let _ = writeln!(text, "completed   {}", stats.completed);
@@ -51,19 +105,29 @@ pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<R
     }
 }
 
-async fn show(
-    store: &StoreHandle,
-    out: &Output,
-    key: &str,
-    scope: Option<&str>,
-) -> Result<Report, StoreError> {
-    let records = store.find(key, scope).await?;
+impl ListState {
+    fn state(self) -> RecordState {
+        match self {
+            ListState::InFlight => RecordState::InFlight,
+            ListState::Stale => RecordState::Stale,
+            ListState::Completed => RecordState::Completed,
+            ListState::Released => RecordState::Released,
+            ListState::Held => RecordState::Held,
+            ListState::Expired => RecordState::Expired,
+        }
+    }
+}
+
+async fn show(store: &StoreHandle, out: &Output, key: &str, client: &Client) -> Result<Report, KeysError> {
+    let mut records = store.find(key, client.scope()).await?;
+    records.retain(|record| client.filter().admits(&record.scope));
     if records.is_empty() {
-        return Ok(out.not_found(key));
+        return Ok(out.not_found(key, client));
     }
     Ok(out.report(&records, true, |records, text| {
+        client.describe(text);
         for (i, record) in records.iter().enumerate() {
-            if i > 0 {
+            if i > 0 || matches!(client, Client::Credential { .. }) {
                 text.push('\n');
             }
             describe(record, text);
@@ -88,7 +152,7 @@ async fn release(
 ) -> Result<Report, StoreError> {
     let mut records = store.find(key, scope).await?;
     let record = match records.len() {
-        0 => return Ok(out.not_found(key)),
+        0 => return Ok(out.not_found(key, &Client::Anyone)),
         1 => records.remove(0),
         _ => {
             let scopes: Vec<&str> = records.iter().map(|r| r.scope.as_str()).collect();
@@ -256,10 +320,18 @@ impl Output {
         Report { output, success }
     }
 
-    fn not_found(&self, key: &str) -> Report {
+    fn not_found(&self, key: &str, client: &Client) -> Report {
         let empty: [RecordInfo; 0] = [];
         self.report(&empty, false, |_, text| {
-            let _ = writeln!(text, "no record for key {key:?}");
+            client.describe(text);
+            match client.scope() {
+                Some(scope) => {
+                    let _ = writeln!(text, "no record for key {key:?} in scope {scope}");
+                }
+                None => {
+                    let _ = writeln!(text, "no record for key {key:?}");
+                }
+            }
         })
     }
 

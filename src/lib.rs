@@ -35,8 +35,10 @@
 //!   makes the request's trace spans and `otlp/export.rs` sends them over OTLP (`traces.enabled`);
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
 //!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
-//!   `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
-//!   (`idemproxy keys ...`).
+//!   `shutdown.rs` turns signals into cancellation (and hands SIGHUP to `reload.rs`, which reads the
+//!   configuration again); `logging.rs` sets up the log lines; `keys.rs` is the operator's runbook
+//!   (`idemproxy keys ...`: `keys/client.rs` finds a client's scope from its credential, `keys/list.rs`
+//!   pages through records, `keys/forget.rs` deletes one).
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -52,9 +54,11 @@ pub mod error_chain;
 pub mod headers;
 pub mod health;
 pub mod keys;
+pub mod logging;
 pub mod metrics;
 pub mod otlp;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod store;
@@ -70,6 +74,7 @@ use crate::admin::Admin;
 use crate::config::ListenAddr;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
+use crate::reload::Reload;
 use crate::store::StoreError;
 use crate::store::notify::Waiters;
 
@@ -83,16 +88,112 @@ pub struct Listeners {
 
 impl Listeners {
     /// Binds both addresses of the configuration. A unix socket's file is made with
-    /// `server.socket_mode`, after removing a stale one nothing listens on.
-    pub async fn bind(config: &Config) -> std::io::Result<Listeners> {
-        let proxy = match &config.server.listen {
-            ListenAddr::Tcp(addr) => TcpListener::bind(addr).await?.into(),
-            ListenAddr::Unix { path, mode } => server::ProxySocket::bind_unix(path, *mode)?,
+    /// `server.socket_mode`, after removing a stale one nothing listens on. A failure names the
+    /// listener's key and address and says what to do.
+    pub async fn bind(config: &Config) -> Result<Listeners, BindError> {
+        let listen = &config.server.listen;
+        let proxy = match listen {
+            ListenAddr::Tcp(addr) => TcpListener::bind(addr).await.map(Into::into),
+            ListenAddr::Unix { path, mode } => server::ProxySocket::bind_unix(path, *mode),
         };
-        Ok(Listeners {
-            proxy,
-            admin: TcpListener::bind(config.server.admin_listen).await?,
-        })
+        let proxy = proxy.map_err(|error| BindError::new(Listener::Proxy, listen.to_string(), error))?;
+        let admin_addr = config.server.admin_listen;
+        let admin = TcpListener::bind(admin_addr)
+            .await
+            .map_err(|error| BindError::new(Listener::Admin, admin_addr.to_string(), error))?;
+        Ok(Listeners { proxy, admin })
+    }
+}
+
+/// The listeners the proxy binds at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    /// The proxy's own port (`server.listen`).
+    Proxy,
+    /// `/metrics`, `/healthz`, `/readyz` (`server.admin_listen`).
+    Admin,
+}
+
+impl Listener {
+    /// Its configuration key.
+    pub fn key(self) -> &'static str {
+        match self {
+            Listener::Proxy => "server.listen",
+            Listener::Admin => "server.admin_listen",
+        }
+    }
+
+    /// The ways to set it: flag and variable.
+    fn settings(self) -> &'static str {
+        match self {
+            Listener::Proxy => "--listen or IDEMPROXY_SERVER__LISTEN",
+            Listener::Admin => "--admin-listen or IDEMPROXY_SERVER__ADMIN_LISTEN",
+        }
+    }
+}
+
+/// A listener that could not be bound: which one, where, why, and what to do.
+#[derive(Debug)]
+pub struct BindError {
+    /// Which listener.
+    pub listener: Listener,
+    /// The address it was to listen on, as configured.
+    pub address: String,
+    /// What the system said.
+    pub error: std::io::Error,
+}
+
+impl std::fmt::Display for BindError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cannot listen on {} = {} ({}): {}; {}",
+            self.listener.key(),
+            self.address,
+            self.listener_name(),
+            self.error,
+            self.advice()
+        )
+    }
+}
+
+impl std::error::Error for BindError {}
+
+impl BindError {
+    fn new(listener: Listener, address: String, error: std::io::Error) -> BindError {
+        BindError {
+            listener,
+            address,
+            error,
+        }
+    }
+
+    fn listener_name(&self) -> &'static str {
+        match self.listener {
+            Listener::Proxy => "the proxy listener",
+            Listener::Admin => "the admin listener: /metrics, /healthz, /readyz",
+        }
+    }
+
+    /// What to do about it.
+    fn advice(&self) -> String {
+        let key = self.listener.key();
+        let settings = self.listener.settings();
+        match self.error.kind() {
+            std::io::ErrorKind::AddrInUse => format!(
+                "another process is listening there (another idemproxy, or the app itself?): stop it, or \
+                 give {key} a free port ({settings})"
+            ),
+            std::io::ErrorKind::PermissionDenied => format!(
+                "ports below 1024 need privileges: use a port of 1024 or above in {key} ({settings}), or \
+                 grant the process CAP_NET_BIND_SERVICE"
+            ),
+            std::io::ErrorKind::AddrNotAvailable => format!(
+                "no network interface of this machine has that address: use 0.0.0.0 (every interface), \
+                 127.0.0.1, or one of this machine's addresses in {key} ({settings})"
+            ),
+            _ => format!("check {key} ({settings})"),
+        }
     }
 }
 
@@ -115,7 +216,30 @@ pub enum RunError {
 /// yet does not stop the start: the proxy serves, keyed requests follow `store.on_error`, and the store
 /// opens once it answers (`store/opening.rs`).
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
+    serve(config, listeners, shutdown, None).await
+}
+
+/// [`run`], and at each SIGHUP meanwhile, `reload` reads the configuration again (`reload.rs`).
+pub async fn run_reloading(
+    config: Config,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    reload: Reload,
+) -> Result<(), RunError> {
+    serve(config, listeners, shutdown, Some(reload)).await
+}
+
+async fn serve(
+    config: Config,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    reload: Option<Reload>,
+) -> Result<(), RunError> {
+    announce_config(&config);
     let metrics = Metrics::new();
+    if let Some(reload) = reload {
+        reload.spawn(&config, metrics.clone(), shutdown.clone());
+    }
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
     let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
@@ -146,6 +270,21 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationTok
     )
     .await
     .map_err(RunError::Workers)
+}
+
+/// Logs what a reader of the start-up log should know about the configuration: the Kubernetes
+/// service-link variables left out of it, and each risky setting `check-config` warns about.
+fn announce_config(config: &Config) {
+    if !config.service_links.is_empty() {
+        tracing::info!(
+            variables = %config.service_links.join(","),
+            "ignoring Kubernetes service-link variables: a Service named idemproxy makes Kubernetes set \
+             them in every pod; they are not configuration (enableServiceLinks: false leaves them out)"
+        );
+    }
+    for warning in config.warnings() {
+        tracing::warn!(key = %warning.key, "{}", warning.message);
+    }
 }
 
 /// Applies pending migrations and reports how many were applied.

@@ -1,17 +1,16 @@
 //! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
 //! the library. Exit codes: 0 done, 1 runtime failure (or a `keys` command that found nothing to act on or
-//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration.
+//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration (or, for
+//! `check-config --deny-warnings`, a risky one).
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use idemproxy::cli::{Cli, Command, HealthArgs, KeysArgs};
-use idemproxy::config::{Config, LogFormat, MaskedStderr, mask_passwords};
-use idemproxy::otlp::{self, Exporting, StartError};
+use idemproxy::config::{Config, mask_passwords};
+use idemproxy::logging;
+use idemproxy::reload::Reload;
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::{EnvFilter, Layer};
 
 /// The allocator for the whole process (see `Cargo.toml`).
 #[cfg(not(target_env = "msvc"))]
@@ -34,26 +33,31 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    if let Command::CheckConfig(_) = cli.command {
-        print!("{}", config.to_masked_toml());
-        return ExitCode::SUCCESS;
+    if let Command::CheckConfig(args) = &cli.command {
+        return check_config(&config, args.deny_warnings);
     }
-    let traces = match init_tracing(&config) {
-        Ok(traces) => traces,
+    let (filter, traces) = match logging::init(&config.log, &config.traces) {
+        Ok(started) => started,
         Err(error) => {
             eprintln!("{}", mask_passwords(&error.to_string()));
             return ExitCode::FAILURE;
         }
     };
-    let code = run(cli, config);
+    let reload = Reload {
+        file: file.map(ToOwned::to_owned),
+        overrides,
+        filter,
+    };
+    let code = run(cli, config, reload);
     if let Some(traces) = traces {
         traces.shutdown();
     }
     code
 }
 
-/// The commands that run with logging (and traces) set up.
-fn run(cli: Cli, config: Config) -> ExitCode {
+/// The commands that run with logging (and traces) set up; `serve` rereads the configuration through
+/// `reload` at SIGHUP.
+fn run(cli: Cli, config: Config, reload: Reload) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -67,7 +71,7 @@ fn run(cli: Cli, config: Config) -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Migrate(_) => migrate(&config).await,
-            _ => serve(config).await,
+            _ => serve(config, reload).await,
         }
     });
     match result {
@@ -77,6 +81,21 @@ fn run(cli: Cli, config: Config) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints the effective configuration, each risky setting first as a comment; with `--deny-warnings`
+/// any such setting makes it a bad configuration.
+fn check_config(config: &Config, deny_warnings: bool) -> ExitCode {
+    let warnings = config.warnings();
+    print!("{}", config.to_checked_toml(&warnings));
+    if deny_warnings && !warnings.is_empty() {
+        eprintln!(
+            "idemproxy check-config: {} warning(s) and --deny-warnings",
+            warnings.len()
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    ExitCode::SUCCESS
 }
 
 /// Prints the runbook command's report; its exit code says whether it did what was asked.
@@ -118,11 +137,12 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
     }
 }
 
-async fn serve(config: Config) -> anyhow::Result<()> {
+async fn serve(config: Config, reload: Reload) -> anyhow::Result<()> {
+    logging::announce(&config);
     let listeners = idemproxy::Listeners::bind(&config).await?;
     let shutdown = CancellationToken::new();
     idemproxy::shutdown::cancel_on_signal(shutdown.clone())?;
-    idemproxy::run(config, listeners, shutdown).await?;
+    idemproxy::run_reloading(config, listeners, shutdown, reload).await?;
     Ok(())
 }
 
@@ -130,27 +150,4 @@ async fn migrate(config: &Config) -> anyhow::Result<()> {
     let applied = idemproxy::migrate(config).await?;
     tracing::info!(applied, "migrations applied");
     Ok(())
-}
-
-/// Targets of dependencies whose lines would carry keys or bodies in clear, held at INFO whatever the
-/// filter asks: tokio-postgres logs every statement's parameters (scope, key, fingerprint) at DEBUG.
-const QUIET_TARGETS: [&str; 1] = ["tokio_postgres::query=info"];
-
-/// Sets up the log output (with its own filter) and, with `traces.enabled`, the OTLP export beside it
-/// (`otlp.rs`), which sees the request spans whatever the log filter; returns the export to flush at exit.
-fn init_tracing(config: &Config) -> Result<Option<Exporting>, StartError> {
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log.filter));
-    for directive in QUIET_TARGETS.iter().chain([&otlp::NOT_LOGGED]) {
-        if let Ok(directive) = directive.parse() {
-            filter = filter.add_directive(directive);
-        }
-    }
-    let fmt = tracing_subscriber::fmt::layer().with_writer(MaskedStderr);
-    let fmt = match config.log.format {
-        LogFormat::Json => fmt.json().with_filter(filter).boxed(),
-        LogFormat::Text => fmt.with_filter(filter).boxed(),
-    };
-    let (traces, exporting) = otlp::layer(&config.traces)?.unzip();
-    tracing_subscriber::registry().with(fmt).with(traces).init();
-    Ok(exporting)
 }

@@ -11,10 +11,25 @@
 //! come from small fixed sets only: never keys, paths or error text.
 //!
 //! `REPLAYS`, `CONFLICTS` and `MISMATCHES` are aliases kept for existing dashboards: each equals
-//! `REQUESTS` with its outcome, because [`MetricSet::record`] counts both.
+//! `REQUESTS` with its outcome, because [`RouteSeries::record`] counts both.
+//!
+//! The `route` label is on what a request's route decides, and only that: `REQUESTS`, its three
+//! aliases and `REQUEST_DURATION`. Its values are the configured route names and `default`, so they
+//! are as many as the configuration has routes; each route's series are resolved once, at start
+//! ([`MetricSet::routes`]), and a request finds them by its route's name in a [`RouteSet`]. What the
+//! route does not decide has no `route`: the store's and the upstream's latency (one store, one
+//! upstream for every route), connections, budgets and limits (shared by every route), the sweeper and
+//! the record counts (over the whole table).
+//!
+//! The `process_*` families are the standard ones every Prometheus client exports under those names
+//! (`process.rs` beside this file reads them from `/proc` at each scrape); they keep their standard
+//! names, without the `idemproxy_` prefix.
 
 use std::ops::Deref;
 use std::sync::Arc;
+use std::time::Duration;
+
+mod process;
 
 use prometheus::core::Collector;
 use prometheus::{
@@ -32,6 +47,15 @@ struct Spec {
 const REQUESTS: Spec = Spec {
     name: "idemproxy_requests_total",
     help: "Requests by how they ended.",
+};
+const REQUEST_DURATION: Spec = Spec {
+    name: "idemproxy_request_duration_seconds",
+    help: "Time from the request's head being read to the response head being handed to the client, \
+           by route and outcome.",
+};
+const BUSY_REFUSALS: Spec = Spec {
+    name: "idemproxy_busy_refusals_total",
+    help: "Requests refused 503 busy, by the limit that ran out.",
 };
 const REPLAYS: Spec = Spec {
     name: "idemproxy_replays_total",
@@ -168,6 +192,11 @@ const TLS_RELOADS: Spec = Spec {
     help: "Changes to the server.tls certificate or key files seen, by whether the new pair was taken \
            (ok) or refused, the old pair kept (error).",
 };
+const TLS_LAST_RELOAD_SUCCESSFUL: Spec = Spec {
+    name: "idemproxy_tls_last_reload_successful",
+    help: "0 while the last change seen to the server.tls certificate or key files was refused (the old \
+           pair serving), else 1.",
+};
 // The sweeper.
 const EXPIRED_DELETED: Spec = Spec {
     name: "idemproxy_expired_keys_deleted_total",
@@ -177,6 +206,20 @@ const RECORDS: Spec = Spec {
     name: "idemproxy_records",
     help: "Records in the key table by state (processing, completed, failed, unknown, expired), \
            as of the sweeper's last count.",
+};
+// The process.
+const BUILD_INFO: Spec = Spec {
+    name: "idemproxy_build_info",
+    help: "Always 1; its labels say which build runs.",
+};
+const CONFIG_RELOADS: Spec = Spec {
+    name: "idemproxy_config_reloads_total",
+    help: "Times SIGHUP read the configuration again, by whether it was valid (ok) or refused, the running \
+           configuration kept (error).",
+};
+const CONFIG_LAST_RELOAD_SUCCESSFUL: Spec = Spec {
+    name: "idemproxy_config_last_reload_successful",
+    help: "0 when the configuration read at the last SIGHUP was refused, else 1.",
 };
 // Webhook signatures.
 const SIGNATURE_CHECKS: Spec = Spec {
@@ -193,13 +236,21 @@ const UNDECRYPTABLE: Spec = Spec {
 
 /// Label names, each written once.
 mod label {
-    /// [`super::Outcome`], on `REQUESTS`.
+    /// [`super::Outcome`], on `REQUESTS` and `REQUEST_DURATION`.
     pub const OUTCOME: &str = "outcome";
+    /// A route's name, on `REQUESTS`, its aliases and `REQUEST_DURATION`.
+    pub const ROUTE: &str = "route";
+    /// A [`super::BusyReason`], on `BUSY_REFUSALS`.
+    pub const REASON: &str = "reason";
+    /// The crate's version, on `BUILD_INFO`.
+    pub const VERSION: &str = "version";
+    /// `release` or `debug` (built without optimisation), on `BUILD_INFO`.
+    pub const PROFILE: &str = "profile";
     /// [`super::StoreOp`], on `STORE_ERRORS` and `STORE_DURATION`.
     pub const OP: &str = "op";
     /// A field of [`super::RecordCounts`], on `RECORDS`.
     pub const STATUS: &str = "status";
-    /// `ok` or `error`, on `TLS_RELOADS`; a [`super::WaitResult`], on `WAITS`; a
+    /// `ok` or `error`, on `TLS_RELOADS` and `CONFIG_RELOADS`; a [`super::WaitResult`], on `WAITS`; a
     /// [`super::SignatureCheck`], on `SIGNATURE_CHECKS`.
     pub const RESULT: &str = "result";
 }
@@ -337,6 +388,47 @@ impl SignatureCheck {
     }
 }
 
+/// Which limit ran out when a request was refused 503 `busy`, for
+/// `idemproxy_busy_refusals_total{reason}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BusyReason {
+    /// `server.max_buffered_bodies`, for a body.
+    Bodies,
+    /// `server.max_buffered_bodies`, for the working memory of reading a JSON body.
+    Parsing,
+    /// `server.max_keyed_in_flight`.
+    KeyedInFlight,
+    /// `server.max_keyed_per_connection`.
+    KeyedOnConnection,
+    /// `upstream.max_connections`.
+    UpstreamConnections,
+    /// `server.max_connections`.
+    Connections,
+}
+
+impl BusyReason {
+    const ALL: [BusyReason; 6] = [
+        BusyReason::Bodies,
+        BusyReason::Parsing,
+        BusyReason::KeyedInFlight,
+        BusyReason::KeyedOnConnection,
+        BusyReason::UpstreamConnections,
+        BusyReason::Connections,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BusyReason::Bodies => "bodies",
+            BusyReason::Parsing => "parsing",
+            BusyReason::KeyedInFlight => "keyed_in_flight",
+            BusyReason::KeyedOnConnection => "keyed_on_connection",
+            BusyReason::UpstreamConnections => "upstream_connections",
+            BusyReason::Connections => "connections",
+        }
+    }
+}
+
 /// A store operation, for the `op` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreOp {
@@ -422,6 +514,63 @@ impl RecordCounts {
     }
 }
 
+/// One route's series of `REQUESTS`, its aliases and `REQUEST_DURATION`, resolved once: counting a request
+/// then costs no label lookup, no allocation and no lock.
+pub struct RouteSeries {
+    /// `REQUESTS{route, outcome}`, by [`Outcome`] in declaration order.
+    by_outcome: [IntCounter; Outcome::ALL.len()],
+    /// `REQUEST_DURATION{route, outcome}`, by [`Outcome`] in declaration order.
+    durations: [Histogram; Outcome::ALL.len()],
+    /// `REPLAYS{route}`, `CONFLICTS{route}`, `MISMATCHES{route}`.
+    replays: IntCounter,
+    conflicts: IntCounter,
+    mismatches: IntCounter,
+}
+
+impl RouteSeries {
+    /// Counts a finished request, and its alias if the outcome has one.
+    pub fn record(&self, outcome: Outcome) {
+        self.by_outcome[outcome as usize].inc();
+        if let Some(alias) = self.alias(outcome) {
+            alias.inc();
+        }
+    }
+
+    /// Counts a request whose response head was handed to its client `elapsed` after its head was read.
+    pub fn answered(&self, outcome: Outcome, elapsed: Duration) {
+        self.record(outcome);
+        self.durations[outcome as usize].observe(elapsed.as_secs_f64());
+    }
+
+    /// The counter kept for existing dashboards that repeats `REQUESTS` for `outcome`, if any.
+    fn alias(&self, outcome: Outcome) -> Option<&IntCounter> {
+        match outcome {
+            Outcome::Replayed => Some(&self.replays),
+            Outcome::Conflict => Some(&self.conflicts),
+            Outcome::Mismatch => Some(&self.mismatches),
+            Outcome::Passthrough
+            | Outcome::Executed
+            | Outcome::Rejected
+            | Outcome::StoreUnavailable
+            | Outcome::UpstreamError
+            | Outcome::Held => None,
+        }
+    }
+}
+
+/// Every route's [`RouteSeries`], by route name, and the default route's for any other name.
+pub struct RouteSet {
+    by_name: foldhash::HashMap<Box<str>, Arc<RouteSeries>>,
+    default: Arc<RouteSeries>,
+}
+
+impl RouteSet {
+    /// The series of the route named `name`: the default route's if no route has that name.
+    pub fn get(&self, name: &str) -> &Arc<RouteSeries> {
+        self.by_name.get(name).unwrap_or(&self.default)
+    }
+}
+
 /// The registry and every metric in it; clones share them.
 #[derive(Clone)]
 pub struct Metrics(Arc<MetricSet>);
@@ -438,19 +587,15 @@ impl Deref for Metrics {
 /// registered from.
 pub struct MetricSet {
     registry: Registry,
-    /// `REQUESTS`, by `outcome`.
-    pub requests: IntCounterVec,
-    /// Its series, by [`Outcome`] in declaration order, resolved once: counting a request then costs
-    /// no label lookup.
-    by_outcome: [IntCounter; Outcome::ALL.len()],
-    /// `REPLAYS`: an alias of `REQUESTS` for [`Outcome::Replayed`].
-    pub replays: IntCounter,
-    /// `CONFLICTS`: an alias of `REQUESTS` for [`Outcome::Conflict`].
-    pub conflicts: IntCounter,
+    /// `REQUESTS`, by `route` and `outcome`; counted through a [`RouteSeries`].
+    requests: IntCounterVec,
+    /// `REQUEST_DURATION`, by `route` and `outcome`; observed through a [`RouteSeries`].
+    request_duration: HistogramVec,
+    /// `REPLAYS`, `CONFLICTS`, `MISMATCHES`, by `route`: aliases of `REQUESTS` for [`Outcome::Replayed`],
+    /// [`Outcome::Conflict`] and [`Outcome::Mismatch`].
+    aliases: [IntCounterVec; 3],
     /// `STALE_TAKEOVERS`
     pub stale_takeovers: IntCounter,
-    /// `MISMATCHES`: an alias of `REQUESTS` for [`Outcome::Mismatch`].
-    pub mismatches: IntCounter,
     /// `LOST_CLAIMS`: fenced-out heartbeats, completions and releases.
     pub lost_claims: IntCounter,
     /// `UNPROTECTED`: keyed requests forwarded without a claim (fail_open).
@@ -521,6 +666,16 @@ pub struct MetricSet {
     by_signature_check: [IntCounter; SignatureCheck::ALL.len()],
     /// `STORE_OPENED`: 1 once `serve` has opened its store.
     pub store_opened: IntGauge,
+    /// The series of `BUSY_REFUSALS`, by [`BusyReason`] in declaration order.
+    by_busy_reason: [IntCounter; BusyReason::ALL.len()],
+    /// `TLS_LAST_RELOAD_SUCCESSFUL`: 0 while the last certificate change seen was refused.
+    pub tls_last_reload_successful: IntGauge,
+    /// `CONFIG_RELOADS{result="ok"}`: configurations read again at SIGHUP and found valid.
+    pub config_reloads_ok: IntCounter,
+    /// `CONFIG_RELOADS{result="error"}`: configurations read again at SIGHUP and refused.
+    pub config_reloads_error: IntCounter,
+    /// `CONFIG_LAST_RELOAD_SUCCESSFUL`: 0 when the last SIGHUP's configuration was refused.
+    pub config_last_reload_successful: IntGauge,
 }
 
 impl Metrics {
@@ -531,11 +686,22 @@ impl Metrics {
 }
 
 impl MetricSet {
-    /// Registers every metric in `registry`, one line each. The labelled series of `REQUESTS` and the
-    /// store's families exist from the start, so rates work before the first event.
+    /// Registers every metric in `registry`, one line each. The store's families exist from the start, so
+    /// rates work before the first event; so do the route families, once [`MetricSet::routes`] has
+    /// resolved the routes (at start, in `Proxy::new`).
     fn register(registry: Registry) -> MetricSet {
         let r = &registry;
-        let requests = counter_vec(r, &REQUESTS, label::OUTCOME);
+        let route_outcome = [label::ROUTE, label::OUTCOME];
+        let requests = counter_vec_with(r, &REQUESTS, &route_outcome);
+        let request_duration = register(
+            r,
+            HistogramVec::new(request_duration_opts(), &route_outcome).expect("valid metric"),
+        );
+        let aliases = [&REPLAYS, &CONFLICTS, &MISMATCHES].map(|spec| counter_vec(r, spec, label::ROUTE));
+        let busy = counter_vec(r, &BUSY_REFUSALS, label::REASON);
+        let config_reloads = counter_vec(r, &CONFIG_RELOADS, label::RESULT);
+        register_build_info(r);
+        process::register(r);
         let store_errors = counter_vec(r, &STORE_ERRORS, label::OP);
         let store_duration = latency_histogram_vec(r, &STORE_DURATION, label::OP);
         let tls_reloads = counter_vec(r, &TLS_RELOADS, label::RESULT);
@@ -551,12 +717,15 @@ impl MetricSet {
             store_opened: gauge(r, &STORE_OPENED),
             tls_reloads_ok: tls_reloads.with_label_values(&["ok"]),
             tls_reloads_error: tls_reloads.with_label_values(&["error"]),
-            by_outcome: Outcome::ALL.map(|outcome| requests.with_label_values(&[outcome.as_str()])),
             by_op: StoreOp::ALL.map(|op| op_series(&store_errors, &store_duration, op)),
+            by_busy_reason: BusyReason::ALL.map(|reason| busy.with_label_values(&[reason.as_str()])),
+            tls_last_reload_successful: gauge_set(r, &TLS_LAST_RELOAD_SUCCESSFUL, 1),
+            config_reloads_ok: config_reloads.with_label_values(&["ok"]),
+            config_reloads_error: config_reloads.with_label_values(&["error"]),
+            config_last_reload_successful: gauge_set(r, &CONFIG_LAST_RELOAD_SUCCESSFUL, 1),
             requests,
-            replays: counter(r, &REPLAYS),
-            conflicts: counter(r, &CONFLICTS),
-            mismatches: counter(r, &MISMATCHES),
+            request_duration,
+            aliases,
             in_flight: gauge(r, &IN_FLIGHT),
             unprotected: counter(r, &UNPROTECTED),
             replay_cache_hits: counter(r, &REPLAY_CACHE_HITS),
@@ -584,27 +753,38 @@ impl MetricSet {
         }
     }
 
-    /// Counts a finished request, and its alias if the outcome has one.
-    pub fn record(&self, outcome: Outcome) {
-        self.by_outcome[outcome as usize].inc();
-        if let Some(alias) = self.alias(outcome) {
-            alias.inc();
+    /// Resolves the series of every route in `names` and of `default`, the route a request takes when it
+    /// is refused before routing or matches no configured route. Called once, at start.
+    pub fn routes<'a>(&self, names: impl IntoIterator<Item = &'a str>, default: &str) -> RouteSet {
+        let by_name = names
+            .into_iter()
+            .map(|name| (name.into(), Arc::new(self.route(name))))
+            .collect();
+        RouteSet {
+            by_name,
+            default: Arc::new(self.route(default)),
         }
     }
 
-    /// The counter kept for existing dashboards that repeats `REQUESTS` for `outcome`, if any.
-    fn alias(&self, outcome: Outcome) -> Option<&IntCounter> {
-        match outcome {
-            Outcome::Replayed => Some(&self.replays),
-            Outcome::Conflict => Some(&self.conflicts),
-            Outcome::Mismatch => Some(&self.mismatches),
-            Outcome::Passthrough
-            | Outcome::Executed
-            | Outcome::Rejected
-            | Outcome::StoreUnavailable
-            | Outcome::UpstreamError
-            | Outcome::Held => None,
+    /// The series of the route named `name`.
+    fn route(&self, name: &str) -> RouteSeries {
+        let by = |outcome: Outcome| [name, outcome.as_str()];
+        let [replays, conflicts, mismatches] = self
+            .aliases
+            .each_ref()
+            .map(|alias| alias.with_label_values(&[name]));
+        RouteSeries {
+            by_outcome: Outcome::ALL.map(|outcome| self.requests.with_label_values(&by(outcome))),
+            durations: Outcome::ALL.map(|outcome| self.request_duration.with_label_values(&by(outcome))),
+            replays,
+            conflicts,
+            mismatches,
         }
+    }
+
+    /// Counts a request refused 503 `busy`, by the limit that ran out.
+    pub fn busy(&self, reason: BusyReason) {
+        self.by_busy_reason[reason as usize].inc();
     }
 
     /// Counts a request's wait for the original with its key, by how it ended.
@@ -678,11 +858,34 @@ fn gauge(registry: &Registry, spec: &Spec) -> IntGauge {
 }
 
 fn counter_vec(registry: &Registry, spec: &Spec, label: &str) -> IntCounterVec {
+    counter_vec_with(registry, spec, &[label])
+}
+
+fn counter_vec_with(registry: &Registry, spec: &Spec, labels: &[&str]) -> IntCounterVec {
     let opts = Opts::new(spec.name, spec.help);
-    register(
-        registry,
-        IntCounterVec::new(opts, &[label]).expect("valid metric"),
-    )
+    register(registry, IntCounterVec::new(opts, labels).expect("valid metric"))
+}
+
+/// A gauge that starts at `value`.
+fn gauge_set(registry: &Registry, spec: &Spec, value: i64) -> IntGauge {
+    let gauge = gauge(registry, spec);
+    gauge.set(value);
+    gauge
+}
+
+/// `BUILD_INFO`, its one series set to 1.
+fn register_build_info(registry: &Registry) {
+    let opts = Opts::new(BUILD_INFO.name, BUILD_INFO.help)
+        .const_label(label::VERSION, env!("CARGO_PKG_VERSION"))
+        .const_label(
+            label::PROFILE,
+            if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            },
+        );
+    register(registry, IntGauge::with_opts(opts).expect("valid metric")).set(1);
 }
 
 fn gauge_vec(registry: &Registry, spec: &Spec, label: &str) -> IntGaugeVec {
@@ -704,6 +907,15 @@ fn latency_histogram_vec(registry: &Registry, spec: &Spec, label: &str) -> Histo
 fn latency_opts(spec: &Spec) -> HistogramOpts {
     let buckets = prometheus::exponential_buckets(0.0005, 2.0, 16).expect("static bucket layout is valid");
     HistogramOpts::new(spec.name, spec.help).buckets(buckets)
+}
+
+/// Buckets for a whole request, as service level objectives are written ("99 % within 250 ms"):
+/// 2.5 ms, the proxy's own work on a replay, to 10 s, beyond which a client has given up.
+fn request_duration_opts() -> HistogramOpts {
+    let buckets = vec![
+        0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+    HistogramOpts::new(REQUEST_DURATION.name, REQUEST_DURATION.help).buckets(buckets)
 }
 
 /// The store's series for `op`, resolved once.
@@ -748,25 +960,30 @@ mod tests {
     #[test]
     fn every_outcome_and_store_op_is_counted_under_its_own_label() {
         let metrics = Metrics::new();
+        let routes = metrics.routes(["payments"], "default");
         for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
             for _ in 0..=n {
-                metrics.record(outcome);
+                routes.get("payments").record(outcome);
             }
+            routes.get("no such route").record(outcome);
         }
         for (n, op) in StoreOp::ALL.into_iter().enumerate() {
             for _ in 0..=n {
                 metrics.store_op(op, 0.001, false);
             }
         }
-        let text = String::from_utf8(metrics.render()).unwrap();
+        let served = families(&metrics);
         for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
-            let line = format!(
-                "idemproxy_requests_total{{outcome=\"{}\"}} {}",
-                outcome.as_str(),
-                n + 1
+            let requests = &served[REQUESTS.name];
+            let by = |route| [(label::ROUTE, route), (label::OUTCOME, outcome.as_str())];
+            assert_eq!(
+                series_value(requests, &by("payments")),
+                (n + 1) as f64,
+                "{outcome:?}"
             );
-            assert!(text.contains(&line), "{line} missing from {text}");
+            assert_eq!(series_value(requests, &by("default")), 1.0, "{outcome:?}");
         }
+        let text = String::from_utf8(metrics.render()).unwrap();
         for (n, op) in StoreOp::ALL.into_iter().enumerate() {
             let errors = format!("idemproxy_store_errors_total{{op=\"{}\"}} {}", op.as_str(), n + 1);
             let timed = format!(
@@ -776,6 +993,73 @@ mod tests {
             );
             assert!(text.contains(&errors), "{errors} missing from {text}");
             assert!(text.contains(&timed), "{timed} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn an_answered_request_is_timed_under_its_route_and_outcome() {
+        let metrics = Metrics::new();
+        let routes = metrics.routes(["payments"], "default");
+        routes
+            .get("payments")
+            .answered(Outcome::Replayed, Duration::from_millis(3));
+        routes
+            .get("payments")
+            .answered(Outcome::Executed, Duration::from_millis(300));
+        let served = families(&metrics);
+        let durations = &served[REQUEST_DURATION.name];
+        let histogram = |outcome: Outcome| {
+            let by = [(label::ROUTE, "payments"), (label::OUTCOME, outcome.as_str())];
+            let series = durations
+                .get_metric()
+                .iter()
+                .find(|s| has_labels(s, &by))
+                .unwrap();
+            series.get_histogram().clone()
+        };
+        let replayed = histogram(Outcome::Replayed);
+        assert_eq!(replayed.get_sample_count(), 1);
+        let within = |h: &prometheus::proto::Histogram, bound: f64| {
+            let bucket = h.get_bucket().iter().find(|b| b.upper_bound() == bound).unwrap();
+            bucket.cumulative_count()
+        };
+        assert_eq!((within(&replayed, 0.0025), within(&replayed, 0.005)), (0, 1));
+        let executed = histogram(Outcome::Executed);
+        assert_eq!((within(&executed, 0.25), within(&executed, 0.5)), (0, 1));
+        assert_eq!(histogram(Outcome::Conflict).get_sample_count(), 0);
+        let requests = &served[REQUESTS.name];
+        let replays = [(label::ROUTE, "payments"), (label::OUTCOME, "replayed")];
+        assert_eq!(series_value(requests, &replays), 1.0, "answered also counts");
+    }
+
+    #[test]
+    fn build_info_is_one_with_the_crate_version() {
+        let text = String::from_utf8(Metrics::new().render()).unwrap();
+        let line = text
+            .lines()
+            .find(|line| line.starts_with("idemproxy_build_info{"))
+            .expect("build_info is served");
+        assert!(line.ends_with("} 1"), "{line}");
+        let version = format!("version=\"{}\"", env!("CARGO_PKG_VERSION"));
+        assert!(line.contains(&version), "{line}");
+        assert!(
+            line.contains("profile=\"debug\""),
+            "tests build without optimisation: {line}"
+        );
+    }
+
+    #[test]
+    fn every_busy_reason_is_counted_under_its_own_label() {
+        let metrics = Metrics::new();
+        for (n, reason) in BusyReason::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                metrics.busy(reason);
+            }
+        }
+        let served = families(&metrics);
+        for (n, reason) in BusyReason::ALL.into_iter().enumerate() {
+            let by = [(label::REASON, reason.as_str())];
+            assert_eq!(series_value(&served[BUSY_REFUSALS.name], &by), (n + 1) as f64);
         }
     }
 
@@ -820,9 +1104,10 @@ mod tests {
     #[test]
     fn each_alias_equals_its_outcome_series() {
         let metrics = Metrics::new();
+        let routes = metrics.routes(["payments"], "default");
         for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
             for _ in 0..=n {
-                metrics.record(outcome);
+                routes.get("payments").record(outcome);
             }
         }
         let served = families(&metrics);
@@ -832,19 +1117,25 @@ mod tests {
             (MISMATCHES.name, Outcome::Mismatch),
         ];
         for (alias, outcome) in aliases {
-            let by_outcome = counter_value(&served[REQUESTS.name], Some(outcome.as_str()));
+            let by = [(label::ROUTE, "payments"), (label::OUTCOME, outcome.as_str())];
+            let by_outcome = series_value(&served[REQUESTS.name], &by);
             assert!(by_outcome > 0.0);
-            assert_eq!(counter_value(&served[alias], None), by_outcome, "{alias}");
+            let route = [(label::ROUTE, "payments")];
+            assert_eq!(series_value(&served[alias], &route), by_outcome, "{alias}");
         }
+        let series = routes.get("payments");
         let with_alias = Outcome::ALL
             .iter()
-            .filter(|outcome| metrics.alias(**outcome).is_some());
+            .filter(|outcome| series.alias(**outcome).is_some());
         assert_eq!(with_alias.count(), aliases.len());
     }
 
     #[test]
     fn every_name_follows_the_naming_rule() {
         for (name, family) in served() {
+            if PROCESS_FAMILIES.contains(&name.as_str()) {
+                continue;
+            }
             let words = name.strip_prefix("idemproxy_");
             assert!(
                 words.is_some_and(is_snake_case),
@@ -865,23 +1156,50 @@ mod tests {
             }
             for label in label_names(&family) {
                 assert!(
-                    [label::OUTCOME, label::OP, label::STATUS, label::RESULT].contains(&label),
+                    [
+                        label::OUTCOME,
+                        label::OP,
+                        label::STATUS,
+                        label::RESULT,
+                        label::ROUTE,
+                        label::REASON,
+                        label::VERSION,
+                        label::PROFILE
+                    ]
+                    .contains(&label),
                     "{name}: {label}"
                 );
             }
         }
     }
 
-    /// Why [`served`] counts the records first: a labelled family with no series yet is left out of the
-    /// exposition, and every other labelled family resolves its series at registration.
+    /// Why [`served`] counts the records and resolves a route first: a labelled family with no series yet
+    /// is left out of the exposition; the route families get theirs when the proxy resolves its routes at
+    /// start, and every other labelled family resolves its series at registration.
     #[test]
-    fn only_the_record_counts_are_absent_before_the_first_count() {
+    fn only_the_record_counts_and_route_families_are_absent_before_the_first_count() {
         let fresh = families(&Metrics::new());
-        let absent: Vec<String> = served()
+        let absent: BTreeSet<String> = served()
             .into_keys()
             .filter(|name| !fresh.contains_key(name))
             .collect();
-        assert_eq!(absent, [RECORDS.name]);
+        let expected = [
+            RECORDS.name,
+            REQUESTS.name,
+            REQUEST_DURATION.name,
+            REPLAYS.name,
+            CONFLICTS.name,
+            MISMATCHES.name,
+        ];
+        assert_eq!(absent, expected.map(String::from).into());
+    }
+
+    #[test]
+    fn the_process_families_are_served_under_their_standard_names() {
+        let served = served();
+        for name in PROCESS_FAMILIES {
+            assert!(served.contains_key(name), "{name}");
+        }
     }
 
     #[test]
@@ -977,10 +1295,22 @@ mod tests {
         Some((name, row))
     }
 
+    /// The standard process families, which keep their names without the `idemproxy_` prefix.
+    const PROCESS_FAMILIES: [&str; 7] = [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_threads",
+        "process_start_time_seconds",
+    ];
+
     /// Every family a running proxy can serve, by name, each labelled one with at least one series.
     fn served() -> BTreeMap<String, MetricFamily> {
         let metrics = Metrics::new();
         metrics.set_records(&RecordCounts::default());
+        let _routes = metrics.routes([], "default");
         families(&metrics)
     }
 
@@ -1005,22 +1335,29 @@ mod tests {
         labels.map(|label| label.name()).collect()
     }
 
+    /// The values of every label but `version`, which changes with each release.
     fn label_values(family: &MetricFamily) -> BTreeSet<&str> {
         let labels = family.get_metric().iter().flat_map(|series| series.get_label());
+        let labels = labels.filter(|label| label.name() != label::VERSION);
         labels.map(|label| label.value()).collect()
     }
 
-    /// The counter series with `value` as its one label value, or the unlabelled one.
-    fn counter_value(family: &MetricFamily, value: Option<&str>) -> f64 {
-        let matches = |series: &&prometheus::proto::Metric| {
-            series.get_label().first().map(|label| label.value()) == value
-        };
+    /// The counter series with exactly these labels.
+    fn series_value(family: &MetricFamily, labels: &[(&str, &str)]) -> f64 {
         let series = family
             .get_metric()
             .iter()
-            .find(matches)
+            .find(|series| has_labels(series, labels))
             .expect("the series exists");
         series.get_counter().get_value()
+    }
+
+    fn has_labels(series: &prometheus::proto::Metric, labels: &[(&str, &str)]) -> bool {
+        let pairs = series.get_label();
+        pairs.len() == labels.len()
+            && labels
+                .iter()
+                .all(|(name, value)| pairs.iter().any(|p| p.name() == *name && p.value() == *value))
     }
 
     fn is_snake_case(words: &str) -> bool {

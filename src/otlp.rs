@@ -14,7 +14,7 @@ mod export;
 #[cfg(not(feature = "otlp"))]
 mod export_off;
 
-use http::{HeaderMap, Method, StatusCode, Version};
+use http::{Method, StatusCode, Version};
 use tracing::Span;
 use tracing::field::Empty;
 
@@ -35,20 +35,19 @@ pub use export::{Exporting, StartError, layer};
 pub use export_off::{Exporting, StartError, layer};
 
 /// Makes the request's span the server span of a trace: joined to the caller's (its `traceparent` and
-/// `tracestate`), named by method. To be called before the span is first entered, when its trace is
-/// decided. Does nothing untraced.
-pub fn adopt(span: &Span, traced: bool, method: &Method, version: Version, headers: &HeaderMap) {
+/// `tracestate`), named by method and route (`POST payments`). To be called before the span is first
+/// entered, when its trace is decided. Does nothing untraced.
+pub fn adopt<B>(span: &Span, traced: bool, request: &http::Request<B>, route: &str) {
     if !traced || span.is_disabled() {
         return;
     }
+    let method = method_name(request.method());
     span.record("otel.kind", "server");
-    span.record("otel.name", method_name(method));
+    span.record("otel.name", format!("{method} {route}"));
     #[cfg(feature = "otlp")]
-    export::adopt(span, headers);
-    #[cfg(not(feature = "otlp"))]
-    let _ = headers;
-    export_attribute(span, "http.request.method", method_name(method));
-    export_attribute(span, "network.protocol.version", protocol(version));
+    export::adopt(span, request.headers());
+    export_attribute(span, "http.request.method", method);
+    export_attribute(span, "network.protocol.version", protocol(request.version()));
 }
 
 /// Puts the answer's status on the request's span: an error for a 5xx (the proxy's or the upstream's).

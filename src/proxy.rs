@@ -22,7 +22,7 @@ pub mod wait;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -40,7 +40,7 @@ use crate::access::{self, Line};
 use crate::body::ProxyBody;
 use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable};
 use crate::error::{Busy, ProxyError};
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{BusyReason, Metrics, Outcome, RouteSeries, RouteSet};
 use crate::otlp;
 use crate::store::notify::Waiters;
 use crate::store::{Capabilities, ClaimRequest, StoreHandle};
@@ -56,6 +56,8 @@ pub struct Proxy {
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
     pub(crate) metrics: Metrics,
+    /// Each route's request counters and duration histogram, resolved at start.
+    pub(crate) route_series: Arc<RouteSet>,
     pub(crate) tracker: TaskTracker,
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) body_read_timeout: Duration,
@@ -123,6 +125,10 @@ impl Proxy {
             upstream: Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces)),
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             examiners: Examiners::per_cpu(),
+            route_series: Arc::new(metrics.routes(
+                config.routes.routes.iter().map(|route| route.name.as_str()),
+                &config.routes.default.name,
+            )),
             metrics,
             tracker,
             cache: Arc::new(ReplayCache::new(
@@ -161,6 +167,7 @@ impl Proxy {
         mut request: Request<Incoming>,
         peer: Downstream,
     ) -> Result<Response<ProxyBody>, Infallible> {
+        let arrived = Instant::now();
         let _in_flight = InFlight::enter(&self.metrics);
         // Before anything reads the path: the access line records the path that is routed.
         let normal = path::normalise(&mut request, &self.paths);
@@ -175,17 +182,17 @@ impl Proxy {
             otel.name = tracing::field::Empty,
         );
         let line = self.open_line(&request, &span);
-        otlp::adopt(
-            &span,
-            self.traced,
-            request.method(),
-            request.version(),
-            request.headers(),
-        );
-        let started = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
+        // A refused path is counted under the default route, as a path no route matches is.
+        let route = match normal {
+            Ok(()) => self.routes.select(request.method(), request.uri().path()),
+            Err(_) => &self.routes.default,
+        }
+        .clone();
+        otlp::adopt(&span, self.traced, &request, &route.name);
+        let series = self.route_series.get(&route.name);
         let inner = access::within(
             line.as_ref().map(Line::ledger),
-            self.handle_inner(request, peer, normal),
+            self.handle_inner(request, peer, normal, route),
         );
         let result = if span.is_disabled() {
             inner.await
@@ -201,20 +208,22 @@ impl Proxy {
                 } else {
                     tracing::debug!(%error, "request refused");
                 }
+                if let ProxyError::Busy(what) = &error {
+                    self.metrics.busy(busy_reason(*what));
+                }
                 let outcome = error.outcome();
                 (error.into_problem(&self.problem_base), outcome)
             }
         };
         span.record("outcome", outcome.as_str());
         otlp::answered(&span, self.traced, response.status());
-        self.metrics.record(outcome);
-        if let Some(started) = started {
-            tracing::debug!(
-                status = response.status().as_u16(),
-                elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
-                "answered"
-            );
-        }
+        let elapsed = arrived.elapsed();
+        series.answered(outcome, elapsed);
+        tracing::debug!(
+            status = response.status().as_u16(),
+            elapsed_ms = elapsed.as_secs_f64() * 1000.0,
+            "answered"
+        );
         Ok(match line {
             Some(line) => line.answered(outcome, response),
             None => response,
@@ -237,12 +246,13 @@ impl Proxy {
     }
 
     /// The lifecycle after `normal`, the path's normalisation (`path::normalise`), which a refused path
-    /// ends here.
+    /// ends here, and `route`, the route `handle` selected by that path.
     async fn handle_inner(
         self: &Arc<Self>,
         mut request: Request<Incoming>,
         peer: Downstream,
         normal: Result<(), ProxyError>,
+        route: Arc<Route>,
     ) -> Handled {
         normal?;
         // CONNECT would make the proxy a tunnel (a 2xx from the upstream turns the client's connection
@@ -251,7 +261,6 @@ impl Proxy {
         if method == http::Method::CONNECT || method == http::Method::TRACE {
             return Err(ProxyError::MethodNotAllowed(method.clone()));
         }
-        let route = self.routes.select(method, request.uri().path()).clone();
         tracing::Span::current().record("route", route.name.as_str());
         access::route(&route.name);
         path::respell(&mut request, &route)?;
@@ -303,7 +312,7 @@ impl Proxy {
         let (head, response) = oneshot::channel();
         let head = Answer {
             head,
-            metrics: self.metrics.clone(),
+            series: self.route_series.get(&intake.route.name).clone(),
         };
         let proxy = self.clone();
         let keyed = async move {
@@ -366,7 +375,7 @@ pub(crate) struct KeyedSlot {
 /// `idemproxy_requests_total`.
 pub(crate) struct Answer {
     head: oneshot::Sender<Handled>,
-    metrics: Metrics,
+    series: Arc<RouteSeries>,
 }
 
 impl Answer {
@@ -378,7 +387,7 @@ impl Answer {
         };
         let delivered = self.head.send(answer).is_ok();
         if !delivered {
-            self.metrics.record(outcome);
+            self.series.record(outcome);
         }
         delivered
     }
@@ -386,6 +395,18 @@ impl Answer {
     /// Returns once the client has gone (its request's handler was dropped).
     pub(crate) async fn closed(&mut self) {
         self.head.closed().await;
+    }
+}
+
+/// The `reason` a `busy` refusal is counted under.
+fn busy_reason(busy: Busy) -> BusyReason {
+    match busy {
+        Busy::Bodies => BusyReason::Bodies,
+        Busy::Parsing => BusyReason::Parsing,
+        Busy::KeyedInFlight => BusyReason::KeyedInFlight,
+        Busy::KeyedOnConnection => BusyReason::KeyedOnConnection,
+        Busy::UpstreamConnections => BusyReason::UpstreamConnections,
+        Busy::Connections => BusyReason::Connections,
     }
 }
 

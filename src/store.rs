@@ -388,6 +388,20 @@ impl RecordInfo {
         self.expires_at <= self.observed_at
     }
 
+    /// Where the record is in its lifecycle, expiry first.
+    pub fn state(&self) -> RecordState {
+        if self.expired() {
+            return RecordState::Expired;
+        }
+        match self.status {
+            RecordStatus::Processing if self.lease_remaining().is_some() => RecordState::InFlight,
+            RecordStatus::Processing => RecordState::Stale,
+            RecordStatus::Completed => RecordState::Completed,
+            RecordStatus::Failed => RecordState::Released,
+            RecordStatus::Unknown => RecordState::Held,
+        }
+    }
+
     /// Time left on the current claim's lease, if it is a processing record whose lease is live.
     pub fn lease_remaining(&self) -> Option<Duration> {
         if self.status != RecordStatus::Processing {
@@ -413,6 +427,154 @@ pub struct RecordStats {
     pub unknown: u64,
     /// Records past their expiry, waiting for the sweeper.
     pub expired: u64,
+}
+
+/// Which records a page of [`Store::list`] walks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScopeFilter {
+    /// Every record.
+    All,
+    /// The records of one route's scope name (`<name>:<credential hash>`), whatever the credential.
+    Named(String),
+    /// The records of one scope (one route's scope name and one client's credential).
+    Exact(String),
+}
+
+impl ScopeFilter {
+    /// Whether a record of `scope` passes.
+    pub fn admits(&self, scope: &str) -> bool {
+        match self {
+            ScopeFilter::All => true,
+            ScopeFilter::Named(name) => scope
+                .strip_prefix(name.as_str())
+                .is_some_and(|rest| rest.starts_with(':')),
+            ScopeFilter::Exact(exact) => scope == exact,
+        }
+    }
+}
+
+/// Where a record is in its lifecycle as an operator asks about it (`keys list --state`): its status,
+/// with a processing record's lease and every record's expiry read against the store's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecordState {
+    /// Processing under a live lease: a proxy is executing it.
+    InFlight,
+    /// Processing, its lease run out: its proxy died or lost the store; the next retry takes it over.
+    Stale,
+    /// Completed: retries replay the stored response.
+    Completed,
+    /// Released (`failed`): the next retry executes.
+    Released,
+    /// Held (`unknown`): refused until an operator releases it.
+    Held,
+    /// Past its expiry, whatever its status: claimable as new, waiting for the sweeper.
+    Expired,
+}
+
+impl RecordState {
+    /// The name `keys list` prints and `--state` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordState::InFlight => "in-flight",
+            RecordState::Stale => "stale",
+            RecordState::Completed => "completed",
+            RecordState::Released => "released",
+            RecordState::Held => "held",
+            RecordState::Expired => "expired",
+        }
+    }
+}
+
+/// One page of `keys list`: at most `limit` records, found by reading at most `examine` records after
+/// `after` in the store's order.
+#[derive(Debug, Clone)]
+pub struct ListQuery {
+    /// The scopes walked.
+    pub scope: ScopeFilter,
+    /// The states listed; empty lists every state.
+    pub states: Vec<RecordState>,
+    /// Where the previous page stopped ([`ListPage::next`]); `None` for the first page.
+    pub after: Option<String>,
+    /// Most records returned. A Redis page is one `SCAN` step, which may return a few more.
+    pub limit: u32,
+    /// Most records read, whether or not they pass the filters: the page's cost.
+    pub examine: u32,
+}
+
+impl ListQuery {
+    /// Whether `record` passes the query's filters.
+    pub fn admits(&self, record: &RecordInfo) -> bool {
+        self.scope.admits(&record.scope) && (self.states.is_empty() || self.states.contains(&record.state()))
+    }
+}
+
+/// What one [`Store::list`] call found.
+#[derive(Debug, Clone, Default)]
+pub struct ListPage {
+    /// The records read that pass the query's filters, in the store's order.
+    pub records: Vec<RecordInfo>,
+    /// How many records were read.
+    pub examined: u32,
+    /// Where the next page starts (a cursor to pass back as [`ListQuery::after`]); `None` when the walk
+    /// reached the end. A page may hold no records and still have a next one.
+    pub next: Option<String>,
+}
+
+/// The cursor of the SQL stores: the last examined record's scope and key, as `scope/key` (a scope holds
+/// no `/`: a scope name is letters, digits, `-_.`, then `:` and a hash).
+pub(crate) fn sql_cursor(scope: &str, key: &str) -> String {
+    format!("{scope}/{key}")
+}
+
+/// Where a SQL store's page starts: after the cursor's scope and key, or before every record. Within one
+/// scope, after a key of that scope.
+pub(crate) fn sql_start(query: &ListQuery) -> Result<(String, String), StoreError> {
+    let after = match &query.after {
+        Some(cursor) => cursor
+            .split_once('/')
+            .map(|(scope, key)| (scope.to_owned(), key.to_owned()))
+            .ok_or_else(|| bad_cursor(cursor))?,
+        None => (String::new(), String::new()),
+    };
+    match &query.scope {
+        ScopeFilter::Exact(exact) if query.after.is_none() => Ok((exact.clone(), String::new())),
+        ScopeFilter::Exact(exact) if &after.0 != exact => {
+            Err(bad_cursor(query.after.as_deref().unwrap_or("")))
+        }
+        _ => Ok(after),
+    }
+}
+
+/// The page of the SQL stores from the records one range read returned (at most `query.examine`, in the
+/// primary key's order): those the filters admit, up to `query.limit`, and the cursor of the last one
+/// kept or read unless the range ended. A scope name's records are filtered here rather than by a range
+/// of the index, because which range `name:` covers depends on the database's collation.
+pub(crate) fn page(read: Vec<RecordInfo>, query: &ListQuery) -> ListPage {
+    let full = read.len() >= query.examine as usize;
+    let mut page = ListPage::default();
+    let mut last = None;
+    for record in read {
+        page.examined += 1;
+        last = Some(sql_cursor(&record.scope, &record.key));
+        if query.admits(&record) {
+            page.records.push(record);
+            if page.records.len() >= query.limit as usize {
+                page.next = last;
+                return page;
+            }
+        }
+    }
+    page.next = last.filter(|_| full);
+    page
+}
+
+/// A cursor this store did not print.
+pub(crate) fn bad_cursor(cursor: &str) -> StoreError {
+    StoreError::Backend(format!(
+        "{cursor:?} is not a cursor this store printed: pass --after exactly as the previous page's \
+         last line gives it"
+    ))
 }
 
 /// A database-backed key table.
@@ -442,6 +604,15 @@ pub trait Store: Send + Sync + 'static {
     async fn find(&self, key: &str, scope: Option<&str>) -> Result<Vec<RecordInfo>, StoreError>;
     /// Counts the records by state.
     async fn stats(&self) -> Result<RecordStats, StoreError>;
+    /// One page of records in the store's order, bounded by [`ListQuery::examine`] (`keys list`).
+    async fn list(&self, _query: &ListQuery) -> Result<ListPage, StoreError> {
+        Err(StoreError::Backend("this store cannot list its records".into()))
+    }
+    /// Deletes the record `id` names, fenced by its token: `false` when there is no such record or it was
+    /// claimed again since it was read (`keys forget`). The next request with its key executes as new.
+    async fn forget(&self, _id: &RecordId) -> Result<bool, StoreError> {
+        Err(StoreError::Backend("this store cannot forget records".into()))
+    }
     /// Tells the other processes on this store that a record settled, so their waiting requests
     /// re-check it (`store/notify.rs` makes the announcement). A store served by one process has no one
     /// to tell: its waiters are woken in-process, and this does nothing.
@@ -552,6 +723,18 @@ impl StoreHandle {
             .await
     }
 
+    /// See [`Store::list`].
+    pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.measured(StoreOp::Find, async { self.store()?.list(query).await })
+            .await
+    }
+
+    /// See [`Store::forget`].
+    pub async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.measured(StoreOp::Release, async { self.store()?.forget(id).await })
+            .await
+    }
+
     /// See [`Store::announce`].
     pub async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
         self.measured(StoreOp::Notify, async {
@@ -600,7 +783,84 @@ pub(crate) fn epoch_ms(ms: i64) -> SystemTime {
 
 #[cfg(test)]
 mod tests {
-    use super::key_hash;
+    use super::*;
+
+    fn info(scope: &str, key: &str) -> RecordInfo {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        RecordInfo {
+            scope: scope.into(),
+            key: key.into(),
+            status: RecordStatus::Completed,
+            attempt: 1,
+            claim_kind: ClaimKind::New,
+            token: Uuid::nil(),
+            created_at: now,
+            updated_at: now,
+            expires_at: now + Duration::from_secs(60),
+            locked_until: now,
+            observed_at: now,
+            response_status: Some(201),
+            response_bytes: Some(2),
+            body_retained: Some(true),
+        }
+    }
+
+    fn query(scope: ScopeFilter, limit: u32, examine: u32) -> ListQuery {
+        ListQuery {
+            scope,
+            states: Vec::new(),
+            after: None,
+            limit,
+            examine,
+        }
+    }
+
+    #[test]
+    fn a_scope_name_admits_its_own_scopes_only() {
+        let orders = ScopeFilter::Named("orders".into());
+        assert!(orders.admits("orders:ab"));
+        assert!(!orders.admits("orders2:ab") && !orders.admits("orders"));
+        assert!(ScopeFilter::Exact("orders:ab".into()).admits("orders:ab"));
+        assert!(!ScopeFilter::Exact("orders:ab".into()).admits("orders:abc"));
+    }
+
+    #[test]
+    fn a_sql_page_stops_at_its_limit_on_the_last_record_kept_and_ends_with_a_short_read() {
+        let read = vec![
+            info("a:1", "k1"),
+            info("b:1", "k2"),
+            info("a:1", "k3"),
+            info("a:1", "k4"),
+        ];
+        let named = query(ScopeFilter::Named("a".into()), 2, 4);
+        let page = page(read.clone(), &named);
+        assert_eq!(page.records.len(), 2);
+        assert_eq!(
+            page.next.as_deref(),
+            Some("a:1/k3"),
+            "the next page starts after k3, not after k4"
+        );
+        assert_eq!(page.examined, 3);
+
+        let page = super::page(read.clone(), &query(ScopeFilter::All, 10, 4));
+        assert_eq!(
+            page.next.as_deref(),
+            Some("a:1/k4"),
+            "a full read may have more after it"
+        );
+        let page = super::page(read, &query(ScopeFilter::All, 10, 5));
+        assert_eq!(page.next, None, "a short read reached the end");
+    }
+
+    #[test]
+    fn a_cursor_is_read_back_and_one_from_another_scope_is_refused() {
+        let mut within = query(ScopeFilter::Exact("a:1".into()), 10, 10);
+        assert_eq!(sql_start(&within).unwrap(), ("a:1".to_owned(), String::new()));
+        within.after = Some(sql_cursor("a:1", "k/9"));
+        assert_eq!(sql_start(&within).unwrap(), ("a:1".to_owned(), "k/9".to_owned()));
+        within.after = Some(sql_cursor("b:1", "k"));
+        assert!(sql_start(&within).is_err());
+    }
 
     #[test]
     fn key_hash_is_short_stable_and_separates_scope_from_key() {

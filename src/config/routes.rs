@@ -293,7 +293,12 @@ impl RawRoute {
             } else {
                 format!("{prefix}.{field}")
             };
-            ConfigError::new(&key, e.kind)
+            match &e.kind {
+                figment::error::Kind::UnknownField(field, known) => {
+                    ConfigError::new(&key, super::parse::unknown_key(field, known))
+                }
+                kind => ConfigError::new(&key, kind),
+            }
         })?;
         raw.validate_with(prefix, secrets)
     }

@@ -12,6 +12,10 @@
 //! ticks in a row, so a pair written one file after the other is never loaded half-written; and it is
 //! acted on once: a broken pair is logged and counted once, not at every tick, and the next change is
 //! tried again.
+//!
+//! SIGHUP reads the files at once and takes a changed pair without waiting for a second read: the
+//! operator who sends it says the files are complete. `idemproxy_tls_last_reload_successful` is 0 from a
+//! refused pair until a pair is taken again.
 
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
@@ -19,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::ListenerTls;
 use crate::config::tls::certified_key;
 use crate::metrics::Metrics;
+use crate::shutdown::Hangups;
 
 /// What the two files held when last read: their contents, or why they could not be read.
 type Seen = Result<(Vec<u8>, Vec<u8>), String>;
@@ -32,15 +37,19 @@ pub(super) async fn watch(tls: ListenerTls, metrics: Metrics, stop: Cancellation
         tls.reload_interval,
     );
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut hangups = Hangups::listen();
     loop {
-        tokio::select! {
+        let asked = tokio::select! {
             _ = stop.cancelled() => return,
-            _ = ticks.tick() => {}
-        }
+            _ = ticks.tick() => false,
+            () = hangups.next() => true,
+        };
         let now = read(&tls).await;
-        if now == last && now != taken {
+        if (asked || now == last) && now != taken {
             reload(&tls, &now, &metrics);
             taken = now.clone();
+        } else if asked {
+            tracing::info!(cert_file = %tls.cert_file.display(), "SIGHUP: listener certificate unchanged");
         }
         last = now;
     }
@@ -68,10 +77,12 @@ fn reload(tls: &ListenerTls, seen: &Seen, metrics: &Metrics) {
         Ok(pair) => {
             tls.cert.swap(pair);
             metrics.tls_reloads_ok.inc();
+            metrics.tls_last_reload_successful.set(1);
             tracing::info!(cert_file = %tls.cert_file.display(), "listener certificate reloaded");
         }
         Err(error) => {
             metrics.tls_reloads_error.inc();
+            metrics.tls_last_reload_successful.set(0);
             tracing::error!(%error, "listener certificate not reloaded; keeping the one in use");
         }
     }
@@ -137,6 +148,7 @@ mod tests {
         write(dir.path(), &(a.0.clone(), b.1.clone()));
         counted(&metrics.tls_reloads_error, 1).await;
         assert_eq!(current(&tls.cert), served, "a mismatched pair is refused");
+        assert_eq!(metrics.tls_last_reload_successful.get(), 0);
         // Ten more ticks read the same broken pair: nothing more is counted.
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(
@@ -145,6 +157,10 @@ mod tests {
             "a change is counted once, not at every tick"
         );
         assert_eq!(metrics.tls_reloads_ok.get(), 1);
+
+        write(dir.path(), &a);
+        counted(&metrics.tls_reloads_ok, 2).await;
+        assert_eq!(metrics.tls_last_reload_successful.get(), 1, "a pair taken again");
 
         stop.cancel();
         task.await.unwrap();

@@ -34,7 +34,8 @@ use chacha20poly1305::aead::KeyInit as _;
 use uuid::Uuid;
 
 use super::{
-    ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
+    ClaimRequest, ClaimResult, Existing, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store,
+    StoreError, StoredResponse,
 };
 use crate::config::{EncryptionConfig, EncryptionKey, RecordLifetimes, is_key_id};
 use crate::metrics::Metrics;
@@ -394,6 +395,14 @@ impl Store for EncryptedStore {
 
     async fn stats(&self) -> Result<RecordStats, StoreError> {
         self.inner.stats().await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
+        self.inner.forget(id).await
     }
 
     async fn announce(&self, announcement: &str) -> Result<(), StoreError> {

@@ -42,7 +42,8 @@ use tokio::time::timeout;
 
 use super::coalesce::{BatchFuture, Coalescer, unanswered};
 use super::{
-    ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
+    ClaimRequest, ClaimResult, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store, StoreError,
+    StoredResponse,
 };
 use crate::config::StoreConfig;
 use address::Addresses;
@@ -200,6 +201,14 @@ impl Store for PostgresStore {
 
     async fn stats(&self) -> Result<RecordStats, StoreError> {
         maintenance::stats(&self.db).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        maintenance::list(&self.db, query).await
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
+        maintenance::forget(&self.db, id).await
     }
 
     async fn announce(&self, announcement: &str) -> Result<(), StoreError> {

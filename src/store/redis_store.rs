@@ -30,7 +30,8 @@ use super::blob::encode_headers;
 use super::listener::keep_listening;
 use super::notify::Waiters;
 use super::{
-    ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
+    ClaimRequest, ClaimResult, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store, StoreError,
+    StoredResponse,
 };
 use crate::config::{RedisTarget, StoreConfig};
 use crate::metrics::Metrics;
@@ -43,6 +44,7 @@ struct Scripts {
     heartbeat: Script,
     settle: Script,
     read: Script,
+    forget: Script,
 }
 
 /// The Redis-backed [`Store`].
@@ -66,6 +68,7 @@ impl RedisStore {
                 heartbeat: Script::new(include_str!("redis_store/lua/heartbeat.lua")),
                 settle: Script::new(include_str!("redis_store/lua/settle.lua")),
                 read: Script::new(include_str!("redis_store/lua/read.lua")),
+                forget: Script::new(include_str!("redis_store/lua/forget.lua")),
             },
             prefix: target.key_prefix.clone(),
             waits: target.wait_replicas > 0,
@@ -199,6 +202,22 @@ impl Store for RedisStore {
 
     async fn stats(&self) -> Result<RecordStats, StoreError> {
         scan::stats(&self.redis, &self.prefix).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        scan::list(&self.redis, &self.scripts.read, &self.prefix, query).await
+    }
+
+    /// Waits for replicas like a hold: a lost deletion would bring back a response the operator was told
+    /// is gone.
+    async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
+        let name = self.name(&id.scope, &id.key);
+        let args: [&[u8]; 1] = [id.token.as_bytes()];
+        let answer = self
+            .redis
+            .run(&self.scripts.forget, name.as_bytes(), &args, true)
+            .await?;
+        record::written(answer)
     }
 
     async fn announce(&self, announcement: &str) -> Result<(), StoreError> {

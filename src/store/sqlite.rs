@@ -21,8 +21,8 @@ use uuid::Uuid;
 use super::blob::{decode_headers, encode_headers};
 use super::coalesce::{BatchFuture, Coalescer, unanswered};
 use super::{
-    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, Store,
-    StoreError, StoredResponse, epoch_ms,
+    ClaimKind, ClaimRequest, ClaimResult, Existing, ListPage, ListQuery, RecordId, RecordInfo, RecordStats,
+    RecordStatus, ScopeFilter, Store, StoreError, StoredResponse, epoch_ms, page, sql_start,
 };
 
 mod embedded {
@@ -101,10 +101,31 @@ const SWEEP: &str = "DELETE FROM records WHERE rowid IN (
         ORDER BY expires_at
         LIMIT ?2)";
 
+/// The columns of an operator's view of a record, followed by the statement's condition.
+macro_rules! described {
+    ($condition:literal) => {
+        concat!(
+            "SELECT scope, key, status, attempt, claim_kind, token, created_at, updated_at,
+                expires_at, locked_until, response_status, length(response_body) AS body_bytes,
+                body_retained
+            FROM records ",
+            $condition
+        )
+    };
+}
+
 /// An operator's view of the records holding a key.
-const FIND: &str = "SELECT scope, key, status, attempt, claim_kind, token, created_at, updated_at,
-        expires_at, locked_until, response_status, length(response_body) AS body_bytes, body_retained
-    FROM records WHERE key = ?1 AND (?2 IS NULL OR scope = ?2) ORDER BY scope";
+const FIND: &str = described!("WHERE key = ?1 AND (?2 IS NULL OR scope = ?2) ORDER BY scope");
+
+/// A page of `keys list`: the primary key's order from the row value after the cursor, so each page is
+/// one bounded range read of the primary key however large the table.
+const LIST: &str = described!("WHERE (scope, key) > (?1, ?2) ORDER BY scope, key LIMIT ?3");
+
+/// A page of `keys list` within one scope: the primary key's range of that scope.
+const LIST_IN_SCOPE: &str = described!("WHERE scope = ?1 AND key > ?2 ORDER BY key LIMIT ?3");
+
+/// `keys forget`: fenced by the token the operator was shown, so a record claimed again since is kept.
+const FORGET: &str = "DELETE FROM records WHERE scope = ?1 AND key = ?2 AND token = ?3";
 
 /// Records by state, expired ones apart.
 const STATS: &str = "SELECT
@@ -372,6 +393,40 @@ impl Store for SqliteStore {
                 .query_map(params![key, scope], |row| record_info(row, now))
                 .map_err(backend)?;
             rows.map(|row| row.map_err(backend)).collect()
+        })
+        .await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        let (from_scope, from_key) = sql_start(query)?;
+        let sql = match query.scope {
+            ScopeFilter::Exact(_) => LIST_IN_SCOPE,
+            ScopeFilter::All | ScopeFilter::Named(_) => LIST,
+        };
+        let examine = i64::from(query.examine);
+        let records = self
+            .call(move |db, now| {
+                let mut statement = db.prepare_cached(sql).map_err(backend)?;
+                let rows = statement
+                    .query_map(params![from_scope, from_key, examine], |row| {
+                        record_info(row, now)
+                    })
+                    .map_err(backend)?;
+                rows.map(|row| row.map_err(backend))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await?;
+        Ok(page(records, query))
+    }
+
+    async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
+        let (scope, key, token) = (id.scope.clone(), id.key.clone(), id.token);
+        self.call(move |db, _| {
+            let mut statement = db.prepare_cached(FORGET).map_err(backend)?;
+            let deleted = statement
+                .execute(params![scope, key, token.as_bytes().as_slice()])
+                .map_err(backend)?;
+            Ok(deleted == 1)
         })
         .await
     }

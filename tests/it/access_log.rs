@@ -27,14 +27,21 @@ fn access_lines(proxy: &ProxyProcess) -> Vec<Fields> {
         .collect()
 }
 
+/// The keys of a JSON line that are not the event's fields.
+const LINE_KEYS: [&str; 4] = ["timestamp", "level", "target", "message"];
+
 fn json_access(line: &str) -> Option<Fields> {
     let event: serde_json::Value = serde_json::from_str(line).ok()?;
     if event.get("target")?.as_str()? != "idemproxy::access" {
         return None;
     }
-    let fields = event.get("fields")?.as_object()?;
+    // The event's fields are top-level keys, beside the line's own.
+    let fields = event
+        .as_object()?
+        .iter()
+        .filter(|(k, _)| !LINE_KEYS.contains(&k.as_str()));
     let text = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_owned);
-    Some(fields.iter().map(|(k, v)| (k.clone(), text(v))).collect())
+    Some(fields.map(|(k, v)| (k.clone(), text(v))).collect())
 }
 
 /// `... INFO idemproxy::access: access method=POST path=/orders route="default" ...`

@@ -2,7 +2,7 @@
 //! embedded SQLite file, one Redis server, a Redis Cluster, and PostgreSQL with the key table distributed
 //! by Citus where `IDEMPROXY_TEST_CITUS_URL` names a coordinator): the claim's decision table, fencing,
 //! leases and expiry, the sweeper's batches and replica safety (or Redis's own expiry), and the
-//! operator's view. Lease and expiry waits are real time (the store's clock
+//! operator's view (`keys show`, `stats`, `list` and `forget`). Lease and expiry waits are real time (the store's clock
 //! decides), kept short.
 
 use std::sync::Arc;
@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idemproxy::store::{
-    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, RecordStats, RecordStatus, Store,
-    StoredResponse,
+    ClaimKind, ClaimRequest, ClaimResult, Existing, ListQuery, RecordId, RecordState, RecordStats,
+    RecordStatus, ScopeFilter, Store, StoredResponse,
 };
 use rstest::rstest;
 use uuid::Uuid;
@@ -605,5 +605,140 @@ async fn operator_release_waits_for_the_lease_and_is_fenced(
     assert!(
         !store.release_stale(&done.id).await.unwrap(),
         "a completed record stays completed"
+    );
+}
+
+/// Every record `keys list` pages reach from the start, in pages of at most `limit` (a Redis page, one
+/// `SCAN` step, may hold a few more), with its state.
+async fn walk(
+    store: &dyn Store,
+    backend: Backend,
+    scope: ScopeFilter,
+    states: &[RecordState],
+    limit: u32,
+) -> Vec<(String, String, RecordState)> {
+    let mut seen = Vec::new();
+    let mut after = None;
+    // A Redis server is shared by the tests: a page may be a SCAN step over other tests' records only.
+    for _ in 0..1_000_000 {
+        let query = ListQuery {
+            scope: scope.clone(),
+            states: states.to_vec(),
+            after: after.take(),
+            limit,
+            examine: limit,
+        };
+        let page = store.list(&query).await.expect("list runs");
+        if !backend.self_expiring() {
+            assert!(page.records.len() <= limit as usize, "{page:?}");
+            assert!(page.examined <= limit, "{page:?}");
+        }
+        let found = page
+            .records
+            .iter()
+            .map(|r| (r.scope.clone(), r.key.clone(), r.state()));
+        seen.extend(found);
+        match page.next {
+            Some(next) => after = Some(next),
+            None => {
+                seen.sort();
+                return seen;
+            }
+        }
+    }
+    panic!("the walk never reached the end");
+}
+
+fn in_scope(scope: &str, key: &str, fingerprint: u8) -> ClaimRequest {
+    let mut claim = request(key, fingerprint, LONG, DAY);
+    claim.id.scope = scope.into();
+    claim
+}
+
+#[rstest]
+#[tokio::test]
+async fn list_pages_reach_every_record_once_by_scope_name_scope_and_state(
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
+) {
+    let (_store, store) = suite_store!(backend);
+    let scopes = ["orders:aa", "orders:bb", "orders2:aa", "refunds:aa"];
+    let mut all = Vec::new();
+    for scope in scopes {
+        for i in 0..4 {
+            let claim = in_scope(scope, &format!("k{i}"), 1);
+            won(&*store, &claim).await;
+            let state = if i == 0 {
+                RecordState::InFlight
+            } else {
+                assert!(store.complete(&claim.id, &response(b"ok")).await.unwrap());
+                RecordState::Completed
+            };
+            all.push((scope.to_owned(), format!("k{i}"), state));
+        }
+    }
+    all.sort();
+    let of = |wanted: &dyn Fn(&(String, String, RecordState)) -> bool| -> Vec<_> {
+        all.iter().filter(|r| wanted(r)).cloned().collect()
+    };
+
+    assert_eq!(walk(&*store, backend, ScopeFilter::All, &[], 3).await, all);
+    assert_eq!(
+        walk(&*store, backend, ScopeFilter::Named("orders".into()), &[], 2).await,
+        of(&|r| r.0.starts_with("orders:")),
+        "a scope name's records, not those of a name it begins"
+    );
+    assert_eq!(
+        walk(&*store, backend, ScopeFilter::Exact("orders:bb".into()), &[], 3).await,
+        of(&|r| r.0 == "orders:bb")
+    );
+    assert_eq!(
+        walk(&*store, backend, ScopeFilter::All, &[RecordState::InFlight], 3).await,
+        of(&|r| r.2 == RecordState::InFlight)
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_cursor_the_store_did_not_print_is_refused(#[values(Postgres, Sqlite, Redis)] backend: Backend) {
+    let (_store, store) = suite_store!(backend);
+    let query = ListQuery {
+        scope: ScopeFilter::All,
+        states: Vec::new(),
+        after: Some("not a cursor".into()),
+        limit: 10,
+        examine: 10,
+    };
+    let error = store.list(&query).await.expect_err("refused");
+    assert!(
+        error.to_string().contains("not a cursor this store printed"),
+        "{error}"
+    );
+}
+
+#[rstest]
+#[tokio::test]
+async fn forget_deletes_the_record_it_was_shown_and_the_key_is_new_again(
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
+) {
+    let (_store, store) = suite_store!(backend);
+    let done = request("done", 1, LONG, DAY);
+    won(&*store, &done).await;
+    assert!(store.complete(&done.id, &response(b"ok")).await.unwrap());
+
+    let mut other_token = done.id.clone();
+    other_token.token = Uuid::new_v4();
+    assert!(
+        !store.forget(&other_token).await.unwrap(),
+        "a record claimed again since it was read is kept"
+    );
+    assert_eq!(store.find("done", None).await.unwrap().len(), 1);
+
+    assert!(store.forget(&done.id).await.unwrap());
+    assert!(store.find("done", None).await.unwrap().is_empty());
+    assert!(!store.forget(&done.id).await.unwrap(), "nothing left to forget");
+    assert_eq!(
+        won(&*store, &request("done", 2, LONG, DAY)).await,
+        (1, ClaimKind::New),
+        "the next request with the key executes as new, whatever its payload"
     );
 }

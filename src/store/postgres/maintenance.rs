@@ -1,11 +1,14 @@
 //! Statements off the request path, over many records: the sweeper's deletion of expired records
-//! (SWEEP, from every replica's sweeper task) and the operator tools' reads (FIND and STATS, for
-//! `idemproxy keys`). Touches the whole key table, a bounded batch or one key's records at a time.
+//! (SWEEP, from every replica's sweeper task) and the operator tools' reads (FIND, LIST, STATS
+//! and FORGET, for `idemproxy keys`). Touches the whole key table, a bounded batch, one page or one
+//! key's records at a time.
 
 use super::citus;
 use super::rows::{corrupt, record_info, record_stats};
 use super::runner::{Db, backend};
-use crate::store::{RecordInfo, RecordStats, StoreError};
+use crate::store::{
+    ListPage, ListQuery, RecordId, RecordInfo, RecordStats, ScopeFilter, StoreError, page, sql_start,
+};
 
 /// Deletes one bounded batch of expired records. SKIP LOCKED lets sweepers on many replicas split the
 /// work instead of queueing on each other's rows, and leaves alone a row a claim is taking right now;
@@ -21,9 +24,9 @@ const SWEEP: &str = "DELETE FROM idemproxy.records AS r
         FOR UPDATE SKIP LOCKED)
       AND r.expires_at <= now() AND (r.status <> 'processing' OR r.locked_until <= now())";
 
-/// An operator's view of the records holding a key, by the condition that follows it. It serves the
-/// runbook, never the request path.
-macro_rules! find {
+/// An operator's view of records, by the condition (and order) that follows it. It serves the runbook,
+/// never the request path.
+macro_rules! described {
     ($condition:literal) => {
         concat!(
             "SELECT scope, key, status, attempt, claim_kind, token,
@@ -35,19 +38,30 @@ macro_rules! find {
                 response_status, octet_length(response_body)::bigint AS body_bytes, body_retained
             FROM idemproxy.records
             WHERE ",
-            $condition,
-            " ORDER BY scope"
+            $condition
         )
     };
 }
 
 /// A key's record in one scope: one primary-key lookup.
-const FIND_IN_SCOPE: &str = find!("key = $1 AND scope = $2");
+const FIND_IN_SCOPE: &str = described!("key = $1 AND scope = $2 ORDER BY scope");
 
 /// A key's records in every scope: a scan of the primary key, whose second column is the key. Two
 /// statements rather than one with an optional scope, because a connection's generic plan
 /// (`connect::INDEX_PLANS`) cannot tell whether the scope is given and would scan for both.
-const FIND: &str = find!("key = $1");
+const FIND: &str = described!("key = $1 ORDER BY scope");
+
+/// A page of `keys list`: the primary key read in its order from the row value after the cursor, so each
+/// page is one bounded range scan of the primary key however large the table (a row-value comparison is
+/// an index condition on `(scope, key)`; separate `scope > $1 OR ...` conditions would not be).
+const LIST: &str = described!("(scope, key) > ($1, $2) ORDER BY scope, key LIMIT $3");
+
+/// A page of `keys list` within one scope: the primary key's range of that scope.
+const LIST_IN_SCOPE: &str = described!("scope = $1 AND key > $2 ORDER BY key LIMIT $3");
+
+/// `keys forget`: fenced by the token the operator was shown, so a record claimed again since then (a
+/// new execution under way) is kept.
+const FORGET: &str = "DELETE FROM idemproxy.records WHERE scope = $1 AND key = $2 AND token = $3";
 
 /// Records by state, expired ones apart. Portable aggregate (no FILTER clause).
 const STATS: &str = "SELECT
@@ -76,6 +90,24 @@ pub(super) async fn find(db: &Db, key: &str, scope: Option<&str>) -> Result<Vec<
     rows.iter()
         .map(|row| record_info(row).map_err(backend)?.ok_or_else(corrupt))
         .collect()
+}
+
+pub(super) async fn list(db: &Db, query: &ListQuery) -> Result<ListPage, StoreError> {
+    let (scope, key) = sql_start(query)?;
+    let sql = match query.scope {
+        ScopeFilter::Exact(_) => LIST_IN_SCOPE,
+        ScopeFilter::All | ScopeFilter::Named(_) => LIST,
+    };
+    let rows = db.query(sql, &[&scope, &key, &i64::from(query.examine)]).await?;
+    let records = rows
+        .iter()
+        .map(|row| record_info(row).map_err(backend)?.ok_or_else(corrupt))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(page(records, query))
+}
+
+pub(super) async fn forget(db: &Db, id: &RecordId) -> Result<bool, StoreError> {
+    Ok(db.execute(FORGET, &[&id.scope, &id.key, &id.token]).await? == 1)
 }
 
 pub(super) async fn stats(db: &Db) -> Result<RecordStats, StoreError> {

@@ -12,7 +12,8 @@ use uuid::Uuid;
 
 use crate::store::blob::decode_headers;
 use crate::store::{
-    ClaimKind, ClaimResult, Existing, RecordInfo, RecordStatus, StoreError, StoredResponse, epoch_ms,
+    ClaimKind, ClaimResult, Existing, RecordInfo, RecordStatus, ScopeFilter, StoreError, StoredResponse,
+    epoch_ms,
 };
 
 /// What stays readable in a record's name.
@@ -36,6 +37,16 @@ pub(super) fn pattern(prefix: &str, key: Option<&str>) -> String {
     match key {
         Some(key) => format!("{prefix}:{{*:{}}}", utf8_percent_encode(key, ENCODED)),
         None => format!("{prefix}:{{*}}"),
+    }
+}
+
+/// The `SCAN` pattern of the records a page of `keys list` walks.
+pub(super) fn list_pattern(prefix: &str, scope: &ScopeFilter) -> String {
+    match scope {
+        ScopeFilter::All => pattern(prefix, None),
+        // A scope's own `:` is encoded in the name; the one after it separates the key.
+        ScopeFilter::Named(name) => format!("{prefix}:{{{}%3A*}}", utf8_percent_encode(name, ENCODED)),
+        ScopeFilter::Exact(scope) => format!("{prefix}:{{{}:*}}", utf8_percent_encode(scope, ENCODED)),
     }
 }
 

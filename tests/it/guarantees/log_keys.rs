@@ -18,7 +18,7 @@ const LEFT: &str = "ord-LOGSECRET-left";
 fn lines_saying(log: &str, message: &str) -> Vec<serde_json::Value> {
     log.lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line.get(line.find('{')?..)?).ok())
-        .filter(|event| event["fields"]["message"] == message)
+        .filter(|event| event["message"] == message)
         .collect()
 }
 
@@ -97,9 +97,7 @@ async fn no_log_line_at_any_level_holds_a_key() {
     ] {
         let lines = lines_saying(&log, message);
         assert!(
-            lines
-                .iter()
-                .any(|event| event["fields"]["key_hash"] == unsure.as_str()),
+            lines.iter().any(|event| event["key_hash"] == unsure.as_str()),
             "no {message:?} line names {unsure}: {lines:?}"
         );
     }
@@ -109,9 +107,7 @@ async fn no_log_line_at_any_level_holds_a_key() {
         "client left before the response head; reading upstream to the end",
     );
     assert!(
-        lines
-            .iter()
-            .any(|event| event["fields"]["key_hash"] == left.as_str()),
+        lines.iter().any(|event| event["key_hash"] == left.as_str()),
         "no line says the client of {left} left: {lines:?}"
     );
     let executed = hash(&scope_of(&env, EXECUTED).await, EXECUTED);

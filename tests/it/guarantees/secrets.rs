@@ -220,9 +220,8 @@ async fn log_of_a_failing_store(url: &str) -> String {
 /// The proxy listener's address, from its "proxy listening" JSON line.
 fn listening_on(line: &str) -> Option<String> {
     let event: serde_json::Value = serde_json::from_str(line).ok()?;
-    let fields = event.get("fields")?;
-    (fields.get("message")?.as_str()? == "proxy listening").then_some(())?;
-    Some(fields.get("addr")?.as_str()?.to_owned())
+    (event.get("message")?.as_str()? == "proxy listening").then_some(())?;
+    Some(event.get("addr")?.as_str()?.to_owned())
 }
 
 #[tokio::test]

@@ -417,7 +417,7 @@ pub fn orphans_given_back(logs: &[String]) -> HashSet<String> {
         .filter_map(|line| {
             let json = &line[line.find('{')?..];
             let event: serde_json::Value = serde_json::from_str(json).ok()?;
-            Some(event["fields"]["key_hash"].as_str()?.to_string())
+            Some(event["key_hash"].as_str()?.to_string())
         })
         .collect()
 }

@@ -174,7 +174,7 @@ pub struct ProxyProcess {
     pub admin_url: String,
     stderr: Arc<Mutex<Vec<String>>>,
     /// The config file the process reads; removed when the process handle is dropped.
-    _config_path: tempfile::TempPath,
+    config_path: tempfile::TempPath,
 }
 
 impl ProxyProcess {
@@ -207,7 +207,7 @@ impl ProxyProcess {
             url: base_url(proxy),
             admin_url: base_url(admin),
             stderr,
-            _config_path: config_path,
+            config_path,
         }
     }
 
@@ -229,11 +229,26 @@ impl ProxyProcess {
 
     /// Sends SIGTERM: the proxy should drain in-flight work and exit 0.
     pub fn terminate(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends SIGHUP: the proxy reads its configuration again.
+    pub fn hangup(&self) {
+        self.signal("HUP");
+    }
+
+    /// Sends the signal `name` (`TERM`, `HUP`) with `kill`.
+    fn signal(&self, name: &str) {
         let status = std::process::Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
+            .args([&format!("-{name}"), &self.pid().to_string()])
             .status()
-            .expect("run kill -TERM");
-        assert!(status.success(), "kill -TERM failed: {status}");
+            .unwrap_or_else(|e| panic!("run kill -{name}: {e}"));
+        assert!(status.success(), "kill -{name} failed: {status}");
+    }
+
+    /// The config file the process reads, for a test to rewrite before a SIGHUP.
+    pub fn config_file(&self) -> &std::path::Path {
+        &self.config_path
     }
 
     /// Waits (bounded) for the process to exit.
@@ -339,13 +354,12 @@ fn listening_addr(line: &str) -> Option<(&'static str, SocketAddr)> {
     let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
         return listening_addr_in_text(line);
     };
-    let fields = event.get("fields")?;
-    let message = match fields.get("message")?.as_str()? {
+    let message = match event.get("message")?.as_str()? {
         "proxy listening" => "proxy listening",
         "admin listening" => "admin listening",
         _ => return None,
     };
-    let addr = fields.get("addr")?.as_str()?.parse().ok()?;
+    let addr = event.get("addr")?.as_str()?.parse().ok()?;
     Some((message, addr))
 }
 
