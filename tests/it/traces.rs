@@ -164,13 +164,13 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
     assert_eq!(executed.status, 201);
     let spans = collector
         .trace(CALLER_TRACE, |spans| {
-            ["POST", "claim", "upstream", "completion"]
+            ["POST default", "claim", "upstream", "completion"]
                 .iter()
                 .all(|name| named(spans, name).is_some())
         })
         .await;
 
-    let request = the(&spans, "POST");
+    let request = the(&spans, "POST default");
     assert_eq!(
         hex(&request.parent_span_id),
         CALLER_SPAN,
@@ -227,9 +227,9 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
     .await;
     assert!(replay.is_replay());
     let retry = collector
-        .trace(RETRY_TRACE, |spans| named(spans, "POST").is_some())
+        .trace(RETRY_TRACE, |spans| named(spans, "POST default").is_some())
         .await;
-    let request = the(&retry, "POST");
+    let request = the(&retry, "POST default");
     assert_eq!(attribute(request, "outcome").as_deref(), Some("replayed"));
     assert_eq!(hex(&request.parent_span_id), CALLER_SPAN);
     assert!(
@@ -252,10 +252,12 @@ async fn a_keyed_request_is_traced_under_the_callers_span_and_its_replay_never_r
 }
 
 #[tokio::test]
-async fn refusals_get_a_span_of_their_own_with_no_upstream_child() {
+async fn refusals_get_a_span_of_their_own_with_no_upstream_child_whatever_the_log_filter() {
     let env = TestEnv::on(Backend::Sqlite).await;
     let collector = Collector::start().await;
-    let proxy = ProxyProcess::spawn(&traced(&env, &collector)).await;
+    // The request spans' target is below WARN in the logs; the listening lines still come.
+    let quiet = "warn,idemproxy=info,idemproxy::proxy=warn";
+    let proxy = ProxyProcess::spawn(&traced(&env, &collector).set("log.filter", quiet)).await;
     let first = Reply::of(keyed_post(&proxy.url, "/orders", KEY, "{}")).await;
     assert_eq!(first.status, 201);
     let mismatch = Reply::of(
@@ -265,9 +267,9 @@ async fn refusals_get_a_span_of_their_own_with_no_upstream_child() {
     .await;
     assert_eq!(mismatch.status, 422);
     let spans = collector
-        .trace(RETRY_TRACE, |spans| named(spans, "POST").is_some())
+        .trace(RETRY_TRACE, |spans| named(spans, "POST default").is_some())
         .await;
-    let request = the(&spans, "POST");
+    let request = the(&spans, "POST default");
     assert_eq!(attribute(request, "outcome").as_deref(), Some("mismatch"));
     assert_eq!(
         attribute(request, "http.response.status_code").as_deref(),
@@ -313,7 +315,10 @@ async fn sampling_follows_the_callers_decision_and_queued_spans_are_sent_when_th
         spans.iter().all(|(service, _)| service == "payments-proxy"),
         "{spans:#?}"
     );
-    assert!(spans.iter().any(|(_, span)| span.name == "POST"), "{spans:#?}");
+    assert!(
+        spans.iter().any(|(_, span)| span.name == "POST default"),
+        "{spans:#?}"
+    );
     let upstream = env.upstream.requests();
     let told = upstream[1].headers["traceparent"].to_str().unwrap();
     assert!(
