@@ -5,7 +5,7 @@
 //! Each TOML section lives in its own file under `config/`, with its structs, defaults, checks and tests:
 //! `server.rs` (and the listener's TLS files), `upstream.rs` (and the upstream's TLS files), `store.rs` (and the PostgreSQL URL),
 //! `idempotency.rs` (and a route's webhook `signature.rs`), `routes.rs`, `sweeper.rs`, `log.rs`,
-//! `replay_cache.rs`, `encryption.rs` (and the keys); `path.rs` is the normal form of request paths
+//! `replay_cache.rs`, `encryption.rs` (and the keys), `traces.rs` (OTLP export); `path.rs` is the normal form of request paths
 //! (`server.paths`) that routes are written in;
 //! `parse.rs` holds the checks they share (and the "did you mean" of an unknown key), `tls.rs` the PEM
 //! files and rustls configs; `service_links.rs` recognises the Kubernetes service-link variables the
@@ -29,6 +29,7 @@ pub(crate) mod signature;
 mod store;
 mod sweeper;
 pub mod tls;
+mod traces;
 mod upstream;
 mod warnings;
 
@@ -59,6 +60,7 @@ pub use signature::{
 };
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig};
 pub use sweeper::SweeperConfig;
+pub use traces::{DEFAULT_SERVICE_NAME, HTTP_PROTOBUF, RawTraces, TracesConfig};
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
 pub use warnings::Warning;
 
@@ -131,6 +133,8 @@ pub struct RawConfig {
     pub replay_cache: ReplayCacheConfig,
     /// Encryption at rest of stored responses.
     pub encryption: RawEncryption,
+    /// OpenTelemetry traces over OTLP.
+    pub traces: RawTraces,
     /// Per-endpoint policies over `[idempotency]`, first match wins.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<RawRoute>,
@@ -157,6 +161,8 @@ pub struct Config {
     pub replay_cache: ReplayCacheConfig,
     /// Encryption at rest; `None` when no keys are configured.
     pub encryption: Option<EncryptionConfig>,
+    /// OpenTelemetry traces.
+    pub traces: TracesConfig,
     /// The Kubernetes service-link variables (`IDEMPROXY_PORT`, `IDEMPROXY_SERVICE_HOST`, ...) the
     /// environment layer left out, by name; empty unless loaded with [`Config::load`].
     pub service_links: Vec<String>,
@@ -234,6 +240,9 @@ impl Config {
         for secret in raw.encryption.keys.values_mut() {
             *secret = "***".into();
         }
+        for secret in raw.traces.headers.values_mut() {
+            *secret = "***".into();
+        }
         let mut text =
             toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"));
         text.push_str(&self.routes.describe());
@@ -284,6 +293,7 @@ impl RawConfig {
         self.sweeper.validate()?;
         let encryption = self.encryption.validate()?;
         let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
+        let traces = self.traces.validate()?;
         Ok(Config {
             server,
             upstream,
@@ -294,6 +304,7 @@ impl RawConfig {
             log: self.log.clone(),
             replay_cache: self.replay_cache.clone(),
             encryption,
+            traces,
             service_links: Vec::new(),
             raw: self,
         })

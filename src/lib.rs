@@ -31,7 +31,8 @@
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
 //!   `/healthz`, `/readyz`; `health.rs` is `idemproxy health`, the probe of those two for a container;
 //! - `access.rs` writes the access log (`log.access`): one line per request, with the time it spent in
-//!   the store and upstream; `proxy/trace_context.rs` reads the caller's W3C `traceparent`;
+//!   the store and upstream; `proxy/trace_context.rs` reads the caller's W3C `traceparent`; `otlp.rs`
+//!   makes the request's trace spans and `otlp/export.rs` sends them over OTLP (`traces.enabled`);
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
 //!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
 //!   `shutdown.rs` turns signals into cancellation (and hands SIGHUP to `reload.rs`, which reads the
@@ -55,6 +56,7 @@ pub mod health;
 pub mod keys;
 pub mod logging;
 pub mod metrics;
+pub mod otlp;
 pub mod proxy;
 pub mod reload;
 pub mod server;

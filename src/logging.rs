@@ -1,7 +1,8 @@
 //! Where log lines go and how they look, set up once by `main.rs` before anything logs: a filter that
 //! SIGHUP can replace (`reload.rs`), then the formatting layer ([`format_layer`]) writing to
-//! [`MaskedStderr`]. A layer that exports spans elsewhere is one more `.with(...)` in [`init`]. Touches
-//! the process's global tracing subscriber, and nothing else.
+//! [`MaskedStderr`]; beside it, with `traces.enabled`, the layer that exports spans over OTLP
+//! (`otlp.rs`), which the log filter does not limit. Touches the process's global tracing subscriber,
+//! and nothing else.
 //!
 //! Text lines carry ANSI colours only when stderr is a terminal (and `NO_COLOR` is not set), so a file,
 //! a pipe or a container's log driver gets plain text. JSON lines are flat ([`FlatJson`]): `timestamp`,
@@ -24,7 +25,8 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry, reload};
 
-use crate::config::{Config, LogConfig, LogFormat, MaskedStderr, StoreBackend};
+use crate::config::{Config, LogConfig, LogFormat, MaskedStderr, StoreBackend, TracesConfig};
+use crate::otlp::{self, Exporting, StartError};
 
 /// Targets of dependencies whose lines would carry keys or bodies in clear, held at INFO whatever the
 /// filter asks: tokio-postgres logs every statement's parameters (scope, key, fingerprint) at DEBUG.
@@ -40,14 +42,26 @@ impl FilterHandle {
     }
 }
 
-/// Sets up the process's logging from `[log]`; the handle changes its filter later.
-pub fn init(log: &LogConfig) -> FilterHandle {
+/// Sets up the process's logging from `[log]`, and beside it the export of traces from `[traces]`
+/// (`otlp.rs`): the log filter is the format layer's own, so traces do not depend on it. The handle
+/// changes the log filter later; the export, if any, is to be flushed at exit.
+pub fn init(log: &LogConfig, traces: &TracesConfig) -> Result<(FilterHandle, Option<Exporting>), StartError> {
     let (filter, handle) = reload::Layer::new(filter_for(&log.filter));
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(format_layer(log.format))
-        .init();
-    FilterHandle(handle)
+    let exporting = match otlp::layer(traces)? {
+        // Without traces the filter stays global: a per-layer filter costs about 3k instructions a
+        // request (callgrind), which only the traces pay for.
+        None => {
+            let logs = format_layer(log.format);
+            tracing_subscriber::registry().with(filter).with(logs).init();
+            None
+        }
+        Some((traces, exporting)) => {
+            let logs = format_layer(log.format).with_filter(filter);
+            tracing_subscriber::registry().with(logs).with(traces).init();
+            Some(exporting)
+        }
+    };
+    Ok((FilterHandle(handle), exporting))
 }
 
 /// Whether `RUST_LOG` is set, and so overrides `log.filter`.
@@ -55,10 +69,11 @@ pub fn filter_from_environment() -> bool {
     std::env::var_os(EnvFilter::DEFAULT_ENV).is_some()
 }
 
-/// `RUST_LOG` if set (and valid), else `filter`, with [`QUIET_TARGETS`] held at INFO.
+/// `RUST_LOG` if set (and valid), else `filter`, with [`QUIET_TARGETS`] held at INFO and the spans made
+/// for traces alone kept out.
 fn filter_for(filter: &str) -> EnvFilter {
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(filter));
-    for directive in QUIET_TARGETS {
+    for directive in QUIET_TARGETS.iter().chain([&otlp::NOT_LOGGED]) {
         if let Ok(directive) = directive.parse() {
             filter = filter.add_directive(directive);
         }

@@ -36,7 +36,28 @@ fn main() -> ExitCode {
     if let Command::CheckConfig(args) = &cli.command {
         return check_config(&config, args.deny_warnings);
     }
-    let filter = logging::init(&config.log);
+    let (filter, traces) = match logging::init(&config.log, &config.traces) {
+        Ok(started) => started,
+        Err(error) => {
+            eprintln!("{}", mask_passwords(&error.to_string()));
+            return ExitCode::FAILURE;
+        }
+    };
+    let reload = Reload {
+        file: file.map(ToOwned::to_owned),
+        overrides,
+        filter,
+    };
+    let code = run(cli, config, reload);
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    code
+}
+
+/// The commands that run with logging (and traces) set up; `serve` rereads the configuration through
+/// `reload` at SIGHUP.
+fn run(cli: Cli, config: Config, reload: Reload) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -50,14 +71,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Migrate(_) => migrate(&config).await,
-            _ => {
-                let reload = Reload {
-                    file: file.map(ToOwned::to_owned),
-                    overrides,
-                    filter,
-                };
-                serve(config, reload).await
-            }
+            _ => serve(config, reload).await,
         }
     });
     match result {

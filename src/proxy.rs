@@ -41,6 +41,7 @@ use crate::body::ProxyBody;
 use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::{BusyReason, Metrics, Outcome, RouteSeries, RouteSet};
+use crate::otlp;
 use crate::store::notify::Waiters;
 use crate::store::{Capabilities, ClaimRequest, StoreHandle};
 
@@ -78,6 +79,8 @@ pub struct Proxy {
     pub(crate) store_timeout: Duration,
     /// Whether each request writes an access line (`log.access`).
     pub(crate) access_log: bool,
+    /// Whether requests are traced (`traces.enabled`, `otlp.rs`): off, no span beyond the log's is made.
+    pub(crate) traced: bool,
     /// What every problem `type` URI starts with (`server.problem_type_base`).
     pub(crate) problem_base: Arc<str>,
     /// The requests waiting for a key in flight, by record; shared by every worker (and the listener).
@@ -119,7 +122,7 @@ impl Proxy {
             paths: config.server.paths,
             on_store_error: config.store.on_error,
             store,
-            upstream: Upstream::new(&config.upstream, metrics.clone()),
+            upstream: Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces)),
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             examiners: Examiners::per_cpu(),
             route_series: Arc::new(metrics.routes(
@@ -140,6 +143,7 @@ impl Proxy {
             write_timeout: config.server.write_timeout,
             store_timeout: config.store.timeout,
             access_log: config.log.access,
+            traced: otlp::traced(&config.traces),
             problem_base: config.server.problem_type_base.as_str().into(),
             waiters,
             waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
@@ -174,6 +178,8 @@ impl Proxy {
             outcome = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             parent_id = tracing::field::Empty,
+            otel.kind = tracing::field::Empty,
+            otel.name = tracing::field::Empty,
         );
         let line = self.open_line(&request, &span);
         // A refused path is counted under the default route, as a path no route matches is.
@@ -182,6 +188,7 @@ impl Proxy {
             Err(_) => &self.routes.default,
         }
         .clone();
+        otlp::adopt(&span, self.traced, &request, &route.name);
         let series = self.route_series.get(&route.name);
         let inner = access::within(
             line.as_ref().map(Line::ledger),
@@ -209,6 +216,7 @@ impl Proxy {
             }
         };
         span.record("outcome", outcome.as_str());
+        otlp::answered(&span, self.traced, response.status());
         let elapsed = arrived.elapsed();
         series.answered(outcome, elapsed);
         tracing::debug!(

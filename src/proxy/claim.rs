@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::cache::Fill;
 use super::execute::{self, Claimed};
@@ -19,6 +20,7 @@ use super::{Answer, KeyedSlot, Proxy, expiry, replay};
 use crate::config::{OnInFlight, Route};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
+use crate::otlp;
 use crate::store::notify::{Subscription, Topic};
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoredResponse};
 
@@ -119,9 +121,17 @@ impl Proxy {
         }
         let started = Instant::now();
         let sent = SystemTime::now();
-        let result = match self.store.claim(&keyed.intake.claim).await {
-            Ok(result) => result,
-            Err(error) => return self.unanswered(keyed, error).await,
+        let span = otlp::claim(self.traced);
+        let claiming = self.store.claim(&keyed.intake.claim);
+        let result = match claiming.instrument(span.clone()).await {
+            Ok(result) => {
+                otlp::claimed(&span, found(&result));
+                result
+            }
+            Err(error) => {
+                otlp::failed(&span, "store_error");
+                return self.unanswered(keyed, error).await;
+            }
         };
         if let Some(subscription) = subscription
             && let Some(lease_remaining) = in_flight(&result)
@@ -355,6 +365,18 @@ fn held(existing: Existing, retry_hint: Duration) -> Result<Decision, ProxyError
 /// or the lease left if that is shorter, at least a second.
 pub(crate) fn in_flight_retry_after(lease_remaining: Duration, retry_hint: Duration) -> Duration {
     lease_remaining.min(retry_hint).max(Duration::from_secs(1))
+}
+
+/// What a claim statement found, in a word for its trace span: the claim's kind when won, else the
+/// state of the record that holds the key.
+fn found(result: &ClaimResult) -> &'static str {
+    match result {
+        ClaimResult::Won { kind, .. } => kind.as_str(),
+        ClaimResult::Held(Existing::Completed { .. }) => "completed",
+        ClaimResult::Held(Existing::Processing { .. }) => "processing",
+        ClaimResult::Held(Existing::Failed) => "failed",
+        ClaimResult::Held(Existing::Unknown { .. }) => "unknown",
+    }
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Request, StatusCode};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use self::heartbeat::Heartbeat;
 use self::relay::{Held, Relayed, ToStore};
@@ -34,6 +35,7 @@ use crate::body::{BoxError, ProxyBody};
 use crate::config::{OnUnknownOutcome, Route};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
+use crate::otlp;
 use crate::store::{RecordId, StoreError, StoredResponse};
 
 /// The first wait before a completion or release that failed because the store blipped is tried again;
@@ -228,13 +230,17 @@ async fn broken_body(
 /// (see [`until_answered`]); `true` once it is stored.
 async fn complete(proxy: &Proxy, claim: &Claimed, stored: &StoredResponse) -> bool {
     let id = &claim.id;
-    match until_answered(claim.lease, || proxy.store.complete(id, stored)).await {
+    let span = otlp::settlement(proxy.traced, true);
+    let writing = until_answered(claim.lease, || proxy.store.complete(id, stored));
+    match writing.instrument(span.clone()).await {
         Ok(true) => true,
         Ok(false) => {
+            otlp::failed(&span, "fenced");
             lost_claim(proxy, id, "completion");
             false
         }
         Err(error) => {
+            otlp::failed(&span, "store_error");
             tracing::error!(key_hash = %id.key_hash(), %error, "completion failed; claim left to its lease");
             false
         }
@@ -247,16 +253,19 @@ async fn complete(proxy: &Proxy, claim: &Claimed, stored: &StoredResponse) -> bo
 /// answer.
 async fn release_then_answer(proxy: &Proxy, claim: &Claimed, head: Answer, answer: Handled) {
     let id = &claim.id;
-    match proxy.store.release(id).await {
+    let span = otlp::settlement(proxy.traced, false);
+    match proxy.store.release(id).instrument(span.clone()).await {
         Ok(true) => {
             head.send(answer);
             proxy.settled(&claim.route, id).await;
         }
         Ok(false) => {
+            otlp::failed(&span, "fenced");
             lost_claim(proxy, id, "release");
             head.send(answer);
         }
         Err(error) => {
+            otlp::failed(&span, "store_error");
             tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; answering, then retrying");
             head.send(answer);
             release(proxy, claim).await;

@@ -1,7 +1,8 @@
 //! Runs first for every request whose span is recorded (or while the access log is on): reads the W3C
 //! Trace Context `traceparent` header, so the request's span and access line carry the caller's trace id.
-//! Pure; the headers themselves (`traceparent`, `tracestate`) are forwarded upstream untouched and are
-//! never part of the fingerprint (`config/idempotency.rs` refuses them as fingerprint headers).
+//! Pure; the headers themselves (`traceparent`, `tracestate`) are forwarded upstream untouched (unless
+//! traces are on: then `otlp.rs` writes the proxy's upstream span as the parent) and are never part of the
+//! fingerprint (`config/idempotency.rs` refuses them as fingerprint headers).
 
 use http::HeaderMap;
 

@@ -15,6 +15,7 @@ use http::{Request, Response, Uri, Version, request};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 
 use self::pool::{Pool, PooledBody, SendError};
 use super::passthrough::client_body::BodyWatch;
@@ -22,6 +23,7 @@ use crate::body::{BoxError, ProxyBody};
 use crate::config::UpstreamConfig;
 use crate::error::{Busy, ProxyError};
 use crate::metrics::Metrics;
+use crate::otlp;
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1): meaningful for one connection only, never forwarded or stored.
 const HOP_BY_HOP: [HeaderName; 6] = [
@@ -140,6 +142,16 @@ impl UpstreamFailure {
         matches!(self, UpstreamFailure::NotDelivered(_) | UpstreamFailure::Busy)
     }
 
+    /// A fixed word for the failure, for its trace span.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            UpstreamFailure::NotDelivered(_) => "not_delivered",
+            UpstreamFailure::Ambiguous(_) => "broken",
+            UpstreamFailure::Timeout(_) => "timeout",
+            UpstreamFailure::Busy => "busy",
+        }
+    }
+
     /// The client-facing error.
     pub fn into_error(self) -> ProxyError {
         match self {
@@ -159,6 +171,8 @@ pub struct Upstream {
     base: Uri,
     timeout: Duration,
     metrics: Metrics,
+    /// Whether each call gets a span and carries it as the request's `traceparent` (`otlp.rs`).
+    traced: bool,
 }
 
 impl Upstream {
@@ -174,7 +188,13 @@ impl Upstream {
             base: config.base.clone(),
             timeout: config.timeout,
             metrics,
+            traced: false,
         }
+    }
+
+    /// The same client, tracing its calls or not.
+    pub fn traced(self, traced: bool) -> Upstream {
+        Upstream { traced, ..self }
     }
 
     /// The same client over a pool of its own, for a worker whose requests should not share
@@ -232,20 +252,35 @@ impl Upstream {
         HeaderValue::from_str(authority.as_str()).ok()
     }
 
-    /// Sends the request and waits for the response head within `upstream.timeout`.
-    pub async fn send(&self, request: Request<ProxyBody>) -> Result<Response<PooledBody>, UpstreamFailure> {
+    /// Sends the request and waits for the response head within `upstream.timeout`. Traced, the call is
+    /// a span of its own, which the upstream gets as the parent in its `traceparent`.
+    pub async fn send(
+        &self,
+        mut request: Request<ProxyBody>,
+    ) -> Result<Response<PooledBody>, UpstreamFailure> {
+        let span = otlp::upstream(self.traced, &mut request);
         let started = std::time::Instant::now();
-        let result = tokio::time::timeout(self.timeout, self.pool.send(request)).await;
+        let sending = tokio::time::timeout(self.timeout, self.pool.send(request));
+        let result = if span.is_none() {
+            sending.await
+        } else {
+            sending.instrument(span.clone()).await
+        };
         let elapsed = started.elapsed();
         self.metrics.upstream_duration.observe(elapsed.as_secs_f64());
         crate::access::upstream(elapsed);
-        match result {
+        let result = match result {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(SendError::NotSent(why))) => Err(UpstreamFailure::NotDelivered(why)),
             Ok(Err(SendError::Failed(why))) => Err(UpstreamFailure::Ambiguous(why)),
             Ok(Err(SendError::Busy)) => Err(UpstreamFailure::Busy),
             Err(_) => Err(UpstreamFailure::Timeout(self.timeout)),
+        };
+        match &result {
+            Ok(response) => otlp::upstream_answered(&span, response.status()),
+            Err(failure) => otlp::failed(&span, failure.kind()),
         }
+        result
     }
 }
 

@@ -38,6 +38,8 @@ mod store_tls;
 mod storm;
 mod sweeper;
 mod telemetry;
+#[cfg(feature = "otlp")]
+mod traces;
 mod upstream_faults;
 mod upstream_transports;
 mod wait;

@@ -137,7 +137,11 @@ fn snippet_code(snippet: &Snippet) -> String {
 /// Runs the snippet against `base` and returns the lines it printed, or `None` if its interpreter is
 /// not installed. Opens the stub's `slow` gate once the proxy has answered a duplicate `409`.
 async fn run(snippet: &Snippet, env: &TestEnv, base: &str, admin: &str) -> Option<Vec<String>> {
-    let version = if snippet.program == "go" { "version" } else { "--version" };
+    let version = if snippet.program == "go" {
+        "version"
+    } else {
+        "--version"
+    };
     let installed = Command::new(snippet.program).arg(version).output().await;
     if !installed.is_ok_and(|out| out.status.success()) {
         eprintln!("skipped: {} is not installed", snippet.program);
