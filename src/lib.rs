@@ -35,7 +35,7 @@
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
 //!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
 //!   `shutdown.rs` turns signals into cancellation; `keys.rs` is the operator's runbook
-//!   (`idemproxy keys ...`).
+//!   (`idemproxy keys ...`); `demo.rs` is `idemproxy demo-upstream`, a service to try the proxy on.
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -46,6 +46,7 @@ pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod error_chain;
 pub mod headers;
