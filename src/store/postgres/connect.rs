@@ -216,7 +216,7 @@ mod tests {
             "createdb -h 127.0.0.1 -p 5432 -U postgres idemproxy"
         );
         let pg = pg_config(&store("postgres://app@db.internal/it%27s")).unwrap();
-        assert_eq!(createdb(&pg), "createdb -h db.internal -U app 'it'\\''s'");
+        assert_eq!(createdb(&pg), "createdb -h db.internal -p 5432 -U app 'it'\\''s'");
     }
 
     #[test]
