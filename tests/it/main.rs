@@ -6,6 +6,7 @@ mod access_log;
 mod admin;
 mod cli;
 mod concurrency;
+mod demo_upstream;
 mod encryption;
 mod guarantees;
 mod harness;
