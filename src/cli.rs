@@ -1,6 +1,6 @@
 //! The command line: `serve`, `migrate`, `check-config`, each taking the config file and the override
-//! flags that form the top configuration layer, `keys`, the operator's runbook for single records, and
-//! `health`, the probe for a container's HEALTHCHECK.
+//! flags that form the top configuration layer, `keys`, the operator's runbook for single records,
+//! `health`, the probe for a container's HEALTHCHECK, and `demo-upstream`, a service to try the proxy on.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,6 +34,9 @@ pub enum Command {
     /// Probe a running proxy's admin listener (for a container HEALTHCHECK): exit 0 when `/readyz`
     /// (or with --live `/healthz`) answers 200, else 1 with one line saying what failed.
     Health(HealthArgs),
+    /// Run a tiny demo service to try the proxy on (not for production): it answers every request 201
+    /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds.
+    DemoUpstream(DemoArgs),
 }
 
 impl Command {
@@ -44,6 +47,7 @@ impl Command {
             Command::CheckConfig(args) => (args.config.config.as_deref(), args.config.overrides()),
             Command::Keys(args) => (args.config.as_deref(), args.overrides()),
             Command::Health(args) => (args.config.as_deref(), args.overrides()),
+            Command::DemoUpstream(_) => (None, Overrides::default()),
         }
     }
 }
@@ -244,6 +248,17 @@ pub struct CheckArgs {
     /// Exit 64, as for a bad configuration, when any risky setting is found (for CI).
     #[arg(long)]
     pub deny_warnings: bool,
+}
+
+/// `idemproxy demo-upstream`: the demo service's address.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Address to listen on.
+    #[arg(value_name = "ADDR", default_value = "127.0.0.1:3000")]
+    pub listen: String,
+    /// Only check that something accepts connections on ADDR: exit 0 if so, else 1.
+    #[arg(long)]
+    pub probe: bool,
 }
 
 /// Where the configuration comes from.

@@ -38,7 +38,8 @@
 //!   `shutdown.rs` turns signals into cancellation (and hands SIGHUP to `reload.rs`, which reads the
 //!   configuration again); `logging.rs` sets up the log lines; `keys.rs` is the operator's runbook
 //!   (`idemproxy keys ...`: `keys/client.rs` finds a client's scope from its credential, `keys/list.rs`
-//!   pages through records, `keys/forget.rs` deletes one).
+//!   pages through records, `keys/forget.rs` deletes one); `demo.rs` is `idemproxy demo-upstream`, a
+//!   service to try the proxy on.
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -49,6 +50,7 @@ pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod error_chain;
 pub mod headers;

@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use idemproxy::cli::{Cli, Command, HealthArgs, KeysArgs};
+use idemproxy::cli::{Cli, Command, DemoArgs, HealthArgs, KeysArgs};
 use idemproxy::config::{Config, mask_passwords};
 use idemproxy::logging;
 use idemproxy::reload::Reload;
@@ -24,6 +24,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::Health(args) = &cli.command {
         return health(&cli.command, args);
+    }
+    if let Command::DemoUpstream(args) = &cli.command {
+        return demo_upstream(args);
     }
     let (file, overrides) = cli.command.overrides();
     let config = match Config::load(file, &overrides) {
@@ -132,6 +135,26 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("idemproxy health: {}", mask_passwords(&error.to_string()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the demo service until interrupted, or with --probe checks that something accepts on its address.
+fn demo_upstream(args: &DemoArgs) -> ExitCode {
+    let result = tokio::runtime::Runtime::new().and_then(|runtime| {
+        runtime.block_on(async {
+            if args.probe {
+                return idemproxy::demo::probe(&args.listen).await;
+            }
+            let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+            idemproxy::demo::serve(listener).await
+        })
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("idemproxy demo-upstream: {}: {error}", args.listen);
             ExitCode::FAILURE
         }
     }

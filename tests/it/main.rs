@@ -7,6 +7,7 @@ mod admin;
 mod cli;
 mod concurrency;
 mod config_errors;
+mod demo_upstream;
 mod encryption;
 mod guarantees;
 mod harness;

@@ -236,6 +236,25 @@ async fn migrate_still_fails_at_once_when_postgres_is_unreachable() {
     assert!(stderr.contains("Connection refused"), "{stderr}");
 }
 
+/// The first start against a new server fails on a database nobody created: the error says how to create it.
+#[tokio::test]
+async fn a_missing_database_is_named_with_the_createdb_command_that_creates_it() {
+    let name = format!("idemproxy_never_created_{}", std::process::id());
+    let mut url = base_url();
+    url.set_path(&name);
+    let migrate = tokio::time::timeout(
+        COMMAND_BOUND,
+        idemproxy(&["migrate", "--store", url.as_str()], &[]),
+    )
+    .await
+    .expect("idemproxy migrate did not give up");
+    let stderr = String::from_utf8_lossy(&migrate.stderr);
+    assert_eq!(migrate.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("does not exist"), "{stderr}");
+    assert!(stderr.contains("(create it with `createdb "), "{stderr}");
+    assert!(stderr.contains(&format!(" {name}`)")), "{stderr}");
+}
+
 #[tokio::test]
 async fn redis_server_not_there_at_start_is_used_once_it_starts() {
     let upstream = Upstream::start().await;

@@ -6,10 +6,13 @@ use std::time::Duration;
 
 use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
+use tokio_postgres::config::Host;
+use tokio_postgres::error::SqlState;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::citus::Layout;
 use crate::config::StoreConfig;
+use crate::error_chain::error_chain;
 use crate::store::StoreError;
 
 /// Set on every pooled connection as it opens: the key table is reached by its indexes only, and each
@@ -97,6 +100,45 @@ pub(super) fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsCon
     Ok(Some(MakeRustlsConnect::new(client)))
 }
 
+/// A connection's failure on one line; when the server says the database does not exist, followed by
+/// the command that creates it, so the first start against a new server says what to do.
+pub(super) fn connect_failure(error: &tokio_postgres::Error, pg: &tokio_postgres::Config) -> String {
+    let text = error_chain(error);
+    if error.code() != Some(&SqlState::INVALID_CATALOG_NAME) {
+        return text;
+    }
+    format!("{text} (create it with `{}`)", createdb(pg))
+}
+
+/// `createdb` naming the server, port, user and database `pg` names (libpq's defaults where it does not).
+fn createdb(pg: &tokio_postgres::Config) -> String {
+    let mut command = vec!["createdb".to_owned()];
+    match pg.get_hosts().first() {
+        Some(Host::Tcp(host)) => command.extend(["-h".to_owned(), quoted(host)]),
+        Some(Host::Unix(dir)) => command.extend(["-h".to_owned(), quoted(&dir.to_string_lossy())]),
+        None => {}
+    }
+    if let Some(port) = pg.get_ports().first() {
+        command.extend(["-p".to_owned(), port.to_string()]);
+    }
+    if let Some(user) = pg.get_user() {
+        command.extend(["-U".to_owned(), quoted(user)]);
+    }
+    if let Some(name) = pg.get_dbname().or(pg.get_user()) {
+        command.push(quoted(name));
+    }
+    command.join(" ")
+}
+
+/// `word` as one shell word.
+fn quoted(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./:".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        return word.to_owned();
+    }
+    format!("'{}'", word.replace('\'', "'\\''"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +206,17 @@ mod tests {
             panic!("a missing CA file was accepted");
         };
         assert!(message.starts_with("store TLS: "), "{message}");
+    }
+
+    #[test]
+    fn the_createdb_command_names_the_urls_server_user_and_database() {
+        let pg = pg_config(&store("postgres://postgres@127.0.0.1:5432/idemproxy")).unwrap();
+        assert_eq!(
+            createdb(&pg),
+            "createdb -h 127.0.0.1 -p 5432 -U postgres idemproxy"
+        );
+        let pg = pg_config(&store("postgres://app@db.internal/it%27s")).unwrap();
+        assert_eq!(createdb(&pg), "createdb -h db.internal -p 5432 -U app 'it'\\''s'");
     }
 
     #[test]

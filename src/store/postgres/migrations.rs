@@ -12,7 +12,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{NoTls, Socket};
 
-use super::connect::{pg_config, tls_connector};
+use super::connect::{connect_failure, pg_config, tls_connector};
 use crate::config::StoreConfig;
 use crate::error_chain::error_chain;
 use crate::store::StoreError;
@@ -67,7 +67,7 @@ where
     let (mut client, connection) = pg
         .connect(tls)
         .await
-        .map_err(|e| sorted(&e, StoreError::Backend(error_chain(&e))))?;
+        .map_err(|e| sorted(&e, StoreError::Backend(connect_failure(&e, &pg))))?;
     let driver = tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::warn!(%error, "migration connection ended");

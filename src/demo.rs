@@ -1,12 +1,13 @@
-//! A tiny service to put idemproxy in front of, for trying the proxy without a service of your own.
+//! `idemproxy demo-upstream`: a tiny service to put the proxy in front of, for trying it without a
+//! service of your own (the README's quickstart, docker-compose.yml, the Kubernetes examples). Not part
+//! of the proxy: it runs only when asked for, and touches nothing else in the crate.
 //!
-//! `cargo run --example upstream` listens on 127.0.0.1:3000 (or the address given as the first argument)
-//! and answers every request with `201` and a JSON body that numbers its executions, so a replay is easy
-//! to tell from a second execution. `?delay_ms=N` makes it take N milliseconds, long enough to send a
-//! duplicate while the first request is still in flight.
-//!
-//! `upstream probe ADDR` connects to ADDR and exits 0 if something accepts, 1 otherwise: the readiness
-//! probe of a pod whose app listens on loopback only, where the kubelet's own TCP probe cannot reach.
+//! It answers every request with `201` and a JSON body that numbers its executions, so a replay is easy
+//! to tell from a second execution; `?delay_ms=N` makes it take N milliseconds, long enough to send a
+//! duplicate while the first request is still in flight. `--probe` connects to the address and exits 0
+//! if something accepts: the readiness probe of a pod whose app listens on loopback only, where the
+//! kubelet's own TCP probe cannot reach. It ships in the proxy's binary (as Caddy ships `caddy respond`)
+//! so that trying the proxy builds nothing more than the proxy.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,15 +23,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
-#[tokio::main]
-async fn main() -> std::io::Result<()> {
-    let addr = std::env::args().nth(1).unwrap_or_else(|| "127.0.0.1:3000".into());
-    if addr == "probe" {
-        let target = std::env::args().nth(2).unwrap_or_else(|| "127.0.0.1:3000".into());
-        return probe(&target).await;
-    }
-    let listener = TcpListener::bind(&addr).await?;
-    eprintln!("example upstream listening on http://{addr}");
+/// Serves the demo on `listener` until the process ends, saying where on stderr.
+pub async fn serve(listener: TcpListener) -> std::io::Result<()> {
+    eprintln!("demo upstream listening on http://{}", listener.local_addr()?);
     let executions = Arc::new(AtomicU64::new(0));
     loop {
         let (stream, _) = listener.accept().await?;
@@ -75,8 +70,8 @@ async fn answer(
     Ok(response)
 }
 
-/// Connects to `addr` within a second; an error (the process exits 1) when nothing accepts.
-async fn probe(addr: &str) -> std::io::Result<()> {
+/// Connects to `addr` within a second; an error when nothing accepts.
+pub async fn probe(addr: &str) -> std::io::Result<()> {
     let connect = tokio::net::TcpStream::connect(addr);
     match tokio::time::timeout(Duration::from_secs(1), connect).await {
         Ok(stream) => stream.map(drop),
@@ -87,6 +82,7 @@ async fn probe(addr: &str) -> std::io::Result<()> {
     }
 }
 
+/// `delay_ms=N` in the query, else none.
 fn delay(query: &str) -> Duration {
     let millis = query
         .split('&')
@@ -94,4 +90,17 @@ fn delay(query: &str) -> Duration {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     Duration::from_millis(millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delay_ms_in_the_query_is_the_delay_and_anything_else_is_none() {
+        assert_eq!(delay("delay_ms=3000"), Duration::from_secs(3));
+        assert_eq!(delay("a=1&delay_ms=20"), Duration::from_millis(20));
+        assert_eq!(delay("delay_ms=soon"), Duration::ZERO);
+        assert_eq!(delay(""), Duration::ZERO);
+    }
 }
