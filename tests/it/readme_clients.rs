@@ -20,9 +20,10 @@ const README_ADDRESS: &str = "http://localhost:8080";
 struct Snippet {
     program: &'static str,
     args: &'static [&'static str],
-    /// The file the program is written to (in a scratch directory, named last on the command line), for
-    /// a toolchain that does not read its program from stdin.
-    file: Option<&'static str>,
+    /// For a compiled language: the file the program is written to (in a scratch directory) and the
+    /// arguments that build it into `./snippet` there, which then runs. The build finishes before the
+    /// test waits for any answer, however long a cold compiler cache makes it.
+    build: Option<(&'static str, &'static [&'static str])>,
     fence: &'static str,
     example_call: &'static str,
     /// How the program names the proxy's address for the driver.
@@ -33,7 +34,7 @@ struct Snippet {
 const PYTHON: Snippet = Snippet {
     program: "python3",
     args: &["-"],
-    file: None,
+    build: None,
     fence: "```python\n",
     example_call: "print(post_once(",
     base: "BASE = ",
@@ -58,7 +59,7 @@ except ValueError:
 const JAVASCRIPT: Snippet = Snippet {
     program: "node",
     args: &["--input-type=module", "-"],
-    file: None,
+    build: None,
     fence: "```js\n",
     example_call: "postOnce(\"http",
     base: "const BASE = ",
@@ -79,12 +80,14 @@ try {
 
 const GO: Snippet = Snippet {
     program: "go",
-    args: &["run"],
-    file: Some("main.go"),
+    args: &[],
+    build: Some(("main.go", &["build", "-o", "snippet", "main.go"])),
     fence: "```go\n",
     example_call: "func main() {",
     base: "const BASE = ",
     driver: r#"
+var _ = rand.Read // the README's main, replaced by this one, makes its key with it
+
 func show(label string, status int, replayed bool, err error) {
 	if err != nil {
 		panic(err)
@@ -155,11 +158,23 @@ async fn run(snippet: &Snippet, env: &TestEnv, base: &str, admin: &str) -> Optio
     );
     let scratch = tempfile::tempdir().unwrap();
     let mut command = Command::new(snippet.program);
-    command.args(snippet.args).current_dir(scratch.path());
-    if let Some(file) = snippet.file {
+    if let Some((file, build)) = snippet.build {
         std::fs::write(scratch.path().join(file), &program).unwrap();
-        command.arg(file);
+        let built = Command::new(snippet.program)
+            .args(build)
+            .current_dir(scratch.path())
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            built.status.success(),
+            "{} {build:?}: {}\n{program}",
+            snippet.program,
+            String::from_utf8_lossy(&built.stderr)
+        );
+        command = Command::new(scratch.path().join("snippet"));
     }
+    command.args(snippet.args).current_dir(scratch.path());
     let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
