@@ -43,10 +43,17 @@ enum Flood {
 const TRICKLE_BYTES: usize = 10_000;
 
 /// A proxy with `max_connections` slots whose flood sockets would hold theirs for a minute.
+///
+/// Its upstream pool is not the limit under test: a trickled passthrough body is forwarded as it comes,
+/// so each such request holds an upstream connection of its worker while it trickles, and the default
+/// pool (`max_connections / workers` per worker) is full with the flood alone. Making room on the client
+/// side frees a connection of the evicted request's worker only, which need not be the worker the next
+/// client lands on.
 async fn crowded_proxy(env: &TestEnv, max_connections: i64) -> InProcessProxy {
     let config = env
         .config()
         .set("server.max_connections", max_connections)
+        .set("upstream.max_connections", 2 * max_connections)
         .set("server.header_read_timeout", "60s")
         .set("server.body_read_timeout", "60s");
     InProcessProxy::start(&config).await
