@@ -12,25 +12,9 @@ use crate::metrics::Outcome;
 /// Base of every problem `type` URI unless `server.problem_type_base` names another; the slug follows.
 pub const PROBLEM_BASE: &str = crate::config::DEFAULT_PROBLEM_TYPE_BASE;
 
-/// What ran out when the proxy answers 503 `busy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Busy {
-    /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
-    Bodies,
-    /// Reading a JSON body (its key or its fingerprint) needs more working memory than
-    /// `server.max_buffered_bodies` has left.
-    Parsing,
-    /// `server.max_keyed_in_flight` keyed requests are being executed.
-    KeyedInFlight,
-    /// `server.max_keyed_per_connection` keyed requests of this connection are being executed (some
-    /// perhaps detached, their clients gone).
-    KeyedOnConnection,
-    /// The worker's `upstream.max_connections` stayed busy for `upstream.connect_timeout`.
-    UpstreamConnections,
-    /// `server.max_connections` are open and this idle connection was closed to make room; the request
-    /// arrived just as it was.
-    Connections,
-}
+/// What ran out when the proxy answers 503 `busy`: the enum `idemproxy_busy_refusals_total{reason}`
+/// counts by, which the problem's detail is chosen by too.
+pub use crate::metrics::BusyReason as Busy;
 
 impl Busy {
     fn detail(self) -> &'static str {

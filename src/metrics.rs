@@ -388,21 +388,24 @@ impl SignatureCheck {
     }
 }
 
-/// Which limit ran out when a request was refused 503 `busy`, for
-/// `idemproxy_busy_refusals_total{reason}`.
+/// Which limit ran out when a request was refused 503 `busy` (`error::Busy`, whose problem detail says
+/// so), for `idemproxy_busy_refusals_total{reason}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BusyReason {
-    /// `server.max_buffered_bodies`, for a body.
+    /// `server.max_buffered_bodies` stayed spent for `server.body_read_timeout`.
     Bodies,
-    /// `server.max_buffered_bodies`, for the working memory of reading a JSON body.
+    /// Reading a JSON body (its key or its fingerprint) needs more working memory than
+    /// `server.max_buffered_bodies` has left.
     Parsing,
-    /// `server.max_keyed_in_flight`.
+    /// `server.max_keyed_in_flight` keyed requests are being executed.
     KeyedInFlight,
-    /// `server.max_keyed_per_connection`.
+    /// `server.max_keyed_per_connection` keyed requests of this connection are being executed (some
+    /// perhaps detached, their clients gone).
     KeyedOnConnection,
-    /// `upstream.max_connections`.
+    /// The worker's `upstream.max_connections` stayed busy for `upstream.connect_timeout`.
     UpstreamConnections,
-    /// `server.max_connections`.
+    /// `server.max_connections` are open and this idle connection was closed to make room; the request
+    /// arrived just as it was.
     Connections,
 }
 

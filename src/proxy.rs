@@ -40,7 +40,7 @@ use crate::access::{self, Line};
 use crate::body::ProxyBody;
 use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable};
 use crate::error::{Busy, ProxyError};
-use crate::metrics::{BusyReason, Metrics, Outcome, RouteSeries, RouteSet};
+use crate::metrics::{Metrics, Outcome, RouteSeries, RouteSet};
 use crate::otlp;
 use crate::store::notify::Waiters;
 use crate::store::{Capabilities, ClaimRequest, StoreHandle};
@@ -209,7 +209,7 @@ impl Proxy {
                     tracing::debug!(%error, "request refused");
                 }
                 if let ProxyError::Busy(what) = &error {
-                    self.metrics.busy(busy_reason(*what));
+                    self.metrics.busy(*what);
                 }
                 let outcome = error.outcome();
                 (error.into_problem(&self.problem_base), outcome)
@@ -395,18 +395,6 @@ impl Answer {
     /// Returns once the client has gone (its request's handler was dropped).
     pub(crate) async fn closed(&mut self) {
         self.head.closed().await;
-    }
-}
-
-/// The `reason` a `busy` refusal is counted under.
-fn busy_reason(busy: Busy) -> BusyReason {
-    match busy {
-        Busy::Bodies => BusyReason::Bodies,
-        Busy::Parsing => BusyReason::Parsing,
-        Busy::KeyedInFlight => BusyReason::KeyedInFlight,
-        Busy::KeyedOnConnection => BusyReason::KeyedOnConnection,
-        Busy::UpstreamConnections => BusyReason::UpstreamConnections,
-        Busy::Connections => BusyReason::Connections,
     }
 }
 
