@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::Overrides;
 use crate::health::Probe;
+use crate::store::RecordState;
 
 /// Idempotency sidecar: executes each keyed request once and replays its response to retries.
 #[derive(Debug, Parser)]
@@ -106,7 +107,7 @@ pub enum KeysCommand {
         client: ClientArgs,
         /// Only records in these states (repeat, or separate with commas).
         #[arg(long, value_enum, value_delimiter = ',')]
-        state: Vec<ListState>,
+        state: Vec<RecordState>,
         /// Most records on the page.
         #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
         limit: u32,
@@ -190,21 +191,15 @@ impl ClientArgs {
     }
 }
 
-/// The states `keys list --state` takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ListState {
-    /// Processing under a live lease: a proxy is executing it.
-    InFlight,
-    /// Processing, its lease run out: the next retry takes it over.
-    Stale,
-    /// Completed: retries replay the stored response.
-    Completed,
-    /// Released: the next retry executes.
-    Released,
-    /// Held (outcome unknown): refused until `keys release`.
-    Held,
-    /// Past its expiry, waiting for the sweeper.
-    Expired,
+/// `keys list --state` takes the states by the names `keys list` prints.
+impl clap::ValueEnum for RecordState {
+    fn value_variants<'a>() -> &'a [Self] {
+        &RecordState::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.as_str()))
+    }
 }
 
 /// `idemproxy health`: where the admin listener is, read from the same layers as `serve`.

@@ -15,12 +15,10 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{KeysCommand, ListState};
+use crate::cli::KeysCommand;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::store::{
-    self, Purpose, RecordId, RecordInfo, RecordState, RecordStatus, StoreError, StoreHandle, sweeper,
-};
+use crate::store::{self, Purpose, RecordId, RecordInfo, RecordStatus, StoreError, StoreHandle, sweeper};
 use client::Client;
 use forget::Forget;
 
@@ -68,8 +66,7 @@ pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<R
             after,
         } => {
             let scope = Client::resolve(config, scope.as_deref(), client)?;
-            let states = state.iter().map(|s| s.state()).collect();
-            list::list(&store, &out, scope.filter(), states, *limit, after.clone()).await
+            list::list(&store, &out, scope.filter(), state.clone(), *limit, after.clone()).await
         }
         KeysCommand::Forget {
             key,
@@ -102,19 +99,6 @@ pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<R
             );
             let _ = writeln!(text, "expired     {}  (waiting for the sweeper)", stats.expired);
         })),
-    }
-}
-
-impl ListState {
-    fn state(self) -> RecordState {
-        match self {
-            ListState::InFlight => RecordState::InFlight,
-            ListState::Stale => RecordState::Stale,
-            ListState::Completed => RecordState::Completed,
-            ListState::Released => RecordState::Released,
-            ListState::Held => RecordState::Held,
-            ListState::Expired => RecordState::Expired,
-        }
     }
 }
 

@@ -473,6 +473,16 @@ pub enum RecordState {
 }
 
 impl RecordState {
+    /// Every state, in the order `keys list --help` names them.
+    pub const ALL: [RecordState; 6] = [
+        RecordState::InFlight,
+        RecordState::Stale,
+        RecordState::Completed,
+        RecordState::Released,
+        RecordState::Held,
+        RecordState::Expired,
+    ];
+
     /// The name `keys list` prints and `--state` takes.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -7,7 +7,8 @@ use std::process::Output;
 use idemproxy::store::ClaimKind;
 use rstest::rstest;
 
-use crate::cli::{config_file, idemproxy};
+use crate::cli::config_file;
+use crate::keys_cli::{json, keys_with, stdout};
 use crate::store_suite::{DAY, LONG, request, won};
 use crate::support::http::client;
 use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestStore};
@@ -15,26 +16,8 @@ use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestS
 /// `idemproxy keys --config <config> ARGS` with the store's own variables.
 async fn keys(store: &TestStore, config: &ProxyConfig, args: &[&str]) -> Output {
     let file = config_file(&config.to_toml());
-    let path = file.path().to_str().expect("UTF-8 path").to_owned();
-    let mut full = vec!["keys", "--config", path.as_str()];
-    full.extend_from_slice(args);
-    let env = store.cli_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
-    idemproxy(&full, &env).await
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn json(output: &Output) -> serde_json::Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {}{}",
-            stdout(output),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
+    let path = file.path().to_str().expect("UTF-8 path");
+    keys_with(store, &["--config", path], args).await
 }
 
 /// The test config with a `payments` route whose scope is the `X-Api-Key` header, and no replay cache
