@@ -12,6 +12,8 @@ mod opening;
 pub mod postgres;
 pub mod redis_store;
 pub mod sqlite;
+#[cfg(test)]
+pub(crate) mod stub;
 pub mod sweeper;
 
 use std::path::PathBuf;

@@ -90,68 +90,22 @@ pub async fn sweep_expired(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicU32, Ordering};
     use std::time::Duration;
 
     use super::*;
-    use crate::store::{
-        ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
-    };
+    use crate::store::stub::{Op, Reply, StubStore};
 
-    /// A backlog of `full` full batches, each taking 100 ms of the store's time; then a short one.
-    struct Backlog {
-        full: AtomicU32,
-    }
-
-    #[async_trait::async_trait]
-    impl Store for Backlog {
-        async fn claim(&self, _: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn heartbeat(&self, _: &RecordId, _: Duration) -> Result<bool, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn complete(&self, _: &RecordId, _: &StoredResponse) -> Result<bool, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn release(&self, _: &RecordId) -> Result<bool, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn hold(&self, _: &RecordId) -> Result<bool, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            Ok(())
-        }
-        async fn release_stale(&self, _: &RecordId) -> Result<bool, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let left = self.full.load(Ordering::SeqCst);
-            if left == 0 {
-                return Ok(3);
-            }
-            self.full.store(left - 1, Ordering::SeqCst);
-            Ok(u64::from(batch))
-        }
-        async fn find(&self, _: &str, _: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
-            unreachable!("the sweeper only sweeps")
-        }
-        async fn stats(&self) -> Result<RecordStats, StoreError> {
-            Ok(RecordStats::default())
-        }
-    }
-
+    /// A backlog of three full batches of 10, each taking 100 ms of the store's time; then a short one.
     async fn sweep_backlog(pace: Pace) -> (u64, Duration) {
         let metrics = Metrics::new();
-        let store = StoreHandle::new(
-            Arc::new(Backlog {
-                full: AtomicU32::new(3),
-            }),
-            metrics.clone(),
-        );
+        let backlog = StubStore::new();
+        backlog
+            .delay(Op::Sweep, Duration::from_millis(100))
+            .always(Op::Sweep, Reply::Deleted(3));
+        for _ in 0..3 {
+            backlog.then(Op::Sweep, Reply::Deleted(10));
+        }
+        let store = backlog.handle(&metrics);
         let started = tokio::time::Instant::now();
         let deleted = sweep_expired(&store, 10, pace, &metrics, &CancellationToken::new())
             .await

@@ -68,63 +68,17 @@ impl Drop for Heartbeat {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     use super::*;
-    use crate::store::{
-        ClaimRequest, ClaimResult, RecordInfo, RecordStats, Store, StoreError, StoredResponse,
-    };
+    use crate::store::stub::{Op, Reply, StubStore};
 
-    /// Counts heartbeats; answers "still yours" until `taken_over` is set.
-    #[derive(Default)]
-    struct Beats {
-        count: AtomicUsize,
-        taken_over: AtomicBool,
-    }
-
-    #[async_trait::async_trait]
-    impl Store for Beats {
-        async fn claim(&self, _: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-            unreachable!("heartbeats never claim")
-        }
-        async fn heartbeat(&self, _: &RecordId, _: Duration) -> Result<bool, StoreError> {
-            self.count.fetch_add(1, Ordering::SeqCst);
-            Ok(!self.taken_over.load(Ordering::SeqCst))
-        }
-        async fn complete(&self, _: &RecordId, _: &StoredResponse) -> Result<bool, StoreError> {
-            unreachable!("heartbeats never complete")
-        }
-        async fn release(&self, _: &RecordId) -> Result<bool, StoreError> {
-            unreachable!("heartbeats never release")
-        }
-        async fn hold(&self, _: &RecordId) -> Result<bool, StoreError> {
-            unreachable!("heartbeats never hold")
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            Ok(())
-        }
-        async fn release_stale(&self, _: &RecordId) -> Result<bool, StoreError> {
-            unreachable!("heartbeats never release")
-        }
-        async fn sweep(&self, _: u32) -> Result<u64, StoreError> {
-            unreachable!("heartbeats never sweep")
-        }
-        async fn find(&self, _: &str, _: Option<&str>) -> Result<Vec<RecordInfo>, StoreError> {
-            unreachable!("heartbeats never look records up")
-        }
-        async fn stats(&self) -> Result<RecordStats, StoreError> {
-            unreachable!("heartbeats never count records")
-        }
-    }
-
-    fn start(beats: &Arc<Beats>, metrics: &Metrics, tracker: &tokio_util::task::TaskTracker) -> Heartbeat {
-        let store = StoreHandle::new(beats.clone(), metrics.clone());
+    fn start(beats: &Arc<StubStore>, metrics: &Metrics, tracker: &TaskTracker) -> Heartbeat {
         let id = RecordId {
             scope: "s".into(),
             key: "k".into(),
             token: uuid::Uuid::nil(),
         };
-        Heartbeat::start(store, id, Duration::from_secs(30), metrics.clone(), tracker)
+        Heartbeat::start(beats.handle(metrics), id, Duration::from_secs(30), metrics.clone(), tracker)
     }
 
     async fn advance(by: Duration) {
@@ -136,40 +90,40 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn renews_every_third_of_the_lease_until_stopped() {
-        let beats = Arc::new(Beats::default());
+        let beats = StubStore::new();
         let metrics = Metrics::new();
-        let tracker = tokio_util::task::TaskTracker::new();
+        let tracker = TaskTracker::new();
         let heartbeat = start(&beats, &metrics, &tracker);
         advance(Duration::ZERO).await;
         advance(Duration::from_millis(9_900)).await;
         assert_eq!(
-            beats.count.load(Ordering::SeqCst),
+            beats.count(Op::Heartbeat),
             0,
             "no beat before a third of the lease"
         );
         advance(Duration::from_millis(200)).await;
-        assert_eq!(beats.count.load(Ordering::SeqCst), 1);
+        assert_eq!(beats.count(Op::Heartbeat), 1);
         advance(Duration::from_secs(10)).await;
-        assert_eq!(beats.count.load(Ordering::SeqCst), 2);
+        assert_eq!(beats.count(Op::Heartbeat), 2);
         heartbeat.stop();
         advance(Duration::from_secs(60)).await;
-        assert_eq!(beats.count.load(Ordering::SeqCst), 2, "no beat after stop");
+        assert_eq!(beats.count(Op::Heartbeat), 2, "no beat after stop");
         tracker.close();
         tracker.wait().await;
     }
 
     #[tokio::test(start_paused = true)]
     async fn stops_and_counts_a_lost_claim_when_fenced_out() {
-        let beats = Arc::new(Beats::default());
-        beats.taken_over.store(true, Ordering::SeqCst);
+        let beats = StubStore::new();
+        beats.always(Op::Heartbeat, Reply::Done(false));
         let metrics = Metrics::new();
-        let tracker = tokio_util::task::TaskTracker::new();
+        let tracker = TaskTracker::new();
         let _heartbeat = start(&beats, &metrics, &tracker);
         advance(Duration::ZERO).await;
         advance(Duration::from_secs(10)).await;
         advance(Duration::from_secs(60)).await;
         assert_eq!(
-            beats.count.load(Ordering::SeqCst),
+            beats.count(Op::Heartbeat),
             1,
             "a fenced-out heartbeat does not beat again"
         );
