@@ -6,8 +6,12 @@
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
+pub mod answer;
+pub mod budget;
 pub mod cache;
 pub mod claim;
+pub mod client_body;
+pub mod downstream;
 pub mod execute;
 pub mod expiry;
 pub mod intake;
@@ -15,89 +19,74 @@ pub mod key;
 pub mod passthrough;
 pub mod path;
 pub mod replay;
+pub mod settle;
 pub mod signature;
+pub mod slot;
 pub mod trace_context;
 pub mod upstream;
 pub mod wait;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use self::cache::{Lookup, ReplayCache};
+use self::answer::{Answer, Handled};
+use self::cache::ReplayCache;
+use self::claim::{Claims, ClaimsParts};
+use self::downstream::Downstream;
 use self::execute::capture::CaptureBudget;
-use self::intake::budget::BodyBudget;
-use self::intake::examine::Examiners;
-use self::upstream::{Downstream, Upstream};
+use self::execute::{Executor, ExecutorParts};
+use self::intake::Intake;
+use self::passthrough::Forward;
+use self::settle::Settle;
+use self::slot::KeyedSlots;
+use self::upstream::Upstream;
+use self::wait::Waits;
 use crate::access::{self, Line};
 use crate::body::ProxyBody;
-use crate::config::{Config, OnStoreError, PathRules, Route, RouteTable};
-use crate::error::{Busy, ProxyError};
-use crate::metrics::{Metrics, Outcome, RouteSeries, RouteSet};
+use crate::config::{Config, PathRules, Route, RouteTable};
+use crate::error::ProxyError;
+use crate::metrics::{Metrics, RouteSet};
 use crate::otlp;
 use crate::store::notify::Waiters;
-use crate::store::{Capabilities, ClaimRequest, StoreHandle};
+use crate::store::{Capabilities, StoreHandle};
 
-/// Everything a request needs; shared behind an `Arc` by every connection and forwarding task of a worker.
-#[derive(Clone)]
+/// The spine of the request path: it routes each request and composes the stages, each holding only
+/// what it uses; shared behind an `Arc` by every connection of a worker.
 pub struct Proxy {
     /// The routes and their policies; every request takes one.
-    pub(crate) routes: Arc<RouteTable>,
+    routes: Arc<RouteTable>,
     /// How every request's path is brought to its one spelling before it is routed (`server.paths`).
-    pub(crate) paths: PathRules,
-    pub(crate) on_store_error: OnStoreError,
-    pub(crate) store: StoreHandle,
-    pub(crate) upstream: Upstream,
+    paths: PathRules,
     pub(crate) metrics: Metrics,
     /// Each route's request counters and duration histogram, resolved at start.
-    pub(crate) route_series: Arc<RouteSet>,
+    route_series: Arc<RouteSet>,
+    /// Owns every keyed request's task, so shutdown can wait for them.
     pub(crate) tracker: TaskTracker,
-    pub(crate) cache: Arc<ReplayCache>,
-    pub(crate) body_read_timeout: Duration,
-    pub(crate) budget: BodyBudget,
-    /// Examinations of large keyed bodies (JSON keys and fingerprints) off the workers, one per CPU.
-    pub(crate) examiners: Examiners,
-    /// Bytes of keyed responses being captured for storage, and each scope's share, shared by every
-    /// worker.
-    pub(crate) captures: Arc<CaptureBudget>,
-    /// One permit per keyed request being executed (`server.max_keyed_in_flight`), shared by every worker.
-    pub(crate) keyed_slots: Arc<Semaphore>,
+    cache: Arc<ReplayCache>,
+    /// The process's keyed slots (`server.max_keyed_in_flight`), shared by every worker.
+    slots: KeyedSlots,
     /// How many of those one client connection may hold (`server.max_keyed_per_connection`).
     pub(crate) keyed_per_connection: usize,
-    /// Longest a client waits for its record to be stored before it gets the end of its response.
-    pub(crate) completion_hold: Duration,
-    /// Longest a client may accept no bytes of a keyed response.
-    pub(crate) write_timeout: Duration,
-    /// Bound on one store operation, the first wait before an orphaned claim is given back.
-    pub(crate) store_timeout: Duration,
     /// Whether each request writes an access line (`log.access`).
-    pub(crate) access_log: bool,
+    access_log: bool,
     /// Whether requests are traced (`traces.enabled`, `otlp.rs`): off, no span beyond the log's is made.
-    pub(crate) traced: bool,
+    traced: bool,
     /// What every problem `type` URI starts with (`server.problem_type_base`).
     pub(crate) problem_base: Arc<str>,
-    /// The requests waiting for a key in flight, by record; shared by every worker (and the listener).
-    pub(crate) waiters: Arc<Waiters>,
-    /// One permit per request waiting for a key in flight (`server.max_waiting`), shared by every worker.
-    pub(crate) waiting: Arc<Semaphore>,
-    /// Whether settlements on wait routes are announced to other processes through the store (only a
-    /// store that several replicas share has any).
-    pub(crate) announce: bool,
-    /// Cancelled when the proxy begins shutting down; waiting requests are answered then.
-    pub(crate) shutdown: CancellationToken,
+    /// Takes keyed requests in: scope, body, signature, key, fingerprint.
+    intake: Intake,
+    /// Forwards what is not protected, over this worker's upstream connections.
+    forward: Forward,
+    /// A keyed request's task: its claim, its wait, its execution.
+    keyed: Arc<Waits>,
 }
-
-/// The longest a client waits for its record to be stored (or less, `store.timeout`).
-const COMPLETION_HOLD_MAX: Duration = Duration::from_secs(2);
-
-type Handled = Result<(Response<ProxyBody>, Outcome), ProxyError>;
 
 impl Proxy {
     /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them,
@@ -111,53 +100,96 @@ impl Proxy {
         shutdown: CancellationToken,
     ) -> Proxy {
         let server = &config.server;
-        let captures = Arc::new(CaptureBudget::new(
-            server.max_buffered_responses,
-            server.max_buffered_responses_per_scope,
-            server.capture_wait,
-            metrics.clone(),
+        let upstream = Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces));
+        let cache = Arc::new(ReplayCache::new(
+            config.replay_cache.max_size,
+            config.replay_cache.max_age,
         ));
+        let slots = KeyedSlots::new(server.max_keyed_in_flight);
+        let settle = Settle::new(
+            waiters.clone(),
+            store.clone(),
+            Capabilities::of(&config.store).shared,
+        );
+        let forward = Forward::new(config, upstream.clone(), metrics.clone());
+        let executor = Executor::new(
+            config,
+            ExecutorParts {
+                store: store.clone(),
+                upstream,
+                tracker: tracker.clone(),
+                cache: cache.clone(),
+                captures: Arc::new(CaptureBudget::new(
+                    server.max_buffered_responses,
+                    server.max_buffered_responses_per_scope,
+                    server.capture_wait,
+                    metrics.clone(),
+                )),
+                metrics: metrics.clone(),
+                settle: settle.clone(),
+            },
+        );
+        let claims = Claims::new(
+            config,
+            ClaimsParts {
+                store,
+                cache: cache.clone(),
+                slots: slots.clone(),
+                waiters,
+                metrics: metrics.clone(),
+                executor,
+                forward: forward.clone(),
+                settle,
+            },
+        );
         Proxy {
             routes: Arc::new(config.routes.clone()),
-            paths: config.server.paths,
-            on_store_error: config.store.on_error,
-            store,
-            upstream: Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces)),
-            budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
-            examiners: Examiners::per_cpu(),
+            paths: server.paths,
             route_series: Arc::new(metrics.routes(
                 config.routes.routes.iter().map(|route| route.name.as_str()),
                 &config.routes.default.name,
             )),
-            metrics,
             tracker,
-            cache: Arc::new(ReplayCache::new(
-                config.replay_cache.max_size,
-                config.replay_cache.max_age,
+            keyed: Arc::new(Waits::new(
+                config,
+                claims,
+                cache.clone(),
+                metrics.clone(),
+                shutdown,
             )),
-            body_read_timeout: config.server.body_read_timeout,
-            captures,
-            keyed_slots: Arc::new(Semaphore::new(config.server.max_keyed_in_flight)),
-            keyed_per_connection: config.server.max_keyed_per_connection,
-            completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
-            write_timeout: config.server.write_timeout,
-            store_timeout: config.store.timeout,
+            cache,
+            slots,
+            keyed_per_connection: server.max_keyed_per_connection,
             access_log: config.log.access,
             traced: otlp::traced(&config.traces),
-            problem_base: config.server.problem_type_base.as_str().into(),
-            waiters,
-            waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
-            announce: Capabilities::of(&config.store).shared,
-            shutdown,
+            problem_base: server.problem_type_base.as_str().into(),
+            intake: Intake::new(config, metrics.clone()),
+            forward,
+            metrics,
         }
     }
 
     /// The same request path for another worker thread: everything shared but the pool of upstream
     /// connections, which stays with the thread that uses it.
     pub fn for_worker(&self) -> Proxy {
+        let upstream = self.forward.upstream().with_own_pool();
+        let forward = self.forward.with_upstream(upstream.clone());
+        let claims = self.keyed.claims().for_worker(upstream, forward.clone());
         Proxy {
-            upstream: self.upstream.with_own_pool(),
-            ..self.clone()
+            routes: self.routes.clone(),
+            paths: self.paths,
+            metrics: self.metrics.clone(),
+            route_series: self.route_series.clone(),
+            tracker: self.tracker.clone(),
+            cache: self.cache.clone(),
+            slots: self.slots.clone(),
+            keyed_per_connection: self.keyed_per_connection,
+            access_log: self.access_log,
+            traced: self.traced,
+            problem_base: self.problem_base.clone(),
+            intake: self.intake.clone(),
+            forward,
+            keyed: Arc::new(self.keyed.with_claims(claims)),
         }
     }
 
@@ -248,7 +280,7 @@ impl Proxy {
     /// The lifecycle after `normal`, the path's normalisation (`path::normalise`), which a refused path
     /// ends here, and `route`, the route `handle` selected by that path.
     async fn handle_inner(
-        self: &Arc<Self>,
+        &self,
         mut request: Request<Incoming>,
         peer: Downstream,
         normal: Result<(), ProxyError>,
@@ -266,7 +298,7 @@ impl Proxy {
         path::respell(&mut request, &route)?;
         let method = request.method();
         if route.passthrough || !route.policy.methods.contains(method) {
-            return self.passthrough(request, &peer).await;
+            return self.forward.passthrough(request, &peer).await;
         }
         let key = if route.policy.key.needs_body() {
             None
@@ -281,7 +313,7 @@ impl Proxy {
                     // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
                     return Box::pin(self.protected(request, route, None, peer)).await;
                 }
-                return self.passthrough(request, &peer).await;
+                return self.forward.passthrough(request, &peer).await;
             };
             Some(key)
         };
@@ -291,38 +323,26 @@ impl Proxy {
     }
 
     /// A request with a key: intake (scope, body, fingerprint), then the replay cache, or the claim on a
-    /// task of its own, which answers through `head`.
+    /// task of its own, which answers through its [`Answer`].
     async fn protected(
-        self: &Arc<Self>,
+        &self,
         request: Request<Incoming>,
         route: Arc<Route>,
         key: Option<String>,
         peer: Downstream,
     ) -> Handled {
-        let intake = match self.intake(request, route, key, &peer).await? {
-            Ok(intake) => intake,
+        let taken = match self.intake.take(request, route, key, &peer).await? {
+            Ok(taken) => taken,
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
-            Err(unkeyed) => return Box::pin(unkeyed.forward(self, &peer)).await,
+            Err(unkeyed) => return Box::pin(self.forward.read(unkeyed.parts, unkeyed.body, &peer)).await,
         };
-        if let Some(answer) = self.answer_from_cache(&intake.claim, &intake.route) {
+        if let Some(answer) = replay::from_cache(&self.cache, &taken.claim, &taken.route, &self.metrics) {
             return answer;
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
-        let slot = self.keyed_slot(&peer).map_err(ProxyError::Busy)?;
-        let (head, response) = oneshot::channel();
-        let head = Answer {
-            head,
-            series: self.route_series.get(&intake.route.name).clone(),
-        };
-        let proxy = self.clone();
-        let keyed = async move {
-            if let Some(in_flight) = proxy.clone().claim(intake, peer, head, slot).await {
-                // The wait (and the execution it may lead to) is as large as the claim's own future;
-                // on the heap, only the requests that wait pay for it, and the task every keyed request
-                // spawns stays the size of the claim alone.
-                Box::pin(proxy.wait(in_flight)).await;
-            }
-        };
+        let slot = self.slots.take(&peer).map_err(ProxyError::Busy)?;
+        let (head, response) = Answer::new(self.route_series.get(&taken.route.name).clone());
+        let keyed = self.keyed.clone().run(taken, peer, head, slot);
         let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
@@ -330,71 +350,6 @@ impl Proxy {
                 "the request's task ended without a response".into(),
             ))
         })
-    }
-
-    /// A slot for a keyed request's work, if its connection and the process both have one free.
-    pub(crate) fn keyed_slot(&self, peer: &Downstream) -> Result<KeyedSlot, Busy> {
-        let connection = peer.keyed_slot().ok_or(Busy::KeyedOnConnection)?;
-        let Ok(process) = self.keyed_slots.clone().try_acquire_owned() else {
-            return Err(Busy::KeyedInFlight);
-        };
-        Ok(KeyedSlot {
-            _process: process,
-            _connection: connection,
-        })
-    }
-
-    /// A retry of a record this process has seen completed, answered without the store.
-    fn answer_from_cache(&self, claim: &ClaimRequest, route: &Route) -> Option<Handled> {
-        let answer = match self
-            .cache
-            .lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint)
-        {
-            Lookup::Replay(stored, expires_at) => replay::response(&stored).map(|mut response| {
-                expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
-                (response, Outcome::Replayed)
-            }),
-            Lookup::Mismatch => Err(ProxyError::KeyReused),
-            Lookup::Miss => return None,
-        };
-        self.metrics.replay_cache_hits.inc();
-        Some(answer)
-    }
-}
-
-/// What a keyed request's work holds while it runs, detached from its client or not: one of the
-/// process's `server.max_keyed_in_flight` slots and one of its connection's
-/// `server.max_keyed_per_connection`.
-pub(crate) struct KeyedSlot {
-    _process: OwnedSemaphorePermit,
-    _connection: OwnedSemaphorePermit,
-}
-
-/// Where a keyed request's answer goes. `handle` counts every outcome, unless the client hung up and took
-/// `handle` with it; such answers are counted here instead, so executions are never missing from
-/// `idemproxy_requests_total`.
-pub(crate) struct Answer {
-    head: oneshot::Sender<Handled>,
-    series: Arc<RouteSeries>,
-}
-
-impl Answer {
-    /// Hands the answer to the client; `false` when the client has gone.
-    pub(crate) fn send(self, answer: Handled) -> bool {
-        let outcome = match &answer {
-            Ok((_, outcome)) => *outcome,
-            Err(error) => error.outcome(),
-        };
-        let delivered = self.head.send(answer).is_ok();
-        if !delivered {
-            self.series.record(outcome);
-        }
-        delivered
-    }
-
-    /// Returns once the client has gone (its request's handler was dropped).
-    pub(crate) async fn closed(&mut self) {
-        self.head.closed().await;
     }
 }
 

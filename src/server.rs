@@ -41,7 +41,7 @@ use crate::body::ProxyBody;
 use crate::config::{ListenerTls, ServerConfig};
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
-use crate::proxy::upstream::{Downstream, Peer};
+use crate::proxy::downstream::{Downstream, Peer};
 
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -3,7 +3,7 @@
 //! the design (execute, replay, 409, 422, 502 for a held outcome); a won claim goes on to `execute.rs`, a
 //! completed one to `replay.rs`, and a store that did not answer to fail_closed or fail_open
 //! (`passthrough.rs`). On a route with `on_in_flight = "wait"`, a key found in flight is handed back
-//! instead of refused, for `wait.rs` to wait and claim again through [`Proxy::claim_round`]. The table
+//! instead of refused, for `wait.rs` to wait and claim again through [`Claims::claim_round`]. The table
 //! itself, [`decide`], is pure apart from logging and counting.
 
 use std::sync::Arc;
@@ -12,22 +12,60 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::cache::Fill;
-use super::execute::{self, Claimed};
-use super::intake::Intake;
-use super::upstream::Downstream;
-use super::{Answer, KeyedSlot, Proxy, expiry, replay};
-use crate::config::{OnInFlight, Route};
+use super::answer::Answer;
+use super::cache::{Fill, ReplayCache};
+use super::downstream::Downstream;
+use super::execute::{Claimed, Executor};
+use super::intake::TakenIn;
+use super::passthrough::Forward;
+use super::settle::Settle;
+use super::slot::{KeyedSlot, KeyedSlots};
+use super::upstream::Upstream;
+use super::{expiry, replay};
+use crate::config::{Config, OnInFlight, Route};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
-use crate::store::notify::{Subscription, Topic};
-use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoredResponse};
+use crate::store::notify::{Subscription, Topic, Waiters};
+use crate::store::{
+    ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle, StoredResponse,
+};
+
+/// The claim stage: sends claim statements and decides on their answers, handing a won claim to the
+/// execute stage and a store that did not answer to the forward stage.
+#[derive(Clone)]
+pub(crate) struct Claims {
+    store: StoreHandle,
+    cache: Arc<ReplayCache>,
+    slots: KeyedSlots,
+    /// Bound on one store operation, the first wait before an orphaned claim is given back.
+    store_timeout: Duration,
+    /// Where requests on routes that wait subscribe to their record's settlement.
+    waiters: Arc<Waiters>,
+    metrics: Metrics,
+    /// Whether claim statements are traced (`traces.enabled`).
+    traced: bool,
+    executor: Executor,
+    forward: Forward,
+    settle: Settle,
+}
+
+/// What [`Claims`] is made of beside the configuration.
+pub(crate) struct ClaimsParts {
+    pub(crate) store: StoreHandle,
+    pub(crate) cache: Arc<ReplayCache>,
+    pub(crate) slots: KeyedSlots,
+    pub(crate) waiters: Arc<Waiters>,
+    pub(crate) metrics: Metrics,
+    pub(crate) executor: Executor,
+    pub(crate) forward: Forward,
+    pub(crate) settle: Settle,
+}
 
 /// A keyed request taken in, between its claim statements: what it needs to be executed or answered.
 pub(crate) struct Keyed {
     /// The request and the claim it makes.
-    pub(crate) intake: Intake,
+    pub(crate) request: TakenIn,
     /// Who sent it.
     pub(crate) peer: Downstream,
     /// Where its answer goes.
@@ -50,7 +88,7 @@ pub(crate) struct InFlight {
 pub(crate) enum Round {
     /// The key is in flight and the request may wait (it came with a subscription).
     InFlight(Box<InFlight>),
-    /// The claim was won: the request is to be executed ([`Proxy::execute_won`]).
+    /// The claim was won: the request is to be executed ([`Claims::execute_won`]).
     Won(Box<Won>),
     /// Answered from the stored response.
     Replayed,
@@ -63,31 +101,64 @@ pub(crate) struct Won {
     keyed: Keyed,
     /// An instant before the claim statement was sent.
     started: Instant,
-    /// The same moment by the wall clock, for the key's expiry.
-    sent: SystemTime,
-    /// Whether the claim made a new record (whose expiry is then `ttl` after the statement).
-    new_record: bool,
+    /// When the record expires, where this process knows it (a new record).
+    expires_at: Option<SystemTime>,
     /// The replay cache entry the completion may make.
     fill: Option<Fill>,
     /// The request's keyed slot, if it holds one.
     slot: Option<KeyedSlot>,
 }
 
-impl Proxy {
+impl Claims {
+    pub(crate) fn new(config: &Config, parts: ClaimsParts) -> Claims {
+        let ClaimsParts {
+            store,
+            cache,
+            slots,
+            waiters,
+            metrics,
+            executor,
+            forward,
+            settle,
+        } = parts;
+        Claims {
+            store,
+            cache,
+            slots,
+            store_timeout: config.store.timeout,
+            waiters,
+            metrics,
+            traced: otlp::traced(&config.traces),
+            executor,
+            forward,
+            settle,
+        }
+    }
+
+    /// The same stage over another worker's pool of upstream connections: its executions and its
+    /// fail_open forwards go through `upstream` and `forward`.
+    pub(crate) fn for_worker(&self, upstream: Upstream, forward: Forward) -> Claims {
+        Claims {
+            executor: self.executor.with_upstream(upstream),
+            forward,
+            ..self.clone()
+        }
+    }
+
     /// The keyed lifecycle from the claim on. It runs on its own task: once the claim statement is sent,
     /// a client that disconnects can no longer cancel anything, so a won claim is always executed and
     /// completed (or released) instead of being left to its lease. The answer goes to `head`, unless the
-    /// route waits and the key is in flight: then the request comes back for `Proxy::wait`, its
+    /// route waits and the key is in flight: then the request comes back for the wait stage, its
     /// keyed slot given up.
     pub(crate) async fn claim(
-        self: Arc<Self>,
-        intake: Intake,
+        &self,
+        request: TakenIn,
         peer: Downstream,
         head: Answer,
         slot: KeyedSlot,
     ) -> Option<Box<InFlight>> {
-        let subscription = self.subscribe(&intake.route, &intake.claim.id);
-        let keyed = Keyed { intake, peer, head };
+        let subscription = self.subscribe(&request.route, &request.claim.id);
+        let keyed = Keyed { request, peer, head };
         match self.claim_round(keyed, Some(slot), subscription).await {
             Round::InFlight(in_flight) => Some(in_flight),
             Round::Won(won) => {
@@ -111,7 +182,7 @@ impl Proxy {
     /// With a `subscription` (a route that waits), every wake before the statement is marked seen first,
     /// and a key in flight is handed back rather than refused.
     pub(crate) async fn claim_round(
-        self: &Arc<Self>,
+        &self,
         keyed: Keyed,
         slot: Option<KeyedSlot>,
         mut subscription: Option<Subscription>,
@@ -122,7 +193,7 @@ impl Proxy {
         let started = Instant::now();
         let sent = SystemTime::now();
         let span = otlp::claim(self.traced);
-        let claiming = self.store.claim(&keyed.intake.claim);
+        let claiming = self.store.claim(&keyed.request.claim);
         let result = match claiming.instrument(span.clone()).await {
             Ok(result) => {
                 otlp::claimed(&span, found(&result));
@@ -142,22 +213,22 @@ impl Proxy {
                 subscription,
             }));
         }
-        let fill = self.cache.remember(&keyed.intake.claim, &result, started);
-        let new_record = matches!(
+        let fill = self.cache.remember(&keyed.request.claim, &result, started);
+        let expires_at = matches!(
             result,
             ClaimResult::Won {
                 kind: ClaimKind::New,
                 ..
             }
-        );
-        let policy = &keyed.intake.route.policy;
-        let id = &keyed.intake.claim.id;
+        )
+        .then(|| expiry::after(sent, keyed.request.claim.ttl));
+        let policy = &keyed.request.route.policy;
+        let id = &keyed.request.claim.id;
         match decide(result, id, policy.in_flight_retry_after, &self.metrics) {
             Ok(Decision::Execute) => Round::Won(Box::new(Won {
                 keyed,
                 started,
-                sent,
-                new_record,
+                expires_at,
                 fill,
                 slot,
             })),
@@ -180,8 +251,12 @@ impl Proxy {
     /// A claim statement that failed. An undecryptable record is an answer that must be neither
     /// replayed nor forwarded; anything else is a store that did not answer: its claim may still commit
     /// (given back later by `release_orphan`), and the request goes to fail_closed or fail_open.
-    async fn unanswered(self: &Arc<Self>, keyed: Keyed, error: StoreError) -> Round {
-        let Keyed { intake, peer, head } = keyed;
+    async fn unanswered(&self, keyed: Keyed, error: StoreError) -> Round {
+        let Keyed {
+            request: intake,
+            peer,
+            head,
+        } = keyed;
         if let StoreError::Undecryptable(_) = error {
             head.send(Err(ProxyError::RecordUnreadable));
             return Round::Refused;
@@ -189,31 +264,40 @@ impl Proxy {
         let claim = &intake.claim;
         // A store not open yet was never sent the claim: there is nothing to give back.
         if !matches!(error, StoreError::NotOpen) {
-            tokio::spawn(release_orphan(self.clone(), claim.id.clone(), claim.lease));
+            let orphan = Orphan {
+                store: self.store.clone(),
+                metrics: self.metrics.clone(),
+                store_timeout: self.store_timeout,
+            };
+            tokio::spawn(orphan.release(claim.id.clone(), claim.lease));
         }
-        head.send(self.store_down(intake.parts, intake.body, &peer, error).await);
+        head.send(
+            self.forward
+                .store_down(intake.parts, intake.body, &peer, error)
+                .await,
+        );
         Round::Refused
     }
 
     /// Executes a won claim to the end; `true` if it was executed. Not when the claim came too late,
     /// nor when the request holds no slot (it waited) and finds none free: then the claim is given back.
-    pub(crate) async fn execute_won(self: &Arc<Self>, won: Won) -> bool {
-        let Keyed { intake, peer, head } = won.keyed;
-        let Intake {
+    pub(crate) async fn execute_won(&self, won: Won) -> bool {
+        let Keyed { request, peer, head } = won.keyed;
+        let TakenIn {
             route,
             parts,
             claim,
             body,
-        } = intake;
+        } = request;
         let waited = won.started.elapsed();
         if waited > claim.lease / 2 {
             let late = self.claimed_too_late(&route, &claim, waited).await;
-            head.send(self.store_down(parts, body, &peer, late).await);
+            head.send(self.forward.store_down(parts, body, &peer, late).await);
             return false;
         }
         let slot = match won.slot {
             Some(slot) => Ok(slot),
-            None => self.keyed_slot(&peer),
+            None => self.slots.take(&peer),
         };
         let _slot = match slot {
             Ok(slot) => slot,
@@ -223,16 +307,17 @@ impl Proxy {
                 return false;
             }
         };
-        let request = self.upstream.request(parts, body.into_body(), &peer);
+        let request = self.executor.request(parts, body.into_body(), &peer);
         let claimed = Claimed {
-            expires_at: won.new_record.then(|| expiry::after(won.sent, claim.ttl)),
             id: claim.id,
             lease: claim.lease,
             route,
+            expires_at: won.expires_at,
+            fill: won.fill,
         };
         // The execution's future is many kilobytes; on the heap, the claim task that every keyed request
         // spawns (and tokio copies as it starts and finishes) stays small.
-        Box::pin(execute::execute(self.clone(), claimed, request, head, won.fill)).await;
+        Box::pin(self.executor.execute(claimed, request, head)).await;
         true
     }
 
@@ -256,7 +341,7 @@ impl Proxy {
     /// for it, so that one of them can execute instead.
     async fn give_back(&self, route: &Route, id: &RecordId) {
         match self.store.release(id).await {
-            Ok(true) => self.settled(route, id).await,
+            Ok(true) => self.settle.settled(route, id).await,
             Ok(false) => {}
             Err(error) => {
                 tracing::warn!(key_hash = %id.key_hash(), %error, "giving the claim back failed; it expires with its lease")
@@ -277,30 +362,39 @@ fn in_flight(result: &ClaimResult) -> Option<Duration> {
     }
 }
 
-/// A claim whose statement did not answer in time may still have been won, by a statement that
-/// committed after its request stopped waiting; left alone, it would hold the key for a lease and then
-/// count as a stale takeover although nothing ran. It is given back by its token (which matches nothing
-/// if it was never won), tried after one store timeout, when such a statement has most likely ended,
-/// and again with doubling waits while its lease could still be live.
-async fn release_orphan(proxy: Arc<Proxy>, id: RecordId, lease: Duration) {
-    let deadline = Instant::now() + lease + proxy.store_timeout;
-    let mut wait = proxy.store_timeout;
-    while Instant::now() + wait <= deadline {
-        tokio::time::sleep(wait).await;
-        match proxy.store.release(&id).await {
-            Ok(true) => {
-                proxy.metrics.orphan_claims_released.inc();
-                tracing::warn!(key_hash = %id.key_hash(), "a claim won after its request gave up waiting was given back");
-                return;
+/// What giving back an orphaned claim needs, off the request's task.
+struct Orphan {
+    store: StoreHandle,
+    metrics: Metrics,
+    store_timeout: Duration,
+}
+
+impl Orphan {
+    /// A claim whose statement did not answer in time may still have been won, by a statement that
+    /// committed after its request stopped waiting; left alone, it would hold the key for a lease and then
+    /// count as a stale takeover although nothing ran. It is given back by its token (which matches nothing
+    /// if it was never won), tried after one store timeout, when such a statement has most likely ended,
+    /// and again with doubling waits while its lease could still be live.
+    async fn release(self, id: RecordId, lease: Duration) {
+        let deadline = Instant::now() + lease + self.store_timeout;
+        let mut wait = self.store_timeout;
+        while Instant::now() + wait <= deadline {
+            tokio::time::sleep(wait).await;
+            match self.store.release(&id).await {
+                Ok(true) => {
+                    self.metrics.orphan_claims_released.inc();
+                    tracing::warn!(key_hash = %id.key_hash(), "a claim won after its request gave up waiting was given back");
+                    return;
+                }
+                Ok(false) => {}
+                // The give-back may have been applied with its answer lost: then the next try finds the key
+                // released, or re-claimed by a retry, and the log would otherwise never say why.
+                Err(_) => {
+                    tracing::info!(key_hash = %id.key_hash(), "an orphaned claim's give-back went unanswered; it may have been given back")
+                }
             }
-            Ok(false) => {}
-            // The give-back may have been applied with its answer lost: then the next try finds the key
-            // released, or re-claimed by a retry, and the log would otherwise never say why.
-            Err(_) => {
-                tracing::info!(key_hash = %id.key_hash(), "an orphaned claim's give-back went unanswered; it may have been given back")
-            }
+            wait *= 2;
         }
-        wait *= 2;
     }
 }
 

@@ -11,9 +11,8 @@
 //! and retries at once gets the replay, never a 409.
 //!
 //! On a route with `on_in_flight = "wait"`, a record that settled (completed, released or held) is
-//! announced to the requests waiting for it (`execute/announce.rs`), once the store has it.
+//! announced to the requests waiting for it (`settle.rs`), once the store has it.
 
-mod announce;
 pub(crate) mod capture;
 mod channel;
 mod heartbeat;
@@ -24,24 +23,60 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Request, StatusCode};
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use self::capture::CaptureBudget;
 use self::heartbeat::Heartbeat;
-use self::relay::{Held, Relayed, ToStore};
-use super::cache::Fill;
-use super::upstream::stream_response;
-use super::{Answer, Handled, Proxy, expiry};
+use self::relay::{Held, Relay, Relayed, ToStore};
+use super::answer::{Answer, Handled};
+use super::cache::{Fill, ReplayCache};
+use super::expiry;
+use super::settle::Settle;
+use super::upstream::{Upstream, stream_response};
 use crate::body::{BoxError, ProxyBody};
-use crate::config::{OnUnknownOutcome, Route};
+use crate::config::{Config, OnUnknownOutcome, Route};
 use crate::error::ProxyError;
-use crate::metrics::Outcome;
+use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
-use crate::store::{RecordId, StoreError, StoredResponse};
+use crate::store::{RecordId, StoreError, StoreHandle, StoredResponse};
 
 /// The first wait before a completion or release that failed because the store blipped is tried again;
 /// each wait doubles, up to [`WRITE_BACKOFF_MAX`].
 const WRITE_BACKOFF: Duration = Duration::from_millis(100);
 const WRITE_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// The longest a client waits for its record to be stored (or less, `store.timeout`).
+const COMPLETION_HOLD_MAX: Duration = Duration::from_secs(2);
+
+/// The execute stage: everything a won claim's execution touches, over its worker's pool of upstream
+/// connections.
+#[derive(Clone)]
+pub(crate) struct Executor {
+    store: StoreHandle,
+    upstream: Upstream,
+    /// Owns the heartbeats, so shutdown waits for them.
+    tracker: TaskTracker,
+    cache: Arc<ReplayCache>,
+    relay: Relay,
+    /// Longest a client waits for its record to be stored before it gets the end of its response.
+    completion_hold: Duration,
+    metrics: Metrics,
+    /// Whether store writes are traced (`traces.enabled`).
+    traced: bool,
+    settle: Settle,
+}
+
+/// What an [`Executor`] is made of beside the configuration.
+pub(crate) struct ExecutorParts {
+    pub(crate) store: StoreHandle,
+    pub(crate) upstream: Upstream,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) cache: Arc<ReplayCache>,
+    pub(crate) captures: Arc<CaptureBudget>,
+    pub(crate) metrics: Metrics,
+    pub(crate) settle: Settle,
+}
 
 /// A won claim: the record it holds, fenced by its token, and the lease it was claimed with. The
 /// heartbeat renews that lease, and every fenced write is tried for at most that long.
@@ -54,233 +89,275 @@ pub(crate) struct Claimed {
     pub(crate) route: Arc<Route>,
     /// When the record expires, where this process knows it (a new record).
     pub(crate) expires_at: Option<SystemTime>,
+    /// The replay cache entry the completion may make.
+    pub(crate) fill: Option<Fill>,
 }
 
-/// Executes a claimed request to the end, whatever happens to the client. The response head (or the
-/// error) goes to `head`.
-pub(crate) async fn execute(
-    proxy: Arc<Proxy>,
-    claim: Claimed,
-    request: Request<ProxyBody>,
-    head: Answer,
-    fill: Option<Fill>,
-) {
-    let heartbeat = Heartbeat::start(
-        proxy.store.clone(),
-        claim.id.clone(),
-        claim.lease,
-        proxy.metrics.clone(),
-        &proxy.tracker,
-    );
-    let response = match proxy.upstream.send(request).await {
-        Ok(response) => response,
-        Err(failure) => {
-            heartbeat.stop();
-            if failure.never_delivered() {
-                return release_then_answer(&proxy, &claim, head, Err(failure.into_error())).await;
+impl Executor {
+    pub(crate) fn new(config: &Config, parts: ExecutorParts) -> Executor {
+        let ExecutorParts {
+            store,
+            upstream,
+            tracker,
+            cache,
+            captures,
+            metrics,
+            settle,
+        } = parts;
+        Executor {
+            relay: Relay::new(
+                captures,
+                config.server.write_timeout,
+                upstream.timeout(),
+                metrics.clone(),
+            ),
+            store,
+            upstream,
+            tracker,
+            cache,
+            completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
+            metrics,
+            traced: otlp::traced(&config.traces),
+            settle,
+        }
+    }
+
+    /// The same stage over another worker's pool of upstream connections.
+    pub(crate) fn with_upstream(&self, upstream: Upstream) -> Executor {
+        Executor {
+            upstream,
+            ..self.clone()
+        }
+    }
+
+    /// The request `parts` and `body` as they go upstream from `peer`.
+    pub(crate) fn request(
+        &self,
+        parts: http::request::Parts,
+        body: ProxyBody,
+        peer: &super::downstream::Downstream,
+    ) -> Request<ProxyBody> {
+        self.upstream.request(parts, body, peer)
+    }
+
+    /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
+    /// error) goes to `head`.
+    pub(crate) async fn execute(&self, claim: Claimed, request: Request<ProxyBody>, head: Answer) {
+        let heartbeat = Heartbeat::start(
+            self.store.clone(),
+            claim.id.clone(),
+            claim.lease,
+            self.metrics.clone(),
+            &self.tracker,
+        );
+        let response = match self.upstream.send(request).await {
+            Ok(response) => response,
+            Err(failure) => {
+                heartbeat.stop();
+                if failure.never_delivered() {
+                    return self
+                        .release_then_answer(&claim, head, Err(failure.into_error()))
+                        .await;
+                }
+                return self.unknown_outcome(&claim, head, failure.into_error()).await;
             }
-            return unknown_outcome(&proxy, &claim, head, failure.into_error()).await;
+        };
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            // The upstream took the request and switched protocols instead of answering it: what it did is
+            // not known, and a 101 can be neither relayed (nothing asked for an upgrade) nor replayed.
+            heartbeat.stop();
+            let error = ProxyError::UpstreamInvalidResponse(response.status());
+            return self.unknown_outcome(&claim, head, error).await;
         }
-    };
-    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-        // The upstream took the request and switched protocols instead of answering it: what it did is
-        // not known, and a 101 can be neither relayed (nothing asked for an upgrade) nor replayed.
-        heartbeat.stop();
-        let error = ProxyError::UpstreamInvalidResponse(response.status());
-        return unknown_outcome(&proxy, &claim, head, error).await;
+        if claim.route.policy.release.releases(response.status()) {
+            heartbeat.stop();
+            let answer = Ok((stream_response(response), Outcome::Executed));
+            return self.release_then_answer(&claim, head, answer).await;
+        }
+        let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
+        match self
+            .relay
+            .run(&claim.id, &claim.route.policy, response, head, stamp)
+            .await
+        {
+            Relayed::Whole(record, held) => self.finish(&claim, record, held, heartbeat).await,
+            Relayed::Broken {
+                client,
+                error,
+                failure,
+            } => self.broken_body(&claim, client, heartbeat, error, failure).await,
+        }
     }
-    if claim.route.policy.release.releases(response.status()) {
-        heartbeat.stop();
-        let answer = Ok((stream_response(response), Outcome::Executed));
-        return release_then_answer(&proxy, &claim, head, answer).await;
-    }
-    let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
-    match relay::relay(&proxy, &claim.id, &claim.route.policy, response, head, stamp).await {
-        Relayed::Whole(record, held) => finish(&proxy, &claim, record, fill, held, heartbeat).await,
-        Relayed::Broken {
-            client,
-            error,
-            failure,
-        } => broken_body(&proxy, &claim, client, heartbeat, error, failure).await,
-    }
-}
 
-/// The upstream may have acted on the request, but no full answer came back. With
-/// `on_unknown_outcome = "retry"` the claim is left to its lease (a retry after it executes again);
-/// with `"hold"` the record is marked unknown first, so a retry sent right after this answer is
-/// refused until an operator releases the key. The client waits for the hold at most
-/// `completion_hold`.
-async fn unknown_outcome(proxy: &Proxy, claim: &Claimed, head: Answer, error: ProxyError) {
-    proxy.metrics.unknown_outcomes.inc();
-    let key_hash = claim.id.key_hash();
-    if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
-        tracing::warn!(%key_hash, %error, "upstream outcome unknown; claim left to its lease");
+    /// The upstream may have acted on the request, but no full answer came back. With
+    /// `on_unknown_outcome = "retry"` the claim is left to its lease (a retry after it executes again);
+    /// with `"hold"` the record is marked unknown first, so a retry sent right after this answer is
+    /// refused until an operator releases the key. The client waits for the hold at most
+    /// `completion_hold`.
+    async fn unknown_outcome(&self, claim: &Claimed, head: Answer, error: ProxyError) {
+        self.metrics.unknown_outcomes.inc();
+        let key_hash = claim.id.key_hash();
+        if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
+            tracing::warn!(%key_hash, %error, "upstream outcome unknown; claim left to its lease");
+            head.send(Err(error));
+            return;
+        }
+        tracing::warn!(%key_hash, %error, "upstream outcome unknown; holding the key until released");
+        let holding = self.hold(claim);
+        tokio::pin!(holding);
+        let in_time = tokio::time::timeout(self.completion_hold, &mut holding).await;
         head.send(Err(error));
-        return;
+        let held = match in_time {
+            Ok(held) => held,
+            Err(_) => holding.await,
+        };
+        if held {
+            self.settle.settled(&claim.route, &claim.id).await;
+        }
     }
-    tracing::warn!(%key_hash, %error, "upstream outcome unknown; holding the key until released");
-    let holding = hold(proxy, claim);
-    tokio::pin!(holding);
-    let in_time = tokio::time::timeout(proxy.completion_hold, &mut holding).await;
-    head.send(Err(error));
-    let held = match in_time {
-        Ok(held) => held,
-        Err(_) => holding.await,
-    };
-    if held {
-        proxy.settled(&claim.route, &claim.id).await;
-    }
-}
 
-/// Marks the record unknown, trying for up to the lease while the store does not answer; `true` once
-/// it is held.
-async fn hold(proxy: &Proxy, claim: &Claimed) -> bool {
-    let id = &claim.id;
-    match until_answered(claim.lease, || proxy.store.hold(id)).await {
-        Ok(true) => true,
-        Ok(false) => {
-            lost_claim(proxy, id, "hold");
-            false
-        }
-        Err(error) => {
-            tracing::error!(key_hash = %id.key_hash(), %error, "holding the key failed; claim left to its lease");
-            false
+    /// Marks the record unknown, trying for up to the lease while the store does not answer; `true` once
+    /// it is held.
+    async fn hold(&self, claim: &Claimed) -> bool {
+        let id = &claim.id;
+        match until_answered(claim.lease, || self.store.hold(id)).await {
+            Ok(true) => true,
+            Ok(false) => {
+                self.lost_claim(id, "hold");
+                false
+            }
+            Err(error) => {
+                tracing::error!(key_hash = %id.key_hash(), %error, "holding the key failed; claim left to its lease");
+                false
+            }
         }
     }
-}
 
-/// Stores the response, then lets the client have the rest of it. The client waits for the store at most
-/// `completion_hold`; past it the client gets the rest and the completion goes on (counted). Whoever
-/// waits for the record is told last, off the client's path.
-async fn finish(
-    proxy: &Proxy,
-    claim: &Claimed,
-    record: ToStore,
-    fill: Option<Fill>,
-    held: Held,
-    heartbeat: Heartbeat,
-) {
-    let id = &claim.id;
-    let captured = record.capture.finish();
-    let stored = StoredResponse {
-        status: record.status,
-        headers: record.headers,
-        body: captured.body,
-    };
-    if stored.body.is_none() {
-        proxy.metrics.not_retained.inc();
+    /// Stores the response, then lets the client have the rest of it. The client waits for the store at most
+    /// `completion_hold`; past it the client gets the rest and the completion goes on (counted). Whoever
+    /// waits for the record is told last, off the client's path.
+    async fn finish(&self, claim: &Claimed, record: ToStore, held: Held, heartbeat: Heartbeat) {
+        let id = &claim.id;
+        let captured = record.capture.finish();
+        let stored = StoredResponse {
+            status: record.status,
+            headers: record.headers,
+            body: captured.body,
+        };
+        if stored.body.is_none() {
+            self.metrics.not_retained.inc();
+        }
+        let storing = self.store_and_remember(claim, stored);
+        tokio::pin!(storing);
+        let in_time = tokio::time::timeout(self.completion_hold, &mut storing).await;
+        if in_time.is_err() {
+            self.metrics.completion_hold_expired.inc();
+            tracing::warn!(key_hash = %id.key_hash(), hold = ?self.completion_hold,
+                "record not stored within the hold; the client gets the rest of its response first");
+        }
+        held.release(&self.metrics, id).await;
+        let completed = match in_time {
+            Ok(completed) => completed,
+            Err(_) => storing.await,
+        };
+        heartbeat.stop();
+        drop(captured.reservation);
+        if completed {
+            self.settle.settled(&claim.route, id).await;
+        }
     }
-    let storing = store_and_remember(proxy, claim, stored, fill);
-    tokio::pin!(storing);
-    let in_time = tokio::time::timeout(proxy.completion_hold, &mut storing).await;
-    if in_time.is_err() {
-        proxy.metrics.completion_hold_expired.inc();
-        tracing::warn!(key_hash = %id.key_hash(), hold = ?proxy.completion_hold,
-            "record not stored within the hold; the client gets the rest of its response first");
-    }
-    held.release(proxy, id).await;
-    let completed = match in_time {
-        Ok(completed) => completed,
-        Err(_) => storing.await,
-    };
-    heartbeat.stop();
-    drop(captured.reservation);
-    if completed {
-        proxy.settled(&claim.route, id).await;
-    }
-}
 
-/// Completes the record and, once it is stored, puts it in the replay cache; `true` once it is stored.
-async fn store_and_remember(
-    proxy: &Proxy,
-    claim: &Claimed,
-    stored: StoredResponse,
-    fill: Option<Fill>,
-) -> bool {
-    let id = &claim.id;
-    let completed = complete(proxy, claim, &stored).await;
-    if completed && let Some(fill) = fill {
-        proxy
-            .cache
-            .insert(&id.scope, &id.key, fill.fingerprint, stored, fill.deadline);
+    /// Completes the record and, once it is stored, puts it in the replay cache; `true` once it is stored.
+    async fn store_and_remember(&self, claim: &Claimed, stored: StoredResponse) -> bool {
+        let id = &claim.id;
+        let completed = self.complete(claim, &stored).await;
+        if completed && let Some(fill) = &claim.fill {
+            self.cache
+                .insert(&id.scope, &id.key, fill.fingerprint, stored, fill.deadline);
+        }
+        completed
     }
-    completed
-}
 
-/// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), or if it
-/// has not had the head yet it gets `failure`; nothing is stored, and the outcome is unknown because the
-/// upstream may have acted.
-async fn broken_body(
-    proxy: &Proxy,
-    claim: &Claimed,
-    mut client: relay::Client,
-    heartbeat: Heartbeat,
-    error: BoxError,
-    failure: ProxyError,
-) {
-    heartbeat.stop();
-    proxy.metrics.unknown_outcomes.inc();
-    tracing::warn!(key_hash = %claim.id.key_hash(), %error, "upstream body broke off; outcome unknown");
-    client.fail(error, failure);
-    if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold && hold(proxy, claim).await {
-        proxy.settled(&claim.route, &claim.id).await;
-    }
-}
-/// Stores the response under the claim's fence, retrying a store that does not answer for up to the lease
-/// (see [`until_answered`]); `true` once it is stored.
-async fn complete(proxy: &Proxy, claim: &Claimed, stored: &StoredResponse) -> bool {
-    let id = &claim.id;
-    let span = otlp::settlement(proxy.traced, true);
-    let writing = until_answered(claim.lease, || proxy.store.complete(id, stored));
-    match writing.instrument(span.clone()).await {
-        Ok(true) => true,
-        Ok(false) => {
-            otlp::failed(&span, "fenced");
-            lost_claim(proxy, id, "completion");
-            false
-        }
-        Err(error) => {
-            otlp::failed(&span, "store_error");
-            tracing::error!(key_hash = %id.key_hash(), %error, "completion failed; claim left to its lease");
-            false
+    /// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), or if it
+    /// has not had the head yet it gets `failure`; nothing is stored, and the outcome is unknown because the
+    /// upstream may have acted.
+    async fn broken_body(
+        &self,
+        claim: &Claimed,
+        mut client: relay::Client,
+        heartbeat: Heartbeat,
+        error: BoxError,
+        failure: ProxyError,
+    ) {
+        heartbeat.stop();
+        self.metrics.unknown_outcomes.inc();
+        tracing::warn!(key_hash = %claim.id.key_hash(), %error, "upstream body broke off; outcome unknown");
+        client.fail(error, failure);
+        if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold && self.hold(claim).await {
+            self.settle.settled(&claim.route, &claim.id).await;
         }
     }
-}
+    /// Stores the response under the claim's fence, retrying a store that does not answer for up to the lease
+    /// (see [`until_answered`]); `true` once it is stored.
+    async fn complete(&self, claim: &Claimed, stored: &StoredResponse) -> bool {
+        let id = &claim.id;
+        let span = otlp::settlement(self.traced, true);
+        let writing = until_answered(claim.lease, || self.store.complete(id, stored));
+        match writing.instrument(span.clone()).await {
+            Ok(true) => true,
+            Ok(false) => {
+                otlp::failed(&span, "fenced");
+                self.lost_claim(id, "completion");
+                false
+            }
+            Err(error) => {
+                otlp::failed(&span, "store_error");
+                tracing::error!(key_hash = %id.key_hash(), %error, "completion failed; claim left to its lease");
+                false
+            }
+        }
+    }
 
-/// Releases the claim before answering, so that a retry sent right after the answer finds the key free.
-/// When the store is away the client is not kept waiting on it: it is answered at once, and the release
-/// is tried again afterwards (see [`until_answered`]). Whoever waits for the record is told after the
-/// answer.
-async fn release_then_answer(proxy: &Proxy, claim: &Claimed, head: Answer, answer: Handled) {
-    let id = &claim.id;
-    let span = otlp::settlement(proxy.traced, false);
-    match proxy.store.release(id).instrument(span.clone()).await {
-        Ok(true) => {
-            head.send(answer);
-            proxy.settled(&claim.route, id).await;
-        }
-        Ok(false) => {
-            otlp::failed(&span, "fenced");
-            lost_claim(proxy, id, "release");
-            head.send(answer);
-        }
-        Err(error) => {
-            otlp::failed(&span, "store_error");
-            tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; answering, then retrying");
-            head.send(answer);
-            release(proxy, claim).await;
+    /// Releases the claim before answering, so that a retry sent right after the answer finds the key free.
+    /// When the store is away the client is not kept waiting on it: it is answered at once, and the release
+    /// is tried again afterwards (see [`until_answered`]). Whoever waits for the record is told after the
+    /// answer.
+    async fn release_then_answer(&self, claim: &Claimed, head: Answer, answer: Handled) {
+        let id = &claim.id;
+        let span = otlp::settlement(self.traced, false);
+        match self.store.release(id).instrument(span.clone()).await {
+            Ok(true) => {
+                head.send(answer);
+                self.settle.settled(&claim.route, id).await;
+            }
+            Ok(false) => {
+                otlp::failed(&span, "fenced");
+                self.lost_claim(id, "release");
+                head.send(answer);
+            }
+            Err(error) => {
+                otlp::failed(&span, "store_error");
+                tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; answering, then retrying");
+                head.send(answer);
+                self.release(claim).await;
+            }
         }
     }
-}
 
-async fn release(proxy: &Proxy, claim: &Claimed) {
-    let id = &claim.id;
-    match until_answered(claim.lease, || proxy.store.release(id)).await {
-        Ok(true) => proxy.settled(&claim.route, id).await,
-        Ok(false) => lost_claim(proxy, id, "release"),
-        Err(error) => {
-            tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease")
+    async fn release(&self, claim: &Claimed) {
+        let id = &claim.id;
+        match until_answered(claim.lease, || self.store.release(id)).await {
+            Ok(true) => self.settle.settled(&claim.route, id).await,
+            Ok(false) => self.lost_claim(id, "release"),
+            Err(error) => {
+                tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease")
+            }
         }
+    }
+
+    fn lost_claim(&self, id: &RecordId, write: &str) {
+        self.metrics.lost_claims.inc();
+        tracing::warn!(key_hash = %id.key_hash(), write, "claim was taken over meanwhile; write refused by its fence");
     }
 }
 
@@ -307,11 +384,6 @@ where
             answer => return answer,
         }
     }
-}
-
-fn lost_claim(proxy: &Proxy, id: &RecordId, write: &str) {
-    proxy.metrics.lost_claims.inc();
-    tracing::warn!(key_hash = %id.key_hash(), write, "claim was taken over meanwhile; write refused by its fence");
 }
 
 #[cfg(test)]

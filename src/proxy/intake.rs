@@ -1,33 +1,45 @@
 //! Runs for a request that carries an idempotency key, or whose route reads its key from the body or
 //! checks signatures, before anything touches the store: checks that it names a client in a scope
 //! header (before its body is read, so a request that would be refused is never waited for), reads its
-//! body whole under the shared body budget (`intake/budget.rs`) and `server.body_read_timeout`, has its
+//! body whole under the shared body budget (`budget.rs`) and `server.body_read_timeout`, has its
 //! webhook signature verified where the route has one (`signature.rs`), reads the key from the body and
 //! the fingerprint (`intake/examine.rs`), and turns it into the claim the store will be asked for: scope,
 //! key, fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
 
-pub mod budget;
 pub mod examine;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Request, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use uuid::Uuid;
 
-use self::budget::ReservedBody;
-use super::passthrough::client_body::{self, GuardedBody};
-use super::upstream::Downstream;
-use super::{Handled, Proxy, key};
+use self::examine::Examiners;
+use super::budget::{BodyBudget, ReservedBody};
+use super::client_body::{self, GuardedBody};
+use super::downstream::Downstream;
+use super::{key, signature};
 use crate::access;
-use crate::config::{DEFAULT_ROUTE, IdempotencyConfig, Route, Unscoped};
+use crate::config::{Config, DEFAULT_ROUTE, IdempotencyConfig, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
+use crate::metrics::Metrics;
 use crate::store::{ClaimRequest, RecordId};
+
+/// The intake stage: what reading and examining keyed bodies is bounded by, shared by every worker.
+#[derive(Clone)]
+pub(crate) struct Intake {
+    budget: BodyBudget,
+    body_read_timeout: Duration,
+    /// Examinations of large keyed bodies (JSON keys and fingerprints) off the workers, one per CPU.
+    examiners: Examiners,
+    metrics: Metrics,
+}
 
 /// A keyed request taken in: its head, the claim to send, and its body (holding its share of the budget
 /// until it has gone upstream).
-pub(crate) struct Intake {
+pub(crate) struct TakenIn {
     /// The route it took, whose policy it runs under.
     pub(crate) route: Arc<Route>,
     /// The request line and headers.
@@ -41,39 +53,40 @@ pub(crate) struct Intake {
 /// A request whose key comes from its body, which holds none, on a route where keys are optional: it is
 /// forwarded unprotected with the body already read.
 pub(crate) struct Unkeyed {
-    parts: request::Parts,
-    body: ReservedBody,
+    pub(crate) parts: request::Parts,
+    pub(crate) body: ReservedBody,
 }
 
-impl Unkeyed {
-    /// Forwards it as a passthrough.
-    pub(crate) async fn forward(self, proxy: &Proxy, peer: &Downstream) -> Handled {
-        proxy.passthrough_read(self.parts, self.body, peer).await
+impl Intake {
+    pub(crate) fn new(config: &Config, metrics: Metrics) -> Intake {
+        Intake {
+            budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
+            body_read_timeout: config.server.body_read_timeout,
+            examiners: Examiners::per_cpu(),
+            metrics,
+        }
     }
-}
 
-impl Proxy {
     /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
     /// the key when its source is in the head; a key taken from the body is read after the body. The
     /// scope is checked first: on a route that reads its key from the body, a request that names no
     /// client is refused before its body is read, whether or not the body would hold a key (keys
     /// optional or not), rather than forwarded unprotected. `peer`'s connection is told when the body
     /// waits for its client.
-    pub(crate) async fn intake(
+    pub(crate) async fn take(
         &self,
         request: Request<Incoming>,
         route: Arc<Route>,
         key: Option<String>,
         peer: &Downstream,
-    ) -> Result<Result<Intake, Unkeyed>, ProxyError> {
+    ) -> Result<Result<TakenIn, Unkeyed>, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
         if key.is_some() || route.policy.key.needs_body() {
             check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
-        self.verify_signature(&route.policy, &parts.headers, &body.bytes)
-            .await?;
+        signature::check(&route.policy, &parts.headers, &body.bytes, &self.metrics).await?;
         let examined = examine::examine(&self.examiners, route.clone(), parts, body, key).await?;
         let (parts, body) = (examined.parts, examined.body);
         let Some((key, fingerprint)) = examined.keyed else {
@@ -84,7 +97,7 @@ impl Proxy {
         };
         let claim = claim_request(&route, &parts, key, fingerprint);
         access::key(|| claim.id.key_hash());
-        Ok(Ok(Intake {
+        Ok(Ok(TakenIn {
             route,
             parts,
             claim,

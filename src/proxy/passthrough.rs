@@ -1,27 +1,59 @@
 //! Runs for every request the proxy does not protect (a method not in `idempotency.methods`, or no key
 //! while keys are optional), and for a keyed request whose claim the store could not decide while
 //! `store.on_error = "fail_open"`: forwards it upstream as it is and streams the answer back, with no
-//! store work. A passthrough body streams to the upstream under `passthrough/client_body.rs`'s bounds.
+//! store work. A passthrough body streams to the upstream under `client_body.rs`'s bounds.
 
-pub mod client_body;
+use std::time::Duration;
 
 use http::{Request, Response, request};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use self::client_body::{ClientSide, GuardedBody};
-use super::intake::budget::ReservedBody;
+use super::answer::Handled;
+use super::budget::ReservedBody;
+use super::client_body::{ClientSide, GuardedBody};
+use super::downstream::Downstream;
 use super::upstream::pool::PooledBody;
-use super::upstream::{Downstream, UpstreamFailure, stream_response};
-use super::{Handled, Proxy};
+use super::upstream::{Upstream, UpstreamFailure, stream_response};
 use crate::body::{self, ProxyBody};
-use crate::config::OnStoreError;
+use crate::config::{Config, OnStoreError};
 use crate::error::ProxyError;
-use crate::metrics::Outcome;
+use crate::metrics::{Metrics, Outcome};
 use crate::store::StoreError;
 
-impl Proxy {
+/// The forward stage: sends a request upstream with no store work, over its worker's pool.
+#[derive(Clone)]
+pub(crate) struct Forward {
+    upstream: Upstream,
+    on_store_error: OnStoreError,
+    body_read_timeout: Duration,
+    metrics: Metrics,
+}
+
+impl Forward {
+    pub(crate) fn new(config: &Config, upstream: Upstream, metrics: Metrics) -> Forward {
+        Forward {
+            upstream,
+            on_store_error: config.store.on_error,
+            body_read_timeout: config.server.body_read_timeout,
+            metrics,
+        }
+    }
+
+    /// The upstream it forwards to.
+    pub(crate) fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    /// The same stage over another worker's pool of upstream connections.
+    pub(crate) fn with_upstream(&self, upstream: Upstream) -> Forward {
+        Forward {
+            upstream,
+            ..self.clone()
+        }
+    }
+
     /// Forwards an unprotected request; a client body that stalls or breaks is blamed on the client.
     pub(crate) async fn passthrough(&self, request: Request<Incoming>, peer: &Downstream) -> Handled {
         let (parts, body) = request.into_parts();
@@ -48,12 +80,7 @@ impl Proxy {
 
     /// Forwards a request its route protects but which carries no key in its body (keys optional there):
     /// the body has been read already and goes upstream as it is.
-    pub(crate) async fn passthrough_read(
-        &self,
-        parts: request::Parts,
-        body: ReservedBody,
-        peer: &Downstream,
-    ) -> Handled {
+    pub(crate) async fn read(&self, parts: request::Parts, body: ReservedBody, peer: &Downstream) -> Handled {
         self.forward_read(parts, body, peer, Outcome::Passthrough).await
     }
 

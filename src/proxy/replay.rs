@@ -1,13 +1,37 @@
-//! Runs when the claim found a completed record with the same fingerprint: rebuilds the original response
-//! from the store, byte for byte, without touching the upstream.
+//! Runs when the claim found a completed record with the same fingerprint, or the replay cache holds
+//! one: rebuilds the original response from the store, byte for byte, without touching the upstream.
 
 use http::{HeaderName, HeaderValue, Response, StatusCode};
 
+use super::answer::Handled;
+use super::cache::{Lookup, ReplayCache};
+use super::expiry;
 use crate::body::{self, ProxyBody};
+use crate::config::Route;
 use crate::error::ProxyError;
-use crate::store::StoredResponse;
-
 use crate::headers::REPLAYED_HEADER;
+use crate::metrics::{Metrics, Outcome};
+use crate::store::{ClaimRequest, StoredResponse};
+
+/// A retry of a record this process has seen completed, answered from `cache` without the store: the
+/// replay, or the refusal of a key reused with another payload; `None` when the cache does not know.
+pub(crate) fn from_cache(
+    cache: &ReplayCache,
+    claim: &ClaimRequest,
+    route: &Route,
+    metrics: &Metrics,
+) -> Option<Handled> {
+    let answer = match cache.lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint) {
+        Lookup::Replay(stored, expires_at) => response(&stored).map(|mut response| {
+            expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
+            (response, Outcome::Replayed)
+        }),
+        Lookup::Mismatch => Err(ProxyError::KeyReused),
+        Lookup::Miss => return None,
+    };
+    metrics.replay_cache_hits.inc();
+    Some(answer)
+}
 
 /// The stored response as the client first saw it, plus `Idempotent-Replayed: true`. A record kept
 /// without its body (over `max_stored_response`) answers 410: the operation happened and must not run again.

@@ -18,10 +18,9 @@ use hmac::{Hmac, KeyInit, Mac as _};
 use http::{HeaderMap, HeaderName};
 use sha2_11::{Sha256, Sha512};
 
-use super::Proxy;
 use crate::config::{Algorithm, Encoding, GenericHmac, IdempotencyConfig, Scheme, SignatureConfig};
 use crate::error::ProxyError;
-use crate::metrics::SignatureCheck;
+use crate::metrics::{Metrics, SignatureCheck};
 
 /// Longest signature header read: a few signatures during a rotation fit many times over.
 pub const MAX_SIGNATURE_HEADER: usize = 4096;
@@ -35,25 +34,23 @@ const STRIPE_SIGNATURE: HeaderName = HeaderName::from_static("stripe-signature")
 const GITHUB_SIGNATURE: HeaderName = HeaderName::from_static("x-hub-signature-256");
 const SHOPIFY_SIGNATURE: HeaderName = HeaderName::from_static("x-shopify-hmac-sha256");
 
-impl Proxy {
-    /// Verifies the request's signature when its route has one; counts the check either way.
-    pub(crate) async fn verify_signature(
-        &self,
-        policy: &IdempotencyConfig,
-        headers: &HeaderMap,
-        body: &[u8],
-    ) -> Result<(), ProxyError> {
-        let Some(config) = &policy.signature else {
-            return Ok(());
-        };
-        let checked = verify(config, headers, body, SystemTime::now()).await;
-        let check = match &checked {
-            Ok(()) => SignatureCheck::Verified,
-            Err(refusal) => refusal.check,
-        };
-        self.metrics.signature_checked(check);
-        checked.map_err(|refusal| ProxyError::SignatureInvalid(refusal.detail))
-    }
+/// Verifies the request's signature when its route has one; counts the check either way.
+pub(crate) async fn check(
+    policy: &IdempotencyConfig,
+    headers: &HeaderMap,
+    body: &[u8],
+    metrics: &Metrics,
+) -> Result<(), ProxyError> {
+    let Some(config) = &policy.signature else {
+        return Ok(());
+    };
+    let checked = verify(config, headers, body, SystemTime::now()).await;
+    let check = match &checked {
+        Ok(()) => SignatureCheck::Verified,
+        Err(refusal) => refusal.check,
+    };
+    metrics.signature_checked(check);
+    checked.map_err(|refusal| ProxyError::SignatureInvalid(refusal.detail))
 }
 
 /// Why a signature did not verify: what is counted, and what the sender's operator is told.

@@ -21,17 +21,36 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
 
-use super::Proxy;
-use super::claim::{InFlight, Round, Won, in_flight_retry_after};
+use super::answer::Answer;
+use super::cache::ReplayCache;
+use super::claim::{Claims, InFlight, Round, Won, in_flight_retry_after};
+use super::downstream::Downstream;
+use super::intake::TakenIn;
+use super::replay;
+use super::slot::KeyedSlot;
+use crate::config::Config;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, WaitResult};
 
 /// The least time before a lease re-check: a lease the store reports as (nearly) over is re-checked
 /// after this, not in a loop.
 const LEASE_RECHECK_MIN: Duration = Duration::from_millis(50);
+
+/// The wait stage, and the keyed request's task: it claims, and waits while the key is in flight on a
+/// route that waits.
+pub(crate) struct Waits {
+    claims: Claims,
+    /// One permit per request waiting for a key in flight (`server.max_waiting`), shared by every worker.
+    waiting: Arc<Semaphore>,
+    /// Cancelled when the proxy begins shutting down; waiting requests are answered then.
+    shutdown: CancellationToken,
+    cache: Arc<ReplayCache>,
+    metrics: Metrics,
+}
 
 /// How a wait ended.
 enum Ended {
@@ -49,13 +68,62 @@ enum Woken {
     Stop(WaitResult),
 }
 
-impl Proxy {
+impl Waits {
+    pub(crate) fn new(
+        config: &Config,
+        claims: Claims,
+        cache: Arc<ReplayCache>,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Waits {
+        Waits {
+            claims,
+            waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
+            shutdown,
+            cache,
+            metrics,
+        }
+    }
+
+    /// The claim stage it runs.
+    pub(crate) fn claims(&self) -> &Claims {
+        &self.claims
+    }
+
+    /// The same stage with its claims over another worker's pool of upstream connections.
+    pub(crate) fn with_claims(&self, claims: Claims) -> Waits {
+        Waits {
+            claims,
+            waiting: self.waiting.clone(),
+            shutdown: self.shutdown.clone(),
+            cache: self.cache.clone(),
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// A keyed request's work from its claim on, on its own task (`Claims::claim`), and its wait where
+    /// its route waits and its key is in flight.
+    pub(crate) async fn run(
+        self: Arc<Self>,
+        request: TakenIn,
+        peer: Downstream,
+        head: Answer,
+        slot: KeyedSlot,
+    ) {
+        if let Some(in_flight) = self.claims.claim(request, peer, head, slot).await {
+            // The wait (and the execution it may lead to) is as large as the claim's own future;
+            // on the heap, only the requests that wait pay for it, and the task every keyed request
+            // spawns stays the size of the claim alone.
+            Box::pin(self.wait(in_flight)).await;
+        }
+    }
+
     /// Waits for the original of a request whose key is in flight, then answers or executes it as the
     /// record's fate decides; every wait is counted by how it ended. An execution starts only once the
     /// request has stopped counting as waiting.
-    pub(crate) async fn wait(self: Arc<Self>, in_flight: Box<InFlight>) {
+    async fn wait(&self, in_flight: Box<InFlight>) {
         let Ok(permit) = self.waiting.clone().try_acquire_owned() else {
-            tracing::debug!(key_hash = %in_flight.keyed.intake.claim.id.key_hash(), "too many requests waiting; 409");
+            tracing::debug!(key_hash = %in_flight.keyed.request.claim.id.key_hash(), "too many requests waiting; 409");
             self.metrics.wait_ended(WaitResult::RejectedFull);
             conflict(in_flight);
             return;
@@ -65,7 +133,7 @@ impl Proxy {
         drop(waiting);
         let result = match ended {
             Ended::Answered(result) => result,
-            Ended::Won(won) => match self.execute_won(*won).await {
+            Ended::Won(won) => match self.claims.execute_won(*won).await {
                 true => WaitResult::Executed,
                 false => WaitResult::Refused,
             },
@@ -74,15 +142,16 @@ impl Proxy {
     }
 
     /// Waits and re-checks until the record's fate answers the request, or the wait ends.
-    async fn wait_rounds(self: &Arc<Self>, mut in_flight: Box<InFlight>) -> Ended {
-        let deadline = Instant::now() + in_flight.keyed.intake.route.policy.wait_timeout;
+    async fn wait_rounds(&self, mut in_flight: Box<InFlight>) -> Ended {
+        let deadline = Instant::now() + in_flight.keyed.request.route.policy.wait_timeout;
         loop {
             if let Woken::Stop(result) = self.until_woken(&mut in_flight, deadline).await {
                 conflict(in_flight);
                 return Ended::Answered(result);
             }
+            let request = &in_flight.keyed.request;
             if let Some(answer) =
-                self.answer_from_cache(&in_flight.keyed.intake.claim, &in_flight.keyed.intake.route)
+                replay::from_cache(&self.cache, &request.claim, &request.route, &self.metrics)
             {
                 let result = if answer.is_ok() {
                     WaitResult::Replayed
@@ -95,7 +164,7 @@ impl Proxy {
             let InFlight {
                 keyed, subscription, ..
             } = *in_flight;
-            in_flight = match self.claim_round(keyed, None, Some(subscription)).await {
+            in_flight = match self.claims.claim_round(keyed, None, Some(subscription)).await {
                 Round::InFlight(again) => again,
                 Round::Won(won) => return Ended::Won(won),
                 Round::Replayed => return Ended::Answered(WaitResult::Replayed),
@@ -126,7 +195,7 @@ impl Proxy {
 /// last saw. A client that has gone has it counted all the same.
 fn conflict(in_flight: Box<InFlight>) {
     let left = in_flight.lease_end.saturating_duration_since(Instant::now());
-    let hint = in_flight.keyed.intake.route.policy.in_flight_retry_after;
+    let hint = in_flight.keyed.request.route.policy.in_flight_retry_after;
     let retry_after = in_flight_retry_after(left, hint);
     in_flight
         .keyed

@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::write_deadline::WriteDeadline;
 use crate::metrics::Metrics;
-use crate::proxy::passthrough::client_body::BodyWatch;
+use crate::proxy::client_body::BodyWatch;
 
 /// The bit of a connection's state that says it was evicted. Below it, from [`WAITING`] up, the count of
 /// its requests waiting for their client's body; below that, the count of its requests in progress.

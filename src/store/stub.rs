@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    ClaimKind, ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError,
-    StoreHandle, StoredResponse,
+    ClaimKind, ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoreHandle,
+    StoredResponse,
 };
 use crate::metrics::Metrics;
 
@@ -116,7 +116,9 @@ impl StubStore {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Script> {
-        self.script.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.script
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Logs the call, waits its delay, and takes its answer.

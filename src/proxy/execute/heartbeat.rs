@@ -78,7 +78,13 @@ mod tests {
             key: "k".into(),
             token: uuid::Uuid::nil(),
         };
-        Heartbeat::start(beats.handle(metrics), id, Duration::from_secs(30), metrics.clone(), tracker)
+        Heartbeat::start(
+            beats.handle(metrics),
+            id,
+            Duration::from_secs(30),
+            metrics.clone(),
+            tracker,
+        )
     }
 
     async fn advance(by: Duration) {

@@ -6,6 +6,7 @@
 //! already read, and for at most `server.capture_wait` over the whole response. Touches no store.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -14,15 +15,15 @@ use http::{HeaderMap, HeaderName, Response, header};
 use http_body::{Body as _, Frame};
 use http_body_util::BodyExt;
 
-use super::capture::Capture;
+use super::capture::{Capture, CaptureBudget};
 use super::channel::{self, Sender};
 use crate::body::{self, BoxError, ProxyBody};
 use crate::config::IdempotencyConfig;
 use crate::error::ProxyError;
-use crate::metrics::Outcome;
+use crate::metrics::{Metrics, Outcome};
+use crate::proxy::answer::Answer;
 use crate::proxy::upstream::pool::PooledBody;
 use crate::proxy::upstream::strip_hop_by_hop;
-use crate::proxy::{Answer, Proxy};
 use crate::store::RecordId;
 
 /// Frames buffered between the relay and a slow client before the relay waits.
@@ -52,7 +53,7 @@ impl Client {
     /// Queues `frame` for the client. A client that has gone is dropped; one that accepts nothing for
     /// `server.write_timeout` is let go with an error (its response must never look complete) and
     /// counted; either way the relay reads on.
-    async fn deliver(&mut self, frame: Frame<Bytes>, proxy: &Proxy, id: &RecordId) {
+    async fn deliver(&mut self, frame: Frame<Bytes>, metrics: &Metrics, id: &RecordId) {
         self.send_head(id);
         let Some(sender) = self.sender.as_mut() else {
             return;
@@ -64,7 +65,7 @@ impl Client {
                 self.sender = None;
             }
             Err(_) => {
-                proxy.metrics.write_timeouts.inc();
+                metrics.write_timeouts.inc();
                 tracing::warn!(key_hash = %id.key_hash(), timeout = ?self.write_timeout,
                     "client accepted no response bytes; letting it go and reading upstream to the end");
                 self.abort("the client stopped reading the response".into());
@@ -101,7 +102,7 @@ pub(super) enum Held {
 
 impl Held {
     /// Lets the client have the rest of its response; the body ends once the client is dropped.
-    pub(super) async fn release(self, proxy: &Proxy, id: &RecordId) {
+    pub(super) async fn release(self, metrics: &Metrics, id: &RecordId) {
         match self {
             Held::Head(head, response) => {
                 head.send(Ok((response, Outcome::Executed)));
@@ -109,7 +110,7 @@ impl Held {
             Held::End(mut client, last) => {
                 client.send_head(id);
                 if let Some(frame) = last {
-                    client.deliver(frame, proxy, id).await;
+                    client.deliver(frame, metrics, id).await;
                 }
             }
         }
@@ -136,99 +137,128 @@ pub(super) enum Relayed {
     },
 }
 
-/// Relays the response to the client while capturing it, until the upstream body ends or breaks.
-pub(super) async fn relay(
-    proxy: &Proxy,
-    id: &RecordId,
-    policy: &IdempotencyConfig,
-    response: Response<PooledBody>,
-    head: Answer,
-    stamp: impl FnOnce(&mut HeaderMap),
-) -> Relayed {
-    let (mut parts, mut upstream) = response.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    let record = ToStore {
-        status: parts.status.as_u16(),
-        headers: storable_headers(&parts.headers, &policy.never_store_headers),
-        capture: Capture::new(policy.max_stored_response, &proxy.captures, &id.scope),
-    };
-    // What the proxy adds for this client only, after the stored headers are taken.
-    stamp(&mut parts.headers);
-    if http_body::Body::is_end_stream(&upstream) {
-        drop(upstream);
-        let held = Held::Head(head, Response::from_parts(parts, body::empty()));
-        return Relayed::Whole(record, held);
+/// What every relay of a worker is bounded by.
+#[derive(Clone)]
+pub(super) struct Relay {
+    /// Bytes of keyed responses being captured for storage, and each scope's share, shared by every
+    /// worker.
+    captures: Arc<CaptureBudget>,
+    /// Longest a client may accept no bytes of a keyed response.
+    write_timeout: Duration,
+    /// Longest the upstream may send nothing (`upstream.timeout`).
+    idle: Duration,
+    metrics: Metrics,
+}
+
+impl Relay {
+    pub(super) fn new(
+        captures: Arc<CaptureBudget>,
+        write_timeout: Duration,
+        idle: Duration,
+        metrics: Metrics,
+    ) -> Relay {
+        Relay {
+            captures,
+            write_timeout,
+            idle,
+            metrics,
+        }
     }
-    let declared = content_length(&parts.headers);
-    let (sender, receiver) = channel::channel(DOWNSTREAM_FRAMES);
-    let mut client = Client {
-        head: Some((head, Response::from_parts(parts, receiver.boxed()))),
-        sender: Some(sender),
-        write_timeout: proxy.write_timeout,
-    };
-    let ToStore {
-        status,
-        headers,
-        mut capture,
-    } = record;
-    let mut last = None;
-    let mut received = 0u64;
-    let idle = proxy.upstream.timeout();
-    loop {
-        let polled = match frame_now(&mut upstream) {
-            Poll::Ready(polled) => polled,
-            Poll::Pending => {
-                // Nothing more comes with the head now: let it go before waiting on the upstream.
-                client.send_head(id);
-                match tokio::time::timeout(idle, upstream.frame()).await {
-                    Ok(polled) => polled,
-                    Err(_) => {
-                        let failure = ProxyError::UpstreamTimeout(idle);
-                        let error = "upstream body stalled".into();
-                        return Relayed::Broken {
-                            client,
-                            error,
-                            failure,
-                        };
+
+    /// Relays the response to the client while capturing it, until the upstream body ends or breaks.
+    pub(super) async fn run(
+        &self,
+        id: &RecordId,
+        policy: &IdempotencyConfig,
+        response: Response<PooledBody>,
+        head: Answer,
+        stamp: impl FnOnce(&mut HeaderMap),
+    ) -> Relayed {
+        let (mut parts, mut upstream) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let record = ToStore {
+            status: parts.status.as_u16(),
+            headers: storable_headers(&parts.headers, &policy.never_store_headers),
+            capture: Capture::new(policy.max_stored_response, &self.captures, &id.scope),
+        };
+        // What the proxy adds for this client only, after the stored headers are taken.
+        stamp(&mut parts.headers);
+        if http_body::Body::is_end_stream(&upstream) {
+            drop(upstream);
+            let held = Held::Head(head, Response::from_parts(parts, body::empty()));
+            return Relayed::Whole(record, held);
+        }
+        let declared = content_length(&parts.headers);
+        let (sender, receiver) = channel::channel(DOWNSTREAM_FRAMES);
+        let mut client = Client {
+            head: Some((head, Response::from_parts(parts, receiver.boxed()))),
+            sender: Some(sender),
+            write_timeout: self.write_timeout,
+        };
+        let ToStore {
+            status,
+            headers,
+            mut capture,
+        } = record;
+        let mut last = None;
+        let mut received = 0u64;
+        let idle = self.idle;
+        loop {
+            let polled = match frame_now(&mut upstream) {
+                Poll::Ready(polled) => polled,
+                Poll::Pending => {
+                    // Nothing more comes with the head now: let it go before waiting on the upstream.
+                    client.send_head(id);
+                    match tokio::time::timeout(idle, upstream.frame()).await {
+                        Ok(polled) => polled,
+                        Err(_) => {
+                            let failure = ProxyError::UpstreamTimeout(idle);
+                            let error = "upstream body stalled".into();
+                            return Relayed::Broken {
+                                client,
+                                error,
+                                failure,
+                            };
+                        }
                     }
                 }
+            };
+            let frame = match polled {
+                None => break,
+                Some(Ok(frame)) => frame,
+                Some(Err(error)) => {
+                    let failure = ProxyError::UpstreamUnreachable(error.to_string());
+                    return Relayed::Broken {
+                        client,
+                        error: error.into(),
+                        failure,
+                    };
+                }
+            };
+            let data = frame.data_ref().cloned();
+            received += data.as_ref().map_or(0, |data| data.len() as u64);
+            // A frame held as the last one was not, since another follows.
+            if let Some(earlier) = last.take() {
+                client.deliver(earlier, &self.metrics, id).await;
             }
-        };
-        let frame = match polled {
-            None => break,
-            Some(Ok(frame)) => frame,
-            Some(Err(error)) => {
-                let failure = ProxyError::UpstreamUnreachable(error.to_string());
-                return Relayed::Broken {
-                    client,
-                    error: error.into(),
-                    failure,
-                };
+            if completes(&frame, &upstream, declared, received) {
+                last = Some(frame);
+            } else {
+                client.deliver(frame, &self.metrics, id).await;
             }
+            // Captured once the client has the frame (or it is held as the last one): a capture that
+            // waits for room in the budget delays the next read, not this frame.
+            if let Some(data) = data {
+                capture.push(data).await;
+            }
+        }
+        let record = ToStore {
+            status,
+            headers,
+            capture,
         };
-        let data = frame.data_ref().cloned();
-        received += data.as_ref().map_or(0, |data| data.len() as u64);
-        // A frame held as the last one was not, since another follows.
-        if let Some(earlier) = last.take() {
-            client.deliver(earlier, proxy, id).await;
-        }
-        if completes(&frame, &upstream, declared, received) {
-            last = Some(frame);
-        } else {
-            client.deliver(frame, proxy, id).await;
-        }
-        // Captured once the client has the frame (or it is held as the last one): a capture that
-        // waits for room in the budget delays the next read, not this frame.
-        if let Some(data) = data {
-            capture.push(data).await;
-        }
+        Relayed::Whole(record, Held::End(client, last))
     }
-    let record = ToStore {
-        status,
-        headers,
-        capture,
-    };
-    Relayed::Whole(record, Held::End(client, last))
 }
 
 /// The upstream body's next frame if it is there without waiting (it usually came in with the head).

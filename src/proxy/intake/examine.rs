@@ -12,9 +12,9 @@ use std::sync::Arc;
 use http::request;
 use tokio::sync::Semaphore;
 
-use super::budget::ReservedBody;
 use crate::config::Route;
 use crate::error::{Busy, ProxyError};
+use crate::proxy::budget::ReservedBody;
 use crate::proxy::key::{self, json::Scratch};
 
 /// Bodies up to this many bytes are examined on the worker: reading them takes tens of microseconds,
