@@ -2,6 +2,11 @@
 //! it back, and the bottom layers (`metrics.rs`, the configuration, the shared helpers) use nothing above
 //! them. A use is any `crate::`, `super::` or `self::` path outside test modules, resolved to the file
 //! of the longest module it names.
+//!
+//! Inside the request path (`src/proxy.rs` and `src/proxy/`) uses follow the order in which the stages
+//! call one another — the spine, then wait, then claim, then execute, forward and intake, then settle,
+//! then the leaves — so that a stage's calls into another are seen as the uses they are, and no stage
+//! reaches back into one that calls it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -82,11 +87,13 @@ fn named_paths(text: &str, me: &[String]) -> Vec<Vec<String>> {
             }
             if rest[end..].starts_with('{') {
                 let group = &rest[end + 1..rest[end..].find('}').map_or(rest.len(), |close| end + close)];
-                for item in group
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|i| !i.is_empty() && *i != "self")
-                {
+                // A group uses the module it is taken from only where it names it (`self`).
+                let mut itself = false;
+                for item in group.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                    if item == "self" {
+                        itself = true;
+                        continue;
+                    }
                     let mut inner = path.clone();
                     inner.extend(
                         item.split("::")
@@ -94,6 +101,9 @@ fn named_paths(text: &str, me: &[String]) -> Vec<Vec<String>> {
                             .map(|s| s.split(' ').next().unwrap_or(s).to_owned()),
                     );
                     paths.push(inner);
+                }
+                if !itself {
+                    continue;
                 }
             }
             paths.push(path);
@@ -189,6 +199,112 @@ fn the_bottom_layers_use_nothing_above_them() {
     }
 }
 
+/// The request path's stages by their place in the call order: `src/proxy.rs` (the spine) first; a
+/// stage is its file and the files under it. Every other file under `src/proxy/` is a leaf, after all
+/// of them.
+const STAGES: [(&str, u8); 7] = [
+    ("src/proxy", 0),
+    ("src/proxy/wait", 1),
+    ("src/proxy/claim", 2),
+    ("src/proxy/execute", 3),
+    ("src/proxy/passthrough", 3),
+    ("src/proxy/intake", 3),
+    ("src/proxy/settle", 4),
+];
+const LEAF: u8 = 5;
+
+/// A request-path file's stage (its name in [`STAGES`], or `None` for a leaf) and place in the call
+/// order; `None` for a file outside the request path.
+fn stage_of(file: &str) -> Option<(Option<&'static str>, u8)> {
+    if file == "src/proxy.rs" {
+        return Some((Some("src/proxy"), 0));
+    }
+    if !file.starts_with("src/proxy/") {
+        return None;
+    }
+    let stage = STAGES[1..]
+        .iter()
+        .find(|(stage, _)| file == format!("{stage}.rs") || file.starts_with(&format!("{stage}/")));
+    Some(match stage {
+        Some((stage, rank)) => (Some(*stage), *rank),
+        None => (None, LEAF),
+    })
+}
+
+/// Every use inside the request path that goes against the call order: a use of a stage that is not
+/// later than the user's own, by another stage or by a leaf. A stage's files may use one another.
+fn against_the_call_order(graph: &Graph) -> Vec<(String, String)> {
+    let mut against = Vec::new();
+    for (file, uses) in graph {
+        let Some((stage, rank)) = stage_of(file) else {
+            continue;
+        };
+        for used in uses {
+            let Some((used_stage, used_rank)) = stage_of(used) else {
+                continue;
+            };
+            let same_stage = stage.is_some() && stage == used_stage;
+            let leaf_to_leaf = rank == LEAF && used_rank == LEAF;
+            if !same_stage && !leaf_to_leaf && used_rank <= rank {
+                against.push((file.clone(), used.clone()));
+            }
+        }
+    }
+    against
+}
+
+#[test]
+fn the_request_path_uses_follow_the_call_order() {
+    let graph = graph();
+    for (stage, _) in STAGES {
+        let file = format!("{stage}.rs");
+        assert!(
+            graph.contains_key(&file),
+            "the stage {file} is gone; update STAGES"
+        );
+    }
+    let against = against_the_call_order(&graph);
+    assert!(
+        against.is_empty(),
+        "uses against the call order (spine → wait → claim → execute/passthrough/intake → settle → \
+         leaves): {against:?}"
+    );
+}
+
+#[test]
+fn the_call_order_check_refuses_a_use_back_up_and_between_stages_of_one_rank() {
+    let graph = |edges: &[(&str, &str)]| {
+        let mut graph = Graph::new();
+        for (from, to) in edges {
+            graph.entry(from.to_string()).or_default().insert(to.to_string());
+        }
+        graph
+    };
+    let fine = graph(&[
+        ("src/proxy.rs", "src/proxy/wait.rs"),
+        ("src/proxy/wait.rs", "src/proxy/claim.rs"),
+        ("src/proxy/claim.rs", "src/proxy/execute.rs"),
+        ("src/proxy/execute.rs", "src/proxy/execute/relay.rs"),
+        ("src/proxy/execute/relay.rs", "src/proxy/answer.rs"),
+        ("src/proxy/execute.rs", "src/proxy/settle.rs"),
+        ("src/proxy/replay.rs", "src/proxy/cache.rs"),
+        ("src/proxy/claim.rs", "src/store.rs"),
+    ]);
+    assert_eq!(against_the_call_order(&fine), Vec::new());
+    for (from, to) in [
+        ("src/proxy/execute/relay.rs", "src/proxy.rs"),
+        ("src/proxy/claim.rs", "src/proxy/wait.rs"),
+        ("src/proxy/execute.rs", "src/proxy/passthrough.rs"),
+        ("src/proxy/cache.rs", "src/proxy/settle.rs"),
+    ] {
+        assert_eq!(
+            against_the_call_order(&graph(&[(from, to)])),
+            vec![(from.to_owned(), to.to_owned())],
+            "{from} → {to}"
+        );
+    }
+}
+
 #[test]
 fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
     let mut graph = Graph::new();
@@ -200,7 +316,7 @@ fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
     assert_eq!(find_cycle(&graph).unwrap().len(), 4);
     let me = vec!["proxy".to_owned(), "claim".to_owned()];
     let found = named_paths(
-        "use super::{Answer, replay};\nuse crate::store::Store;\nlet x = myself::thing;",
+        "use super::{Answer, replay};\nuse crate::store::Store;\nlet x = myself::thing;\nuse crate::metrics::{self, Outcome};",
         &me,
     );
     assert!(
@@ -211,5 +327,13 @@ fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
         found.contains(&vec!["store".to_owned(), "Store".to_owned()]),
         "{found:?}"
     );
-    assert_eq!(found.len(), 4, "myself:: is not self::: {found:?}");
+    assert!(
+        !found.contains(&vec!["proxy".to_owned()]),
+        "a group does not use the module it is taken from: {found:?}"
+    );
+    assert!(
+        found.contains(&vec!["metrics".to_owned()]),
+        "unless it names self: {found:?}"
+    );
+    assert_eq!(found.len(), 5, "myself:: is not self::: {found:?}");
 }
