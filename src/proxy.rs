@@ -368,3 +368,7 @@ impl Drop for InFlight<'_> {
         self.0.in_flight.dec();
     }
 }
+
+/// What the stages' unit tests share.
+#[cfg(test)]
+mod stage_tests;

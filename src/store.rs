@@ -12,8 +12,6 @@ mod opening;
 pub mod postgres;
 pub mod redis_store;
 pub mod sqlite;
-#[cfg(test)]
-pub(crate) mod stub;
 pub mod sweeper;
 
 use std::path::PathBuf;
@@ -792,6 +790,10 @@ pub(crate) fn epoch_ms(ms: i64) -> SystemTime {
         SystemTime::UNIX_EPOCH - offset
     }
 }
+
+/// A scripted store for the unit tests of what uses one.
+#[cfg(test)]
+pub(crate) mod stub;
 
 #[cfg(test)]
 mod tests {

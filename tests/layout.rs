@@ -49,9 +49,9 @@ fn modules() -> BTreeMap<Vec<String>, (String, String)> {
     found
 }
 
-/// The text before the first test module.
+/// The text before the first test module; nothing of a file that is for tests only (`#![cfg(test)]`).
 fn without_tests(text: &str) -> &str {
-    let end = ["#[cfg(test)]", "#[cfg(all(test", "mod tests {"]
+    let end = ["#![cfg(test)]", "#[cfg(test)]", "#[cfg(all(test", "mod tests {"]
         .iter()
         .filter_map(|marker| text.find(marker))
         .min()

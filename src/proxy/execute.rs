@@ -388,7 +388,125 @@ where
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+    use http_body_util::BodyExt;
+
     use super::*;
+    use crate::proxy::cache::Lookup;
+    use crate::proxy::stage_tests::{self, SlowUpstream, Stages};
+    use crate::store::stub::{Op, Reply, StubStore};
+
+    /// The stages in front of `upstream`, with a lease of 30 s and a store timeout of 5 s (so a
+    /// completion hold of 2 s).
+    fn stages(upstream: &SlowUpstream, store: &Arc<StubStore>) -> Stages {
+        let toml = format!(
+            "[upstream]\nurl = \"http://{}\"\ntimeout = \"120s\"\n\
+             [idempotency]\nlock_timeout = \"30s\"\n[store]\ntimeout = \"5s\"\n",
+            upstream.addr
+        );
+        stage_tests::stages(&toml, store)
+    }
+
+    /// Executes a won claim of a new key and reads its answer to the end as a client would: its
+    /// status, its body, and when its last byte came (by the tokio clock).
+    async fn execute_and_read(stages: &Stages) -> (u16, Bytes, Instant) {
+        let taken = stage_tests::taken_in(stages).await;
+        let claimed = Claimed {
+            id: taken.claim.id.clone(),
+            lease: taken.claim.lease,
+            route: taken.route.clone(),
+            expires_at: None,
+            fill: Some(Fill {
+                fingerprint: taken.claim.fingerprint,
+                deadline: Instant::now() + Duration::from_secs(600),
+            }),
+        };
+        let request = stages
+            .executor
+            .request(taken.parts, taken.body.into_body(), &stage_tests::peer());
+        let (head, answer) = stage_tests::answer(&stages.metrics);
+        let client = async {
+            let (response, _) = answer.await.expect("an answer").expect("a response");
+            let status = response.status().as_u16();
+            let body = response.into_body().collect().await.expect("a whole body");
+            (status, body.to_bytes(), Instant::now())
+        };
+        let ((), read) = tokio::join!(stages.executor.execute(claimed, request, head), client);
+        read
+    }
+
+    fn cached(stages: &Stages) -> bool {
+        matches!(stages.cache.lookup("default:s", "k", &[7; 32]), Lookup::Replay(..))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn heartbeats_renew_the_lease_while_the_upstream_works_and_stop_with_the_completion() {
+        let upstream = SlowUpstream::start(Duration::from_secs(25)).await;
+        let store = StubStore::new();
+        let stages = stages(&upstream, &store);
+        let (status, body, _) = execute_and_read(&stages).await;
+        assert_eq!((status, &body[..]), (201, &b"done"[..]));
+        let beats = store.times(Op::Heartbeat);
+        let completed = store.times(Op::Complete);
+        assert_eq!(completed.len(), 1, "{:?}", store.calls());
+        let arrived = upstream.arrivals()[0];
+        let working = beats.iter().filter(|beat| **beat > arrived).count();
+        assert!(working >= 2, "25 s of upstream work is renewed at least twice: {beats:?}");
+        for pair in beats.windows(2) {
+            assert_eq!(pair[1] - pair[0], Duration::from_secs(10), "a third of the lease apart");
+        }
+        assert!(beats.iter().all(|beat| *beat < completed[0]));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(store.count(Op::Heartbeat), beats.len(), "no beat after the completion");
+        stages.tracker.close();
+        stages.tracker.wait().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_client_gets_the_end_of_its_response_once_its_record_is_stored() {
+        let upstream = SlowUpstream::start(Duration::ZERO).await;
+        let store = StubStore::new();
+        store.delay(Op::Complete, Duration::from_secs(1));
+        let stages = stages(&upstream, &store);
+        let (status, body, ended) = execute_and_read(&stages).await;
+        assert_eq!((status, &body[..]), (201, &b"done"[..]));
+        let completing = store.times(Op::Complete)[0];
+        assert_eq!(ended - completing, Duration::from_secs(1), "the end waits for the store");
+        assert_eq!(stages.metrics.completion_hold_expired.get(), 0);
+        assert!(cached(&stages), "a stored record fills the replay cache");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_slower_than_the_hold_lets_the_client_finish_first_and_still_completes() {
+        let upstream = SlowUpstream::start(Duration::ZERO).await;
+        let store = StubStore::new();
+        store.delay(Op::Complete, Duration::from_secs(4));
+        let stages = stages(&upstream, &store);
+        let (status, body, ended) = execute_and_read(&stages).await;
+        assert_eq!((status, &body[..]), (201, &b"done"[..]));
+        let completing = store.times(Op::Complete)[0];
+        assert_eq!(
+            ended - completing,
+            Duration::from_secs(2),
+            "the client waits for the store no longer than the hold"
+        );
+        assert_eq!(stages.metrics.completion_hold_expired.get(), 1);
+        assert_eq!(store.count(Op::Complete), 1);
+        assert!(cached(&stages), "the completion went on after the hold, and was cached");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_refused_by_its_fence_is_a_lost_claim_and_is_never_cached() {
+        let upstream = SlowUpstream::start(Duration::ZERO).await;
+        let store = StubStore::new();
+        store.always(Op::Complete, Reply::Done(false));
+        let stages = stages(&upstream, &store);
+        let (status, body, _) = execute_and_read(&stages).await;
+        assert_eq!((status, &body[..]), (201, &b"done"[..]), "the client still has its response");
+        assert_eq!(store.count(Op::Complete), 1, "a fenced-out write is not retried");
+        assert_eq!(stages.metrics.lost_claims.get(), 1);
+        assert!(!cached(&stages), "what another claim owns now is not replayed from here");
+    }
 
     /// A write that fails `failures` times, then answers `true`; counts its tries.
     fn flaky(failures: u32, tries: &std::cell::Cell<u32>) -> impl Future<Output = Result<bool, StoreError>> {
