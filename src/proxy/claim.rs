@@ -476,6 +476,115 @@ fn found(result: &ClaimResult) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::answer::Handled;
+    use crate::proxy::stage_tests::{self, Stages};
+    use crate::store::stub::{Op, Reply, StubStore};
+
+    /// The stages with a lease of 10 s and `store_timeout`, in front of an upstream that refuses every
+    /// connection (a request that is forwarded is answered 502 unreachable).
+    fn stages(store_timeout: &str, store: &Arc<StubStore>) -> Stages {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:1\"\n[idempotency]\nlock_timeout = \"10s\"\n\
+             [store]\ntimeout = \"{store_timeout}\"\n"
+        );
+        stage_tests::stages(&toml, store)
+    }
+
+    /// Sends a new request with key `k` through the claim stage, holding a keyed slot, on a route that
+    /// does not wait; what its client is answered.
+    async fn claim(stages: &Stages) -> Handled {
+        let taken = stage_tests::taken_in(stages).await;
+        let peer = stage_tests::peer();
+        let slot = stages.slots.take(&peer).expect("a free slot");
+        let (head, answer) = stage_tests::answer(&stages.metrics);
+        let in_flight = stages.claims.claim(taken, peer, head, slot).await;
+        assert!(
+            in_flight.is_none(),
+            "a route that does not wait never hands a request back"
+        );
+        answer.await.expect("an answer")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_won_after_half_its_lease_is_given_back_and_never_forwarded() {
+        let store = StubStore::new();
+        store.delay(Op::Claim, Duration::from_millis(5_100));
+        let late = stages("5s", &store);
+        let answer = claim(&late).await;
+        assert!(
+            matches!(answer, Err(ProxyError::StoreUnavailable(_))),
+            "{answer:?}"
+        );
+        assert_eq!(store.count(Op::Release), 1, "the late claim is given back");
+        assert_eq!(store.count(Op::Heartbeat), 0);
+
+        let store = StubStore::new();
+        store.delay(Op::Claim, Duration::from_millis(4_900));
+        let in_time = stages("5s", &store);
+        let answer = claim(&in_time).await;
+        assert!(
+            matches!(answer, Err(ProxyError::UpstreamUnreachable(_))),
+            "a claim won within half its lease is forwarded: {answer:?}"
+        );
+        assert_eq!(store.count(Op::Release), 1, "released: the upstream never had it");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_the_store_did_not_answer_is_given_back_after_a_store_timeout_then_at_doubling_waits() {
+        let store = StubStore::new();
+        store
+            .then(
+                Op::Claim,
+                Reply::Fail(StoreError::Timeout(Duration::from_secs(1))),
+            )
+            .then(Op::Release, Reply::Done(false))
+            .then(Op::Release, Reply::Done(false))
+            .then(Op::Release, Reply::Done(true));
+        let stages = stages("1s", &store);
+        let answer = claim(&stages).await;
+        assert!(
+            matches!(answer, Err(ProxyError::StoreUnavailable(_))),
+            "{answer:?}"
+        );
+        let claimed = store.times(Op::Claim)[0];
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let releases: Vec<Duration> = store.times(Op::Release).iter().map(|at| *at - claimed).collect();
+        assert_eq!(releases, [1, 3, 7].map(Duration::from_secs));
+        assert_eq!(stages.metrics.orphan_claims_released.get(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_orphan_is_given_back_only_while_its_lease_could_be_live() {
+        let store = StubStore::new();
+        store
+            .then(
+                Op::Claim,
+                Reply::Fail(StoreError::Backend("connection reset".into())),
+            )
+            .always(Op::Release, Reply::Done(false));
+        let stages = stages("1s", &store);
+        claim(&stages).await.expect_err("fail_closed refuses");
+        let claimed = store.times(Op::Claim)[0];
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let releases: Vec<Duration> = store.times(Op::Release).iter().map(|at| *at - claimed).collect();
+        // The next try, 8 s after the last, would come after the lease and a store timeout (11 s).
+        assert_eq!(releases, [1, 3, 7].map(Duration::from_secs));
+        assert_eq!(stages.metrics.orphan_claims_released.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_not_open_yet_was_sent_nothing_to_give_back() {
+        let store = StubStore::new();
+        store.then(Op::Claim, Reply::Fail(StoreError::NotOpen));
+        let stages = stages("1s", &store);
+        let answer = claim(&stages).await;
+        assert!(
+            matches!(answer, Err(ProxyError::StoreUnavailable(_))),
+            "{answer:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(store.count(Op::Release), 0);
+    }
 
     const HINT: Duration = Duration::from_secs(1);
 

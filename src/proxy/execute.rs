@@ -436,7 +436,10 @@ mod tests {
     }
 
     fn cached(stages: &Stages) -> bool {
-        matches!(stages.cache.lookup("default:s", "k", &[7; 32]), Lookup::Replay(..))
+        matches!(
+            stages.cache.lookup("default:s", "k", &[7; 32]),
+            Lookup::Replay(..)
+        )
     }
 
     #[tokio::test(start_paused = true)]
@@ -451,13 +454,24 @@ mod tests {
         assert_eq!(completed.len(), 1, "{:?}", store.calls());
         let arrived = upstream.arrivals()[0];
         let working = beats.iter().filter(|beat| **beat > arrived).count();
-        assert!(working >= 2, "25 s of upstream work is renewed at least twice: {beats:?}");
+        assert!(
+            working >= 2,
+            "25 s of upstream work is renewed at least twice: {beats:?}"
+        );
         for pair in beats.windows(2) {
-            assert_eq!(pair[1] - pair[0], Duration::from_secs(10), "a third of the lease apart");
+            assert_eq!(
+                pair[1] - pair[0],
+                Duration::from_secs(10),
+                "a third of the lease apart"
+            );
         }
         assert!(beats.iter().all(|beat| *beat < completed[0]));
         tokio::time::sleep(Duration::from_secs(60)).await;
-        assert_eq!(store.count(Op::Heartbeat), beats.len(), "no beat after the completion");
+        assert_eq!(
+            store.count(Op::Heartbeat),
+            beats.len(),
+            "no beat after the completion"
+        );
         stages.tracker.close();
         stages.tracker.wait().await;
     }
@@ -471,7 +485,11 @@ mod tests {
         let (status, body, ended) = execute_and_read(&stages).await;
         assert_eq!((status, &body[..]), (201, &b"done"[..]));
         let completing = store.times(Op::Complete)[0];
-        assert_eq!(ended - completing, Duration::from_secs(1), "the end waits for the store");
+        assert_eq!(
+            ended - completing,
+            Duration::from_secs(1),
+            "the end waits for the store"
+        );
         assert_eq!(stages.metrics.completion_hold_expired.get(), 0);
         assert!(cached(&stages), "a stored record fills the replay cache");
     }
@@ -492,7 +510,10 @@ mod tests {
         );
         assert_eq!(stages.metrics.completion_hold_expired.get(), 1);
         assert_eq!(store.count(Op::Complete), 1);
-        assert!(cached(&stages), "the completion went on after the hold, and was cached");
+        assert!(
+            cached(&stages),
+            "the completion went on after the hold, and was cached"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -502,10 +523,17 @@ mod tests {
         store.always(Op::Complete, Reply::Done(false));
         let stages = stages(&upstream, &store);
         let (status, body, _) = execute_and_read(&stages).await;
-        assert_eq!((status, &body[..]), (201, &b"done"[..]), "the client still has its response");
+        assert_eq!(
+            (status, &body[..]),
+            (201, &b"done"[..]),
+            "the client still has its response"
+        );
         assert_eq!(store.count(Op::Complete), 1, "a fenced-out write is not retried");
         assert_eq!(stages.metrics.lost_claims.get(), 1);
-        assert!(!cached(&stages), "what another claim owns now is not replayed from here");
+        assert!(
+            !cached(&stages),
+            "what another claim owns now is not replayed from here"
+        );
     }
 
     /// A write that fails `failures` times, then answers `true`; counts its tries.
