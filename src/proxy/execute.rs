@@ -452,6 +452,9 @@ mod tests {
         let beats = store.times(Op::Heartbeat);
         let completed = store.times(Op::Complete);
         assert_eq!(completed.len(), 1, "{:?}", store.calls());
+        let stored = store.calls().into_iter().find_map(|call| call.stored);
+        let stored = stored.expect("the completion carries the response");
+        assert_eq!((stored.status, stored.body.as_deref()), (201, Some(&b"done"[..])));
         let arrived = upstream.arrivals()[0];
         let working = beats.iter().filter(|beat| **beat > arrived).count();
         assert!(
