@@ -216,7 +216,7 @@ pub enum RunError {
 /// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
 /// Applies pending migrations first unless `store.migrate` is off; a PostgreSQL server that cannot be had
 /// yet does not stop the start: the proxy serves, keyed requests follow `store.on_error`, and the store
-/// opens once it answers (`store/opening.rs`).
+/// opens once it answers (`store/open.rs`).
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     serve(config, listeners, shutdown, None).await
 }
@@ -244,7 +244,9 @@ async fn serve(
     }
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
-    let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
+    let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown)
+        .await?
+        .store;
     let proxy = Proxy::new(
         &config,
         store.clone(),
