@@ -64,7 +64,6 @@ pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod store;
-pub mod tls;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

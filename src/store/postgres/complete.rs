@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::address::Tid;
 use super::fenced;
 use super::rows::corrupt;
-use super::runner::Db;
+use super::db::Db;
 use crate::store::{RecordId, StoreError, StoredResponse};
 
 /// Stores the response. Fenced: a slow original whose claim was taken over matches no row.

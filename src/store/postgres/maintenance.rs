@@ -5,7 +5,7 @@
 
 use super::citus;
 use super::rows::{corrupt, record_info, record_stats};
-use super::runner::{Db, backend};
+use super::db::{Db, backend};
 use crate::store::{
     ListPage, ListQuery, RecordId, RecordInfo, RecordStats, ScopeFilter, StoreError, page, sql_start,
 };
