@@ -17,8 +17,8 @@ use uuid::Uuid;
 use super::address::Addresses;
 use super::claim::{self, ClaimBatch, FirstRound};
 use super::complete::{self, CompleteBatch, Completion};
-use super::rows::{BatchRow, corrupt, decode_batch_row};
 use super::db::Db;
+use super::rows::{BatchRow, corrupt, decode_batch_row};
 use crate::store::{ClaimRequest, ClaimResult, StoreError};
 
 /// Claims (`$1` to `$6`, sorted by scope and key) and completions (`$7` to `$17`) in one statement.
