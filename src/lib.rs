@@ -19,27 +19,27 @@
 //!   socket), the relay and capture, and the fenced completion; on a route that waits, a key in flight
 //!   goes to `proxy/wait.rs`, which waits for the original and claims again;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
-//!   runner and migrations each in a file under `store/postgres/`), `store/redis_store.rs` (a Redis server or
-//!   cluster, its scripts under `store/redis_store/lua/`) or `store/sqlite.rs` (embedded, the default) holds
-//!   the key table, `store/coalesce.rs` batches what arrives together,
-//!   `store/encrypted.rs` seals stored responses around any backend, `store/opening.rs` opens it at
-//!   start (waiting out a server that cannot be had yet), `store/sweeper.rs` deletes
-//!   expired records in the background, and `store/notify.rs` wakes waiting requests (fed across
-//!   replicas by `store/postgres/listen.rs`);
+//!   runner, TLS and migrations each in a file under `store/postgres/`), `store/redis_store.rs` (a Redis
+//!   server or cluster, its scripts under `store/redis_store/lua/`) or `store/sqlite.rs` (embedded, the
+//!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
+//!   `store/encrypted.rs` seals stored responses around any backend, `store/open.rs` opens it (at start
+//!   waiting out a server that cannot be had yet) and says what it can do, `store/list.rs` pages through
+//!   records, `store/sweeper.rs` deletes expired records in the background, and `store/notify.rs` wakes
+//!   waiting requests (fed across replicas by `store/postgres/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
-//!   `/healthz`, `/readyz`; `health.rs` is `idemproxy health`, the probe of those two for a container;
+//!   `/healthz`, `/readyz`; `cmd/health.rs` is `idemproxy health`, the probe of those two for a container;
 //! - `access.rs` writes the access log (`log.access`): one line per request, with the time it spent in
 //!   the store and upstream; `proxy/trace_context.rs` reads the caller's W3C `traceparent`; `otlp.rs`
 //!   makes the request's trace spans and `otlp/export.rs` sends them over OTLP (`traces.enabled`);
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
-//!   every PEM file); `cli.rs` is the command line; `tls.rs` holds the store's TLS client settings;
+//!   every PEM file); `cmd.rs` is the command line, with the operator's commands beside it;
 //!   `shutdown.rs` turns signals into cancellation (and hands SIGHUP to `reload.rs`, which reads the
-//!   configuration again); `logging.rs` sets up the log lines; `keys.rs` is the operator's runbook
-//!   (`idemproxy keys ...`: `keys/client.rs` finds a client's scope from its credential, `keys/list.rs`
-//!   pages through records, `keys/forget.rs` deletes one); `demo.rs` is `idemproxy demo-upstream`, a
-//!   service to try the proxy on.
+//!   configuration again); `logging.rs` sets up the log lines; `cmd/keys.rs` is the operator's runbook
+//!   (`idemproxy keys ...`: `cmd/keys/client.rs` finds a client's scope from its credential,
+//!   `cmd/keys/list.rs` pages through records, `cmd/keys/forget.rs` deletes one); `demo.rs` is
+//!   `idemproxy demo-upstream`, a service to try the proxy on.
 
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
@@ -48,14 +48,12 @@
 pub mod access;
 pub mod admin;
 pub mod body;
-pub mod cli;
+pub mod cmd;
 pub mod config;
 pub mod demo;
 pub mod error;
 pub mod error_chain;
 pub mod headers;
-pub mod health;
-pub mod keys;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;
@@ -64,7 +62,6 @@ pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod store;
-pub mod tls;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -216,7 +213,7 @@ pub enum RunError {
 /// Runs the proxy until `shutdown` is cancelled, then drains in-flight work within `server.shutdown_grace`.
 /// Applies pending migrations first unless `store.migrate` is off; a PostgreSQL server that cannot be had
 /// yet does not stop the start: the proxy serves, keyed requests follow `store.on_error`, and the store
-/// opens once it answers (`store/opening.rs`).
+/// opens once it answers (`store/open.rs`).
 pub async fn run(config: Config, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     serve(config, listeners, shutdown, None).await
 }
@@ -244,7 +241,9 @@ async fn serve(
     }
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
-    let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
+    let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown)
+        .await?
+        .store;
     let proxy = Proxy::new(
         &config,
         store.clone(),

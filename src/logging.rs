@@ -25,7 +25,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry, reload};
 
-use crate::config::{Config, LogConfig, LogFormat, MaskedStderr, StoreBackend, TracesConfig};
+use crate::config::{Config, LogConfig, LogFormat, MaskedStderr, TracesConfig};
 use crate::otlp::{self, Exporting, StartError};
 
 /// Targets of dependencies whose lines would carry keys or bodies in clear, held at INFO whatever the
@@ -195,20 +195,12 @@ pub fn announce(config: &Config) {
         listen = %config.server.listen,
         admin_listen = %config.server.admin_listen,
         upstream = %config.upstream.address,
-        store = store_kind(&config.store.backend),
+        store = config.store.backend.kind(),
         routes = config.routes.routes.len(),
         tls = config.server.tls.is_some(),
         log_format = log_format(config.log.format),
         "idemproxy starting"
     );
-}
-
-fn store_kind(backend: &StoreBackend) -> &'static str {
-    match backend {
-        StoreBackend::Postgres => "postgres",
-        StoreBackend::Sqlite { .. } => "sqlite",
-        StoreBackend::Redis(_) => "redis",
-    }
 }
 
 fn log_format(format: LogFormat) -> &'static str {

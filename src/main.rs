@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use idemproxy::cli::{Cli, Command, DemoArgs, HealthArgs, KeysArgs};
+use idemproxy::cmd::{Cli, Command, DemoArgs, HealthArgs, KeysArgs};
 use idemproxy::config::{Config, mask_passwords};
 use idemproxy::logging;
 use idemproxy::reload::Reload;
@@ -103,7 +103,7 @@ fn check_config(config: &Config, deny_warnings: bool) -> ExitCode {
 
 /// Prints the runbook command's report; its exit code says whether it did what was asked.
 fn keys(runtime: &tokio::runtime::Runtime, config: &Config, args: &KeysArgs) -> ExitCode {
-    match runtime.block_on(idemproxy::keys::run(config, &args.command, args.json)) {
+    match runtime.block_on(idemproxy::cmd::keys::run(config, &args.command, args.json)) {
         Ok(report) => {
             print!("{}", report.output);
             if report.success {
@@ -130,7 +130,7 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
         }
     };
     let (file, overrides) = command.overrides();
-    let probe = idemproxy::health::run(file, &overrides, args.probe(), args.timeout);
+    let probe = idemproxy::cmd::health::run(file, &overrides, args.probe(), args.timeout);
     match runtime.block_on(probe) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -85,6 +85,17 @@ pub enum StoreBackend {
     Redis(RedisTarget),
 }
 
+impl StoreBackend {
+    /// Its name in the start-up log line: the kind of store, never its URL.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreBackend::Postgres => "postgres",
+            StoreBackend::Sqlite { .. } => "sqlite",
+            StoreBackend::Redis(_) => "redis",
+        }
+    }
+}
+
 /// Validated `[store]`.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {

@@ -5,8 +5,10 @@
 //! pool. The database clock (`now()`) is the only clock.
 //!
 //! This file wires the parts into [`PostgresStore`]; each part has one job, its statements beside it:
-//! - `connect.rs`: `store.url` with our defaults, TLS, the pool and its index-only planning;
-//! - `runner.rs`: one bounded statement (timeout, retry on serialization failure, error mapping);
+//! - `connect.rs`: `store.url` with our defaults, TLS (its client settings in `tls.rs`), the pool and its
+//!   index-only planning;
+//! - `db.rs`: `Db`, which runs one bounded statement (timeout, retry on serialization failure, error
+//!   mapping);
 //! - `claim.rs`: the claim (CLAIM, TAKE) and how each round's row settles it;
 //! - `complete.rs`: the completion (COMPLETE);
 //! - `write.rs`: claims and completions that arrive together, in one statement (WRITE_BATCH);
@@ -26,13 +28,14 @@ mod citus;
 mod claim;
 mod complete;
 mod connect;
+mod db;
 mod fenced;
 mod listen;
 mod maintenance;
 mod migrations;
 mod rows;
-mod runner;
 mod shard_claim;
+mod tls;
 mod write;
 
 use std::sync::Arc;
@@ -49,7 +52,7 @@ use crate::config::StoreConfig;
 use address::Addresses;
 use citus::Layout;
 use complete::Completion;
-use runner::Db;
+use db::Db;
 use write::{Write, Written};
 
 pub use listen::listen;

@@ -140,7 +140,7 @@ async fn client_disconnect_during_the_claim_does_not_strand_the_key() {
     metric_reaches(&proxy.admin_url, "idemproxy_requests_total", &executed, 1.0).await;
 }
 
-/// Replicas share PostgreSQL; the embedded store refuses a second proxy (see `store_sqlite`).
+/// Replicas share PostgreSQL; the embedded store refuses a second proxy (see `store::sqlite`).
 #[tokio::test]
 async fn two_proxy_processes_on_one_database_execute_once() {
     let env = TestEnv::new().await;

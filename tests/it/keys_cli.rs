@@ -8,7 +8,7 @@ use idemproxy::store::{ClaimKind, Store};
 use rstest::rstest;
 
 use crate::cli::idemproxy;
-use crate::store_suite::{DAY, LONG, request, response, won};
+use crate::store::suite::{DAY, LONG, request, response, won};
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, settled};
 
 async fn keys(store: &TestStore, args: &[&str]) -> Output {

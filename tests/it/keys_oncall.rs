@@ -9,7 +9,7 @@ use rstest::rstest;
 
 use crate::cli::config_file;
 use crate::keys_cli::{json, keys_with, stdout};
-use crate::store_suite::{DAY, LONG, request, won};
+use crate::store::suite::{DAY, LONG, request, won};
 use crate::support::http::client;
 use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestStore};
 
@@ -318,7 +318,7 @@ async fn forget_at_a_terminal_deletes_only_when_the_key_is_typed_back() {
     won(&*store, &done).await;
     assert!(
         store
-            .complete(&done.id, &crate::store_suite::response(b"ok"))
+            .complete(&done.id, &crate::store::suite::response(b"ok"))
             .await
             .unwrap()
     );

@@ -13,8 +13,8 @@ use tokio::time::timeout;
 use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
+use super::db::{Db, retry_serialization};
 use super::rows::{CLAIM_ROUNDS, Seen, View, changed_under_every_round, corrupt, decode, settle};
-use super::runner::{Db, retry_serialization};
 use super::shard_claim;
 use crate::store::{ClaimKind, ClaimRequest, ClaimResult, RecordId, StoreError};
 

@@ -7,9 +7,9 @@ use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
 use super::address::Tid;
+use super::db::Db;
 use super::fenced;
 use super::rows::corrupt;
-use super::runner::Db;
 use crate::store::{RecordId, StoreError, StoredResponse};
 
 /// Stores the response. Fenced: a slow original whose claim was taken over matches no row.

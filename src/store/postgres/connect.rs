@@ -95,7 +95,7 @@ pub(super) fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsCon
     if !config.tls {
         return Ok(None);
     }
-    let client = crate::tls::client_config(config.tls_ca_file.as_deref())
+    let client = super::tls::client_config(config.tls_ca_file.as_deref())
         .map_err(|e| StoreError::Backend(format!("store TLS: {e}")))?;
     Ok(Some(MakeRustlsConnect::new(client)))
 }

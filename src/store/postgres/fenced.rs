@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_postgres::types::ToSql;
 
-use super::runner::Db;
+use super::db::Db;
 use crate::store::{RecordId, StoreError};
 
 /// Extends the lease of a live claim, and the record's expiry with it so a running key never expires.

@@ -15,7 +15,7 @@ use tokio_postgres::{AsyncMessage, NoTls, Socket};
 use tokio_util::sync::CancellationToken;
 
 use super::connect::{pg_config, tls_connector};
-use super::runner::Db;
+use super::db::Db;
 use crate::config::StoreConfig;
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
@@ -146,7 +146,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::super::runner::assert_typed_params;
+    use super::super::db::assert_typed_params;
     use super::*;
 
     #[test]

@@ -4,8 +4,8 @@
 //! key's records at a time.
 
 use super::citus;
+use super::db::{Db, backend};
 use super::rows::{corrupt, record_info, record_stats};
-use super::runner::{Db, backend};
 use crate::store::{
     ListPage, ListQuery, RecordId, RecordInfo, RecordStats, ScopeFilter, StoreError, page, sql_start,
 };

@@ -1,5 +1,5 @@
 //! Schema migrations: the SQL files in `migrations/postgres`, embedded at build time and applied by
-//! refinery. Runs at `serve` start (`store.migrate`, retried by `store/opening.rs` while the server
+//! refinery. Runs at `serve` start (`store.migrate`, retried by `store/open.rs` while the server
 //! cannot be had) and for `idemproxy migrate`, never on the request path; touches the `idemproxy` schema,
 //! refinery's history table in it and one session advisory lock, over a dedicated connection of its own
 //! (not the pool's). No lock is waited for longer than `store.timeout` (the session's `lock_timeout`):

@@ -10,7 +10,7 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::address::Tid;
-use super::runner::backend;
+use super::db::backend;
 use crate::store::{
     ClaimKind, ClaimResult, Existing, RecordId, RecordInfo, RecordStats, RecordStatus, StoreError,
     StoredResponse, epoch_ms,

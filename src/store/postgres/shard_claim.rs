@@ -11,8 +11,8 @@
 use deadpool_postgres::Object;
 use tokio_postgres::types::ToSql;
 
+use super::db::retry_serialization;
 use super::rows::{CLAIM_ROUNDS, Seen, changed_under_every_round, decode, settle};
-use super::runner::retry_serialization;
 use crate::store::{ClaimResult, RecordId};
 
 /// The row of a statement that won the key: what `rows::decode` reads of a win.

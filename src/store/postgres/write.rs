@@ -17,8 +17,8 @@ use uuid::Uuid;
 use super::address::Addresses;
 use super::claim::{self, ClaimBatch, FirstRound};
 use super::complete::{self, CompleteBatch, Completion};
+use super::db::Db;
 use super::rows::{BatchRow, corrupt, decode_batch_row};
-use super::runner::Db;
 use crate::store::{ClaimRequest, ClaimResult, StoreError};
 
 /// Claims (`$1` to `$6`, sorted by scope and key) and completions (`$7` to `$17`) in one statement.
@@ -201,7 +201,7 @@ mod tests {
 
     use bytes::Bytes;
 
-    use super::super::runner::assert_typed_params;
+    use super::super::db::assert_typed_params;
     use super::*;
     use crate::store::{RecordId, StoredResponse};
 

@@ -6,7 +6,7 @@
 use futures_util::future::join_all;
 use idemproxy::store::RecordStatus;
 
-use crate::store_suite::{
+use crate::store::suite::{
     DAY, LONG, SHORT_TTL, completed_records, request, store, until_short_ttl_passed, won,
 };
 use crate::support::{Backend, Reply, TestEnv, keyed_post, unless_skipped};

@@ -1,4 +1,4 @@
-//! The store's TLS client settings, built by `store/postgres.rs` when its URL asks for TLS: rustls with the
+//! The PostgreSQL store's TLS client settings, built by `connect.rs` when `store.url` asks for TLS: rustls with the
 //! ring provider, trusting the system's CA certificates and `store.tls_ca_file`. (The listener's and the
 //! upstream's TLS are read from their files with the rest of the configuration, in `config/tls.rs`.)
 

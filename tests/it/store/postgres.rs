@@ -1,12 +1,12 @@
 //! What only PostgreSQL has to prove: replicas migrating at once, and claims racing a transaction that
-//! commits after the claim statement's snapshot. The rest of the store's behaviour is in `store_suite`.
+//! commits after the claim statement's snapshot. The rest of the store's behaviour is in `store::suite`.
 
 use idemproxy::Config;
 use idemproxy::store::postgres::PostgresStore;
 use idemproxy::store::{ClaimResult, Existing};
 use uuid::Uuid;
 
-use crate::store_suite::{DAY, LONG, request, store};
+use crate::store::suite::{DAY, LONG, request, store};
 use crate::support::Backend;
 use crate::support::pg::TestDb;
 

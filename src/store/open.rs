@@ -1,7 +1,10 @@
-//! `serve`'s store from start until it opens, and what runs beside it from then on. Runs once at start
-//! and, while a PostgreSQL server cannot be had for the migrations, as one background task on the task
-//! tracker that shutdown ends. Touches the store handle (it installs the opened store), the
-//! `idemproxy_store_opened` gauge and the log, and starts the sweeper and the wait listener.
+//! Opening the store, once for each process: `serve`'s store from start until it opens and what runs
+//! beside it from then on ([`serve`]), an operator tool's ([`open`]), and `idemproxy migrate`'s
+//! ([`migrate`]). The one place that knows which backend the configuration names: what it can do is
+//! handed up as [`Capabilities`], so nothing above `store/` asks which backend it is. `serve`'s opening
+//! runs once at start and, while a PostgreSQL server cannot be had for the migrations, as one background
+//! task on the task tracker that shutdown ends. Touches the store handle (it installs the opened store),
+//! the `idemproxy_store_opened` gauge and the log, and starts the sweeper and the wait listener.
 //!
 //! A store that cannot be had at start does not stop the proxy. The handle starts unopened: every keyed
 //! request is answered as while any store is down (`store.on_error`), unkeyed requests flow, and
@@ -26,7 +29,9 @@ use tokio_util::task::TaskTracker;
 use super::encrypted::EncryptedStore;
 use super::notify::Waiters;
 use super::postgres::{PostgresStore, Unmigrated};
-use super::{Built, Capabilities, Purpose, Store, StoreError, StoreHandle, build};
+use super::redis_store::RedisStore;
+use super::sqlite::{self, SqliteStore};
+use super::{Capabilities, Listens, Store, StoreError, StoreHandle, WaitListener};
 use crate::config::{Config, OnInFlight, StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
 
@@ -39,27 +44,77 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 /// A task that runs beside the open store until shutdown.
 type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Opens the store for `serve` and returns its handle, open or still opening (see the module's header).
-/// `waiters` are woken by the wait listener; background work goes on `tracker` and ends with `shutdown`.
+/// What a store is opened for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The proxy; applies pending migrations first when `store.migrate` is on.
+    Serve,
+    /// Operator tools: the schema must exist already.
+    Tool,
+}
+
+/// Opens the configured store. With `Purpose::Serve` and `store.migrate`, pending migrations are applied
+/// first; `serve` itself opens through [`serve`], which waits for a PostgreSQL server that does not answer
+/// yet instead of failing.
+pub async fn open(config: &StoreConfig, purpose: Purpose) -> Result<Arc<dyn Store>, StoreError> {
+    let Built { store, migrate } = build(config, purpose).await?;
+    if migrate {
+        let applied = PostgresStore::migrate(config).await?;
+        tracing::info!(applied, "store schema is up to date");
+    }
+    Ok(store)
+}
+
+/// Applies the configured store's pending migrations and reports how many were applied.
+pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
+    match &config.backend {
+        StoreBackend::Postgres => PostgresStore::migrate(config).await,
+        // A Redis record is a hash the scripts write whole: there is no schema to migrate.
+        StoreBackend::Redis(_) => Ok(0),
+        StoreBackend::Sqlite { path } => {
+            SqliteStore::open(path, config.timeout, config.max_batch, sqlite::Access::Migrate)
+                .await?
+                .migrate()
+                .await
+        }
+    }
+}
+
+/// `serve`'s store as [`serve`] returns it: its handle, open or still opening, and what the store can do.
+pub struct Serving {
+    /// The store as the request path uses it.
+    pub store: StoreHandle,
+    /// What the store does beside claims.
+    pub capabilities: Capabilities,
+}
+
+/// Opens the store for `serve` and returns its handle, open or still opening (see the module's header),
+/// with its capabilities. `waiters` are woken by the wait listener; background work goes on `tracker` and
+/// ends with `shutdown`.
 pub async fn serve(
     config: &Config,
     waiters: &Arc<Waiters>,
     metrics: &Metrics,
     tracker: &TaskTracker,
     shutdown: &CancellationToken,
-) -> Result<StoreHandle, StoreError> {
+) -> Result<Serving, StoreError> {
     let Built { store, migrate } = build(&config.store, Purpose::Serve).await?;
+    let capabilities = Capabilities::of(&config.store);
     let handle = StoreHandle::unopened(metrics.clone());
     let opened = Opened {
         store: EncryptedStore::wrap(store, config.encryption.as_ref(), metrics),
-        beside: beside(config, &handle, waiters, metrics, shutdown),
+        beside: beside(config, &capabilities, &handle, waiters, metrics, shutdown),
         handle: handle.clone(),
         metrics: metrics.clone(),
         tracker: tracker.clone(),
     };
+    let serving = Serving {
+        store: handle,
+        capabilities,
+    };
     if !migrate {
         opened.install();
-        return Ok(handle);
+        return Ok(serving);
     }
     match PostgresStore::try_migrate(&config.store).await {
         Ok(applied) => {
@@ -75,7 +130,93 @@ pub async fn serve(
             tracker.spawn(keep_migrating(config, opened, retries, wait, shutdown.clone()));
         }
     }
-    Ok(handle)
+    Ok(serving)
+}
+
+impl Capabilities {
+    /// The capabilities of the store `config` names.
+    pub fn of(config: &StoreConfig) -> Capabilities {
+        match &config.backend {
+            StoreBackend::Postgres => Capabilities {
+                shared: true,
+                self_expiring: false,
+                listener: Some(WaitListener(Listens::Postgres)),
+            },
+            StoreBackend::Redis(target) => Capabilities {
+                shared: true,
+                self_expiring: true,
+                listener: Some(WaitListener(Listens::Redis(target.clone()))),
+            },
+            StoreBackend::Sqlite { .. } => Capabilities {
+                shared: false,
+                self_expiring: false,
+                listener: None,
+            },
+        }
+    }
+}
+
+impl WaitListener {
+    /// Hears other replicas' settlements on the store `config` names and wakes `waiters`, until `shutdown`.
+    pub async fn run(
+        self,
+        config: StoreConfig,
+        waiters: Arc<Waiters>,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) {
+        match self.0 {
+            Listens::Postgres => super::postgres::listen(config, waiters, metrics, shutdown).await,
+            Listens::Redis(target) => {
+                super::redis_store::listen(config, target, waiters, metrics, shutdown).await
+            }
+        }
+    }
+}
+
+/// A store built without waiting for its server, and whether its shared schema must still be migrated
+/// before it is used (PostgreSQL, opened for `serve` with `store.migrate`).
+struct Built {
+    store: Arc<dyn Store>,
+    migrate: bool,
+}
+
+/// Builds the configured store. A shared store's connections open at first use, so this needs no server
+/// and fails only on what no wait can mend; the embedded store's file is opened (and migrated) here.
+async fn build(config: &StoreConfig, purpose: Purpose) -> Result<Built, StoreError> {
+    let migrate = purpose == Purpose::Serve && config.migrate;
+    let store: Arc<dyn Store> = match &config.backend {
+        StoreBackend::Postgres => {
+            return Ok(Built {
+                store: Arc::new(PostgresStore::connect(config)?),
+                migrate,
+            });
+        }
+        StoreBackend::Redis(target) => Arc::new(RedisStore::connect(config, target)),
+        StoreBackend::Sqlite { path } => {
+            let access = match purpose {
+                Purpose::Serve => sqlite::Access::Serve,
+                Purpose::Tool => sqlite::Access::Tool,
+            };
+            let store = SqliteStore::open(path, config.timeout, config.max_batch, access).await?;
+            if migrate {
+                let applied = store.migrate().await?;
+                tracing::info!(applied, "store schema is up to date");
+            }
+            if purpose == Purpose::Serve {
+                tracing::warn!(
+                    path = %path.display(),
+                    "using the embedded SQLite store: it serves this single instance only; \
+                     run several replicas on PostgreSQL (store.url = postgres://...)"
+                );
+            }
+            Arc::new(store)
+        }
+    };
+    Ok(Built {
+        store,
+        migrate: false,
+    })
 }
 
 /// The opened store, and what to do once it is there.
@@ -158,13 +299,14 @@ fn not_open(attempt: u64, unmigrated: &Unmigrated, retry_in: Duration) {
 /// listener for other replicas' settlements, on a shared store when some route waits.
 fn beside(
     config: &Config,
+    capabilities: &Capabilities,
     store: &StoreHandle,
     waiters: &Arc<Waiters>,
     metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> Vec<Task> {
     let mut tasks: Vec<Task> = Vec::new();
-    if config.sweeper.enabled && !Capabilities::of(&config.store).self_expiring {
+    if config.sweeper.enabled && !capabilities.self_expiring {
         tasks.push(Box::pin(super::sweeper::run(
             store.clone(),
             config.sweeper.clone(),
@@ -172,7 +314,7 @@ fn beside(
             shutdown.clone(),
         )));
     }
-    tasks.extend(wait_listener(config, waiters, metrics, shutdown));
+    tasks.extend(wait_listener(config, capabilities, waiters, metrics, shutdown));
     tasks
 }
 
@@ -180,6 +322,7 @@ fn beside(
 /// only on a shared store (an embedded store has no other replica) and only when some route waits.
 fn wait_listener(
     config: &Config,
+    capabilities: &Capabilities,
     waiters: &Arc<Waiters>,
     metrics: &Metrics,
     shutdown: &CancellationToken,
@@ -188,28 +331,13 @@ fn wait_listener(
         .routes
         .policies()
         .any(|policy| policy.on_in_flight == OnInFlight::Wait);
-    if !waits {
-        return None;
-    }
-    let (store, waiters, metrics, shutdown) = (
+    let listener = capabilities.listener.clone().filter(|_| waits)?;
+    Some(Box::pin(listener.run(
         config.store.clone(),
         waiters.clone(),
         metrics.clone(),
         shutdown.clone(),
-    );
-    match &config.store.backend {
-        StoreBackend::Postgres => Some(Box::pin(super::postgres::listen(
-            store, waiters, metrics, shutdown,
-        ))),
-        StoreBackend::Redis(target) => Some(Box::pin(super::redis_store::listen(
-            store,
-            target.clone(),
-            waiters,
-            metrics,
-            shutdown,
-        ))),
-        StoreBackend::Sqlite { .. } => None,
-    }
+    )))
 }
 
 /// The waits between attempts: capped exponential steps, each wait jittered within its step's upper half.

@@ -1,6 +1,10 @@
 //! The command line: `serve`, `migrate`, `check-config`, each taking the config file and the override
-//! flags that form the top configuration layer, `keys`, the operator's runbook for single records,
-//! `health`, the probe for a container's HEALTHCHECK, and `demo-upstream`, a service to try the proxy on.
+//! flags that form the top configuration layer, `keys`, the operator's runbook for single records
+//! (`cmd/keys.rs`), `health`, the probe for a container's HEALTHCHECK (`cmd/health.rs`), and
+//! `demo-upstream`, a service to try the proxy on. Parsed once by `main.rs`, which runs the command.
+
+pub mod health;
+pub mod keys;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -8,8 +12,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::Overrides;
-use crate::health::Probe;
 use crate::store::RecordState;
+use health::Probe;
 
 /// Idempotency sidecar: executes each keyed request once and replays its response to retries.
 #[derive(Debug, Parser)]

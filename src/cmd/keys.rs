@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::KeysCommand;
+use super::KeysCommand;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::store::{self, Purpose, RecordId, RecordInfo, RecordStatus, StoreError, StoreHandle, sweeper};

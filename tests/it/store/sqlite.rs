@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::processes::{assert_taken_over, kill_mid_request};
-use crate::store_suite::{DAY, LONG, request};
+use crate::store::suite::{DAY, LONG, request};
 use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, settled};
 
 async fn listeners() -> Listeners {

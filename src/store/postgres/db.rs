@@ -1,6 +1,6 @@
-//! The bounded statement runner every PostgreSQL store operation goes through: a pooled connection, one
-//! statement within `store.timeout`, a retry when the database reports a serialization failure or
-//! deadlock, and the mapping of driver errors to [`StoreError`]. Runs on every store operation; touches
+//! [`Db`], the bounded statement runner every PostgreSQL store operation goes through: a pooled
+//! connection, one statement within `store.timeout`, a retry when the database reports a serialization
+//! failure or deadlock, and the mapping of driver errors to [`StoreError`]. Runs on every store operation; touches
 //! the pool and the one connection it takes, which it detaches from the pool when the operation timed out.
 
 use std::time::Duration;

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
 use super::KeysError;
-use crate::cli::ClientArgs;
+use crate::cmd::ClientArgs;
 use crate::config::{Config, DEFAULT_ROUTE, Route, Unscoped, normal};
 use crate::proxy::key;
 use crate::store::ScopeFilter;

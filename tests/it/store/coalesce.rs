@@ -14,7 +14,7 @@ use idemproxy::store::{
 };
 use uuid::Uuid;
 
-use crate::store_suite::{DAY, LONG, request, response, won};
+use crate::store::suite::{DAY, LONG, request, response, won};
 use crate::support::pg::TestDb;
 
 /// A store whose pool of 4 allows one batch of each kind at a time, each of up to 64 operations.
