@@ -241,18 +241,16 @@ async fn serve(
     }
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
-    let store = store::serve(&config, &waiters, &metrics, &tracker, &shutdown)
-        .await?
-        .store;
+    let serving = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
     let proxy = Proxy::new(
         &config,
-        store.clone(),
+        &serving,
         metrics.clone(),
         tracker,
         waiters,
         shutdown.clone(),
     );
-    let admin = Admin::new(metrics, store, shutdown.clone());
+    let admin = Admin::new(metrics, serving.store, shutdown.clone());
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.address, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
     let proxy = server::ProxyListener {

@@ -54,8 +54,8 @@ use crate::config::{Config, PathRules, Route, RouteTable};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteSet};
 use crate::otlp;
+use crate::store::Serving;
 use crate::store::notify::Waiters;
-use crate::store::{Capabilities, StoreHandle};
 
 /// The spine of the request path: it routes each request and composes the stages, each holding only
 /// what it uses; shared behind an `Arc` by every connection of a worker.
@@ -89,28 +89,26 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// Assembles the request path; `tracker` owns the forwarding tasks so shutdown can wait for them,
-    /// `waiters` is where waiting requests are woken, and `shutdown` ends their waits.
+    /// Assembles the request path over the store `serving` opens; `tracker` owns the forwarding tasks
+    /// so shutdown can wait for them, `waiters` is where waiting requests are woken, and `shutdown` ends
+    /// their waits.
     pub fn new(
         config: &Config,
-        store: StoreHandle,
+        serving: &Serving,
         metrics: Metrics,
         tracker: TaskTracker,
         waiters: Arc<Waiters>,
         shutdown: CancellationToken,
     ) -> Proxy {
         let server = &config.server;
+        let store = serving.store.clone();
         let upstream = Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces));
         let cache = Arc::new(ReplayCache::new(
             config.replay_cache.max_size,
             config.replay_cache.max_age,
         ));
         let slots = KeyedSlots::new(server.max_keyed_in_flight);
-        let settle = Settle::new(
-            waiters.clone(),
-            store.clone(),
-            Capabilities::of(&config.store).shared,
-        );
+        let settle = Settle::new(waiters.clone(), store.clone(), serving.capabilities.shared);
         let forward = Forward::new(config, upstream.clone(), metrics.clone());
         let executor = Executor::new(
             config,
