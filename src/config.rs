@@ -44,7 +44,7 @@ pub use encryption::{
     is_key_id,
 };
 pub use idempotency::{
-    FingerprintBody, IdempotencyConfig, OnInFlight, OnUnknownOutcome, RawIdempotency, ReleasePolicy, Unscoped,
+    FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, RawIdempotency, ReleasePolicy, Unscoped,
 };
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};
@@ -149,8 +149,6 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     /// The store.
     pub store: StoreConfig,
-    /// The idempotency policy of requests no route matches.
-    pub idempotency: IdempotencyConfig,
     /// The routes, and `[idempotency]` as the default route.
     pub routes: RouteTable,
     /// The expiry sweeper.
@@ -284,7 +282,7 @@ impl RawConfig {
         let idempotency = self.idempotency.validate_with(idempotency::SECTION, secrets)?;
         let routes = RouteTable::new(
             &self.idempotency,
-            idempotency.clone(),
+            idempotency,
             &self.routes,
             &server.paths,
             secrets,
@@ -298,7 +296,6 @@ impl RawConfig {
             server,
             upstream,
             store,
-            idempotency,
             routes,
             sweeper: self.sweeper.clone(),
             log: self.log.clone(),
@@ -364,9 +361,12 @@ mod tests {
     #[test]
     fn defaults_validate() {
         let config = Config::from_toml_str("").expect("defaults are valid");
-        assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(30));
-        assert_eq!(config.idempotency.max_request_body, 10 * 1024 * 1024);
-        assert_eq!(config.idempotency.methods, vec![Method::POST, Method::PATCH]);
+        assert_eq!(config.routes.default.policy.lock_timeout, Duration::from_secs(30));
+        assert_eq!(config.routes.default.policy.max_request_body, 10 * 1024 * 1024);
+        assert_eq!(
+            config.routes.default.policy.methods,
+            vec![Method::POST, Method::PATCH]
+        );
     }
 
     #[test]

@@ -29,7 +29,7 @@ fn target() -> impl Strategy<Value = String> {
     "/[A-Za-z0-9._~%!$&'()*+,;=:@/-]{0,40}(\\?[A-Za-z0-9=&%-]{0,20})?"
 }
 
-fn policy() -> idemproxy::config::IdempotencyConfig {
+fn policy() -> idemproxy::config::Policy {
     idemproxy::config::RawIdempotency::default()
         .validate()
         .expect("the default policy is valid")

@@ -1,14 +1,14 @@
 //! `[idempotency]`: which requests are protected and how — the key header, the protected methods, the
 //! lease and lifetime of a key, the scope and fingerprint headers, which statuses release a claim, what a
 //! retry gets while the key is in flight or its outcome unknown. Validated once at load into
-//! [`IdempotencyConfig`], the policy `proxy.rs` and `proxy/*` read on every keyed request. Two forms,
+//! [`Policy`], the policy `proxy.rs` and `proxy/*` read on every keyed request. Two forms,
 //! because names become `HeaderName`s and `Method`s, sizes become `u64` and status lists a
 //! [`ReleasePolicy`].
 //!
 //! The policy is built to be reused by routes: [`RawIdempotency::validate_at`] takes the dotted prefix
 //! its errors name. A later `[[routes]]` entry will hold its overrides as `Option`s of these raw fields,
 //! lay them over a clone of the section's [`RawIdempotency`], and validate the result with
-//! `validate_at("routes[2]")`: its errors then read `routes[2].ttl`, and it gets an [`IdempotencyConfig`]
+//! `validate_at("routes[2]")`: its errors then read `routes[2].ttl`, and it gets an [`Policy`]
 //! the proxy reads exactly as it reads the section's. (The route would also repeat the check `config.rs`
 //! makes across sections, that `server.max_buffered_bodies` and `server.max_buffered_responses` hold its
 //! largest body and response.)
@@ -181,9 +181,10 @@ pub enum OnUnknownOutcome {
     Hold,
 }
 
-/// Validated `[idempotency]`: the policy of the keyed requests it covers.
+/// A route's idempotency policy, validated: `[idempotency]` for the default route, and a `[[routes]]`
+/// entry's own settings over it for that route.
 #[derive(Debug, Clone)]
-pub struct IdempotencyConfig {
+pub struct Policy {
     /// Key header name.
     pub header: HeaderName,
     /// Protected methods.
@@ -250,23 +251,19 @@ impl ReleasePolicy {
 
 impl RawIdempotency {
     /// Checks the `[idempotency]` section and converts it; the first problem found is returned.
-    pub fn validate(&self) -> Result<IdempotencyConfig, ConfigError> {
+    pub fn validate(&self) -> Result<Policy, ConfigError> {
         self.validate_at(SECTION)
     }
 
     /// Checks these settings and converts them, naming every key (in errors and in messages that refer
     /// to a sibling key) under `prefix`: `idempotency` for the section, a route's own path for a route.
     /// Signature secrets are read from the process's environment and files.
-    pub fn validate_at(&self, prefix: &str) -> Result<IdempotencyConfig, ConfigError> {
+    pub fn validate_at(&self, prefix: &str) -> Result<Policy, ConfigError> {
         self.validate_with(prefix, &ProcessSecrets)
     }
 
     /// [`RawIdempotency::validate_at`], reading signature secrets through `secrets`.
-    pub fn validate_with(
-        &self,
-        prefix: &str,
-        secrets: &dyn SecretReader,
-    ) -> Result<IdempotencyConfig, ConfigError> {
+    pub fn validate_with(&self, prefix: &str, secrets: &dyn SecretReader) -> Result<Policy, ConfigError> {
         let key = |field: &str| format!("{prefix}.{field}");
         positive(&key("lock_timeout"), self.lock_timeout)?;
         if self.ttl <= self.lock_timeout {
@@ -293,7 +290,7 @@ impl RawIdempotency {
             ));
         }
         let header = parse_header(&key("header"), &self.header)?;
-        Ok(IdempotencyConfig {
+        Ok(Policy {
             key: self.key_source(&key("key"), &header)?,
             header,
             methods: self.methods(&key("methods"))?,
@@ -459,8 +456,8 @@ mod tests {
             "[idempotency]\nttl = \"2h\"\nlock_timeout = \"5s\"\nmax_stored_response = \"1MiB\"\n",
         )
         .unwrap();
-        assert_eq!(config.idempotency.ttl, Duration::from_secs(7200));
-        assert_eq!(config.idempotency.max_stored_response, 1024 * 1024);
+        assert_eq!(config.routes.default.policy.ttl, Duration::from_secs(7200));
+        assert_eq!(config.routes.default.policy.max_stored_response, 1024 * 1024);
     }
 
     #[test]
@@ -478,7 +475,7 @@ mod tests {
     #[test]
     fn release_policy_parses_classes_and_codes() {
         let config = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"5xx\", \"409\"]\n").unwrap();
-        let policy = &config.idempotency.release;
+        let policy = &config.routes.default.policy.release;
         assert!(policy.releases(http::StatusCode::BAD_GATEWAY));
         assert!(policy.releases(http::StatusCode::CONFLICT));
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
@@ -496,7 +493,7 @@ mod tests {
         )
         .unwrap();
         let (shared, listed) = (&config.routes.routes[0].policy, &config.routes.routes[1].policy);
-        let private = &config.idempotency;
+        let private = &config.routes.default.policy;
         for status in [StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN] {
             assert!(shared.release.releases(status), "{status}");
             assert!(!private.release.releases(status), "{status}");
@@ -544,8 +541,11 @@ mod tests {
         let config =
             Config::from_toml_str("[idempotency]\nheader = \"X-Key\"\nmethods = [\"post\", \"PuT\"]\n")
                 .unwrap();
-        assert_eq!(config.idempotency.methods, vec![Method::POST, Method::PUT]);
-        assert_eq!(config.idempotency.header.as_str(), "x-key");
+        assert_eq!(
+            config.routes.default.policy.methods,
+            vec![Method::POST, Method::PUT]
+        );
+        assert_eq!(config.routes.default.policy.header.as_str(), "x-key");
         for (text, key) in [
             ("methods = [\"PO ST\"]", "idempotency.methods"),
             ("header = \"a b\"", "idempotency.header"),
@@ -569,9 +569,9 @@ mod tests {
         assert!(err.to_string().contains("unscoped"), "{err}");
         let shared =
             Config::from_toml_str("[idempotency]\nscope_headers = []\nunscoped = \"shared\"\n").unwrap();
-        assert_eq!(shared.idempotency.unscoped, Unscoped::Shared);
+        assert_eq!(shared.routes.default.policy.unscoped, Unscoped::Shared);
         assert_eq!(
-            Config::from_toml_str("").unwrap().idempotency.unscoped,
+            Config::from_toml_str("").unwrap().routes.default.policy.unscoped,
             Unscoped::Reject
         );
     }
@@ -579,10 +579,16 @@ mod tests {
     #[test]
     fn guarantee_settings_have_safe_defaults_and_named_errors() {
         let config = Config::from_toml_str("").unwrap();
-        assert_eq!(config.idempotency.in_flight_retry_after, Duration::from_secs(1));
-        assert_eq!(config.idempotency.on_unknown_outcome, OnUnknownOutcome::Retry);
         assert_eq!(
-            config.idempotency.never_store_headers,
+            config.routes.default.policy.in_flight_retry_after,
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            config.routes.default.policy.on_unknown_outcome,
+            OnUnknownOutcome::Retry
+        );
+        assert_eq!(
+            config.routes.default.policy.never_store_headers,
             vec![http::header::SET_COOKIE]
         );
         for (text, key) in [

@@ -16,7 +16,7 @@ use http::Method;
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
-use super::idempotency::{IdempotencyConfig, RawIdempotency};
+use super::idempotency::{Policy, RawIdempotency};
 use super::path::{self, NotNormal, PathMode, PathRules};
 use super::signature::SecretReader;
 
@@ -88,7 +88,7 @@ pub struct Route {
     /// Forwards without idempotency.
     pub passthrough: bool,
     /// Its policy.
-    pub policy: IdempotencyConfig,
+    pub policy: Policy,
 }
 
 /// Every route in match order, and the default route behind them.
@@ -105,7 +105,7 @@ impl RouteTable {
     /// `paths` brings request paths to, and their signature secrets are read through `secrets`.
     pub fn new(
         section: &RawIdempotency,
-        default: IdempotencyConfig,
+        default: Policy,
         raw: &[RawRoute],
         paths: &PathRules,
         secrets: &dyn SecretReader,
@@ -155,7 +155,7 @@ impl RouteTable {
     }
 
     /// Every route's policy, the default's included.
-    pub fn policies(&self) -> impl Iterator<Item = &IdempotencyConfig> {
+    pub fn policies(&self) -> impl Iterator<Item = &Policy> {
         self.routes
             .iter()
             .chain(std::iter::once(&self.default))
@@ -271,12 +271,7 @@ impl RawRoute {
     }
 
     /// The section's settings with this route's laid over them, validated under the route's prefix.
-    fn policy(
-        &self,
-        prefix: &str,
-        base: &Dict,
-        secrets: &dyn SecretReader,
-    ) -> Result<IdempotencyConfig, ConfigError> {
+    fn policy(&self, prefix: &str, base: &Dict, secrets: &dyn SecretReader) -> Result<Policy, ConfigError> {
         let mut merged = base.clone();
         merged.extend(self.policy.clone());
         let raw: RawIdempotency = Value::from(merged).deserialize().map_err(|e| {

@@ -10,11 +10,11 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderValue};
 
-use crate::config::IdempotencyConfig;
+use crate::config::Policy;
 
 /// Sets the policy's expiry header on `headers` to `expires_at`, when the policy names one and the
 /// expiry is known.
-pub fn stamp(headers: &mut HeaderMap, policy: &IdempotencyConfig, expires_at: Option<SystemTime>) {
+pub fn stamp(headers: &mut HeaderMap, policy: &Policy, expires_at: Option<SystemTime>) {
     let (Some(name), Some(at)) = (&policy.expires_header, expires_at) else {
         return;
     };
@@ -47,12 +47,12 @@ mod tests {
         let at = SystemTime::UNIX_EPOCH + Duration::from_millis(784_111_778_999);
         let mut headers = HeaderMap::new();
         let off = Config::from_toml_str("").unwrap();
-        stamp(&mut headers, &off.idempotency, Some(at));
+        stamp(&mut headers, &off.routes.default.policy, Some(at));
         assert!(headers.is_empty());
         let on = Config::from_toml_str("[idempotency]\nexpires_header = \"Idempotency-Expires\"\n").unwrap();
-        stamp(&mut headers, &on.idempotency, None);
+        stamp(&mut headers, &on.routes.default.policy, None);
         assert!(headers.is_empty());
-        stamp(&mut headers, &on.idempotency, Some(at));
+        stamp(&mut headers, &on.routes.default.policy, Some(at));
         assert_eq!(headers["idempotency-expires"], "Sun, 06 Nov 1994 08:49:38 GMT");
     }
 }

@@ -22,7 +22,7 @@ use super::client_body::{self, GuardedBody};
 use super::downstream::Downstream;
 use super::{key, signature};
 use crate::access;
-use crate::config::{Config, DEFAULT_ROUTE, IdempotencyConfig, Route, Unscoped};
+use crate::config::{Config, DEFAULT_ROUTE, Policy, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
 use crate::metrics::Metrics;
 use crate::store::{ClaimRequest, RecordId};
@@ -113,7 +113,7 @@ impl Intake {
     /// or whose length is not its `content-length` is refused, so nothing is claimed for it.
     async fn read_body(
         &self,
-        policy: &IdempotencyConfig,
+        policy: &Policy,
         parts: &request::Parts,
         body: Incoming,
         peer: &Downstream,
@@ -159,7 +159,7 @@ fn check_scope(route: &Route, headers: &HeaderMap) -> Result<(), ProxyError> {
 }
 
 /// The scope setting a refused request did not satisfy, as the `missing-scope` detail names it.
-fn scope_setting(route: &Route, policy: &IdempotencyConfig) -> String {
+fn scope_setting(route: &Route, policy: &Policy) -> String {
     let mut names: Vec<String> = policy
         .scope_headers
         .iter()

@@ -18,7 +18,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
 use self::json::Scratch;
-use crate::config::{FingerprintBody, IdempotencyConfig};
+use crate::config::{FingerprintBody, Policy};
 use crate::error::{Busy, ProxyError};
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
@@ -82,7 +82,7 @@ fn invalid(why: &str) -> ProxyError {
 
 /// Whether the request names its client in at least one of the policy's scope headers, or in the scope
 /// cookie (an empty value names no one).
-pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
+pub fn has_scope(policy: &Policy, headers: &HeaderMap) -> bool {
     let by_header = policy
         .scope_headers
         .iter()
@@ -97,7 +97,7 @@ pub fn has_scope(policy: &IdempotencyConfig, headers: &HeaderMap) -> bool {
 /// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers' values
 /// and the scope cookie's, so clients with different credentials never share keys and credentials are
 /// never stored.
-pub fn scope(scope_name: &str, policy: &IdempotencyConfig, headers: &HeaderMap) -> String {
+pub fn scope(scope_name: &str, policy: &Policy, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
     for name in &policy.scope_headers {
         hash_header(&mut hash, name, headers);
@@ -136,7 +136,7 @@ fn hash_header(hash: &mut Sha256, name: &HeaderName, headers: &HeaderMap) {
 /// `fingerprint_body = "json"`) by its JSON meaning, read within `scratch` (503 `busy` when the budget
 /// cannot supply what the body's objects need).
 pub fn fingerprint(
-    policy: &IdempotencyConfig,
+    policy: &Policy,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
@@ -270,7 +270,7 @@ mod tests {
         assert!(!scope("r", &policy, &a).contains("alice"));
     }
 
-    fn cookie_policy() -> IdempotencyConfig {
+    fn cookie_policy() -> Policy {
         crate::config::RawIdempotency {
             scope_cookie: Some("session".into()),
             ..crate::config::RawIdempotency::default()
@@ -413,7 +413,7 @@ mod tests {
         );
     }
 
-    fn json_policy(exclude: &[&str]) -> IdempotencyConfig {
+    fn json_policy(exclude: &[&str]) -> Policy {
         crate::config::RawIdempotency {
             fingerprint_body: FingerprintBody::Json,
             fingerprint_exclude: exclude.iter().map(|p| (*p).to_owned()).collect(),
@@ -423,7 +423,7 @@ mod tests {
         .unwrap()
     }
 
-    fn json_fingerprint(policy: &IdempotencyConfig, body: &str) -> [u8; 32] {
+    fn json_fingerprint(policy: &Policy, body: &str) -> [u8; 32] {
         let uri: Uri = "/pay".parse().unwrap();
         let mut scratch = Scratch::unbounded();
         fingerprint(

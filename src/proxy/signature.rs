@@ -18,7 +18,7 @@ use hmac::{Hmac, KeyInit, Mac as _};
 use http::{HeaderMap, HeaderName};
 use sha2_11::{Sha256, Sha512};
 
-use crate::config::{Algorithm, Encoding, GenericHmac, IdempotencyConfig, Scheme, SignatureConfig};
+use crate::config::{Algorithm, Encoding, GenericHmac, Policy, Scheme, SignatureConfig};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, SignatureCheck};
 
@@ -36,7 +36,7 @@ const SHOPIFY_SIGNATURE: HeaderName = HeaderName::from_static("x-shopify-hmac-sh
 
 /// Verifies the request's signature when its route has one; counts the check either way.
 pub(crate) async fn check(
-    policy: &IdempotencyConfig,
+    policy: &Policy,
     headers: &HeaderMap,
     body: &[u8],
     metrics: &Metrics,

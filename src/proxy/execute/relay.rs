@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use super::capture::{Capture, CaptureBudget};
 use super::channel::{self, Sender};
 use crate::body::{self, BoxError, ProxyBody};
-use crate::config::IdempotencyConfig;
+use crate::config::Policy;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::proxy::answer::Answer;
@@ -169,7 +169,7 @@ impl Relay {
     pub(super) async fn run(
         &self,
         id: &RecordId,
-        policy: &IdempotencyConfig,
+        policy: &Policy,
         response: Response<PooledBody>,
         head: Answer,
         stamp: impl FnOnce(&mut HeaderMap),

@@ -12,13 +12,13 @@ use http::{HeaderMap, HeaderName, Method, Uri};
 use super::json::Scratch;
 use super::pointer::{self, Findings, Found};
 use super::{check_key, cloudevents, parse_key};
-use crate::config::{IdempotencyConfig, KeyPart, KeySource};
+use crate::config::{KeyPart, KeySource, Policy};
 use crate::error::{Busy, ProxyError};
 
 /// The key of a request whose source is in its head (`KeySource::needs_body` is false). `Ok(None)`
 /// when the request carries none.
 pub fn from_head(
-    policy: &IdempotencyConfig,
+    policy: &Policy,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
@@ -37,7 +37,7 @@ pub fn from_head(
 /// cannot supply it). `Ok(None)` when the request carries none: the body is not JSON, or holds nothing
 /// at the pointer, or no CloudEvent.
 pub fn from_body(
-    policy: &IdempotencyConfig,
+    policy: &Policy,
     parts: &Parts,
     body: &[u8],
     scratch: &mut Scratch<'_>,
@@ -137,7 +137,7 @@ struct Request<'a> {
 }
 
 impl Request<'_> {
-    fn key(&self, policy: &IdempotencyConfig) -> Result<Option<String>, ProxyError> {
+    fn key(&self, policy: &Policy) -> Result<Option<String>, ProxyError> {
         let max_len = policy.max_key_length;
         let key = match &policy.key {
             KeySource::Header(name) => return parse_key(self.headers.get_all(name), max_len),
@@ -219,7 +219,7 @@ mod tests {
     use super::*;
     use crate::config::RawIdempotency;
 
-    fn policy(key: &str) -> IdempotencyConfig {
+    fn policy(key: &str) -> Policy {
         RawIdempotency {
             key: Some(key.into()),
             max_key_length: 40,
