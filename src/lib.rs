@@ -20,7 +20,7 @@
 //!   goes to `proxy/wait.rs`, which waits for the original and claims again;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
 //!   runner and migrations each in a file under `store/postgres/`), `store/redis_store.rs` (a Redis server or
-//!   cluster, its scripts under `store/redis_store/lua/`) or `store/sqlite.rs` (embedded, the default) holds
+//!   cluster, its scripts under `store/redis_store/lua/`) or `store/sqlite.rs` (embedded, the default; its parts under `store/sqlite/`) holds
 //!   the key table, `store/coalesce.rs` batches what arrives together,
 //!   `store/encrypted.rs` seals stored responses around any backend, `store/opening.rs` opens it at
 //!   start (waiting out a server that cannot be had yet), `store/sweeper.rs` deletes
