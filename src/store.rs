@@ -10,7 +10,7 @@ mod listener;
 pub mod notify;
 mod opening;
 pub mod postgres;
-pub mod redis_store;
+pub mod redis;
 pub mod sqlite;
 pub mod sweeper;
 
@@ -21,10 +21,10 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use uuid::Uuid;
 
+use self::redis::RedisStore;
 use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::{Metrics, StoreOp};
 use postgres::PostgresStore;
-use redis_store::RedisStore;
 use sqlite::SqliteStore;
 
 pub use opening::serve;

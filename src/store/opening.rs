@@ -201,7 +201,7 @@ fn wait_listener(
         StoreBackend::Postgres => Some(Box::pin(super::postgres::listen(
             store, waiters, metrics, shutdown,
         ))),
-        StoreBackend::Redis(target) => Some(Box::pin(super::redis_store::listen(
+        StoreBackend::Redis(target) => Some(Box::pin(super::redis::listen(
             store,
             target.clone(),
             waiters,
