@@ -21,7 +21,6 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use uuid::Uuid;
 
-use self::redis::RedisStore;
 use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::{Metrics, StoreOp};
 use postgres::PostgresStore;
@@ -97,7 +96,7 @@ async fn build(config: &StoreConfig, purpose: Purpose) -> Result<Built, StoreErr
                 migrate,
             });
         }
-        StoreBackend::Redis(target) => Arc::new(RedisStore::connect(config, target)),
+        StoreBackend::Redis(target) => Arc::new(redis::RedisStore::connect(config, target)),
         StoreBackend::Sqlite { path } => {
             let access = match purpose {
                 Purpose::Serve => sqlite::Access::Serve,
