@@ -19,13 +19,14 @@
 //!   socket), the relay and capture, and the fenced completion; on a route that waits, a key in flight
 //!   goes to `proxy/wait.rs`, which waits for the original and claims again;
 //! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
-//!   runner, TLS and migrations each in a file under `store/postgres/`), `store/redis_store.rs` (a Redis
-//!   server or cluster, its scripts under `store/redis_store/lua/`) or `store/sqlite.rs` (embedded, the
-//!   default) holds the key table, `store/coalesce.rs` batches what arrives together,
-//!   `store/encrypted.rs` seals stored responses around any backend, `store/open.rs` opens it (at start
-//!   waiting out a server that cannot be had yet) and says what it can do, `store/list.rs` pages through
-//!   records, `store/sweeper.rs` deletes expired records in the background, and `store/notify.rs` wakes
-//!   waiting requests (fed across replicas by `store/postgres/listen.rs`);
+//!   runner, TLS and migrations each in a file under `store/postgres/`), `store/redis.rs` (a Redis server or
+//!   cluster, its scripts under `store/redis/lua/`) or `store/sqlite.rs` (embedded, the default; its
+//!   file, blocking bridge and statements under `store/sqlite/`) holds the key table,
+//!   `store/coalesce.rs` batches what arrives together, `store/encrypted.rs` seals stored responses
+//!   around any backend, `store/open.rs` opens it (at start waiting out a server that cannot be had yet)
+//!   and says what it can do, `store/list.rs` pages through records, `store/sweeper.rs` deletes expired
+//!   records in the background, and `store/notify.rs` wakes waiting requests (fed across replicas by
+//!   `store/postgres/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),

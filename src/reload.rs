@@ -56,11 +56,11 @@ impl Reload {
     fn hangup(&self, running: &mut toml::Table, metrics: &Metrics) {
         match self.reload(running) {
             Ok(()) => {
-                metrics.config_reloads_ok.inc();
+                metrics.config_reloads.ok.inc();
                 metrics.config_last_reload_successful.set(1);
             }
             Err(error) => {
-                metrics.config_reloads_error.inc();
+                metrics.config_reloads.error.inc();
                 metrics.config_last_reload_successful.set(0);
                 let file = self.file.as_ref().map(|f| f.display().to_string());
                 tracing::error!(

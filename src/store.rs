@@ -11,7 +11,7 @@ mod listener;
 pub mod notify;
 mod open;
 pub mod postgres;
-pub mod redis_store;
+pub mod redis;
 pub mod sqlite;
 pub mod sweeper;
 

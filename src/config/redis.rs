@@ -1,6 +1,6 @@
 //! `[store.redis]` and the Redis forms of `store.url`: `redis://` and `rediss://` (TLS) for one server,
 //! `redis+cluster://` and `rediss+cluster://` for a Redis Cluster reached through any of its nodes.
-//! Validated once at load into [`RedisTarget`], which `store/redis_store.rs` connects to; a bad URL or setting
+//! Validated once at load into [`RedisTarget`], which `store/redis.rs` connects to; a bad URL or setting
 //! stops the start with one line naming the key.
 
 use std::time::Duration;

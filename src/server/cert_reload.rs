@@ -76,12 +76,12 @@ fn reload(tls: &ListenerTls, seen: &Seen, metrics: &Metrics) {
     match loaded {
         Ok(pair) => {
             tls.cert.swap(pair);
-            metrics.tls_reloads_ok.inc();
+            metrics.tls_reloads.ok.inc();
             metrics.tls_last_reload_successful.set(1);
             tracing::info!(cert_file = %tls.cert_file.display(), "listener certificate reloaded");
         }
         Err(error) => {
-            metrics.tls_reloads_error.inc();
+            metrics.tls_reloads.error.inc();
             metrics.tls_last_reload_successful.set(0);
             tracing::error!(%error, "listener certificate not reloaded; keeping the one in use");
         }
@@ -141,25 +141,25 @@ mod tests {
 
         let b = pair("b.test");
         write(dir.path(), &b);
-        counted(&metrics.tls_reloads_ok, 1).await;
+        counted(&metrics.tls_reloads.ok, 1).await;
         assert_ne!(current(&tls.cert), first, "the new pair is served");
 
         let served = current(&tls.cert);
         write(dir.path(), &(a.0.clone(), b.1.clone()));
-        counted(&metrics.tls_reloads_error, 1).await;
+        counted(&metrics.tls_reloads.error, 1).await;
         assert_eq!(current(&tls.cert), served, "a mismatched pair is refused");
         assert_eq!(metrics.tls_last_reload_successful.get(), 0);
         // Ten more ticks read the same broken pair: nothing more is counted.
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(
-            metrics.tls_reloads_error.get(),
+            metrics.tls_reloads.error.get(),
             1,
             "a change is counted once, not at every tick"
         );
-        assert_eq!(metrics.tls_reloads_ok.get(), 1);
+        assert_eq!(metrics.tls_reloads.ok.get(), 1);
 
         write(dir.path(), &a);
-        counted(&metrics.tls_reloads_ok, 2).await;
+        counted(&metrics.tls_reloads.ok, 2).await;
         assert_eq!(metrics.tls_last_reload_successful.get(), 1, "a pair taken again");
 
         stop.cancel();

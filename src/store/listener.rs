@@ -1,5 +1,5 @@
 //! The wait listener's life, whatever the store: one session at a time that hears other replicas'
-//! announcements (`store/postgres/listen.rs` by LISTEN, `store/redis_store/listen.rs` by SUBSCRIBE), and
+//! announcements (`store/postgres/listen.rs` by LISTEN, `store/redis/listen.rs` by SUBSCRIBE), and
 //! a new one after each loss, with backoff, from start to shutdown. A lost session may have missed
 //! announcements, so every waiter is woken to re-check, and again once a new session listens (an
 //! announcement sent in between reached no one). Meanwhile a waiter still ends, by the lease it saw

@@ -2,7 +2,7 @@
 //! request that may wait subscribes to its record's [`Topic`] before its claim statement is sent, and is
 //! woken when that record settles (completed, released or held). The wake comes from this process's own
 //! completion, or from another replica's announcement heard by the one listener connection: `NOTIFY` on
-//! PostgreSQL (`store/postgres/listen.rs`), `PUBLISH` on Redis (`store/redis_store/listen.rs`); its loss
+//! PostgreSQL (`store/postgres/listen.rs`), `PUBLISH` on Redis (`store/redis/listen.rs`); its loss
 //! wakes everyone (`store/listener.rs`). With SQLite (a single instance by design) the
 //! in-process wake is all there is. Runs on the request path and in the listener task; touches nothing
 //! but its own map.

@@ -29,7 +29,7 @@ use tokio_util::task::TaskTracker;
 use super::encrypted::EncryptedStore;
 use super::notify::Waiters;
 use super::postgres::{PostgresStore, Unmigrated};
-use super::redis_store::RedisStore;
+use super::redis::RedisStore;
 use super::sqlite::{self, SqliteStore};
 use super::{Capabilities, Listens, Store, StoreError, StoreHandle, WaitListener};
 use crate::config::{Config, OnInFlight, StoreBackend, StoreConfig};
@@ -167,9 +167,7 @@ impl WaitListener {
     ) {
         match self.0 {
             Listens::Postgres => super::postgres::listen(config, waiters, metrics, shutdown).await,
-            Listens::Redis(target) => {
-                super::redis_store::listen(config, target, waiters, metrics, shutdown).await
-            }
+            Listens::Redis(target) => super::redis::listen(config, target, waiters, metrics, shutdown).await,
         }
     }
 }

@@ -204,7 +204,7 @@ async fn slots_migrated_mid_load_are_followed_and_every_record_moves_with_them()
     each_executed_once_and_replayed(&proxy, &upstream, &seen).await;
 }
 
-/// The Redis key of `key`'s record for the test credential (see `store/redis_store/record.rs`): the scope's
+/// The Redis key of `key`'s record for the test credential (see `store/redis/record.rs`): the scope's
 /// `:` percent-encoded, the key plain (letters, digits and `-`).
 fn record_name(key: &str) -> String {
     format!(

@@ -14,7 +14,7 @@
 //! - `scan.rs`: the operator's views over many records, by `SCAN` on every primary;
 //! - `listen.rs`: `PUBLISH` after a record of a wait route settled, and the subscriber that wakes this
 //!   process's waiting requests (`on_in_flight = "wait"`);
-//! - `redis_store/lua/`: the scripts.
+//! - `redis/lua/`: the scripts.
 
 mod connect;
 mod listen;
@@ -63,12 +63,12 @@ impl RedisStore {
         RedisStore {
             redis: Redis::new(config, target),
             scripts: Scripts {
-                claim: Script::new(include_str!("redis_store/lua/claim.lua")),
-                complete: Script::new(include_str!("redis_store/lua/complete.lua")),
-                heartbeat: Script::new(include_str!("redis_store/lua/heartbeat.lua")),
-                settle: Script::new(include_str!("redis_store/lua/settle.lua")),
-                read: Script::new(include_str!("redis_store/lua/read.lua")),
-                forget: Script::new(include_str!("redis_store/lua/forget.lua")),
+                claim: Script::new(include_str!("redis/lua/claim.lua")),
+                complete: Script::new(include_str!("redis/lua/complete.lua")),
+                heartbeat: Script::new(include_str!("redis/lua/heartbeat.lua")),
+                settle: Script::new(include_str!("redis/lua/settle.lua")),
+                read: Script::new(include_str!("redis/lua/read.lua")),
+                forget: Script::new(include_str!("redis/lua/forget.lua")),
             },
             prefix: target.key_prefix.clone(),
             waits: target.wait_replicas > 0,
