@@ -388,9 +388,9 @@ impl RecordState {
     }
 }
 
-/// A database-backed key table.
+/// What the request path asks of the key table: claim a record, keep its lease, and settle it.
 #[async_trait::async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Lifecycle: Send + Sync + 'static {
     /// Atomically claims `request.id` or reports the record that holds it.
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError>;
     /// Extends the lease; `false` when the claim was taken over (fenced out).
@@ -404,6 +404,18 @@ pub trait Store: Send + Sync + 'static {
     async fn hold(&self, id: &RecordId) -> Result<bool, StoreError>;
     /// Succeeds while the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+    /// Tells the other processes on this store that a record settled, so their waiting requests
+    /// re-check it (`store/notify.rs` makes the announcement). A store served by one process has no one
+    /// to tell: its waiters are woken in-process, and this does nothing.
+    async fn announce(&self, _announcement: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// What the operator's tools (`idemproxy keys`) and the sweeper ask of the key table: look records up,
+/// count, page through, release or forget them, delete the expired.
+#[async_trait::async_trait]
+pub trait Upkeep: Send + Sync + 'static {
     /// Releases a processing claim whose lease has run out, or a held (`unknown`) record, fenced by its
     /// token: `false` when the record was completed, taken over, or its lease was extended meanwhile.
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError>;
@@ -424,13 +436,13 @@ pub trait Store: Send + Sync + 'static {
     async fn forget(&self, _id: &RecordId) -> Result<bool, StoreError> {
         Err(StoreError::Backend("this store cannot forget records".into()))
     }
-    /// Tells the other processes on this store that a record settled, so their waiting requests
-    /// re-check it (`store/notify.rs` makes the announcement). A store served by one process has no one
-    /// to tell: its waiters are woken in-process, and this does nothing.
-    async fn announce(&self, _announcement: &str) -> Result<(), StoreError> {
-        Ok(())
-    }
 }
+
+/// A database-backed key table: every backend serves both callers, the request path ([`Lifecycle`]) and
+/// the operator ([`Upkeep`]).
+pub trait Store: Lifecycle + Upkeep {}
+
+impl<T: Lifecycle + Upkeep> Store for T {}
 
 /// The store as the request path uses it: every call timed and counted by operation. It may start
 /// unopened (`serve`, while its store cannot be reached yet): every call then fails at once with

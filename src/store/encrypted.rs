@@ -34,8 +34,8 @@ use chacha20poly1305::aead::KeyInit as _;
 use uuid::Uuid;
 
 use super::{
-    ClaimRequest, ClaimResult, Existing, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store,
-    StoreError, StoredResponse,
+    ClaimRequest, ClaimResult, Existing, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats,
+    Store, StoreError, StoredResponse, Upkeep,
 };
 use crate::config::{EncryptionConfig, EncryptionKey, RecordLifetimes, is_key_id};
 use crate::metrics::Metrics;
@@ -349,7 +349,7 @@ impl EncryptedStore {
 }
 
 #[async_trait::async_trait]
-impl Store for EncryptedStore {
+impl Lifecycle for EncryptedStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
         let result = self.inner.claim(request).await?;
         self.open_claim(&request.id, result)
@@ -379,6 +379,13 @@ impl Store for EncryptedStore {
         self.inner.ping().await
     }
 
+    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        self.inner.announce(announcement).await
+    }
+}
+
+#[async_trait::async_trait]
+impl Upkeep for EncryptedStore {
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
         self.inner.release_stale(id).await
     }
@@ -403,10 +410,6 @@ impl Store for EncryptedStore {
 
     async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
         self.inner.forget(id).await
-    }
-
-    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
-        self.inner.announce(announcement).await
     }
 }
 

@@ -45,8 +45,8 @@ use tokio::time::timeout;
 
 use super::coalesce::{BatchFuture, Coalescer, unanswered};
 use super::{
-    ClaimRequest, ClaimResult, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store, StoreError,
-    StoredResponse,
+    ClaimRequest, ClaimResult, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, StoreError,
+    StoredResponse, Upkeep,
 };
 use crate::config::StoreConfig;
 use address::Addresses;
@@ -134,7 +134,7 @@ fn batches_in_flight(pool_size: usize) -> usize {
 }
 
 #[async_trait::async_trait]
-impl Store for PostgresStore {
+impl Lifecycle for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
         let writes = match &self.writes {
             Some(writes) if !self.db.distributed().await? => writes,
@@ -190,6 +190,20 @@ impl Store for PostgresStore {
         self.db.finish(client, result).map(drop)
     }
 
+    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        let Some(announcements) = &self.announcements else {
+            return listen::announce(&self.db, announcement).await;
+        };
+        match timeout(self.db.timeout(), announcements.submit(announcement.to_owned())).await {
+            Ok(Some(sent)) => sent,
+            Ok(None) => Err(unanswered()),
+            Err(_) => Err(StoreError::Timeout(self.db.timeout())),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Upkeep for PostgresStore {
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
         fenced::release_stale(&self.db, id).await
     }
@@ -212,17 +226,6 @@ impl Store for PostgresStore {
 
     async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
         maintenance::forget(&self.db, id).await
-    }
-
-    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
-        let Some(announcements) = &self.announcements else {
-            return listen::announce(&self.db, announcement).await;
-        };
-        match timeout(self.db.timeout(), announcements.submit(announcement.to_owned())).await {
-            Ok(Some(sent)) => sent,
-            Ok(None) => Err(unanswered()),
-            Err(_) => Err(StoreError::Timeout(self.db.timeout())),
-        }
     }
 }
 

@@ -30,8 +30,8 @@ use super::blob::encode_headers;
 use super::listener::keep_listening;
 use super::notify::Waiters;
 use super::{
-    ClaimRequest, ClaimResult, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store, StoreError,
-    StoredResponse,
+    ClaimRequest, ClaimResult, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, StoreError,
+    StoredResponse, Upkeep,
 };
 use crate::config::{RedisTarget, StoreConfig};
 use crate::metrics::Metrics;
@@ -96,7 +96,7 @@ impl RedisStore {
 }
 
 #[async_trait::async_trait]
-impl Store for RedisStore {
+impl Lifecycle for RedisStore {
     /// A claim that won is confirmed by `WAIT` before it is reported won; one that could not be confirmed
     /// is released again (best effort) and reported as a store failure, so its request is not forwarded.
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
@@ -177,6 +177,15 @@ impl Store for RedisStore {
         self.redis.ping().await
     }
 
+    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
+        self.redis
+            .publish(&listen::channel(&self.prefix), announcement)
+            .await
+    }
+}
+
+#[async_trait::async_trait]
+impl Upkeep for RedisStore {
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
         self.settle(id, "failed", "stale").await
     }
@@ -218,12 +227,6 @@ impl Store for RedisStore {
             .run(&self.scripts.forget, name.as_bytes(), &args, true)
             .await?;
         record::written(answer)
-    }
-
-    async fn announce(&self, announcement: &str) -> Result<(), StoreError> {
-        self.redis
-            .publish(&listen::channel(&self.prefix), announcement)
-            .await
     }
 }
 

@@ -33,8 +33,8 @@ use std::time::Duration;
 
 use super::coalesce::{Coalescer, unanswered};
 use super::{
-    ClaimRequest, ClaimResult, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store, StoreError,
-    StoredResponse,
+    ClaimRequest, ClaimResult, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, StoreError,
+    StoredResponse, Upkeep,
 };
 use bridge::{Shared, backend, batched, blocking};
 use complete::EncodedResponse;
@@ -79,7 +79,7 @@ impl SqliteStore {
 }
 
 #[async_trait::async_trait]
-impl Store for SqliteStore {
+impl Lifecycle for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
         self.claims
             .submit(request.clone())
@@ -111,7 +111,10 @@ impl Store for SqliteStore {
             .call(|db, _| db.query_row("SELECT 1", [], |_| Ok(())).map_err(backend))
             .await
     }
+}
 
+#[async_trait::async_trait]
+impl Upkeep for SqliteStore {
     async fn release_stale(&self, id: &RecordId) -> Result<bool, StoreError> {
         fenced::release_stale(&self.conn, id).await
     }

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    ClaimKind, ClaimRequest, ClaimResult, RecordId, RecordInfo, RecordStats, Store, StoreError, StoreHandle,
-    StoredResponse,
+    ClaimKind, ClaimRequest, ClaimResult, Lifecycle, RecordId, RecordInfo, RecordStats, StoreError,
+    StoreHandle, StoredResponse, Upkeep,
 };
 use crate::metrics::Metrics;
 
@@ -159,7 +159,7 @@ impl StubStore {
 }
 
 #[async_trait::async_trait]
-impl Store for StubStore {
+impl Lifecycle for StubStore {
     async fn claim(&self, _: &ClaimRequest) -> Result<ClaimResult, StoreError> {
         match self.call(Op::Claim, None).await {
             Reply::Claim(result) => Ok(result),
@@ -188,6 +188,16 @@ impl Store for StubStore {
         Ok(())
     }
 
+    async fn announce(&self, _: &str) -> Result<(), StoreError> {
+        match self.call(Op::Announce, None).await {
+            Reply::Fail(error) => Err(error),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Upkeep for StubStore {
     async fn release_stale(&self, _: &RecordId) -> Result<bool, StoreError> {
         self.done(Op::ReleaseStale, None).await
     }
@@ -211,13 +221,6 @@ impl Store for StubStore {
         match self.call(Op::Stats, None).await {
             Reply::Fail(error) => Err(error),
             _ => Ok(RecordStats::default()),
-        }
-    }
-
-    async fn announce(&self, _: &str) -> Result<(), StoreError> {
-        match self.call(Op::Announce, None).await {
-            Reply::Fail(error) => Err(error),
-            _ => Ok(()),
         }
     }
 }
