@@ -5,7 +5,7 @@
 //!
 //! - `server.rs` accepts connections and hands each to a worker thread (`server.workers`), serving
 //!   HTTP/1.1 and HTTP/2, cleartext or TLS (as `config/server.rs` loaded it), and drains them at
-//!   shutdown; `server/listener.rs` is the TCP or unix socket it accepts from, `server/cert_reload.rs`
+//!   shutdown; `server/socket.rs` is the TCP or unix socket it accepts from, `server/cert_reload.rs`
 //!   swaps in a changed TLS certificate, `server/slots.rs` caps the connections,
 //!   `server/write_deadline.rs` lets go of clients that stop reading;
 //! - `proxy.rs` routes each request, once `proxy/path.rs` has brought its path to its one spelling (or
@@ -25,7 +25,7 @@
 //!   `store/coalesce.rs` batches what arrives together, `store/encrypted.rs` seals stored responses
 //!   around any backend, `store/open.rs` opens it (at start waiting out a server that cannot be had yet)
 //!   and says what it can do, `store/list.rs` pages through records, `store/sweeper.rs` deletes expired
-//!   records in the background, and `store/notify.rs` wakes waiting requests (fed across replicas by
+//!   records in the background, and `store/wake.rs` wakes waiting requests (fed across replicas by
 //!   `store/postgres/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
@@ -76,7 +76,7 @@ use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::reload::Reload;
 use crate::store::StoreError;
-use crate::store::notify::Waiters;
+use crate::store::wake::Waiters;
 
 /// The bound sockets `run` serves on; bind them first so callers (and tests) can use port 0.
 pub struct Listeners {

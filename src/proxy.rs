@@ -55,7 +55,7 @@ use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteSet};
 use crate::otlp;
 use crate::store::Serving;
-use crate::store::notify::Waiters;
+use crate::store::wake::Waiters;
 
 /// The spine of the request path: it routes each request and composes the stages, each holding only
 /// what it uses; shared behind an `Arc` by every connection of a worker.

@@ -4,12 +4,12 @@
 //! The proxy listener's [`Limits`] bound what one client can hold: open connections, time to send a
 //! request head, and the head's size. At the connection cap, idle connections make room for new ones
 //! (`server/slots.rs`); the admin listener has a small cap of its own, kept the same way. The proxy
-//! listener is TCP or a unix socket (`server/listener.rs`); with TLS, its certificate is reloaded when its
+//! listener is TCP or a unix socket (`server/socket.rs`); with TLS, its certificate is reloaded when its
 //! files change (`server/cert_reload.rs`).
 
 mod cert_reload;
-mod listener;
 mod slots;
+mod socket;
 mod write_deadline;
 
 use std::convert::Infallible;
@@ -32,9 +32,9 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use self::listener::Accepted;
-pub use self::listener::ProxySocket;
 use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
+use self::socket::Accepted;
+pub use self::socket::ProxySocket;
 use self::write_deadline::WriteDeadline;
 use crate::admin::Admin;
 use crate::body::ProxyBody;

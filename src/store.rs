@@ -7,13 +7,13 @@ mod blob;
 mod coalesce;
 pub mod encrypted;
 mod list;
-mod listener;
-pub mod notify;
+pub(crate) mod listen;
 mod open;
 pub mod postgres;
 pub mod redis;
 pub mod sqlite;
 pub mod sweeper;
+pub mod wake;
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -73,7 +73,7 @@ pub struct Capabilities {
 }
 
 /// The wait listener of a shared store: [`WaitListener::run`] hears other replicas' announcements and
-/// wakes this process's waiters (`store/listener.rs` keeps it listening).
+/// wakes this process's waiters (`store/listen.rs` keeps it listening).
 #[derive(Debug, Clone)]
 pub struct WaitListener(Listens);
 
@@ -405,7 +405,7 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// Succeeds while the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
     /// Tells the other processes on this store that a record settled, so their waiting requests
-    /// re-check it (`store/notify.rs` makes the announcement). A store served by one process has no one
+    /// re-check it (`store/wake.rs` makes the announcement). A store served by one process has no one
     /// to tell: its waiters are woken in-process, and this does nothing.
     async fn announce(&self, _announcement: &str) -> Result<(), StoreError> {
         Ok(())

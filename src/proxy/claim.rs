@@ -26,7 +26,7 @@ use crate::config::{Config, OnInFlight, Route};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
-use crate::store::notify::{Subscription, Topic, Waiters};
+use crate::store::wake::{RecordTag, Waiter, Waiters};
 use crate::store::{
     ClaimKind, ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle, StoredResponse,
 };
@@ -40,7 +40,7 @@ pub(crate) struct Claims {
     slots: KeyedSlots,
     /// Bound on one store operation, the first wait before an orphaned claim is given back.
     store_timeout: Duration,
-    /// Where requests on routes that wait subscribe to their record's settlement.
+    /// Where requests on routes that wait start waiting for their record to settle.
     waiters: Arc<Waiters>,
     metrics: Metrics,
     /// Whether claim statements are traced (`traces.enabled`).
@@ -81,12 +81,12 @@ pub(crate) struct InFlight {
     /// the store's, since the store measured the lease left before its answer travelled here).
     pub(crate) lease_end: Instant,
     /// The request's interest in its record's settlement, made before the statement was sent.
-    pub(crate) subscription: Subscription,
+    pub(crate) waiter: Waiter,
 }
 
 /// What one claim statement led to.
 pub(crate) enum Round {
-    /// The key is in flight and the request may wait (it came with a subscription).
+    /// The key is in flight and the request may wait (it came with a waiter).
     InFlight(Box<InFlight>),
     /// The claim was won: the request is to be executed ([`Claims::execute_won`]).
     Won(Box<Won>),
@@ -157,9 +157,9 @@ impl Claims {
         head: Answer,
         slot: KeyedSlot,
     ) -> Option<Box<InFlight>> {
-        let subscription = self.subscribe(&request.route, &request.claim.id);
+        let waiter = self.wait_for(&request.route, &request.claim.id);
         let keyed = Keyed { request, peer, head };
-        match self.claim_round(keyed, Some(slot), subscription).await {
+        match self.claim_round(keyed, Some(slot), waiter).await {
             Round::InFlight(in_flight) => Some(in_flight),
             Round::Won(won) => {
                 self.execute_won(*won).await;
@@ -172,23 +172,23 @@ impl Claims {
     /// On a route that waits, the request's interest in its record, taken before the first claim
     /// statement: a settlement that commits after the statement read the record wakes it, whatever
     /// the statement found. Routes that do not wait pay nothing.
-    fn subscribe(&self, route: &Route, id: &RecordId) -> Option<Subscription> {
+    fn wait_for(&self, route: &Route, id: &RecordId) -> Option<Waiter> {
         (route.policy.on_in_flight == OnInFlight::Wait)
-            .then(|| self.waiters.subscribe(Topic::of(&id.scope, &id.key)))
+            .then(|| self.waiters.wait_for(RecordTag::of(&id.scope, &id.key)))
     }
 
     /// Sends the claim statement and answers what it can: a replay or a refusal. A won claim is handed
     /// back to be executed, with `slot`, the request's keyed slot if it holds one.
-    /// With a `subscription` (a route that waits), every wake before the statement is marked seen first,
+    /// With a `waiter` (a route that waits), every wake before the statement is marked seen first,
     /// and a key in flight is handed back rather than refused.
     pub(crate) async fn claim_round(
         &self,
         keyed: Keyed,
         slot: Option<KeyedSlot>,
-        mut subscription: Option<Subscription>,
+        mut waiter: Option<Waiter>,
     ) -> Round {
-        if let Some(subscription) = &mut subscription {
-            subscription.mark_seen();
+        if let Some(waiter) = &mut waiter {
+            waiter.mark_seen();
         }
         let started = Instant::now();
         let sent = SystemTime::now();
@@ -204,13 +204,13 @@ impl Claims {
                 return self.unanswered(keyed, error).await;
             }
         };
-        if let Some(subscription) = subscription
+        if let Some(waiter) = waiter
             && let Some(lease_remaining) = in_flight(&result)
         {
             return Round::InFlight(Box::new(InFlight {
                 keyed,
                 lease_end: Instant::now() + lease_remaining,
-                subscription,
+                waiter,
             }));
         }
         let fill = self.cache.remember(&keyed.request.claim, &result, started);

@@ -1,6 +1,6 @@
 //! Runs right after a claim's record settled for good or for a retry (completed, released or held),
 //! once the store has it, and only on routes with `on_in_flight = "wait"`: wakes this process's requests
-//! waiting for that record (`store/notify.rs`), then announces the settlement to the other replicas
+//! waiting for that record (`store/wake.rs`), then announces the settlement to the other replicas
 //! (PostgreSQL `NOTIFY` or a Redis publish, one statement, coalesced with others sent at the same time).
 //! Routes that do not wait skip both, so their completions cost what they did. Touches the waiters'
 //! registry and the store's announcements only.
@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use crate::config::{OnInFlight, Route};
-use crate::store::notify::{Topic, Waiters};
+use crate::store::listen;
+use crate::store::wake::{RecordTag, Waiters};
 use crate::store::{RecordId, StoreHandle};
 
 /// The settle stage: who is told that a record settled.
@@ -38,12 +39,16 @@ impl Settle {
         if route.policy.on_in_flight != OnInFlight::Wait {
             return;
         }
-        let topic = Topic::of(&id.scope, &id.key);
-        self.waiters.wake(topic);
+        let tag = RecordTag::of(&id.scope, &id.key);
+        self.waiters.wake(tag);
         if !self.announce {
             return;
         }
-        if let Err(error) = self.store.announce(&self.waiters.announcement(topic)).await {
+        if let Err(error) = self
+            .store
+            .announce(&listen::announcement(&self.waiters, tag))
+            .await
+        {
             tracing::warn!(key_hash = %id.key_hash(), %error,
                 "could not tell other replicas the key settled; their waiters re-check at lease end");
         }

@@ -34,8 +34,8 @@ use super::slot::KeyedSlots;
 use super::upstream::Upstream;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::store::notify::Waiters;
 use crate::store::stub::StubStore;
+use crate::store::wake::Waiters;
 use crate::store::{ClaimRequest, RecordId};
 
 /// The claim stage and the execute stage it hands won claims to, over one stub store.

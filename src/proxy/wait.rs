@@ -5,7 +5,7 @@
 //! wake-up, never by polling.
 //!
 //! A waiter re-checks its record when it is woken — the original completed, was released or held, here
-//! or on another replica (`store/notify.rs`), or the listener for other replicas lost its connection —
+//! or on another replica (`store/wake.rs`), or the listener for other replicas lost its connection —
 //! and once when the lease it last saw runs out, since a dead original never announces anything (that
 //! re-check takes the key over). A re-check tries the replay cache, then sends one claim statement:
 //! completed → the replay; released or stale → this request claims and executes it (of many waiters
@@ -14,7 +14,7 @@
 //! shutdown, or when its client goes, at once.
 //!
 //! No settlement is missed between the claim statement that found the key in flight and the wait: the
-//! request subscribed to its record before that statement was sent, and each re-check marks earlier
+//! request waiting to its record before that statement was sent, and each re-check marks earlier
 //! wakes seen before its statement, so any settlement committed after the statement read the record
 //! wakes it again.
 
@@ -161,10 +161,8 @@ impl Waits {
                 in_flight.keyed.head.send(answer);
                 return Ended::Answered(result);
             }
-            let InFlight {
-                keyed, subscription, ..
-            } = *in_flight;
-            in_flight = match self.claims.claim_round(keyed, None, Some(subscription)).await {
+            let InFlight { keyed, waiter, .. } = *in_flight;
+            in_flight = match self.claims.claim_round(keyed, None, Some(waiter)).await {
                 Round::InFlight(again) => again,
                 Round::Won(won) => return Ended::Won(won),
                 Round::Replayed => return Ended::Answered(WaitResult::Replayed),
@@ -177,15 +175,13 @@ impl Waits {
     /// the deadline, so a wake that comes with them does not start another round.
     async fn until_woken(&self, in_flight: &mut InFlight, deadline: Instant) -> Woken {
         let lease_over = in_flight.lease_end.max(Instant::now() + LEASE_RECHECK_MIN);
-        let InFlight {
-            keyed, subscription, ..
-        } = in_flight;
+        let InFlight { keyed, waiter, .. } = in_flight;
         tokio::select! {
             biased;
             _ = self.shutdown.cancelled() => Woken::Stop(WaitResult::Shutdown),
             _ = keyed.head.closed() => Woken::Stop(WaitResult::ClientGone),
             _ = sleep_until(deadline) => Woken::Stop(WaitResult::Timeout),
-            _ = subscription.woken() => Woken::Recheck,
+            _ = waiter.woken() => Woken::Recheck,
             _ = sleep_until(lease_over) => Woken::Recheck,
         }
     }

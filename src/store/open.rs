@@ -27,10 +27,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::encrypted::EncryptedStore;
-use super::notify::Waiters;
 use super::postgres::{PostgresStore, Unmigrated};
 use super::redis::RedisStore;
 use super::sqlite::{self, SqliteStore};
+use super::wake::Waiters;
 use super::{Capabilities, Listens, Store, StoreError, StoreHandle, WaitListener};
 use crate::config::{Config, OnInFlight, StoreBackend, StoreConfig};
 use crate::metrics::Metrics;

@@ -27,8 +27,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::blob::encode_headers;
-use super::listener::keep_listening;
-use super::notify::Waiters;
+use super::listen::keep_listening;
+use super::wake::Waiters;
 use super::{
     ClaimRequest, ClaimResult, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, StoreError,
     StoredResponse, Upkeep,

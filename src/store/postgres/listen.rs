@@ -1,8 +1,8 @@
 //! Wake-ups across replicas for requests that wait for a key in flight (`on_in_flight = "wait"`): the
 //! `NOTIFY` a process sends after a record of a wait route settled, and the one connection per process
-//! that `LISTEN`s for them and wakes this process's waiters (`store/notify.rs`). The NOTIFY runs in the
+//! that `LISTEN`s for them and wakes this process's waiters (`store/wake.rs`). The NOTIFY runs in the
 //! forwarding task, after the completion, release or hold has committed, over the pool, and only for
-//! wait routes; the listener runs as a background task from start to shutdown (`store/listener.rs`
+//! wait routes; the listener runs as a background task from start to shutdown (`store/listen.rs`
 //! reconnects it), on a dedicated connection of its own (not the pool's), and only when some route waits.
 
 use std::sync::Arc;
@@ -20,8 +20,8 @@ use crate::config::StoreConfig;
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::store::StoreError;
-use crate::store::listener::{Ended, keep_listening, now_listening};
-use crate::store::notify::Waiters;
+use crate::store::listen::{self, Ended, keep_listening, now_listening};
+use crate::store::wake::Waiters;
 
 /// Subscribes the listener's session to the channel. The channel is named for the key table of the
 /// `idemproxy` schema, so other applications' channels on a shared database never meet ours; NOTIFY is
@@ -121,7 +121,7 @@ where
         loop {
             match poll_fn(|cx| connection.poll_message(cx)).await {
                 Some(Ok(AsyncMessage::Notification(note))) => {
-                    if !waiters.receive(note.payload()) {
+                    if !listen::heard(&waiters, note.payload()) {
                         tracing::debug!(
                             channel = note.channel(),
                             "ignored a notification that is not ours"

@@ -1,9 +1,9 @@
 //! Wake-ups across replicas for requests that wait for a key in flight (`on_in_flight = "wait"`), on
 //! Redis: the `PUBLISH` a process sends after a record of a wait route settled, on the channel
 //! `<key_prefix>:settled`, and the one subscriber connection per process that hears them and wakes this
-//! process's waiters (`store/notify.rs`). The subscriber has a connection of its own to one node (a
+//! process's waiters (`store/wake.rs`). The subscriber has a connection of its own to one node (a
 //! cluster's bus carries every `PUBLISH` to every node), the next seed node after a loss;
-//! `store/listener.rs` keeps it running from start to shutdown, and only when some route waits.
+//! `store/listen.rs` keeps it running from start to shutdown, and only when some route waits.
 
 use futures_util::StreamExt;
 use tokio::time::timeout;
@@ -12,15 +12,15 @@ use super::connect::Redis;
 use crate::error_chain::error_chain;
 use crate::metrics::Metrics;
 use crate::store::StoreError;
-use crate::store::listener::{Ended, now_listening};
-use crate::store::notify::Waiters;
+use crate::store::listen::{self, Ended, now_listening};
+use crate::store::wake::Waiters;
 
 /// The channel of a deployment's announcements.
 pub(super) fn channel(prefix: &str) -> String {
     format!("{prefix}:settled")
 }
 
-/// One subscriber session on the node `attempt` picks: subscribes, then wakes this process's waiters
+/// One subscriber session on the node `attempt` picks: waits, then wakes this process's waiters
 /// for every announcement until the connection ends.
 pub(super) async fn session(
     redis: &Redis,
@@ -44,7 +44,7 @@ pub(super) async fn session(
     let mut messages = pubsub.on_message();
     while let Some(message) = messages.next().await {
         let payload = String::from_utf8_lossy(message.get_payload_bytes());
-        if !waiters.receive(&payload) {
+        if !listen::heard(&waiters, &payload) {
             tracing::debug!(channel, "ignored a message that is not an announcement");
         }
     }
