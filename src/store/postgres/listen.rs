@@ -121,7 +121,7 @@ where
         loop {
             match poll_fn(|cx| connection.poll_message(cx)).await {
                 Some(Ok(AsyncMessage::Notification(note))) => {
-                    if !listen::heard(&waiters, note.payload()) {
+                    if !listen::heard(waiters, note.payload()) {
                         tracing::debug!(
                             channel = note.channel(),
                             "ignored a notification that is not ours"
