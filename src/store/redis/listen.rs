@@ -44,7 +44,7 @@ pub(super) async fn session(
     let mut messages = pubsub.on_message();
     while let Some(message) = messages.next().await {
         let payload = String::from_utf8_lossy(message.get_payload_bytes());
-        if !listen::heard(&waiters, &payload) {
+        if !listen::heard(waiters, &payload) {
             tracing::debug!(channel, "ignored a message that is not an announcement");
         }
     }
