@@ -8,25 +8,30 @@
 //!   shutdown; `server/socket.rs` is the TCP or unix socket it accepts from, `server/cert_reload.rs`
 //!   swaps in a changed TLS certificate, `server/slots.rs` caps the connections,
 //!   `server/write_deadline.rs` lets go of clients that stop reading;
-//! - `proxy.rs` routes each request, once `proxy/path.rs` has brought its path to its one spelling (or
-//!   refused it): a request the proxy does not protect goes to `proxy/passthrough.rs`;
-//!   a keyed one to `proxy/key.rs` (key, scope, fingerprint) → `proxy/intake.rs` (scope check, the body
-//!   read whole, the claim with its lease; on a route with a `signature`, `proxy/signature.rs` verifies
-//!   the sender's webhook signature first) → `proxy/cache.rs` (retries answered from memory) →
-//!   `proxy/claim.rs` (the claim statement on the request's own task, and the decision table) → either
-//!   `proxy/replay.rs`, or `proxy/execute.rs`: the won claim's whole task, with its heartbeat, the
-//!   upstream call (`proxy/upstream.rs`, its pool and `proxy/upstream/connect.rs`: TCP, TLS or a unix
-//!   socket), the relay and capture, and the fenced completion; on a route that waits, a key in flight
-//!   goes to `proxy/wait.rs`, which waits for the original and claims again;
-//! - `store.rs` is the store contract; `store/postgres.rs` (replicas; its claim, completion, statement
+//! - `proxy.rs` is the spine: it routes each request, once `proxy/path.rs` has brought its path to its
+//!   one spelling (or refused it), and composes the stages, each a struct in its own file holding only
+//!   what it uses, which call one another in one order (spine → wait → claim → execute, forward,
+//!   intake → settle): a request the proxy does not protect goes to `proxy/passthrough.rs` (`Forward`);
+//!   a keyed one to `proxy/intake.rs` (`Intake`: scope check, the body read whole, key, scope and
+//!   fingerprint by `proxy/key.rs`, the claim with its lease; on a route with a `signature`,
+//!   `proxy/signature.rs` verifies the sender's webhook signature first) → `proxy/cache.rs` (retries
+//!   answered from memory) → on the request's own task `proxy/wait.rs` (`Waits`) → `proxy/claim.rs`
+//!   (`Claims`: the claim statement and the decision table) → either `proxy/replay.rs`, or
+//!   `proxy/execute.rs` (`Executor`): the won claim's execution, with its heartbeat, the upstream call
+//!   (`proxy/upstream.rs`, its pool and `proxy/upstream/connect.rs`: TCP, TLS or a unix socket), the
+//!   relay and capture, and the fenced completion, after which `proxy/settle.rs` (`Settle`) wakes
+//!   whoever waits for the record; on a route that waits, a key in flight stays in `proxy/wait.rs`,
+//!   which waits for the original and claims again;
+//! - `store.rs` is the store contract (`store/handle.rs` times every call to it); `store/postgres.rs` (replicas; its claim, completion, statement
 //!   runner, TLS and migrations each in a file under `store/postgres/`), `store/redis.rs` (a Redis server or
 //!   cluster, its scripts under `store/redis/lua/`) or `store/sqlite.rs` (embedded, the default; its
 //!   file, blocking bridge and statements under `store/sqlite/`) holds the key table,
 //!   `store/coalesce.rs` batches what arrives together, `store/encrypted.rs` seals stored responses
 //!   around any backend, `store/open.rs` opens it (at start waiting out a server that cannot be had yet)
 //!   and says what it can do, `store/list.rs` pages through records, `store/sweeper.rs` deletes expired
-//!   records in the background, and `store/wake.rs` wakes waiting requests (fed across replicas by
-//!   `store/postgres/listen.rs`);
+//!   records in the background, `store/wake.rs` wakes waiting requests in this process, and
+//!   `store/listen.rs` announces settlements to the other replicas and listens for theirs (PostgreSQL's
+//!   `NOTIFY` in `store/postgres/listen.rs`, Redis's `PUBLISH` in `store/redis/listen.rs`);
 //! - `error.rs` turns failures into problem+json; `body.rs`, `headers.rs` and `error_chain.rs` are what
 //!   every layer may use (the body type, the header names the proxy writes, an error on one line);
 //! - `admin.rs` serves `/metrics` (every name in `metrics.rs`, which depends on nothing else here),
