@@ -21,7 +21,7 @@ mod relay;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, Request, StatusCode};
+use http::{HeaderMap, Request, StatusCode, request};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -31,6 +31,7 @@ use self::heartbeat::Heartbeat;
 use self::relay::{Held, Relay, Relayed, ToStore};
 use super::answer::{Answer, Handled};
 use super::cache::{Fill, ReplayCache};
+use super::downstream::Downstream;
 use super::expiry;
 use super::settle::Settle;
 use super::upstream::{Upstream, stream_response};
@@ -133,9 +134,9 @@ impl Executor {
     /// The request `parts` and `body` as they go upstream from `peer`.
     pub(crate) fn request(
         &self,
-        parts: http::request::Parts,
+        parts: request::Parts,
         body: ProxyBody,
-        peer: &super::downstream::Downstream,
+        peer: &Downstream,
     ) -> Request<ProxyBody> {
         self.upstream.request(parts, body, peer)
     }

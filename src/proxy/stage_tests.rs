@@ -17,6 +17,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
@@ -32,6 +33,7 @@ use super::passthrough::Forward;
 use super::settle::Settle;
 use super::slot::KeyedSlots;
 use super::upstream::Upstream;
+use super::wait::Waits;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::store::stub::StubStore;
@@ -47,6 +49,21 @@ pub(crate) struct Stages {
     pub(crate) metrics: Metrics,
     pub(crate) slots: KeyedSlots,
     pub(crate) tracker: TaskTracker,
+    pub(crate) waiters: Arc<Waiters>,
+}
+
+impl Stages {
+    /// The wait stage over these stages' claims, until `shutdown`.
+    pub(crate) fn waits(&self, shutdown: CancellationToken) -> Arc<Waits> {
+        let (cache, metrics) = (self.cache.clone(), self.metrics.clone());
+        Arc::new(Waits::new(
+            &self.config,
+            self.claims.clone(),
+            cache,
+            metrics,
+            shutdown,
+        ))
+    }
 }
 
 /// The stages as `toml` configures them (the default route is keyed), over `store`.
@@ -84,7 +101,7 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
             store: handle,
             cache: cache.clone(),
             slots: slots.clone(),
-            waiters,
+            waiters: waiters.clone(),
             metrics: metrics.clone(),
             executor: executor.clone(),
             forward: Forward::new(&config, upstream, metrics.clone()),
@@ -99,6 +116,7 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
         metrics,
         slots,
         tracker,
+        waiters,
     }
 }
 

@@ -220,3 +220,116 @@ impl Drop for Waiting<'_> {
         self.metrics.waiting.dec();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http_body_util::BodyExt;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::proxy::answer::Handled;
+    use crate::proxy::stage_tests::{self, Stages};
+    use crate::store::stub::{Op, Reply, StubStore};
+    use crate::store::wake::RecordTag;
+    use crate::store::{ClaimResult, Existing, StoredResponse};
+
+    /// The stages on a route that waits at most 5 s, in front of an upstream that refuses every
+    /// connection.
+    fn stages(store: &Arc<StubStore>) -> Stages {
+        let toml = "[upstream]\nurl = \"http://127.0.0.1:1\"\n[idempotency]\nlock_timeout = \"30s\"\n\
+                    on_in_flight = \"wait\"\nwait_timeout = \"5s\"\n";
+        stage_tests::stages(toml, store)
+    }
+
+    fn in_flight() -> Reply {
+        Reply::Claim(ClaimResult::Held(Existing::Processing {
+            same_fingerprint: true,
+            lease_remaining: Duration::from_secs(20),
+        }))
+    }
+
+    /// Starts a new request with key `k` on its own task, as the spine does; where its answer comes.
+    async fn start(stages: &Stages, waits: &Arc<Waits>) -> tokio::sync::oneshot::Receiver<Handled> {
+        let taken = stage_tests::taken_in(stages).await;
+        let peer = stage_tests::peer();
+        let slot = stages.slots.take(&peer).expect("a free slot");
+        let (head, answer) = stage_tests::answer(&stages.metrics);
+        tokio::spawn(waits.clone().run(taken, peer, head, slot));
+        answer
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_woken_by_the_settlement_claims_again_at_once_and_gets_the_replay() {
+        let store = StubStore::new();
+        store.then(Op::Claim, in_flight()).then(
+            Op::Claim,
+            Reply::Claim(ClaimResult::Held(Existing::Completed {
+                same_fingerprint: true,
+                response: StoredResponse {
+                    status: 201,
+                    headers: vec![],
+                    body: Some(Bytes::from_static(b"done")),
+                },
+                expires_in: Duration::from_secs(60),
+                token: uuid::Uuid::nil(),
+            })),
+        );
+        let stages = stages(&store);
+        let waits = stages.waits(CancellationToken::new());
+        let answer = start(&stages, &waits).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(store.count(Op::Claim), 1, "waiting, not polling");
+        stages.waiters.wake(RecordTag::of("default:s", "k"));
+        let (response, _) = answer.await.unwrap().expect("the replay");
+        assert_eq!(response.status(), 201);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"done");
+        let claims = store.times(Op::Claim);
+        assert_eq!(
+            claims[1] - claims[0],
+            Duration::from_secs(2),
+            "claimed again when woken"
+        );
+        assert_eq!(stages.metrics.waiting.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_nobody_wakes_gets_the_conflict_at_its_wait_timeout() {
+        let store = StubStore::new();
+        store.always(Op::Claim, in_flight());
+        let stages = stages(&store);
+        let waits = stages.waits(CancellationToken::new());
+        let started = Instant::now();
+        let answer = start(&stages, &waits).await.await.unwrap();
+        assert!(
+            matches!(answer, Err(ProxyError::KeyInFlight { .. })),
+            "{answer:?}"
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        assert_eq!(
+            store.count(Op::Claim),
+            1,
+            "no re-check before the lease it saw runs out"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_is_answered_at_once_when_the_proxy_shuts_down() {
+        let store = StubStore::new();
+        store.always(Op::Claim, in_flight());
+        let stages = stages(&store);
+        let shutdown = CancellationToken::new();
+        let waits = stages.waits(shutdown.clone());
+        let answer = start(&stages, &waits).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let started = Instant::now();
+        shutdown.cancel();
+        let answer = answer.await.unwrap();
+        assert!(
+            matches!(answer, Err(ProxyError::KeyInFlight { .. })),
+            "{answer:?}"
+        );
+        assert_eq!(started.elapsed(), Duration::ZERO);
+    }
+}
