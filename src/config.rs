@@ -14,6 +14,7 @@
 //! the rest of the crate: the store, the proxy and the server read this, never the other way round.
 
 mod encryption;
+mod error;
 mod idempotency;
 mod key_source;
 mod log;
@@ -43,6 +44,7 @@ pub use encryption::{
     CURRENT_FORMAT, EncryptionConfig, EncryptionKey, KEY_LEN, MAX_KEY_ID, RawEncryption, RecordLifetimes,
     is_key_id,
 };
+pub use error::ConfigError;
 pub use idempotency::{
     FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, RawIdempotency, ReleasePolicy, Unscoped,
 };
@@ -63,55 +65,6 @@ pub use sweeper::SweeperConfig;
 pub use traces::{DEFAULT_SERVICE_NAME, HTTP_PROTOBUF, RawTraces, TracesConfig};
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
 pub use warnings::Warning;
-
-/// A configuration error: one line naming the key and what is wrong with it.
-#[derive(Debug, thiserror::Error)]
-#[error("config error: {key}: {message}")]
-pub struct ConfigError {
-    /// Dotted path of the offending key (`idempotency.ttl`), or `config` when the file itself is unreadable.
-    pub key: String,
-    /// What is wrong, in one line.
-    pub message: String,
-}
-
-impl ConfigError {
-    pub(crate) fn new(key: &str, message: impl std::fmt::Display) -> Self {
-        ConfigError {
-            key: key.to_owned(),
-            message: message.to_string().replace('\n', " "),
-        }
-    }
-
-    fn from_figment(err: figment::Error) -> Self {
-        let mut path = err.path.clone();
-        let source = err.metadata.as_ref().map(|m| match &m.source {
-            Some(figment::Source::File(file)) => file.display().to_string(),
-            _ => m.name.to_string(),
-        });
-        let from = source
-            .as_deref()
-            .map(|s| format!(" (from {s})"))
-            .unwrap_or_default();
-        let message = match &err.kind {
-            figment::error::Kind::UnknownField(field, expected) => {
-                if path.last() != Some(field) {
-                    path.push(field.clone());
-                }
-                // The variable that set it, if one did: figment may tag the error with the layer
-                // whose table holds the key rather than the one that added it.
-                parse::unknown_variable(&path, expected, std::env::vars_os())
-                    .unwrap_or_else(|| format!("{}{from}", parse::unknown_key(field, expected)))
-            }
-            kind => format!("{kind}{from}"),
-        };
-        let key = if path.is_empty() {
-            "config".to_owned()
-        } else {
-            path.join(".")
-        };
-        ConfigError::new(&key, message)
-    }
-}
 
 /// The configuration as written, before validation. Every key has a default.
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -279,7 +232,7 @@ impl RawConfig {
         let mut server = self.server.validate()?;
         let upstream = self.upstream.validate(&server)?;
         let store = self.store.validate()?;
-        let idempotency = self.idempotency.validate_with(idempotency::SECTION, secrets)?;
+        let idempotency = self.idempotency.validate_section(secrets)?;
         let routes = RouteTable::new(
             &self.idempotency,
             idempotency,

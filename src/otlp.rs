@@ -13,6 +13,7 @@
 mod export;
 #[cfg(not(feature = "otlp"))]
 mod export_off;
+mod spans;
 
 use http::{Method, StatusCode, Version};
 use tracing::Span;
@@ -20,14 +21,7 @@ use tracing::field::Empty;
 
 use crate::config::TracesConfig;
 
-/// The target of the spans made for traces alone.
-pub const TARGET: &str = "idemproxy::otlp";
-
-/// The log filter's directive that keeps the spans of [`TARGET`] out of the log output.
-pub const NOT_LOGGED: &str = "idemproxy::otlp=off";
-
-/// The target and name of the request's span, made by `proxy.rs` for logs and traces alike.
-pub const REQUEST_SPAN: (&str, &str) = ("idemproxy::proxy", "request");
+pub use self::spans::{AttributeValue, NOT_LOGGED, REQUEST_SPAN, TARGET};
 
 #[cfg(feature = "otlp")]
 pub use export::{Exporting, StartError, layer};
@@ -178,27 +172,6 @@ fn export_attribute(span: &Span, key: &'static str, value: impl Into<AttributeVa
     export::attribute(span, key, value.into());
     #[cfg(not(feature = "otlp"))]
     let _ = (span, key, value.into());
-}
-
-/// A value [`export_attribute`] takes.
-#[derive(Debug, Clone, Copy)]
-pub enum AttributeValue {
-    /// Text.
-    Str(&'static str),
-    /// A number.
-    Int(i64),
-}
-
-impl From<&'static str> for AttributeValue {
-    fn from(value: &'static str) -> Self {
-        AttributeValue::Str(value)
-    }
-}
-
-impl From<i64> for AttributeValue {
-    fn from(value: i64) -> Self {
-        AttributeValue::Int(value)
-    }
 }
 
 #[cfg(test)]

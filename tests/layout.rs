@@ -63,17 +63,29 @@ fn without_tests(text: &str) -> &str {
 /// including each name inside a `{...}` group.
 fn named_paths(text: &str, me: &[String]) -> Vec<Vec<String>> {
     let mut paths = Vec::new();
-    for base in ["crate::", "super::", "self::"] {
-        for (at, _) in text.match_indices(base) {
+    let mut bases = vec![
+        ("crate::".to_owned(), Vec::new()),
+        ("super::".to_owned(), me[..me.len().saturating_sub(1)].to_vec()),
+        ("self::".to_owned(), me.to_vec()),
+    ];
+    // A module the file declares is named by its bare name too (`claim::alone` in postgres.rs), but
+    // a re-export (`pub use open::serve;`) is the parent speaking for its child, not a use of it.
+    for child in declared_modules(text) {
+        let mut root = me.to_vec();
+        root.push(child.clone());
+        bases.push((format!("{child}::"), root));
+    }
+    for (n, (base, root)) in bases.iter().enumerate() {
+        for (at, _) in text.match_indices(base.as_str()) {
             let before = text[..at].chars().next_back();
             if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
                 continue;
             }
-            let mut path: Vec<String> = match base {
-                "crate::" => Vec::new(),
-                "super::" => me[..me.len().saturating_sub(1)].to_vec(),
-                _ => me.to_vec(),
-            };
+            let line = text[..at].rsplit('\n').next().unwrap_or("").trim_start();
+            if n >= 3 && (line.starts_with("pub use ") || line.starts_with("pub(crate) use ")) {
+                continue;
+            }
+            let mut path: Vec<String> = root.clone();
             let rest = &text[at + base.len()..];
             let end = rest
                 .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
@@ -110,6 +122,22 @@ fn named_paths(text: &str, me: &[String]) -> Vec<Vec<String>> {
         }
     }
     paths
+}
+
+/// The modules `text` declares (`mod name;`, public or not).
+fn declared_modules(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| {
+            let line = line.trim_start();
+            let rest = line
+                .strip_prefix("pub ")
+                .or_else(|| line.strip_prefix("pub(crate) "))
+                .or_else(|| line.strip_prefix("pub(super) "))
+                .unwrap_or(line);
+            let name = rest.strip_prefix("mod ")?.strip_suffix(';')?;
+            Some(name.to_owned())
+        })
+        .collect()
 }
 
 /// Which file uses which, by file path.
@@ -319,7 +347,7 @@ fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
     assert_eq!(find_cycle(&graph).unwrap().len(), 4);
     let me = vec!["proxy".to_owned(), "claim".to_owned()];
     let found = named_paths(
-        "use super::{Answer, replay};\nuse crate::store::Store;\nlet x = myself::thing;\nuse crate::metrics::{self, Outcome};",
+        "mod replay;\nuse super::{Answer, replay};\nuse crate::store::Store;\nlet x = myself::thing;\nuse crate::metrics::{self, Outcome};\nlet y = replay::response();",
         &me,
     );
     assert!(
@@ -338,5 +366,14 @@ fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
         found.contains(&vec!["metrics".to_owned()]),
         "unless it names self: {found:?}"
     );
-    assert_eq!(found.len(), 5, "myself:: is not self::: {found:?}");
+    assert!(
+        found.contains(&vec![
+            "proxy".to_owned(),
+            "claim".to_owned(),
+            "replay".to_owned(),
+            "response".to_owned()
+        ]),
+        "a declared module by its bare name: {found:?}"
+    );
+    assert_eq!(found.len(), 6, "myself:: is not self::: {found:?}");
 }

@@ -8,45 +8,24 @@
 mod client;
 mod forget;
 mod list;
+mod report;
 
 use std::fmt::Write as _;
-use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
+use self::client::Client;
+use self::forget::Forget;
+pub use self::report::{KeysError, Report};
+use self::report::{Output, describe, human};
 use super::KeysCommand;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::store::{self, Purpose, RecordId, RecordInfo, RecordStatus, StoreError, StoreHandle, sweeper};
-use client::Client;
-use forget::Forget;
 
 /// Records deleted per statement by `keys purge`, as by the sweeper's default.
 const PURGE_BATCH: u32 = 1000;
-
-/// Why a `keys` command could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum KeysError {
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// The command names a route, path or credential that cannot be used.
-    #[error("{0}")]
-    Usage(String),
-    /// The confirmation could not be read.
-    #[error("cannot read the confirmation: {0}")]
-    Confirmation(std::io::Error),
-}
-
-/// What a command has to say, and whether it did what was asked (the exit status).
-#[derive(Debug)]
-pub struct Report {
-    /// Text or JSON, ending with a newline.
-    pub output: String,
-    /// False when the key was not found or the command refused to act.
-    pub success: bool,
-}
 
 /// Runs one `keys` command against the configured store.
 pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<Report, KeysError> {
@@ -66,7 +45,7 @@ pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<R
             after,
         } => {
             let scope = Client::resolve(config, scope.as_deref(), client)?;
-            list::list(&store, &out, scope.filter(), state.clone(), *limit, after.clone()).await
+            self::list::list(&store, &out, scope.filter(), state.clone(), *limit, after.clone()).await
         }
         KeysCommand::Forget {
             key,
@@ -80,9 +59,9 @@ pub async fn run(config: &Config, command: &KeysCommand, json: bool) -> Result<R
                 key,
                 yes: *yes,
                 force: *force,
-                cache_age: forget::replay_cache_age(config),
+                cache_age: self::forget::replay_cache_age(config),
             };
-            forget::forget(&store, &out, &scope, &asked).await
+            self::forget::forget(&store, &out, &scope, &asked).await
         }
         KeysCommand::Release { key, scope, force } => {
             Ok(release(&store, &out, key, scope.as_deref(), *force).await?)
@@ -106,7 +85,7 @@ async fn show(store: &StoreHandle, out: &Output, key: &str, client: &Client) -> 
     let mut records = store.find(key, client.scope()).await?;
     records.retain(|record| client.filter().admits(&record.scope));
     if records.is_empty() {
-        return Ok(out.not_found(key, client));
+        return Ok(client.not_found(out, key));
     }
     Ok(out.report(&records, true, |records, text| {
         client.describe(text);
@@ -119,14 +98,6 @@ async fn show(store: &StoreHandle, out: &Output, key: &str, client: &Client) -> 
     }))
 }
 
-/// What `keys release` did, for JSON output.
-#[derive(Serialize)]
-struct Released<'a> {
-    released: bool,
-    reason: &'a str,
-    record: Option<RecordInfo>,
-}
-
 async fn release(
     store: &StoreHandle,
     out: &Output,
@@ -136,7 +107,7 @@ async fn release(
 ) -> Result<Report, StoreError> {
     let mut records = store.find(key, scope).await?;
     let record = match records.len() {
-        0 => return Ok(out.not_found(key, &Client::Anyone)),
+        0 => return Ok(Client::Anyone.not_found(out, key)),
         1 => records.remove(0),
         _ => {
             let scopes: Vec<&str> = records.iter().map(|r| r.scope.as_str()).collect();
@@ -218,133 +189,10 @@ async fn purge(store: &StoreHandle, out: &Output) -> Result<Report, StoreError> 
     }))
 }
 
-/// One record, one line per fact.
-fn describe(record: &RecordInfo, text: &mut String) {
-    let now = record.observed_at;
-    let mut line = |label: &str, value: String| {
-        let _ = writeln!(text, "{label:<10}{value}");
-    };
-    line("key", record.key.clone());
-    line("scope", record.scope.clone());
-    line("status", status_line(record));
-    line(
-        "attempt",
-        format!("{} ({})", record.attempt, record.claim_kind.as_str()),
-    );
-    line("token", record.token.to_string());
-    line("created", timestamp(record.created_at, now));
-    line("updated", timestamp(record.updated_at, now));
-    line("expires", timestamp(record.expires_at, now));
-    line("response", response_line(record));
-}
-
-fn status_line(record: &RecordInfo) -> String {
-    let status = record.status.as_str();
-    match (record.status, record.lease_remaining()) {
-        (RecordStatus::Processing, Some(left)) => {
-            format!("{status}, lease live for {} (a proxy holds it)", human(left))
-        }
-        _ if record.expired() => {
-            format!("{status}, expired (claimable as new; the sweeper deletes it)")
-        }
-        (RecordStatus::Processing, None) => {
-            format!("{status}, lease ran out (stale: the next retry takes it over, or release it)")
-        }
-        (RecordStatus::Failed, _) => format!("{status} (released: the next retry executes)"),
-        (RecordStatus::Unknown, _) => format!(
-            "{status} (held: the request may have executed; retries get 502 outcome-unknown until \
-             `keys release`)"
-        ),
-        (RecordStatus::Completed, _) => format!("{status} (retries replay the stored response)"),
-    }
-}
-
-fn response_line(record: &RecordInfo) -> String {
-    match (
-        record.response_status,
-        record.body_retained,
-        record.response_bytes,
-    ) {
-        (None, _, _) => "none".into(),
-        (Some(status), Some(true), bytes) => format!("{status}, {} bytes stored", bytes.unwrap_or(0)),
-        (Some(status), _, _) => {
-            format!("{status}, body not retained (over max_stored_response; retries get 410)")
-        }
-    }
-}
-
-fn timestamp(at: SystemTime, now: SystemTime) -> String {
-    let stamp = humantime::format_rfc3339_seconds(at);
-    match at.duration_since(now) {
-        Ok(ahead) => format!("{stamp} (in {})", human(ahead)),
-        Err(behind) => format!("{stamp} ({} ago)", human(behind.duration())),
-    }
-}
-
-/// A duration to the second, as people read it ("1h 2m 3s").
-fn human(duration: Duration) -> String {
-    let seconds = Duration::from_secs(duration.as_secs().max(u64::from(!duration.is_zero())));
-    humantime::format_duration(seconds).to_string()
-}
-
-/// Renders reports as text or JSON.
-struct Output {
-    json: bool,
-}
-
-impl Output {
-    fn report<T: Serialize>(&self, value: &T, success: bool, text: impl FnOnce(&T, &mut String)) -> Report {
-        let mut output = String::new();
-        if self.json {
-            output = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
-            output.push('\n');
-        } else {
-            text(value, &mut output);
-        }
-        Report { output, success }
-    }
-
-    fn not_found(&self, key: &str, client: &Client) -> Report {
-        let empty: [RecordInfo; 0] = [];
-        self.report(&empty, false, |_, text| {
-            client.describe(text);
-            match client.scope() {
-                Some(scope) => {
-                    let _ = writeln!(text, "no record for key {key:?} in scope {scope}");
-                }
-                None => {
-                    let _ = writeln!(text, "no record for key {key:?}");
-                }
-            }
-        })
-    }
-
-    fn released(&self, released: bool, reason: &str, record: Option<RecordInfo>) -> Report {
-        self.outcome(released, reason, record, true)
-    }
-
-    fn refused(&self, reason: &str, record: Option<RecordInfo>) -> Report {
-        self.outcome(false, reason, record, false)
-    }
-
-    fn outcome(&self, released: bool, reason: &str, record: Option<RecordInfo>, success: bool) -> Report {
-        let value = Released {
-            released,
-            reason,
-            record,
-        };
-        self.report(&value, success, |value, text| {
-            let _ = writeln!(text, "{}", value.reason);
-            if let Some(record) = &value.record {
-                text.push('\n');
-                describe(record, text);
-            }
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, SystemTime};
+
     use super::*;
     use crate::store::ClaimKind;
 

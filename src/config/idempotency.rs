@@ -255,6 +255,11 @@ impl RawIdempotency {
         self.validate_at(SECTION)
     }
 
+    /// [`RawIdempotency::validate`], reading signature secrets through `secrets`.
+    pub fn validate_section(&self, secrets: &dyn SecretReader) -> Result<Policy, ConfigError> {
+        self.validate_with(SECTION, secrets)
+    }
+
     /// Checks these settings and converts them, naming every key (in errors and in messages that refer
     /// to a sibling key) under `prefix`: `idempotency` for the section, a route's own path for a route.
     /// Signature secrets are read from the process's environment and files.

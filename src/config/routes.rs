@@ -290,7 +290,7 @@ impl RawRoute {
             };
             match &e.kind {
                 figment::error::Kind::UnknownField(field, known) => {
-                    ConfigError::new(&key, super::parse::unknown_key(field, known))
+                    ConfigError::new(&key, super::error::unknown_key(field, known))
                 }
                 kind => ConfigError::new(&key, kind),
             }

@@ -25,7 +25,7 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::filter::FilterFn;
 use tracing_subscriber::registry::LookupSpan;
 
-use super::{AttributeValue, REQUEST_SPAN, TARGET};
+use super::spans::{AttributeValue, REQUEST_SPAN, TARGET};
 use crate::config::tls::{self, roots};
 use crate::config::{DEFAULT_SERVICE_NAME, TracesConfig};
 

@@ -7,10 +7,11 @@ use std::fmt::Write as _;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
-use super::KeysError;
+use super::report::{KeysError, Output, Report};
 use crate::cmd::ClientArgs;
 use crate::config::{Config, DEFAULT_ROUTE, Route, Unscoped, normal};
 use crate::proxy::key;
+use crate::store::RecordInfo;
 use crate::store::ScopeFilter;
 
 /// Which scope a command looks in, and how it was found.
@@ -162,6 +163,24 @@ fn refused(route: &Route, headers: &HeaderMap) -> Option<String> {
         route.name,
         names.join(", ")
     ))
+}
+
+impl Client {
+    /// What a command says when this client has no record for `key`.
+    pub(super) fn not_found(&self, out: &Output, key: &str) -> Report {
+        let empty: [RecordInfo; 0] = [];
+        out.report(&empty, false, |_, text| {
+            self.describe(text);
+            match self.scope() {
+                Some(scope) => {
+                    let _ = writeln!(text, "no record for key {key:?} in scope {scope}");
+                }
+                None => {
+                    let _ = writeln!(text, "no record for key {key:?}");
+                }
+            }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::client::Client;
-use super::{KeysError, Output, Report, describe, human};
+use super::report::{KeysError, Output, Report, describe, human};
 use crate::config::Config;
 use crate::store::{RecordId, RecordInfo, RecordStatus, StoreHandle};
 
@@ -40,7 +40,7 @@ pub(super) async fn forget(
     let mut records = store.find(asked.key, client.scope()).await?;
     records.retain(|record| client.filter().admits(&record.scope));
     let record = match records.len() {
-        0 => return Ok(out.not_found(asked.key, client)),
+        0 => return Ok(client.not_found(out, asked.key)),
         1 => records.remove(0),
         _ => return Ok(out.forget_refused(&several_scopes(asked.key, &records), None)),
     };

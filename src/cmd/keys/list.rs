@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::{KeysError, Output, Report};
+use super::report::{KeysError, Output, Report};
 use crate::store::{ListQuery, RecordInfo, RecordState, ScopeFilter, StoreHandle};
 
 /// Most records one `keys list` reads, whatever its filters: a page on a large table with few records

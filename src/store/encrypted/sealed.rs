@@ -25,7 +25,7 @@ use chacha20poly1305::aead::{AeadInOut, Generate};
 use chacha20poly1305::{Tag, XChaCha20Poly1305, XNonce};
 use uuid::Uuid;
 
-use super::{Keyring, MAGIC, SealError, Unreadable, key_id_of};
+use super::keyring::{Keyring, MAGIC, SealError, Unreadable, key_id_of};
 use crate::store::StoredResponse;
 
 /// The format bound to its record and completion, read only.

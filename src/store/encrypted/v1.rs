@@ -13,7 +13,7 @@ use aes_gcm::Nonce;
 use aes_gcm::aead::{Aead, Payload};
 use bytes::Bytes;
 
-use super::{Keyring, MAGIC, Unreadable, key_id_of};
+use super::keyring::{Keyring, MAGIC, Unreadable, key_id_of};
 use crate::store::{RecordId, StoredResponse};
 
 /// The format version this module reads.
