@@ -271,11 +271,10 @@ impl Claims {
             };
             tokio::spawn(orphan.release(claim.id.clone(), claim.lease));
         }
-        head.send(
-            self.forward
-                .store_down(intake.parts, intake.body, &peer, error)
-                .await,
-        );
+        // Rare, and a forward is many kilobytes of future: on the heap, it stays out of the claim task
+        // that every keyed request spawns (and tokio copies as it starts and as it finishes).
+        let forward = Box::pin(self.forward.store_down(intake.parts, intake.body, &peer, error));
+        head.send(forward.await);
         Round::Refused
     }
 
@@ -292,7 +291,8 @@ impl Claims {
         let waited = won.started.elapsed();
         if waited > claim.lease / 2 {
             let late = self.claimed_too_late(&route, &claim, waited).await;
-            head.send(self.forward.store_down(parts, body, &peer, late).await);
+            let forward = Box::pin(self.forward.store_down(parts, body, &peer, late));
+            head.send(forward.await);
             return false;
         }
         let slot = match won.slot {
