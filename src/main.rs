@@ -61,7 +61,15 @@ fn main() -> ExitCode {
 /// The commands that run with logging (and traces) set up; `serve` rereads the configuration through
 /// `reload` at SIGHUP.
 fn run(cli: Cli, config: Config, reload: Reload) -> ExitCode {
-    let runtime = match tokio::runtime::Runtime::new() {
+    // The process's own runtime: the accept loop, the store's connections and batches, the admin
+    // listener, the sweeper. One thread is enough for them, and leaves the cores to the workers, which
+    // serve the requests on runtimes of their own (`server.workers`); with a second thread the two woke
+    // each other for every batch (bench/RESULTS.md, "What each change bought").
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build();
+    let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
             tracing::error!(%error, "cannot start the runtime");
