@@ -5,6 +5,8 @@
 -- `done` prints one line starting with BENCH_JSON that bench/run reads.
 
 local mode = os.getenv("BENCH_MODE") or "get"
+-- The path keyed requests are sent to: /orders on idemproxy, /URL_ORDERS on the peer (bench/run --peer).
+local path = os.getenv("BENCH_PATH") or "/orders"
 local nonce = os.getenv("BENCH_NONCE") or tostring(os.time())
 local order = '{"amount":1000,"currency":"EUR","customer":"c_123"}'
 -- Keyed requests carry a credential, as real clients do: without one the proxy refuses them (400).
@@ -22,7 +24,7 @@ if mode == "keyed" then
    function request()
       counter = counter + 1
       headers["Idempotency-Key"] = nonce .. "-" .. thread_id .. "-" .. counter
-      return wrk.format("POST", "/orders", headers, order)
+      return wrk.format("POST", path, headers, order)
    end
 elseif mode == "replay" then
    wrk.method = "POST"
