@@ -40,7 +40,6 @@ use self::answer::{Answer, Handled};
 use self::cache::ReplayCache;
 use self::claim::{Claims, ClaimsParts};
 use self::downstream::Downstream;
-use self::execute::capture::CaptureBudget;
 use self::execute::{Executor, ExecutorParts};
 use self::intake::Intake;
 use self::passthrough::Forward;
@@ -117,12 +116,6 @@ impl Proxy {
                 upstream,
                 tracker: tracker.clone(),
                 cache: cache.clone(),
-                captures: Arc::new(CaptureBudget::new(
-                    server.max_buffered_responses,
-                    server.max_buffered_responses_per_scope,
-                    server.capture_wait,
-                    metrics.clone(),
-                )),
                 metrics: metrics.clone(),
                 settle: settle.clone(),
             },

@@ -74,7 +74,6 @@ pub(crate) struct ExecutorParts {
     pub(crate) upstream: Upstream,
     pub(crate) tracker: TaskTracker,
     pub(crate) cache: Arc<ReplayCache>,
-    pub(crate) captures: Arc<CaptureBudget>,
     pub(crate) metrics: Metrics,
     pub(crate) settle: Settle,
 }
@@ -101,10 +100,17 @@ impl Executor {
             upstream,
             tracker,
             cache,
-            captures,
             metrics,
             settle,
         } = parts;
+        let server = &config.server;
+        // Bytes of keyed responses being captured, and each scope's share: one budget for every worker.
+        let captures = Arc::new(CaptureBudget::new(
+            server.max_buffered_responses,
+            server.max_buffered_responses_per_scope,
+            server.capture_wait,
+            metrics.clone(),
+        ));
         Executor {
             relay: Relay::new(
                 captures,
@@ -480,40 +486,36 @@ mod tests {
         stages.tracker.wait().await;
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn the_client_gets_the_end_of_its_response_once_its_record_is_stored() {
+    /// A new key whose completion takes `storing`: how long after the completion began the client got
+    /// the end of its response, and whether the record was then cached.
+    async fn end_after_completion(storing: Duration) -> (Duration, Stages) {
         let upstream = SlowUpstream::start(Duration::ZERO).await;
         let store = StubStore::new();
-        store.delay(Op::Complete, Duration::from_secs(1));
+        store.delay(Op::Complete, storing);
         let stages = stages(&upstream, &store);
         let (status, body, ended) = execute_and_read(&stages).await;
         assert_eq!((status, &body[..]), (201, &b"done"[..]));
-        let completing = store.times(Op::Complete)[0];
-        assert_eq!(
-            ended - completing,
-            Duration::from_secs(1),
-            "the end waits for the store"
-        );
+        assert_eq!(store.count(Op::Complete), 1);
+        (ended - store.times(Op::Complete)[0], stages)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_client_gets_the_end_of_its_response_once_its_record_is_stored() {
+        let (waited, stages) = end_after_completion(Duration::from_secs(1)).await;
+        assert_eq!(waited, Duration::from_secs(1), "the end waits for the store");
         assert_eq!(stages.metrics.completion_hold_expired.get(), 0);
         assert!(cached(&stages), "a stored record fills the replay cache");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_completion_slower_than_the_hold_lets_the_client_finish_first_and_still_completes() {
-        let upstream = SlowUpstream::start(Duration::ZERO).await;
-        let store = StubStore::new();
-        store.delay(Op::Complete, Duration::from_secs(4));
-        let stages = stages(&upstream, &store);
-        let (status, body, ended) = execute_and_read(&stages).await;
-        assert_eq!((status, &body[..]), (201, &b"done"[..]));
-        let completing = store.times(Op::Complete)[0];
+        let (waited, stages) = end_after_completion(Duration::from_secs(4)).await;
         assert_eq!(
-            ended - completing,
+            waited,
             Duration::from_secs(2),
             "the client waits for the store no longer than the hold"
         );
         assert_eq!(stages.metrics.completion_hold_expired.get(), 1);
-        assert_eq!(store.count(Op::Complete), 1);
         assert!(
             cached(&stages),
             "the completion went on after the hold, and was cached"

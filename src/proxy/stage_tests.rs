@@ -26,7 +26,6 @@ use super::budget::{BodyBudget, ReservedBody};
 use super::cache::ReplayCache;
 use super::claim::{Claims, ClaimsParts};
 use super::downstream::{Downstream, Peer};
-use super::execute::capture::CaptureBudget;
 use super::execute::{Executor, ExecutorParts};
 use super::intake::TakenIn;
 use super::passthrough::Forward;
@@ -76,7 +75,6 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
     let waiters = Waiters::new();
     let settle = Settle::new(waiters.clone(), handle.clone(), false);
     let upstream = Upstream::new(&config.upstream, metrics.clone());
-    let server = &config.server;
     let executor = Executor::new(
         &config,
         ExecutorParts {
@@ -84,12 +82,6 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
             upstream: upstream.clone(),
             tracker: tracker.clone(),
             cache: cache.clone(),
-            captures: Arc::new(CaptureBudget::new(
-                server.max_buffered_responses,
-                server.max_buffered_responses_per_scope,
-                server.capture_wait,
-                metrics.clone(),
-            )),
             metrics: metrics.clone(),
             settle: settle.clone(),
         },

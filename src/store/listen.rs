@@ -101,16 +101,8 @@ pub(crate) fn now_listening(waiters: &Waiters, metrics: &Metrics) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::store::wake::Waiter;
-
-    async fn is_woken(waiter: &mut Waiter) -> bool {
-        tokio::time::timeout(Duration::from_millis(10), waiter.woken())
-            .await
-            .is_ok()
-    }
+    use crate::store::wake::tests::is_woken;
 
     #[tokio::test]
     async fn another_process_announcement_wakes_and_our_own_is_ignored() {

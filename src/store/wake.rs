@@ -150,12 +150,13 @@ impl Drop for Waiter {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::time::Duration;
 
     use super::*;
 
-    async fn is_woken(waiter: &mut Waiter) -> bool {
+    /// Whether `waiter` has a wake it has not seen (waiting briefly for it).
+    pub(crate) async fn is_woken(waiter: &mut Waiter) -> bool {
         tokio::time::timeout(Duration::from_millis(10), waiter.woken())
             .await
             .is_ok()
