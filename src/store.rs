@@ -17,6 +17,7 @@ pub mod sweeper;
 pub mod wake;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -409,6 +410,12 @@ pub trait Lifecycle: Send + Sync + 'static {
     /// to tell: its waiters are woken in-process, and this does nothing.
     async fn announce(&self, _announcement: &str) -> Result<(), StoreError> {
         Ok(())
+    }
+    /// The same store over connections of one worker thread's own, made for a store whose connection
+    /// costs nothing to have once per thread and shares no work between its users (no commit to share),
+    /// so that a request's store round trips stay on its thread; `None` (the default): share this one.
+    fn for_worker(&self) -> Option<Arc<dyn Store>> {
+        None
     }
 }
 

@@ -135,12 +135,14 @@ impl Claims {
         }
     }
 
-    /// The same stage over another worker's pool of upstream connections: its executions and its
-    /// fail_open forwards go through `upstream` and `forward`.
+    /// The same stage for another worker thread: its executions and its fail_open forwards go through
+    /// `upstream` and `forward`, and its claims and their settling through the thread's store handle.
     pub(crate) fn for_worker(&self, upstream: Upstream, forward: Forward) -> Claims {
+        let store = self.store.for_worker();
         Claims {
-            executor: self.executor.with_upstream(upstream),
+            executor: self.executor.for_worker(upstream, store.clone()),
             forward,
+            store,
             ..self.clone()
         }
     }

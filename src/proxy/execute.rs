@@ -129,10 +129,11 @@ impl Executor {
         }
     }
 
-    /// The same stage over another worker's pool of upstream connections.
-    pub(crate) fn with_upstream(&self, upstream: Upstream) -> Executor {
+    /// The same stage for another worker thread: its pool of upstream connections and its store handle.
+    pub(crate) fn for_worker(&self, upstream: Upstream, store: StoreHandle) -> Executor {
         Executor {
             upstream,
+            store,
             ..self.clone()
         }
     }

@@ -222,6 +222,15 @@ impl EncryptedStore {
 
 #[async_trait::async_trait]
 impl Lifecycle for EncryptedStore {
+    fn for_worker(&self) -> Option<Arc<dyn Store>> {
+        let inner = self.inner.for_worker()?;
+        Some(Arc::new(EncryptedStore::new(
+            inner,
+            self.keyring.clone(),
+            self.metrics.clone(),
+        )))
+    }
+
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
         let result = self.inner.claim(request).await?;
         self.open_claim(&request.id, result)

@@ -17,6 +17,9 @@ use crate::metrics::{Metrics, StoreOp};
 #[derive(Clone)]
 pub struct StoreHandle {
     inner: Arc<OnceLock<Arc<dyn Store>>>,
+    /// A worker thread's handle: its own copy of the store (`Lifecycle::for_worker`), made from the
+    /// shared one at the first call after the store is open.
+    own: Option<Arc<OnceLock<Arc<dyn Store>>>>,
     metrics: Metrics,
 }
 
@@ -25,6 +28,7 @@ impl StoreHandle {
     pub fn new(inner: Arc<dyn Store>, metrics: Metrics) -> StoreHandle {
         StoreHandle {
             inner: Arc::new(OnceLock::from(inner)),
+            own: None,
             metrics,
         }
     }
@@ -33,6 +37,7 @@ impl StoreHandle {
     pub(super) fn unopened(metrics: Metrics) -> StoreHandle {
         StoreHandle {
             inner: Arc::new(OnceLock::new()),
+            own: None,
             metrics,
         }
     }
@@ -41,6 +46,16 @@ impl StoreHandle {
     pub(super) fn install(&self, store: Arc<dyn Store>) {
         if self.inner.set(store).is_err() {
             tracing::error!("the store was opened twice; the first stays");
+        }
+    }
+
+    /// The handle for one worker thread: the same store, over that thread's own connections where the
+    /// store has them (made at the first call on the thread, so they belong to its runtime).
+    pub fn for_worker(&self) -> StoreHandle {
+        StoreHandle {
+            inner: self.inner.clone(),
+            own: Some(Arc::new(OnceLock::new())),
+            metrics: self.metrics.clone(),
         }
     }
 
@@ -134,7 +149,11 @@ impl StoreHandle {
     }
 
     fn store(&self) -> Result<&Arc<dyn Store>, StoreError> {
-        self.inner.get().ok_or(StoreError::NotOpen)
+        let shared = self.inner.get().ok_or(StoreError::NotOpen)?;
+        Ok(match &self.own {
+            Some(own) => own.get_or_init(|| shared.for_worker().unwrap_or_else(|| shared.clone())),
+            None => shared,
+        })
     }
 
     /// Times and counts `call`. A call on an unopened store is counted as a failure like any other (the

@@ -27,17 +27,20 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::blob::encode_headers;
+use super::coalesce::{BatchFuture, Coalescer, unanswered};
 use super::listen::keep_listening;
 use super::wake::Waiters;
 use super::{
-    ClaimRequest, ClaimResult, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, StoreError,
-    StoredResponse, Upkeep,
+    ClaimRequest, ClaimResult, Lifecycle, ListPage, ListQuery, RecordId, RecordInfo, RecordStats, Store,
+    StoreError, StoredResponse, Upkeep,
 };
 use crate::config::{RedisTarget, StoreConfig};
 use crate::metrics::Metrics;
-use connect::{Redis, Script};
+use connect::{Call, Redis, Script};
+use redis::Value;
 
 /// The scripts, loaded into Redis by hash at first use.
+#[derive(Clone)]
 struct Scripts {
     claim: Script,
     complete: Script,
@@ -55,14 +58,18 @@ pub struct RedisStore {
     /// Whether claims and completions wait for replicas, and how long.
     waits: bool,
     wait_timeout: Duration,
+    /// On one server with replicas to wait for: the writes that wait, run in batches of one pipeline and
+    /// one `WAIT` each (a cluster's writes each wait on their own node).
+    confirmed: Option<Coalescer<Call, Result<Value, StoreError>>>,
+    max_batch: usize,
 }
 
 impl RedisStore {
     /// Prepares the connection; it is made at the first operation, so this succeeds while Redis is down.
     pub fn connect(config: &StoreConfig, target: &RedisTarget) -> RedisStore {
-        RedisStore {
-            redis: Redis::new(config, target),
-            scripts: Scripts {
+        RedisStore::over(
+            Redis::new(config, target),
+            Scripts {
                 claim: Script::new(include_str!("redis/lua/claim.lua")),
                 complete: Script::new(include_str!("redis/lua/complete.lua")),
                 heartbeat: Script::new(include_str!("redis/lua/heartbeat.lua")),
@@ -70,9 +77,50 @@ impl RedisStore {
                 read: Script::new(include_str!("redis/lua/read.lua")),
                 forget: Script::new(include_str!("redis/lua/forget.lua")),
             },
+            target,
+            config.max_batch,
+        )
+    }
+
+    fn over(redis: Redis, scripts: Scripts, target: &RedisTarget, max_batch: usize) -> RedisStore {
+        let waits = target.wait_replicas > 0;
+        let confirmed = (waits && !target.cluster).then(|| {
+            let redis = redis.clone();
+            Coalescer::new(max_batch, 1, move |calls: Vec<Call>| -> BatchFuture<_> {
+                let redis = redis.clone();
+                Box::pin(async move { redis.run_confirmed(calls).await })
+            })
+        });
+        RedisStore {
+            redis,
+            scripts,
             prefix: target.key_prefix.clone(),
-            waits: target.wait_replicas > 0,
+            waits,
             wait_timeout: target.wait_timeout,
+            confirmed,
+            max_batch,
+        }
+    }
+
+    /// Runs `script` on the record `name`; with `wait`, its write counts only once it reached the
+    /// replicas asked for (in the next batch, on one server).
+    async fn run(
+        &self,
+        script: &Script,
+        name: &str,
+        args: &[&[u8]],
+        wait: bool,
+    ) -> Result<Value, StoreError> {
+        match &self.confirmed {
+            Some(batches) if wait => {
+                let call = Call {
+                    script: script.clone(),
+                    key: name.as_bytes().to_vec(),
+                    args: args.iter().map(|arg| arg.to_vec()).collect(),
+                };
+                batches.submit(call).await.unwrap_or_else(|| Err(unanswered()))
+            }
+            _ => self.redis.run(script, name.as_bytes(), args, wait).await,
         }
     }
 
@@ -87,16 +135,26 @@ impl RedisStore {
         let name = self.name(&id.scope, &id.key);
         let args: [&[u8]; 3] = [id.token.as_bytes(), status.as_bytes(), by.as_bytes()];
         let wait = status == "unknown";
-        let answer = self
-            .redis
-            .run(&self.scripts.settle, name.as_bytes(), &args, wait)
-            .await?;
+        let answer = self.run(&self.scripts.settle, &name, &args, wait).await?;
         record::written(answer)
     }
 }
 
 #[async_trait::async_trait]
 impl Lifecycle for RedisStore {
+    /// A worker's own multiplexed connection: Redis has no commit for connections to share, and its
+    /// `appendfsync always` covers every connection's writes of one event-loop turn with one fsync, so a
+    /// connection per worker thread costs Redis nothing and spares each operation two hops between
+    /// threads (to the connection's task and back).
+    fn for_worker(&self) -> Option<Arc<dyn Store>> {
+        Some(Arc::new(RedisStore::over(
+            self.redis.another(),
+            self.scripts.clone(),
+            self.redis.target(),
+            self.max_batch,
+        )))
+    }
+
     /// A claim that won is confirmed by `WAIT` before it is reported won; one that could not be confirmed
     /// is released again (best effort) and reported as a store failure, so its request is not forwarded.
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
@@ -109,11 +167,7 @@ impl Lifecycle for RedisStore {
             lease.as_bytes(),
             ttl.as_bytes(),
         ];
-        match self
-            .redis
-            .run(&self.scripts.claim, name.as_bytes(), &args, true)
-            .await
-        {
+        match self.run(&self.scripts.claim, &name, &args, true).await {
             Ok(answer) => record::claim_result(answer),
             Err(error) => {
                 // With replicas to wait for, the claim may have been written and only its WAIT have
@@ -142,11 +196,7 @@ impl Lifecycle for RedisStore {
         let name = self.name(&id.scope, &id.key);
         let lease = millis(lease);
         let args: [&[u8]; 2] = [id.token.as_bytes(), lease.as_bytes()];
-        record::written(
-            self.redis
-                .run(&self.scripts.heartbeat, name.as_bytes(), &args, false)
-                .await?,
-        )
+        record::written(self.run(&self.scripts.heartbeat, &name, &args, false).await?)
     }
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
@@ -158,11 +208,7 @@ impl Lifecycle for RedisStore {
             None => (b"0", b""),
         };
         let args: [&[u8]; 5] = [id.token.as_bytes(), status.as_bytes(), &headers, retained, body];
-        record::written(
-            self.redis
-                .run(&self.scripts.complete, name.as_bytes(), &args, true)
-                .await?,
-        )
+        record::written(self.run(&self.scripts.complete, &name, &args, true).await?)
     }
 
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {
@@ -200,10 +246,7 @@ impl Upkeep for RedisStore {
             return scan::find_everywhere(&self.redis, &self.scripts.read, &self.prefix, key).await;
         };
         let name = self.name(scope, key);
-        let answer = self
-            .redis
-            .run(&self.scripts.read, name.as_bytes(), &[], false)
-            .await?;
+        let answer = self.run(&self.scripts.read, &name, &[], false).await?;
         Ok(record::record_info(scope.to_owned(), key.to_owned(), answer)?
             .into_iter()
             .collect())
@@ -222,10 +265,7 @@ impl Upkeep for RedisStore {
     async fn forget(&self, id: &RecordId) -> Result<bool, StoreError> {
         let name = self.name(&id.scope, &id.key);
         let args: [&[u8]; 1] = [id.token.as_bytes()];
-        let answer = self
-            .redis
-            .run(&self.scripts.forget, name.as_bytes(), &args, true)
-            .await?;
+        let answer = self.run(&self.scripts.forget, &name, &args, true).await?;
         record::written(answer)
     }
 }

@@ -8,6 +8,7 @@
 //! A script runs as one pipeline on the record's node: `EVALSHA`, then `WAIT n` when writes must reach
 //! replicas, so that the `WAIT` is on the connection that wrote and covers the write.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
@@ -22,18 +23,26 @@ use crate::config::{RedisTarget, StoreConfig};
 use crate::store::StoreError;
 
 /// A Lua script: its text, for `EVAL` when the node does not know it yet, and its SHA-1, for `EVALSHA`.
+#[derive(Clone)]
 pub(super) struct Script {
     code: &'static str,
-    hash: String,
+    hash: Arc<str>,
 }
 
 impl Script {
     pub(super) fn new(code: &'static str) -> Script {
         Script {
             code,
-            hash: redis::Script::new(code).get_hash().to_owned(),
+            hash: redis::Script::new(code).get_hash().into(),
         }
     }
+}
+
+/// One script to run on the one server in a batch whose writes must reach replicas.
+pub(super) struct Call {
+    pub(super) script: Script,
+    pub(super) key: Vec<u8>,
+    pub(super) args: Vec<Vec<u8>>,
 }
 
 /// A handle on the connection; clones share it.
@@ -43,12 +52,13 @@ enum Handle {
     Cluster(ClusterConnection),
 }
 
-/// The store's way to Redis.
+/// The store's way to Redis; clones share the connection.
+#[derive(Clone)]
 pub(super) struct Redis {
     target: RedisTarget,
     tls_ca_file: Option<std::path::PathBuf>,
     timeout: Duration,
-    handle: OnceCell<Handle>,
+    handle: Arc<OnceCell<Handle>>,
 }
 
 /// A Redis node, as a primary's address (cluster) or the one server.
@@ -64,8 +74,22 @@ impl Redis {
             target: target.clone(),
             tls_ca_file: config.tls_ca_file.clone(),
             timeout: config.timeout,
-            handle: OnceCell::new(),
+            handle: Arc::new(OnceCell::new()),
         }
+    }
+
+    /// Another way to the same Redis, with connections of its own, made at its first operation.
+    pub(super) fn another(&self) -> Redis {
+        Redis {
+            target: self.target.clone(),
+            tls_ca_file: self.tls_ca_file.clone(),
+            timeout: self.timeout,
+            handle: Arc::new(OnceCell::new()),
+        }
+    }
+
+    pub(super) fn target(&self) -> &RedisTarget {
+        &self.target
     }
 
     /// Runs `script` on `key`'s node with `args`, followed by `WAIT` when writes must reach replicas
@@ -81,26 +105,23 @@ impl Redis {
         self.bounded(async {
             let mut handle = self.handle().await?;
             let waiting = wait && self.target.wait_replicas > 0;
-            let mut values =
-                match query(&mut handle, &self.pipeline(script, false, key, args, waiting)).await {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        query(&mut handle, &self.pipeline(script, true, key, args, waiting)).await
-                    }
-                    other => other,
+            let pipeline = |by_text| {
+                let mut pipe = redis::pipe();
+                eval(&mut pipe, script, by_text, key, args);
+                if waiting {
+                    self.wait(&mut pipe);
                 }
-                .map_err(backend)?;
+                pipe
+            };
+            let mut values = match query(&mut handle, &pipeline(false)).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    query(&mut handle, &pipeline(true)).await
+                }
+                other => other,
+            }
+            .map_err(backend)?;
             if waiting {
-                let acked = match values.pop() {
-                    Some(Value::Int(n)) => n,
-                    other => return Err(StoreError::Backend(format!("WAIT answered {other:?}"))),
-                };
-                if acked < i64::from(self.target.wait_replicas) {
-                    return Err(StoreError::Backend(format!(
-                        "the write reached {acked} of the {} replicas store.redis.wait_replicas asks for \
-                         within store.redis.wait_timeout",
-                        self.target.wait_replicas
-                    )));
-                }
+                self.confirmed(values.pop())?;
             }
             values
                 .pop()
@@ -109,24 +130,90 @@ impl Redis {
         .await
     }
 
-    fn pipeline(&self, script: &Script, by_text: bool, key: &[u8], args: &[&[u8]], wait: bool) -> Pipeline {
-        let mut pipe = redis::pipe();
-        let eval = if by_text {
-            pipe.cmd("EVAL").arg(script.code)
-        } else {
-            pipe.cmd("EVALSHA").arg(&script.hash)
+    /// Runs `calls` on the one server as one pipeline followed by one `WAIT`: a batch of writes that must
+    /// reach replicas costs one round trip and one wait for them, not one each. Each call has its own
+    /// answer; all fail when the `WAIT` saw fewer replicas than asked, since none of their writes is
+    /// known to be on one.
+    pub(super) async fn run_confirmed(&self, calls: Vec<Call>) -> Vec<Result<Value, StoreError>> {
+        let count = calls.len();
+        let answered = self
+            .bounded(async {
+                let mut handle = self.handle().await?;
+                let pipeline = |calls: &mut dyn Iterator<Item = &Call>, by_text| {
+                    let mut pipe = redis::pipe();
+                    pipe.ignore_errors();
+                    for call in calls {
+                        let args: Vec<&[u8]> = call.args.iter().map(Vec::as_slice).collect();
+                        eval(&mut pipe, &call.script, by_text, &call.key, &args);
+                    }
+                    self.wait(&mut pipe);
+                    pipe
+                };
+                let mut values = query(&mut handle, &pipeline(&mut calls.iter(), false))
+                    .await
+                    .map_err(backend)?;
+                let mut acked = values.pop();
+                // Scripts this server does not know yet (it restarted, or was flushed) run again by text,
+                // with a WAIT of their own that covers the whole batch.
+                let unknown: Vec<usize> = (0..values.len()).filter(|&i| no_script(&values[i])).collect();
+                if !unknown.is_empty() {
+                    let mut again = unknown.iter().map(|&i| &calls[i]);
+                    let mut by_text = query(&mut handle, &pipeline(&mut again, true))
+                        .await
+                        .map_err(backend)?;
+                    acked = by_text.pop();
+                    for (i, value) in unknown.into_iter().zip(by_text) {
+                        values[i] = value;
+                    }
+                }
+                self.confirmed(acked)?;
+                if values.len() != count {
+                    return Err(StoreError::Backend(format!(
+                        "Redis answered {} of a batch of {count} scripts",
+                        values.len()
+                    )));
+                }
+                Ok(values)
+            })
+            .await;
+        match answered {
+            Ok(values) => values
+                .into_iter()
+                .map(|value| match value {
+                    Value::ServerError(error) => Err(StoreError::Backend(format!(
+                        "Redis refused the script: {} {}",
+                        error.code(),
+                        error.details().unwrap_or_default()
+                    ))),
+                    value => Ok(value),
+                })
+                .collect(),
+            Err(error) => vec![Err(error); count],
+        }
+    }
+
+    /// Appends `WAIT n timeout`, n being `store.redis.wait_replicas`.
+    fn wait(&self, pipe: &mut Pipeline) {
+        let wait_ms = u64::try_from(self.target.wait_timeout.as_millis()).unwrap_or(u64::MAX);
+        pipe.cmd("WAIT")
+            .arg(self.target.wait_replicas)
+            .arg(wait_ms.max(1));
+    }
+
+    /// Whether `WAIT` answered that every replica asked for has the writes before it.
+    fn confirmed(&self, acked: Option<Value>) -> Result<(), StoreError> {
+        let acked = match acked {
+            Some(Value::Int(n)) => n,
+            other => return Err(StoreError::Backend(format!("WAIT answered {other:?}"))),
         };
-        eval.arg(1).arg(key);
-        for arg in args {
-            eval.arg(*arg);
+        if acked < i64::from(self.target.wait_replicas) {
+            return Err(StoreError::Backend(format!(
+                "the write reached {acked} of the {} replicas store.redis.wait_replicas asks for \
+                 within store.redis.wait_timeout",
+                self.target.wait_replicas
+            )));
         }
-        if wait {
-            let wait_ms = u64::try_from(self.target.wait_timeout.as_millis()).unwrap_or(u64::MAX);
-            pipe.cmd("WAIT")
-                .arg(self.target.wait_replicas)
-                .arg(wait_ms.max(1));
-        }
-        pipe
+        Ok(())
     }
 
     /// `PING`, on the one server or on every primary of the cluster.
@@ -266,6 +353,24 @@ impl Redis {
             root_cert: Some(pem),
         }))
     }
+}
+
+/// Appends `script` with `key` and `args`, by its hash or (`by_text`) by its text.
+fn eval(pipe: &mut Pipeline, script: &Script, by_text: bool, key: &[u8], args: &[&[u8]]) {
+    let eval = if by_text {
+        pipe.cmd("EVAL").arg(script.code)
+    } else {
+        pipe.cmd("EVALSHA").arg(&*script.hash)
+    };
+    eval.arg(1).arg(key);
+    for arg in args {
+        eval.arg(*arg);
+    }
+}
+
+/// Whether a pipeline's answer is a script the server does not know.
+fn no_script(value: &Value) -> bool {
+    matches!(value, Value::ServerError(error) if error.kind() == Some(ServerErrorKind::NoScript))
 }
 
 async fn query(handle: &mut Handle, pipe: &Pipeline) -> Result<Vec<Value>, RedisError> {

@@ -233,14 +233,7 @@ fn node_id(node: &RedisServer) -> String {
 }
 
 fn asking_calls(node: &RedisServer) -> u64 {
-    node.cli(&["INFO", "commandstats"])
-        .and_then(|stats| {
-            stats
-                .lines()
-                .find_map(|line| line.strip_prefix("cmdstat_asking:calls="))
-                .and_then(|rest| rest.split(',').next()?.parse().ok())
-        })
-        .unwrap_or(0)
+    node.calls("asking")
 }
 
 /// Whether `node` is a primary that owns `slot`, by its own `CLUSTER NODES` line.
@@ -376,4 +369,106 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
         "completed",
         "the replica holds the completion before the client is answered"
     );
+}
+
+/// A primary with one replica linked and counted by the primary's `WAIT`.
+fn primary_with_replica(dir: &std::path::Path) -> (RedisServer, RedisServer) {
+    let primary = RedisServer::start(dir, &[]);
+    let port = primary.port.to_string();
+    let replica = RedisServer::start(
+        dir,
+        &[
+            "--replicaof",
+            "127.0.0.1",
+            &port,
+            "--repl-diskless-sync-delay",
+            "0",
+        ],
+    );
+    wait_until_replica_counted(&primary, &replica);
+    (primary, replica)
+}
+
+fn wait_until_replica_counted(primary: &RedisServer, replica: &RedisServer) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let up = replica.info("replication", "master_link_status").as_deref() == Some("up");
+        // The replica's side of the link may be up before the primary's WAIT counts it.
+        if up
+            && primary
+                .cli(&["WAIT", "1", "100"])
+                .is_some_and(|n| n.trim() == "1")
+        {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica never linked to its primary"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_that_must_reach_a_replica_wait_for_it_once_per_batch_not_once_each() {
+    const REQUESTS: usize = 32;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().to_owned();
+    let (primary, replica) = tokio::task::spawn_blocking(move || primary_with_replica(&path))
+        .await
+        .unwrap();
+    let upstream = Upstream::start().await;
+    let config = ProxyConfig::new(&format!("redis://{}", primary.address()), &upstream.url())
+        .set("store.timeout", "20s")
+        .set("server.workers", 2)
+        .with_toml("[store.redis]\nwait_replicas = 1\nwait_timeout = \"15s\"\n");
+    let proxy = InProcessProxy::start(&config).await;
+
+    // The replica stalls: the first claim of each worker waits for it, and every claim sent meanwhile
+    // queues behind that one WAIT.
+    replica.pause();
+    let waits_before = primary.calls("wait");
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|n| {
+            let post =
+                keyed_post(&proxy.url, "/slow", &format!("batched-{n}"), "{}").header("x-gate", "batched");
+            tokio::spawn(Reply::of(post))
+        })
+        .collect();
+    crate::support::metric_reaches(
+        &proxy.admin_url,
+        "idemproxy_in_flight_requests",
+        &[],
+        REQUESTS as f64,
+    )
+    .await;
+    replica.resume();
+
+    // Every claim is confirmed (the upstream holds the responses, so no completion has been sent yet).
+    upstream.wait_until_executions(REQUESTS).await;
+    let claim_waits = primary.calls("wait") - waits_before;
+    assert!(
+        claim_waits <= (REQUESTS / 4) as u64,
+        "{REQUESTS} claims confirmed by {claim_waits} WAITs: batched, not one each"
+    );
+
+    upstream.release("batched");
+    for request in requests {
+        let reply = request.await.unwrap();
+        assert_eq!(reply.status, 201, "{}", reply.text());
+    }
+    let all_waits = primary.calls("wait") - waits_before;
+    assert!(
+        all_waits < 2 * REQUESTS as u64,
+        "{REQUESTS} claims and completions confirmed by {all_waits} WAITs"
+    );
+    for n in 0..REQUESTS {
+        let key = format!("batched-{n}");
+        assert_eq!(upstream.executions_for_key(&key), 1, "{key}");
+        assert_eq!(
+            status_on(&replica, &key),
+            "completed",
+            "{key}: the replica holds the completion before the client is answered"
+        );
+    }
 }

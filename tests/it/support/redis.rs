@@ -106,6 +106,34 @@ impl RedisServer {
         let _ = Command::new("kill").args(["-9", &self.pid.to_string()]).status();
     }
 
+    /// Stops the server where it is (SIGSTOP), as a stalled host would: it neither answers nor, as a
+    /// replica, acknowledges, until [`RedisServer::resume`].
+    pub fn pause(&self) {
+        let _ = Command::new("kill")
+            .args(["-STOP", &self.pid.to_string()])
+            .status();
+    }
+
+    /// Lets a paused server go on (SIGCONT).
+    pub fn resume(&self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.pid.to_string()])
+            .status();
+    }
+
+    /// How many times the server ran `command` (`INFO commandstats`); 0 before the first.
+    pub fn calls(&self, command: &str) -> u64 {
+        let prefix = format!("cmdstat_{command}:calls=");
+        self.cli(&["INFO", "commandstats"])
+            .and_then(|stats| {
+                stats
+                    .lines()
+                    .find_map(|line| line.strip_prefix(prefix.as_str()))
+                    .and_then(|rest| rest.split(',').next()?.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
     pub fn address(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
