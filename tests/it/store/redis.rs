@@ -472,3 +472,46 @@ async fn writes_that_must_reach_a_replica_wait_for_it_once_per_batch_not_once_ea
         );
     }
 }
+
+#[tokio::test]
+async fn a_completed_record_expires_in_redis_exactly_at_its_expiry_first_time_or_on_retry() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let server = RedisServer::start(dir.path(), &[]);
+    let upstream = Upstream::start().await;
+    let config = ProxyConfig::new(&format!("redis://{}", server.address()), &upstream.url())
+        .with_toml("[idempotency]\nttl = \"1h\"\n");
+    let proxy = InProcessProxy::start(&config).await;
+    let expiry_of = |key: &str| {
+        let name = record_name(key);
+        let field = server.cli(&["HGET", &name, "ea"]).expect("the record's expiry");
+        let ttl = server.cli(&["PEXPIRETIME", &name]).expect("the record's TTL");
+        (field.trim().to_owned(), ttl.trim().to_owned())
+    };
+
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "expiring", "{}")).await;
+    assert_eq!(first.status, 201);
+    let (field, ttl) = expiry_of("expiring");
+    assert_eq!(
+        ttl, field,
+        "Redis deletes the record at its expiry, to the millisecond"
+    );
+
+    // Released by a 503, then executed again by the retry: the retry's record expires at its own expiry.
+    let released = Reply::of(keyed_post(&proxy.url, "/fail-first/503", "retried", "{}")).await;
+    assert_eq!(released.status, 503);
+    let retried = Reply::of(keyed_post(&proxy.url, "/fail-first/503", "retried", "{}")).await;
+    assert_eq!(retried.status, 201, "{}", retried.text());
+    assert_eq!(status_on(&server, "retried"), "completed");
+    let (field, ttl) = expiry_of("retried");
+    assert_eq!(ttl, field);
+    let left: i64 = server
+        .cli(&["PTTL", &record_name("retried")])
+        .expect("TTL")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        (3_500_000..=3_600_000).contains(&left),
+        "an hour's TTL, less the moments since: {left} ms"
+    );
+}
