@@ -106,7 +106,7 @@ impl Redis {
             let mut handle = self.handle().await?;
             let waiting = wait && self.target.wait_replicas > 0;
             let pipeline = |by_text| {
-                let mut pipe = redis::pipe();
+                let mut pipe = Pipeline::with_capacity(2);
                 eval(&mut pipe, script, by_text, key, args);
                 if waiting {
                     self.wait(&mut pipe);
@@ -140,7 +140,7 @@ impl Redis {
             .bounded(async {
                 let mut handle = self.handle().await?;
                 let pipeline = |calls: &mut dyn Iterator<Item = &Call>, by_text| {
-                    let mut pipe = redis::pipe();
+                    let mut pipe = Pipeline::with_capacity(calls.size_hint().0 + 1);
                     pipe.ignore_errors();
                     for call in calls {
                         let args: Vec<&[u8]> = call.args.iter().map(Vec::as_slice).collect();
@@ -355,17 +355,21 @@ impl Redis {
     }
 }
 
-/// Appends `script` with `key` and `args`, by its hash or (`by_text`) by its text.
+/// Appends `script` with `key` and `args`, by its hash or (`by_text`) by its text. The command is sized
+/// up front: it is built for every operation, and would otherwise grow once per argument.
 fn eval(pipe: &mut Pipeline, script: &Script, by_text: bool, key: &[u8], args: &[&[u8]]) {
-    let eval = if by_text {
-        pipe.cmd("EVAL").arg(script.code)
+    let (name, body) = if by_text {
+        ("EVAL", script.code)
     } else {
-        pipe.cmd("EVALSHA").arg(&*script.hash)
+        ("EVALSHA", &*script.hash)
     };
-    eval.arg(1).arg(key);
+    let size = name.len() + body.len() + 1 + key.len() + args.iter().map(|arg| arg.len()).sum::<usize>();
+    let mut eval = redis::Cmd::with_capacity(4 + args.len(), size);
+    eval.arg(name).arg(body).arg(1).arg(key);
     for arg in args {
         eval.arg(*arg);
     }
+    pipe.add_command(eval);
 }
 
 /// Whether a pipeline's answer is a script the server does not know.

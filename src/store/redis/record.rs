@@ -25,11 +25,15 @@ const ENCODED: &AsciiSet = &NON_ALPHANUMERIC
 
 /// The Redis key of the record `(scope, key)`.
 pub(super) fn name(prefix: &str, scope: &str, key: &str) -> String {
-    format!(
-        "{prefix}:{{{}:{}}}",
-        utf8_percent_encode(scope, ENCODED),
-        utf8_percent_encode(key, ENCODED)
-    )
+    // Built in place, sized for the common case of nothing to encode: it is made for every operation.
+    let mut name = String::with_capacity(prefix.len() + scope.len() + key.len() + 8);
+    name.push_str(prefix);
+    name.push_str(":{");
+    name.extend(utf8_percent_encode(scope, ENCODED));
+    name.push(':');
+    name.extend(utf8_percent_encode(key, ENCODED));
+    name.push('}');
+    name
 }
 
 /// The `SCAN` pattern of every record, or of the records holding `key` in any scope.
