@@ -1,11 +1,13 @@
 //! The workload a profile-guided build trains idemproxy on (`deploy/pgo-build`).
 //!
-//! `pgo_workload PROXY [POSTGRES_URL]` runs the proxy binary `PROXY` in front of an upstream of its own,
-//! once on an embedded SQLite store and, when `POSTGRES_URL` (such as `postgres://postgres@127.0.0.1:5432`;
-//! a database in it is only where it connects to create its own) is given, once more on a database it
-//! creates on that server and drops afterwards. Each run sends the requests a proxy serves in production, in proportions like theirs:
-//! passthrough GETs over keep-alive connections, keyed POSTs, replays, reused keys with another payload,
-//! duplicates in flight, a response larger than the stored limit, HTTP/2 cleartext and a metrics scrape.
+//! `pgo_workload PROXY [POSTGRES_URL] [REDIS_URL]` runs the proxy binary `PROXY` in front of an upstream of
+//! its own, once on an embedded SQLite store and, when `POSTGRES_URL` (such as
+//! `postgres://postgres@127.0.0.1:5432`; a database in it is only where it connects to create its own) is
+//! given, once more on a database it creates on that server and drops afterwards; when `REDIS_URL` (a
+//! `redis://` URL) is given, once more on that Redis server, under keys of its own. Each run sends the
+//! requests a proxy serves in production, in proportions like theirs: passthrough GETs over keep-alive
+//! connections, keyed POSTs, replays, reused keys with another payload, duplicates in flight, a response
+//! larger than the stored limit, HTTP/2 cleartext and a metrics scrape.
 //! Then it stops the proxy with SIGTERM, so the instrumented binary writes its profile as it exits.
 //!
 //! Every answer is checked: a workload that went wrong would train the build on error paths, so any
@@ -47,8 +49,15 @@ async fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let proxy = args
         .next()
-        .context("usage: pgo_workload PROXY_BINARY [POSTGRES_SERVER_URL]")?;
-    let postgres = args.next();
+        .context("usage: pgo_workload PROXY_BINARY [POSTGRES_SERVER_URL] [REDIS_URL]")?;
+    let (mut postgres, mut redis) = (None, None);
+    for arg in args {
+        if arg.starts_with("redis://") {
+            redis = Some(arg);
+        } else {
+            postgres = Some(arg);
+        }
+    }
 
     let upstream = serve_upstream().await?;
     let sqlite = tempfile::tempdir()?;
@@ -72,6 +81,9 @@ async fn main() -> Result<()> {
             .await
             .with_context(|| format!("dropping database {database}"))?;
         trained?;
+    }
+    if let Some(redis) = redis {
+        train(&proxy, upstream, &redis).await.context("on Redis")?;
     }
     Ok(())
 }
