@@ -3,7 +3,10 @@
 
 /// Headers as one blob: for each, the name's and the value's length (4 bytes, big-endian) and bytes.
 pub(crate) fn encode_headers(headers: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let size = headers.iter().map(|(name, value)| 8 + name.len() + value.len()).sum();
+    let size = headers
+        .iter()
+        .map(|(name, value)| 8 + name.len() + value.len())
+        .sum();
     let mut out = Vec::with_capacity(size);
     for (name, value) in headers {
         for field in [name.as_bytes(), value.as_slice()] {
