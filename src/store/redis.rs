@@ -55,9 +55,6 @@ pub struct RedisStore {
     redis: Redis,
     scripts: Scripts,
     prefix: String,
-    /// Whether claims and completions wait for replicas, and how long.
-    waits: bool,
-    wait_timeout: Duration,
     /// On one server with replicas to wait for: the writes that wait, run in batches of one pipeline and
     /// one `WAIT` each (a cluster's writes each wait on their own node).
     confirmed: Option<Coalescer<Call, Result<Value, StoreError>>>,
@@ -83,8 +80,7 @@ impl RedisStore {
     }
 
     fn over(redis: Redis, scripts: Scripts, target: &RedisTarget, max_batch: usize) -> RedisStore {
-        let waits = target.wait_replicas > 0;
-        let confirmed = (waits && !target.cluster).then(|| {
+        let confirmed = (target.wait_replicas > 0 && !target.cluster).then(|| {
             let redis = redis.clone();
             Coalescer::new(max_batch, 1, move |calls: Vec<Call>| -> BatchFuture<_> {
                 let redis = redis.clone();
@@ -95,8 +91,6 @@ impl RedisStore {
             redis,
             scripts,
             prefix: target.key_prefix.clone(),
-            waits,
-            wait_timeout: target.wait_timeout,
             confirmed,
             max_batch,
         }
@@ -173,9 +167,10 @@ impl Lifecycle for RedisStore {
                 // With replicas to wait for, the claim may have been written and only its WAIT have
                 // failed: give it back, so the client's retry executes at once instead of after the lease.
                 // Said in the log, since the retry is then counted as one (`claim_kind` "retry").
-                if self.waits {
+                let target = self.redis.target();
+                if target.wait_replicas > 0 {
                     let given_back =
-                        tokio::time::timeout(self.wait_timeout, self.settle(id, "failed", "holder")).await;
+                        tokio::time::timeout(target.wait_timeout, self.settle(id, "failed", "holder")).await;
                     match given_back {
                         Ok(Ok(false)) => {}
                         Ok(Ok(true)) => {

@@ -339,9 +339,22 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
         "and it is given back, so a retry need not wait for its lease"
     );
 
+    let replica = start_replica(dir.path(), &primary).await;
+    let confirmed = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
+    assert_eq!(confirmed.status, 201, "{}", confirmed.text());
+    assert_eq!(upstream.executions_for_key("lonely"), 1);
+    assert_eq!(
+        status_on(&replica, "lonely"),
+        "completed",
+        "the replica holds the completion before the client is answered"
+    );
+}
+
+/// A replica of `primary`, started in `dir`, once its link is up and the primary's `WAIT` counts it.
+async fn start_replica(dir: &std::path::Path, primary: &RedisServer) -> RedisServer {
     let port = primary.port.to_string();
     let replica = RedisServer::start(
-        dir.path(),
+        dir,
         &[
             "--replicaof",
             "127.0.0.1",
@@ -361,62 +374,15 @@ async fn a_claim_no_replica_confirms_is_refused_and_given_back_never_forwarded()
         (acknowledged.trim() == "1").then_some(())
     })
     .await;
-    let confirmed = Reply::of(keyed_post(&proxy.url, "/orders", "lonely", "{}")).await;
-    assert_eq!(confirmed.status, 201, "{}", confirmed.text());
-    assert_eq!(upstream.executions_for_key("lonely"), 1);
-    assert_eq!(
-        status_on(&replica, "lonely"),
-        "completed",
-        "the replica holds the completion before the client is answered"
-    );
-}
-
-/// A primary with one replica linked and counted by the primary's `WAIT`.
-fn primary_with_replica(dir: &std::path::Path) -> (RedisServer, RedisServer) {
-    let primary = RedisServer::start(dir, &[]);
-    let port = primary.port.to_string();
-    let replica = RedisServer::start(
-        dir,
-        &[
-            "--replicaof",
-            "127.0.0.1",
-            &port,
-            "--repl-diskless-sync-delay",
-            "0",
-        ],
-    );
-    wait_until_replica_counted(&primary, &replica);
-    (primary, replica)
-}
-
-fn wait_until_replica_counted(primary: &RedisServer, replica: &RedisServer) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = replica.info("replication", "master_link_status").as_deref() == Some("up");
-        // The replica's side of the link may be up before the primary's WAIT counts it.
-        if up
-            && primary
-                .cli(&["WAIT", "1", "100"])
-                .is_some_and(|n| n.trim() == "1")
-        {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the replica never linked to its primary"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    replica
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_that_must_reach_a_replica_wait_for_it_once_per_batch_not_once_each() {
     const REQUESTS: usize = 32;
     let dir = tempfile::tempdir().expect("temporary directory");
-    let path = dir.path().to_owned();
-    let (primary, replica) = tokio::task::spawn_blocking(move || primary_with_replica(&path))
-        .await
-        .unwrap();
+    let primary = RedisServer::start(dir.path(), &[]);
+    let replica = start_replica(dir.path(), &primary).await;
     let upstream = Upstream::start().await;
     let config = ProxyConfig::new(&format!("redis://{}", primary.address()), &upstream.url())
         .set("store.timeout", "20s")
