@@ -114,7 +114,6 @@ impl Proxy {
             ExecutorParts {
                 store: store.clone(),
                 upstream,
-                tracker: tracker.clone(),
                 cache: cache.clone(),
                 metrics: metrics.clone(),
                 settle: settle.clone(),
@@ -333,7 +332,9 @@ impl Proxy {
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
         let slot = self.slots.take(&peer).map_err(ProxyError::Busy)?;
         let (head, response) = Answer::new(self.route_series.get(&taken.route.name).clone());
-        let keyed = self.keyed.clone().run(taken, peer, head, slot);
+        // On the heap from the start: the task's future is many kilobytes, and each wrapper below and the
+        // spawn would otherwise copy it whole, as would the task's cell when it finishes.
+        let keyed = Box::pin(self.keyed.clone().run(taken, peer, head, slot));
         let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {

@@ -317,9 +317,7 @@ impl Claims {
             expires_at: won.expires_at,
             fill: won.fill,
         };
-        // The execution's future is many kilobytes; on the heap, the claim task that every keyed request
-        // spawns (and tokio copies as it starts and finishes) stays small.
-        Box::pin(self.executor.execute(claimed, request, head)).await;
+        self.executor.execute(claimed, request, head).await;
         true
     }
 

@@ -23,7 +23,6 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Request, StatusCode, request};
 use tokio::time::Instant;
-use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use self::capture::CaptureBudget;
@@ -56,8 +55,6 @@ const COMPLETION_HOLD_MAX: Duration = Duration::from_secs(2);
 pub(crate) struct Executor {
     store: StoreHandle,
     upstream: Upstream,
-    /// Owns the heartbeats, so shutdown waits for them.
-    tracker: TaskTracker,
     cache: Arc<ReplayCache>,
     relay: Relay,
     /// Longest a client waits for its record to be stored before it gets the end of its response.
@@ -72,7 +69,6 @@ pub(crate) struct Executor {
 pub(crate) struct ExecutorParts {
     pub(crate) store: StoreHandle,
     pub(crate) upstream: Upstream,
-    pub(crate) tracker: TaskTracker,
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) metrics: Metrics,
     pub(crate) settle: Settle,
@@ -98,7 +94,6 @@ impl Executor {
         let ExecutorParts {
             store,
             upstream,
-            tracker,
             cache,
             metrics,
             settle,
@@ -120,7 +115,6 @@ impl Executor {
             ),
             store,
             upstream,
-            tracker,
             cache,
             completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
             metrics,
@@ -151,23 +145,32 @@ impl Executor {
     /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
     /// error) goes to `head`.
     pub(crate) async fn execute(&self, claim: Claimed, request: Request<ProxyBody>, head: Answer) {
-        let heartbeat = Heartbeat::start(
-            self.store.clone(),
-            claim.id.clone(),
-            claim.lease,
-            self.metrics.clone(),
-            &self.tracker,
-        );
+        let heartbeat = Heartbeat::new(&self.store, &claim.id, claim.lease, &self.metrics);
+        // The execution's future is many kilobytes: on the heap, it is written once rather than copied
+        // into each future that holds it, and the claim task that every keyed request spawns (and that
+        // tokio copies as it starts and finishes) stays small.
+        let executed = Box::pin(self.executed(&claim, request, head, &heartbeat));
+        heartbeat.beside(executed).await;
+    }
+
+    /// [`Executor::execute`] beside its `heartbeat`.
+    async fn executed(
+        &self,
+        claim: &Claimed,
+        request: Request<ProxyBody>,
+        head: Answer,
+        heartbeat: &Heartbeat<'_>,
+    ) {
         let response = match self.upstream.send(request).await {
             Ok(response) => response,
             Err(failure) => {
                 heartbeat.stop();
                 if failure.never_delivered() {
                     return self
-                        .release_then_answer(&claim, head, Err(failure.into_error()))
+                        .release_then_answer(claim, head, Err(failure.into_error()))
                         .await;
                 }
-                return self.unknown_outcome(&claim, head, failure.into_error()).await;
+                return self.unknown_outcome(claim, head, failure.into_error()).await;
             }
         };
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -175,12 +178,12 @@ impl Executor {
             // not known, and a 101 can be neither relayed (nothing asked for an upgrade) nor replayed.
             heartbeat.stop();
             let error = ProxyError::UpstreamInvalidResponse(response.status());
-            return self.unknown_outcome(&claim, head, error).await;
+            return self.unknown_outcome(claim, head, error).await;
         }
         if claim.route.policy.release.releases(response.status()) {
             heartbeat.stop();
             let answer = Ok((stream_response(response), Outcome::Executed));
-            return self.release_then_answer(&claim, head, answer).await;
+            return self.release_then_answer(claim, head, answer).await;
         }
         let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
         match self
@@ -188,12 +191,12 @@ impl Executor {
             .run(&claim.id, &claim.route.policy, response, head, stamp)
             .await
         {
-            Relayed::Whole(record, held) => self.finish(&claim, record, held, heartbeat).await,
+            Relayed::Whole(record, held) => self.finish(claim, record, held, heartbeat).await,
             Relayed::Broken {
                 client,
                 error,
                 failure,
-            } => self.broken_body(&claim, client, heartbeat, error, failure).await,
+            } => self.broken_body(claim, client, heartbeat, error, failure).await,
         }
     }
 
@@ -244,7 +247,7 @@ impl Executor {
     /// Stores the response, then lets the client have the rest of it. The client waits for the store at most
     /// `completion_hold`; past it the client gets the rest and the completion goes on (counted). Whoever
     /// waits for the record is told last, off the client's path.
-    async fn finish(&self, claim: &Claimed, record: ToStore, held: Held, heartbeat: Heartbeat) {
+    async fn finish(&self, claim: &Claimed, record: ToStore, held: Held, heartbeat: &Heartbeat<'_>) {
         let id = &claim.id;
         let captured = record.capture.finish();
         let stored = StoredResponse {
@@ -293,7 +296,7 @@ impl Executor {
         &self,
         claim: &Claimed,
         mut client: relay::Client,
-        heartbeat: Heartbeat,
+        heartbeat: &Heartbeat<'_>,
         error: BoxError,
         failure: ProxyError,
     ) {

@@ -80,7 +80,6 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
         ExecutorParts {
             store: handle.clone(),
             upstream: upstream.clone(),
-            tracker: tracker.clone(),
             cache: cache.clone(),
             metrics: metrics.clone(),
             settle: settle.clone(),

@@ -1,67 +1,94 @@
-//! Runs beside a won claim's upstream call, on a task of its own: extends the claim's lease about every
-//! third of the lease while the upstream works, so no other proxy takes a live claim over. Touches the
-//! store only through fenced heartbeats; stops when the claim is done, or by itself when it finds the
+//! Runs beside a won claim's execution, in its task: extends the claim's lease about every third of the
+//! lease while the upstream works, so no other proxy takes a live claim over. Touches the store only
+//! through fenced heartbeats; stops when stopped, when the execution ends, or by itself when it finds the
 //! claim taken over.
+//!
+//! It is polled with the execution rather than spawned: most executions end long before their first
+//! beat, and for those it costs one timer instead of a task of its own.
 
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::Poll;
 use std::time::Duration;
-
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::metrics::Metrics;
 use crate::store::{RecordId, StoreHandle};
 
-/// Extends a claim's lease about every third of the lease while the upstream works. Stops when
-/// dropped or stopped; stops by itself when the claim turns out to be taken over (counted as lost).
-pub struct Heartbeat {
-    stop: CancellationToken,
+/// Extends a claim's lease about every third of the lease while the work it runs [`beside`] goes on.
+/// Stops when stopped; stops by itself when the claim turns out to be taken over (counted as lost).
+///
+/// [`beside`]: Heartbeat::beside
+pub struct Heartbeat<'a> {
+    store: &'a StoreHandle,
+    id: &'a RecordId,
+    lease: Duration,
+    metrics: &'a Metrics,
+    stopped: AtomicBool,
 }
 
-impl Heartbeat {
-    /// Starts beating for `id` on a task owned by `tracker`.
-    pub fn start(
-        store: StoreHandle,
-        id: RecordId,
-        lease: Duration,
-        metrics: Metrics,
-        tracker: &TaskTracker,
-    ) -> Heartbeat {
-        let stop = CancellationToken::new();
-        let token = stop.clone();
-        tracker.spawn(async move {
-            let mut ticks = tokio::time::interval(lease / 3);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            ticks.tick().await;
-            loop {
-                tokio::select! {
-                    _ = token.cancelled() => return,
-                    _ = ticks.tick() => {}
-                }
-                match store.heartbeat(&id, lease).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        metrics.lost_claims.inc();
-                        tracing::warn!(key_hash = %id.key_hash(), "claim was taken over; heartbeat stopped");
-                        return;
-                    }
-                    Err(error) => {
-                        tracing::warn!(key_hash = %id.key_hash(), %error, "heartbeat failed; will retry")
-                    }
-                }
+impl<'a> Heartbeat<'a> {
+    /// A heartbeat for `id`, claimed for `lease`; it beats while [`Heartbeat::beside`] runs.
+    pub fn new(store: &'a StoreHandle, id: &'a RecordId, lease: Duration, metrics: &'a Metrics) -> Self {
+        Heartbeat {
+            store,
+            id,
+            lease,
+            metrics,
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    /// Runs `work` to its end, beating beside it until stopped. A beat in flight when the work ends is
+    /// dropped with it: it only extends a lease that the work's end has made moot.
+    /// `work` is polled in place: a large future is best boxed by the caller, so that it is not copied
+    /// into this one.
+    pub async fn beside<F: Future + Unpin>(&self, mut work: F) -> F::Output {
+        let mut beats = pin!(self.beat());
+        let mut beating = true;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(output) = Pin::new(&mut work).poll(cx) {
+                return Poll::Ready(output);
             }
-        });
-        Heartbeat { stop }
+            if beating && beats.as_mut().poll(cx).is_ready() {
+                beating = false;
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     /// Stops extending the lease.
     pub fn stop(&self) {
-        self.stop.cancel();
+        self.stopped.store(true, Ordering::Relaxed);
     }
-}
 
-impl Drop for Heartbeat {
-    fn drop(&mut self) {
-        self.stop.cancel();
+    fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::Relaxed)
+    }
+
+    /// Beats every third of the lease; ends when stopped or fenced out.
+    async fn beat(&self) {
+        let period = self.lease / 3;
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if self.stopped() {
+                return;
+            }
+            match self.store.heartbeat(self.id, self.lease).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.metrics.lost_claims.inc();
+                    tracing::warn!(key_hash = %self.id.key_hash(), "claim was taken over; heartbeat stopped");
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(key_hash = %self.id.key_hash(), %error, "heartbeat failed; will retry")
+                }
+            }
+        }
     }
 }
 
@@ -70,21 +97,15 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::store::stub::{Op, Reply, StubStore};
+    use crate::store::stub::Reply;
+    use crate::store::stub::{Op, StubStore};
 
-    fn start(beats: &Arc<StubStore>, metrics: &Metrics, tracker: &TaskTracker) -> Heartbeat {
-        let id = RecordId {
+    fn id() -> RecordId {
+        RecordId {
             scope: "s".into(),
             key: "k".into(),
             token: uuid::Uuid::nil(),
-        };
-        Heartbeat::start(
-            beats.handle(metrics),
-            id,
-            Duration::from_secs(30),
-            metrics.clone(),
-            tracker,
-        )
+        }
     }
 
     async fn advance(by: Duration) {
@@ -96,45 +117,67 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn renews_every_third_of_the_lease_until_stopped() {
-        let beats = StubStore::new();
+        let beats: Arc<StubStore> = StubStore::new();
         let metrics = Metrics::new();
-        let tracker = TaskTracker::new();
-        let heartbeat = start(&beats, &metrics, &tracker);
-        advance(Duration::ZERO).await;
-        advance(Duration::from_millis(9_900)).await;
-        assert_eq!(
-            beats.count(Op::Heartbeat),
-            0,
-            "no beat before a third of the lease"
-        );
-        advance(Duration::from_millis(200)).await;
-        assert_eq!(beats.count(Op::Heartbeat), 1);
-        advance(Duration::from_secs(10)).await;
-        assert_eq!(beats.count(Op::Heartbeat), 2);
-        heartbeat.stop();
+        let store = beats.handle(&metrics);
+        let id = id();
+        let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+        heartbeat
+            .beside(Box::pin(async {
+                advance(Duration::ZERO).await;
+                advance(Duration::from_millis(9_900)).await;
+                assert_eq!(
+                    beats.count(Op::Heartbeat),
+                    0,
+                    "no beat before a third of the lease"
+                );
+                advance(Duration::from_millis(200)).await;
+                assert_eq!(beats.count(Op::Heartbeat), 1);
+                advance(Duration::from_secs(10)).await;
+                assert_eq!(beats.count(Op::Heartbeat), 2);
+                heartbeat.stop();
+                advance(Duration::from_secs(60)).await;
+                assert_eq!(beats.count(Op::Heartbeat), 2, "no beat after stop");
+            }))
+            .await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ends_with_the_work_it_runs_beside() {
+        let beats: Arc<StubStore> = StubStore::new();
+        let metrics = Metrics::new();
+        let store = beats.handle(&metrics);
+        let id = id();
+        let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+        let answer = heartbeat
+            .beside(Box::pin(tokio::time::sleep(Duration::from_secs(15))))
+            .await;
+        assert_eq!(answer, ());
+        assert_eq!(beats.count(Op::Heartbeat), 1, "one beat in 15 s of work");
         advance(Duration::from_secs(60)).await;
-        assert_eq!(beats.count(Op::Heartbeat), 2, "no beat after stop");
-        tracker.close();
-        tracker.wait().await;
+        assert_eq!(beats.count(Op::Heartbeat), 1, "no beat once the work has ended");
     }
 
     #[tokio::test(start_paused = true)]
     async fn stops_and_counts_a_lost_claim_when_fenced_out() {
-        let beats = StubStore::new();
+        let beats: Arc<StubStore> = StubStore::new();
         beats.always(Op::Heartbeat, Reply::Done(false));
         let metrics = Metrics::new();
-        let tracker = TaskTracker::new();
-        let _heartbeat = start(&beats, &metrics, &tracker);
-        advance(Duration::ZERO).await;
-        advance(Duration::from_secs(10)).await;
-        advance(Duration::from_secs(60)).await;
+        let store = beats.handle(&metrics);
+        let id = id();
+        let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+        heartbeat
+            .beside(Box::pin(async {
+                advance(Duration::ZERO).await;
+                advance(Duration::from_secs(10)).await;
+                advance(Duration::from_secs(60)).await;
+            }))
+            .await;
         assert_eq!(
             beats.count(Op::Heartbeat),
             1,
             "a fenced-out heartbeat does not beat again"
         );
         assert_eq!(metrics.lost_claims.get(), 1);
-        tracker.close();
-        tracker.wait().await;
     }
 }

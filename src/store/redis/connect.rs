@@ -5,8 +5,9 @@
 //! other: that is the store's batching. Connects at the first operation, so the store opens while Redis is
 //! down; every operation is bounded by `store.timeout` here.
 //!
-//! A script runs as one pipeline on the record's node: `EVALSHA`, then `WAIT n` when writes must reach
-//! replicas, so that the `WAIT` is on the connection that wrote and covers the write.
+//! A script runs as one `EVALSHA` on the record's node; where writes must reach replicas, as one
+//! pipeline of the `EVALSHA` and a `WAIT n`, so that the `WAIT` is on the connection that wrote and
+//! covers the write.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -104,13 +105,20 @@ impl Redis {
     ) -> Result<Value, StoreError> {
         self.bounded(async {
             let mut handle = self.handle().await?;
-            let waiting = wait && self.target.wait_replicas > 0;
+            if !(wait && self.target.wait_replicas > 0) {
+                // A command alone, not a pipeline of one: nothing to build around it and take apart.
+                return match single(&mut handle, &eval(script, false, key, args)).await {
+                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        single(&mut handle, &eval(script, true, key, args)).await
+                    }
+                    other => other,
+                }
+                .map_err(backend);
+            }
             let pipeline = |by_text| {
                 let mut pipe = Pipeline::with_capacity(2);
-                eval(&mut pipe, script, by_text, key, args);
-                if waiting {
-                    self.wait(&mut pipe);
-                }
+                pipe.add_command(eval(script, by_text, key, args));
+                self.wait(&mut pipe);
                 pipe
             };
             let mut values = match query(&mut handle, &pipeline(false)).await {
@@ -120,9 +128,7 @@ impl Redis {
                 other => other,
             }
             .map_err(backend)?;
-            if waiting {
-                self.confirmed(values.pop())?;
-            }
+            self.confirmed(values.pop())?;
             values
                 .pop()
                 .ok_or_else(|| StoreError::Backend("Redis answered an empty pipeline".into()))
@@ -144,7 +150,7 @@ impl Redis {
                     pipe.ignore_errors();
                     for call in calls {
                         let args: Vec<&[u8]> = call.args.iter().map(Vec::as_slice).collect();
-                        eval(&mut pipe, &call.script, by_text, &call.key, &args);
+                        pipe.add_command(eval(&call.script, by_text, &call.key, &args));
                     }
                     self.wait(&mut pipe);
                     pipe
@@ -355,9 +361,9 @@ impl Redis {
     }
 }
 
-/// Appends `script` with `key` and `args`, by its hash or (`by_text`) by its text. The command is sized
-/// up front: it is built for every operation, and would otherwise grow once per argument.
-fn eval(pipe: &mut Pipeline, script: &Script, by_text: bool, key: &[u8], args: &[&[u8]]) {
+/// The command that runs `script` with `key` and `args`, by its hash or (`by_text`) by its text. It is
+/// sized up front: it is built for every operation, and would otherwise grow once per argument.
+fn eval(script: &Script, by_text: bool, key: &[u8], args: &[&[u8]]) -> redis::Cmd {
     let (name, body) = if by_text {
         ("EVAL", script.code)
     } else {
@@ -369,12 +375,19 @@ fn eval(pipe: &mut Pipeline, script: &Script, by_text: bool, key: &[u8], args: &
     for arg in args {
         eval.arg(*arg);
     }
-    pipe.add_command(eval);
+    eval
 }
 
 /// Whether a pipeline's answer is a script the server does not know.
 fn no_script(value: &Value) -> bool {
     matches!(value, Value::ServerError(error) if error.kind() == Some(ServerErrorKind::NoScript))
+}
+
+async fn single(handle: &mut Handle, cmd: &redis::Cmd) -> Result<Value, RedisError> {
+    match handle {
+        Handle::Single(conn) => cmd.query_async(conn).await,
+        Handle::Cluster(conn) => cmd.query_async(conn).await,
+    }
 }
 
 async fn query(handle: &mut Handle, pipe: &Pipeline) -> Result<Vec<Value>, RedisError> {
