@@ -105,7 +105,15 @@ pub fn scope(scope_name: &str, policy: &Policy, headers: &HeaderMap) -> String {
     if let Some(name) = &policy.scope_cookie {
         hash_cookie(&mut hash, name, headers);
     }
-    format!("{scope_name}:{}", hex::encode(hash.finalize()))
+    // Written in place: every keyed request has a scope, and `format!` with `hex::encode` builds it
+    // through a formatter and a string of its own, a character at a time.
+    let mut digits = [0u8; 64];
+    hex::encode_to_slice(hash.finalize(), &mut digits).expect("64 digits hold a SHA-256 digest");
+    let mut scope = String::with_capacity(scope_name.len() + 1 + digits.len());
+    scope.push_str(scope_name);
+    scope.push(':');
+    scope.push_str(std::str::from_utf8(&digits).expect("hex digits are ASCII"));
+    scope
 }
 
 /// The scope cookie's part of the scope hash, after the headers'. It opens with a field that starts
