@@ -28,8 +28,8 @@ pub struct RawStore {
     pub url: String,
     /// Maximum connections in the pool.
     pub pool_size: usize,
-    /// Most claims (and, apart, completions) sent to PostgreSQL in one statement when they arrive
-    /// together; 1 sends each on its own.
+    /// Most claims and completions sent together (to PostgreSQL in one statement, to SQLite in one
+    /// transaction) when they arrive together; 1 sends each on its own.
     pub max_batch: usize,
     /// Bound on any one store operation, including waiting for a pooled connection.
     #[serde(with = "humantime_serde")]

@@ -3,15 +3,15 @@
 //! sweep in the sweeper), but every call goes to a blocking thread, never to the async runtime's workers.
 //! One connection behind a mutex serves the process. A claim is one `BEGIN IMMEDIATE` transaction, which
 //! holds SQLite's single write lock, so it is atomic against this process and against any other program
-//! on the same file (such as `idemproxy keys`). Claims that arrive while the connection is busy share the
-//! next transaction, one after another inside it, and so share its commit (completions likewise): the
-//! commit's fsync is what a claim costs. The clock is the host's, read once per operation.
+//! on the same file (such as `idemproxy keys`). Claims and completions that arrive while the connection is
+//! busy share the next transaction, one after another inside it, and so share its commit: the commit's
+//! fsync is what a claim and a completion cost, shared by every write of the batch. The clock is the host's, read once per operation.
 //!
 //! This file wires the parts into [`SqliteStore`]; each part has one job, its statements beside it:
 //! - `open.rs`: the file (created for its owner alone), the instance lock, the connection's settings and
 //!   the migrations from `migrations/sqlite`;
 //! - `bridge.rs`: the connection on a blocking thread within `store.timeout`, and the coalescing of
-//!   claims (and completions) into one transaction;
+//!   writes into one transaction;
 //! - `claim.rs`: the claim (CLAIM) and the record that beat it (HOLDER);
 //! - `complete.rs`: the completion (COMPLETE);
 //! - `fenced.rs`: the holder's other writes and an operator's release, fenced by the claim's token;
@@ -44,8 +44,8 @@ pub use open::Access;
 /// The SQLite-backed [`Store`].
 pub struct SqliteStore {
     conn: Arc<Shared>,
-    claims: Coalescer<ClaimRequest, Result<ClaimResult, StoreError>>,
-    completions: Coalescer<(RecordId, EncodedResponse), Result<bool, StoreError>>,
+    /// Claims and completions, in one lane: whichever queue together share a transaction and its commit.
+    writes: Coalescer<Write, Result<Written, StoreError>>,
     /// Held while serving: a second proxy on the same file is refused instead of sharing it.
     _instance: Option<File>,
 }
@@ -53,8 +53,8 @@ pub struct SqliteStore {
 impl SqliteStore {
     /// Opens (and for `Serve` and `Migrate`, creates) the database file. `timeout` bounds every operation,
     /// including waiting for another program's write lock on the file.
-    /// Claims (and, apart, completions) that queue for the connection are committed together, up to
-    /// `max_batch` at a time.
+    /// Claims and completions that queue for the connection are committed together, up to `max_batch`
+    /// at a time.
     pub async fn open(
         path: &Path,
         timeout: Duration,
@@ -65,11 +65,17 @@ impl SqliteStore {
         let (db, instance) = blocking(move || open::open(&path, timeout, access)).await??;
         let conn = Shared::new(db, timeout);
         Ok(SqliteStore {
-            claims: batched(&conn, max_batch, claim::claim_in),
-            completions: batched(&conn, max_batch, complete::complete_in),
+            writes: batched(&conn, max_batch, write_in),
             conn,
             _instance: instance,
         })
+    }
+
+    async fn write(&self, write: Write) -> Result<Written, StoreError> {
+        self.writes
+            .submit(write)
+            .await
+            .unwrap_or_else(|| Err(unanswered()))
     }
 
     /// Applies pending migrations and reports how many were applied.
@@ -78,13 +84,40 @@ impl SqliteStore {
     }
 }
 
+/// A write for the lane: a keyed request needs a claim and later a completion, so with one lane the
+/// claims of new requests share a commit (and its fsync) with the completions of finished ones.
+enum Write {
+    Claim(ClaimRequest),
+    Complete(RecordId, EncodedResponse),
+}
+
+/// A write's answer, of its own kind.
+enum Written {
+    Claim(ClaimResult),
+    Complete(bool),
+}
+
+/// One write, inside the batch's transaction, in the order the writes queued.
+fn write_in(tx: &rusqlite::Connection, now: i64, write: &Write) -> rusqlite::Result<Written> {
+    match write {
+        Write::Claim(request) => claim::claim_in(tx, now, request).map(Written::Claim),
+        Write::Complete(id, response) => complete::complete_in(tx, now, id, response).map(Written::Complete),
+    }
+}
+
+/// A batch answered a write with the other kind's answer: cannot happen, as `write_in` answers each
+/// write in kind.
+fn mismatched() -> StoreError {
+    StoreError::Backend("the SQLite write lane answered a write with another kind's answer".into())
+}
+
 #[async_trait::async_trait]
 impl Lifecycle for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimResult, StoreError> {
-        self.claims
-            .submit(request.clone())
-            .await
-            .unwrap_or_else(|| Err(unanswered()))
+        match self.write(Write::Claim(request.clone())).await? {
+            Written::Claim(result) => Ok(result),
+            Written::Complete(_) => Err(mismatched()),
+        }
     }
 
     async fn heartbeat(&self, id: &RecordId, lease: Duration) -> Result<bool, StoreError> {
@@ -92,10 +125,11 @@ impl Lifecycle for SqliteStore {
     }
 
     async fn complete(&self, id: &RecordId, response: &StoredResponse) -> Result<bool, StoreError> {
-        self.completions
-            .submit((id.clone(), EncodedResponse::new(response)))
-            .await
-            .unwrap_or_else(|| Err(unanswered()))
+        let completion = Write::Complete(id.clone(), EncodedResponse::new(response));
+        match self.write(completion).await? {
+            Written::Complete(stored) => Ok(stored),
+            Written::Claim(_) => Err(mismatched()),
+        }
     }
 
     async fn release(&self, id: &RecordId) -> Result<bool, StoreError> {

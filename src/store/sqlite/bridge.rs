@@ -1,6 +1,6 @@
 //! The blocking bridge every SQLite store operation goes through: the one connection behind a mutex, run
 //! on tokio's blocking pool (never on the runtime's workers) within `store.timeout`, and the coalescing of
-//! claims (and, apart, completions) that queue for it into one transaction each, sharing its commit.
+//! the writes (claims and completions) that queue for it into one transaction, sharing its commit.
 //! Also the host clock, read once per operation, and the mapping of driver errors to [`StoreError`].
 //! Runs on every store operation; touches the connection.
 
@@ -66,7 +66,7 @@ impl Shared {
     }
 }
 
-/// Operations of one kind coalesced into one transaction each time the connection comes free: `run`
+/// Operations coalesced into one transaction each time the connection comes free: `run`
 /// does every item's work in order inside the transaction that the batch commits.
 pub(super) fn batched<I, O, F>(
     conn: &Arc<Shared>,

@@ -36,7 +36,8 @@ impl EncodedResponse {
 pub(super) fn complete_in(
     tx: &Connection,
     now: i64,
-    (id, r): &(RecordId, EncodedResponse),
+    id: &RecordId,
+    r: &EncodedResponse,
 ) -> rusqlite::Result<bool> {
     let token = id.token.as_bytes().as_slice();
     let changed = tx.prepare_cached(COMPLETE)?.execute(params![

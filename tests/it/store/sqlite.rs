@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::processes::{assert_taken_over, kill_mid_request};
-use crate::store::suite::{DAY, LONG, request};
+use crate::store::suite::{DAY, LONG, request, response};
 use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, settled};
 
 async fn listeners() -> Listeners {
@@ -157,5 +157,74 @@ async fn claims_queued_for_the_connection_share_their_commits() {
     assert!(
         frames < 100,
         "{frames} WAL frames for 100 new keys: a commit per claim"
+    );
+}
+
+/// The commits in a write-ahead log written since it was last truncated: frames whose header gives the
+/// database's size after a commit (nonzero) end a transaction.
+fn wal_commits(path: &std::path::Path) -> usize {
+    let wal = std::fs::read(path).unwrap();
+    if wal.len() < 32 {
+        return 0;
+    }
+    let page_size = u32::from_be_bytes(wal[8..12].try_into().unwrap()) as usize;
+    wal[32..]
+        .chunks(24 + page_size)
+        .filter(|frame| frame.len() == 24 + page_size && frame[4..8] != [0; 4])
+        .count()
+}
+
+/// Claims and completions that queue for the connection together go in one transaction and one commit:
+/// a new key's claim rides with the completions of requests that finished meanwhile. 25 completions and
+/// 25 new claims queued behind another program's write lock: the first write to arrive goes alone,
+/// and the other 49 share the next commit (a lane per kind would take four).
+#[tokio::test]
+async fn claims_and_completions_queued_together_share_one_commit() {
+    let test_store = TestStore::create(Backend::Sqlite).await;
+    let store = test_store.open().await;
+    let finishing: Vec<_> = (0..25)
+        .map(|i| request(&format!("done-{i}"), 1, LONG, DAY))
+        .collect();
+    for claim in &finishing {
+        let won = store.claim(claim).await.unwrap();
+        assert!(matches!(won, ClaimResult::Won { .. }), "{won:?}");
+    }
+    let new: Vec<_> = (0..25)
+        .map(|i| request(&format!("new-{i}"), 1, LONG, DAY))
+        .collect();
+    let other_program = Connection::open(test_store.sqlite_path()).unwrap();
+    other_program
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .unwrap();
+    let wal = std::path::PathBuf::from(format!("{}-wal", test_store.sqlite_path().display()));
+    assert_eq!(wal_commits(&wal), 0, "the log starts empty");
+    other_program.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    let stored = response(b"done");
+    let completions = finishing.iter().map(|c| store.complete(&c.id, &stored));
+    let claims = new.iter().map(|c| store.claim(c));
+    let mut both = std::pin::pin!(async {
+        futures_util::future::join(
+            futures_util::future::join_all(completions),
+            futures_util::future::join_all(claims),
+        )
+        .await
+    });
+    assert!(
+        futures_util::poll!(&mut both).is_pending(),
+        "the write lock is held"
+    );
+    other_program.execute_batch("COMMIT").unwrap();
+    let (completed, claimed) = both.await;
+
+    assert!(completed.iter().all(|c| matches!(c, Ok(true))), "{completed:?}");
+    assert!(
+        claimed.iter().all(|c| matches!(c, Ok(ClaimResult::Won { .. }))),
+        "{claimed:?}"
+    );
+    let commits = wal_commits(&wal);
+    assert_eq!(
+        commits, 2,
+        "the first write alone, then the other 49 in one transaction: {commits} commits"
     );
 }
