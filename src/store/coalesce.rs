@@ -5,12 +5,17 @@
 //! batches grow exactly as fast as the store falls behind. A further batch (up to `max_in_flight` at
 //! once) starts only when a full batch is waiting, more than the running ones take in their next round:
 //! batches that run side by side by choice would each be smaller and cost a commit each.
+//! A batch's answers reach callers waiting on other threads (the proxy's other workers) through one task
+//! spawned on each such thread's runtime, so that thread is signalled once per batch, not once per
+//! caller.
 //! Runs wherever a store operation runs; touches nothing but its queue and the batch function it is given.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
+use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 use super::StoreError;
@@ -33,8 +38,27 @@ struct Inner<I, O> {
 }
 
 struct Queue<I, O> {
-    waiting: Vec<(I, oneshot::Sender<O>)>,
+    waiting: Vec<Waiting<I, O>>,
     in_flight: usize,
+}
+
+/// A queued operation, the way to its caller, and where the caller waits.
+type Waiting<I, O> = (I, oneshot::Sender<O>, Option<Home>);
+
+/// The thread an operation's caller waits on, and its runtime, through which a batch that ran on
+/// another thread hands it its output.
+struct Home {
+    thread: ThreadId,
+    runtime: Handle,
+}
+
+impl Home {
+    fn here() -> Option<Home> {
+        Some(Home {
+            thread: std::thread::current().id(),
+            runtime: Handle::try_current().ok()?,
+        })
+    }
 }
 
 impl<I: Send + 'static, O: Send + 'static> Coalescer<I, O> {
@@ -65,7 +89,7 @@ impl<I: Send + 'static, O: Send + 'static> Coalescer<I, O> {
         let (answer, output) = oneshot::channel();
         let batch = {
             let mut queue = self.inner.lock();
-            queue.waiting.push((item, answer));
+            queue.waiting.push((item, answer, Home::here()));
             let idle = queue.in_flight == 0;
             let backlog = queue.waiting.len() >= self.inner.max_batch;
             if idle || (backlog && queue.in_flight < self.inner.max_in_flight) {
@@ -88,32 +112,68 @@ impl<I: Send + 'static, O: Send + 'static> Inner<I, O> {
         self.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn take(&self, queue: &mut Queue<I, O>) -> Vec<(I, oneshot::Sender<O>)> {
+    fn take(&self, queue: &mut Queue<I, O>) -> Vec<Waiting<I, O>> {
         let n = queue.waiting.len().min(self.max_batch);
         queue.waiting.drain(..n).collect()
     }
 
     /// Runs batches until the queue is empty, then gives its slot back. The queue is checked under the
     /// same lock that `submit` pushes under, so no operation is left waiting without a batch to take it.
-    async fn drive(self: Arc<Self>, mut batch: Vec<(I, oneshot::Sender<O>)>) {
+    async fn drive(self: Arc<Self>, mut batch: Vec<Waiting<I, O>>) {
         let _slot = Slot(&self);
         loop {
-            let (items, answers): (Vec<I>, Vec<oneshot::Sender<O>>) = batch.into_iter().unzip();
+            let (items, answers): (Vec<I>, Vec<_>) = batch
+                .into_iter()
+                .map(|(item, answer, home)| (item, (answer, home)))
+                .unzip();
             let outputs = (self.run)(items).await;
             debug_assert_eq!(
                 outputs.len(),
                 answers.len(),
                 "a batch function must answer every input"
             );
-            for (answer, output) in answers.into_iter().zip(outputs) {
-                let _ = answer.send(output);
-            }
+            deliver(answers, outputs);
             let mut queue = self.lock();
             if queue.waiting.is_empty() {
                 return;
             }
             batch = self.take(&mut queue);
         }
+    }
+}
+
+/// Hands each output to its caller. A caller waiting on this thread is woken directly. Callers waiting
+/// on another thread, two or more to a thread, are woken by one task spawned on their runtime: waking
+/// a task on another thread signals that thread, so their thread is signalled once per batch rather
+/// than once per caller.
+fn deliver<O: Send + 'static>(answers: Vec<(oneshot::Sender<O>, Option<Home>)>, outputs: Vec<O>) {
+    let here = std::thread::current().id();
+    let mut away: Vec<(Home, Vec<(oneshot::Sender<O>, O)>)> = Vec::new();
+    for ((answer, home), output) in answers.into_iter().zip(outputs) {
+        match home {
+            Some(home) if home.thread != here => {
+                match away.iter_mut().find(|(other, _)| other.thread == home.thread) {
+                    Some((_, group)) => group.push((answer, output)),
+                    None => away.push((home, vec![(answer, output)])),
+                }
+            }
+            _ => {
+                let _ = answer.send(output);
+            }
+        }
+    }
+    for (home, group) in away {
+        if let [_] = group.as_slice() {
+            for (answer, output) in group {
+                let _ = answer.send(output);
+            }
+            continue;
+        }
+        home.runtime.spawn(async move {
+            for (answer, output) in group {
+                let _ = answer.send(output);
+            }
+        });
     }
 }
 
@@ -280,5 +340,67 @@ mod tests {
         assert_eq!(coalescer.submit(1).await, None);
         assert_eq!(coalescer.submit(2).await, Some(2));
         assert_eq!(coalescer.inner.lock().in_flight, 0);
+    }
+
+    /// As on the proxy's workers: the batch runs on one thread's runtime, and its callers wait on
+    /// another's. Each still gets its own answer, handed over on its own runtime.
+    #[test]
+    fn callers_waiting_on_another_runtime_each_get_their_own_answer() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime")
+        };
+        let gate = Arc::new(Semaphore::new(0));
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let coalescer = Arc::new(doubling(64, 1, Arc::clone(&gate), Arc::clone(&sizes)));
+        let (finished, keep_running) = oneshot::channel::<()>();
+        // The first operation starts the batch, so the batches run on this thread's runtime, which
+        // stays up until the other thread's callers have their answers.
+        let running = std::thread::spawn({
+            let coalescer = Arc::clone(&coalescer);
+            let runtime = runtime();
+            move || {
+                runtime.block_on(async move {
+                    let first = coalescer.submit(1).await;
+                    keep_running.await.expect("the test says when");
+                    first
+                })
+            }
+        });
+        while coalescer.inner.lock().in_flight == 0 {
+            std::thread::yield_now();
+        }
+        let waiting = std::thread::spawn({
+            let coalescer = Arc::clone(&coalescer);
+            let runtime = runtime();
+            move || {
+                runtime.block_on(async move {
+                    let callers: Vec<_> = (2..=11)
+                        .map(|n| {
+                            let coalescer = Arc::clone(&coalescer);
+                            tokio::spawn(async move { (n, coalescer.submit(n).await) })
+                        })
+                        .collect();
+                    while coalescer.inner.lock().waiting.len() < 10 {
+                        tokio::task::yield_now().await;
+                    }
+                    gate.add_permits(100);
+                    let mut answers = Vec::new();
+                    for caller in callers {
+                        answers.push(caller.await.expect("the caller's task"));
+                    }
+                    answers
+                })
+            }
+        });
+        let answers = waiting.join().expect("the waiting thread");
+        finished.send(()).expect("the running thread waits");
+        assert_eq!(running.join().expect("the running thread"), Some(2));
+        for (n, answer) in answers {
+            assert_eq!(answer, Some(n * 2), "caller {n}");
+        }
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 10]);
     }
 }
