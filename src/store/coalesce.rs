@@ -142,13 +142,16 @@ impl<I: Send + 'static, O: Send + 'static> Inner<I, O> {
     }
 }
 
+/// An output and the way to its caller.
+type Answered<O> = (oneshot::Sender<O>, O);
+
 /// Hands each output to its caller. A caller waiting on this thread is woken directly. Callers waiting
 /// on another thread, two or more to a thread, are woken by one task spawned on their runtime: waking
 /// a task on another thread signals that thread, so their thread is signalled once per batch rather
 /// than once per caller.
 fn deliver<O: Send + 'static>(answers: Vec<(oneshot::Sender<O>, Option<Home>)>, outputs: Vec<O>) {
     let here = std::thread::current().id();
-    let mut away: Vec<(Home, Vec<(oneshot::Sender<O>, O)>)> = Vec::new();
+    let mut away: Vec<(Home, Vec<Answered<O>>)> = Vec::new();
     for ((answer, home), output) in answers.into_iter().zip(outputs) {
         match home {
             Some(home) if home.thread != here => {
