@@ -249,6 +249,7 @@ impl Executor {
     /// waits for the record is told last, off the client's path.
     async fn finish(&self, claim: &Claimed, record: ToStore, held: Held, heartbeat: &Heartbeat<'_>) {
         let id = &claim.id;
+        heartbeat.settling();
         let captured = record.capture.finish();
         let stored = StoredResponse {
             status: record.status,

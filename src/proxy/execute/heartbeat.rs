@@ -17,6 +17,8 @@ use crate::store::{RecordId, StoreHandle};
 
 /// Extends a claim's lease about every third of the lease while the work it runs [`beside`] goes on.
 /// Stops when stopped; stops by itself when the claim turns out to be taken over (counted as lost).
+/// A beat refused once the execution has begun writing its outcome ([`Heartbeat::settling`]) or has
+/// stopped it is not counted: that write changed the record, and it reports a takeover itself.
 ///
 /// [`beside`]: Heartbeat::beside
 pub struct Heartbeat<'a> {
@@ -25,6 +27,7 @@ pub struct Heartbeat<'a> {
     lease: Duration,
     metrics: &'a Metrics,
     stopped: AtomicBool,
+    settling: AtomicBool,
 }
 
 impl<'a> Heartbeat<'a> {
@@ -36,6 +39,7 @@ impl<'a> Heartbeat<'a> {
             lease,
             metrics,
             stopped: AtomicBool::new(false),
+            settling: AtomicBool::new(false),
         }
     }
 
@@ -67,6 +71,18 @@ impl<'a> Heartbeat<'a> {
         self.stopped.load(Ordering::Relaxed)
     }
 
+    /// The execution is writing its outcome (the completion) while the lease is still extended: a beat
+    /// refused from now on may be refused because that write changed the record.
+    pub fn settling(&self) {
+        self.settling.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a refused beat says nothing the execution's own write will not: that write has begun
+    /// (settling) or the execution stopped the beats to write.
+    fn refusal_is_moot(&self) -> bool {
+        self.stopped() || self.settling.load(Ordering::Relaxed)
+    }
+
     /// Beats every third of the lease; ends when stopped or fenced out.
     async fn beat(&self) {
         let period = self.lease / 3;
@@ -79,6 +95,9 @@ impl<'a> Heartbeat<'a> {
             }
             match self.store.heartbeat(self.id, self.lease).await {
                 Ok(true) => {}
+                // The record was changed by this execution's own completion, release or hold while the
+                // beat was on its way; if it was taken over, that write finds out and counts it.
+                Ok(false) if self.refusal_is_moot() => return,
                 Ok(false) => {
                     self.metrics.lost_claims.inc();
                     tracing::warn!(key_hash = %self.id.key_hash(), "claim was taken over; heartbeat stopped");
@@ -179,5 +198,36 @@ mod tests {
             "a fenced-out heartbeat does not beat again"
         );
         assert_eq!(metrics.lost_claims.get(), 1);
+    }
+
+    /// A beat on its way when the execution's own write changes the record is refused by its fence;
+    /// that is not a takeover, and the alert on lost claims must not fire for it.
+    #[tokio::test(start_paused = true)]
+    async fn a_beat_refused_after_the_execution_began_its_own_write_is_not_a_lost_claim() {
+        for stop in [false, true] {
+            let beats: Arc<StubStore> = StubStore::new();
+            beats
+                .delay(Op::Heartbeat, Duration::from_secs(2))
+                .always(Op::Heartbeat, Reply::Done(false));
+            let metrics = Metrics::new();
+            let store = beats.handle(&metrics);
+            let id = id();
+            let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+            heartbeat
+                .beside(Box::pin(async {
+                    advance(Duration::ZERO).await;
+                    advance(Duration::from_secs(10)).await;
+                    assert_eq!(beats.count(Op::Heartbeat), 1, "a beat is on its way");
+                    if stop {
+                        heartbeat.stop();
+                    } else {
+                        heartbeat.settling();
+                    }
+                    advance(Duration::from_secs(5)).await;
+                }))
+                .await;
+            assert_eq!(beats.count(Op::Heartbeat), 1);
+            assert_eq!(metrics.lost_claims.get(), 0, "stopped: {stop}");
+        }
     }
 }
