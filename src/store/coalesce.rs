@@ -87,9 +87,10 @@ impl<I: Send + 'static, O: Send + 'static> Coalescer<I, O> {
     /// caller stops waiting for it.
     pub(crate) async fn submit(&self, item: I) -> Option<O> {
         let (answer, output) = oneshot::channel();
+        let home = Home::here();
         let batch = {
             let mut queue = self.inner.lock();
-            queue.waiting.push((item, answer, Home::here()));
+            queue.waiting.push((item, answer, home));
             let idle = queue.in_flight == 0;
             let backlog = queue.waiting.len() >= self.inner.max_batch;
             if idle || (backlog && queue.in_flight < self.inner.max_in_flight) {

@@ -116,14 +116,37 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::store::stub::Reply;
-    use crate::store::stub::{Op, StubStore};
+    use crate::store::stub::{Op, Reply, StubStore};
 
-    fn id() -> RecordId {
-        RecordId {
-            scope: "s".into(),
-            key: "k".into(),
-            token: uuid::Uuid::nil(),
+    /// What a heartbeat borrows: a stub store that counts the beats, its handle, the metrics and the
+    /// record, for a claim of 30 s (a beat every 10 s).
+    struct Claim {
+        beats: Arc<StubStore>,
+        metrics: Metrics,
+        store: StoreHandle,
+        id: RecordId,
+    }
+
+    impl Claim {
+        fn new() -> Claim {
+            let beats = StubStore::new();
+            let metrics = Metrics::new();
+            let store = beats.handle(&metrics);
+            let id = RecordId {
+                scope: "s".into(),
+                key: "k".into(),
+                token: uuid::Uuid::nil(),
+            };
+            Claim {
+                beats,
+                metrics,
+                store,
+                id,
+            }
+        }
+
+        fn heartbeat(&self) -> Heartbeat<'_> {
+            Heartbeat::new(&self.store, &self.id, Duration::from_secs(30), &self.metrics)
         }
     }
 
@@ -136,55 +159,50 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn renews_every_third_of_the_lease_until_stopped() {
-        let beats: Arc<StubStore> = StubStore::new();
-        let metrics = Metrics::new();
-        let store = beats.handle(&metrics);
-        let id = id();
-        let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+        let claim = Claim::new();
+        let heartbeat = claim.heartbeat();
         heartbeat
             .beside(Box::pin(async {
                 advance(Duration::ZERO).await;
                 advance(Duration::from_millis(9_900)).await;
                 assert_eq!(
-                    beats.count(Op::Heartbeat),
+                    claim.beats.count(Op::Heartbeat),
                     0,
                     "no beat before a third of the lease"
                 );
                 advance(Duration::from_millis(200)).await;
-                assert_eq!(beats.count(Op::Heartbeat), 1);
+                assert_eq!(claim.beats.count(Op::Heartbeat), 1);
                 advance(Duration::from_secs(10)).await;
-                assert_eq!(beats.count(Op::Heartbeat), 2);
+                assert_eq!(claim.beats.count(Op::Heartbeat), 2);
                 heartbeat.stop();
                 advance(Duration::from_secs(60)).await;
-                assert_eq!(beats.count(Op::Heartbeat), 2, "no beat after stop");
+                assert_eq!(claim.beats.count(Op::Heartbeat), 2, "no beat after stop");
             }))
             .await;
     }
 
     #[tokio::test(start_paused = true)]
     async fn ends_with_the_work_it_runs_beside() {
-        let beats: Arc<StubStore> = StubStore::new();
-        let metrics = Metrics::new();
-        let store = beats.handle(&metrics);
-        let id = id();
-        let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+        let claim = Claim::new();
+        let heartbeat = claim.heartbeat();
         let answer = heartbeat
             .beside(Box::pin(tokio::time::sleep(Duration::from_secs(15))))
             .await;
         assert_eq!(answer, ());
-        assert_eq!(beats.count(Op::Heartbeat), 1, "one beat in 15 s of work");
+        assert_eq!(claim.beats.count(Op::Heartbeat), 1, "one beat in 15 s of work");
         advance(Duration::from_secs(60)).await;
-        assert_eq!(beats.count(Op::Heartbeat), 1, "no beat once the work has ended");
+        assert_eq!(
+            claim.beats.count(Op::Heartbeat),
+            1,
+            "no beat once the work has ended"
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn stops_and_counts_a_lost_claim_when_fenced_out() {
-        let beats: Arc<StubStore> = StubStore::new();
-        beats.always(Op::Heartbeat, Reply::Done(false));
-        let metrics = Metrics::new();
-        let store = beats.handle(&metrics);
-        let id = id();
-        let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+        let claim = Claim::new();
+        claim.beats.always(Op::Heartbeat, Reply::Done(false));
+        let heartbeat = claim.heartbeat();
         heartbeat
             .beside(Box::pin(async {
                 advance(Duration::ZERO).await;
@@ -193,11 +211,11 @@ mod tests {
             }))
             .await;
         assert_eq!(
-            beats.count(Op::Heartbeat),
+            claim.beats.count(Op::Heartbeat),
             1,
             "a fenced-out heartbeat does not beat again"
         );
-        assert_eq!(metrics.lost_claims.get(), 1);
+        assert_eq!(claim.metrics.lost_claims.get(), 1);
     }
 
     /// A beat on its way when the execution's own write changes the record is refused by its fence;
@@ -205,19 +223,17 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_beat_refused_after_the_execution_began_its_own_write_is_not_a_lost_claim() {
         for stop in [false, true] {
-            let beats: Arc<StubStore> = StubStore::new();
-            beats
+            let claim = Claim::new();
+            claim
+                .beats
                 .delay(Op::Heartbeat, Duration::from_secs(2))
                 .always(Op::Heartbeat, Reply::Done(false));
-            let metrics = Metrics::new();
-            let store = beats.handle(&metrics);
-            let id = id();
-            let heartbeat = Heartbeat::new(&store, &id, Duration::from_secs(30), &metrics);
+            let heartbeat = claim.heartbeat();
             heartbeat
                 .beside(Box::pin(async {
                     advance(Duration::ZERO).await;
                     advance(Duration::from_secs(10)).await;
-                    assert_eq!(beats.count(Op::Heartbeat), 1, "a beat is on its way");
+                    assert_eq!(claim.beats.count(Op::Heartbeat), 1, "a beat is on its way");
                     if stop {
                         heartbeat.stop();
                     } else {
@@ -226,8 +242,8 @@ mod tests {
                     advance(Duration::from_secs(5)).await;
                 }))
                 .await;
-            assert_eq!(beats.count(Op::Heartbeat), 1);
-            assert_eq!(metrics.lost_claims.get(), 0, "stopped: {stop}");
+            assert_eq!(claim.beats.count(Op::Heartbeat), 1);
+            assert_eq!(claim.metrics.lost_claims.get(), 0, "stopped: {stop}");
         }
     }
 }

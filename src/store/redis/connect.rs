@@ -108,9 +108,7 @@ impl Redis {
             if !(wait && self.target.wait_replicas > 0) {
                 // A command alone, not a pipeline of one: nothing to build around it and take apart.
                 return match single(&mut handle, &eval(script, false, key, args)).await {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        single(&mut handle, &eval(script, true, key, args)).await
-                    }
+                    Err(e) if unknown_script(&e) => single(&mut handle, &eval(script, true, key, args)).await,
                     other => other,
                 }
                 .map_err(backend);
@@ -122,9 +120,7 @@ impl Redis {
                 pipe
             };
             let mut values = match query(&mut handle, &pipeline(false)).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    query(&mut handle, &pipeline(true)).await
-                }
+                Err(e) if unknown_script(&e) => query(&mut handle, &pipeline(true)).await,
                 other => other,
             }
             .map_err(backend)?;
@@ -376,6 +372,11 @@ fn eval(script: &Script, by_text: bool, key: &[u8], args: &[&[u8]]) -> redis::Cm
         eval.arg(*arg);
     }
     eval
+}
+
+/// Whether a command failed because the server does not know its script (sent by hash).
+fn unknown_script(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
 }
 
 /// Whether a pipeline's answer is a script the server does not know.
