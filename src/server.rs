@@ -353,8 +353,11 @@ impl Workers {
         for index in 0..count {
             let (queue, handoffs) = mpsc::unbounded_channel();
             let (done, done_rx) = oneshot::channel();
+            // The blocking pool's threads (SQLite's database work, large JSON bodies read off the
+            // worker) carry a name of their own, so their CPU can be told from the worker's.
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
+                .thread_name(format!("idemproxy-blk-{index}"))
                 .build()?;
             let work = work(
                 Arc::new(proxy.for_worker()),
