@@ -63,7 +63,7 @@ pub use signature::{
 pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig};
 pub use sweeper::SweeperConfig;
 pub use traces::{DEFAULT_SERVICE_NAME, HTTP_PROTOBUF, RawTraces, TracesConfig};
-pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig};
+pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig, UpstreamProtocol};
 pub use warnings::Warning;
 
 /// The configuration as written, before validation. Every key has a default.

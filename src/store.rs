@@ -211,12 +211,17 @@ pub enum Existing {
     },
 }
 
+/// The name prefix of a stored entry that is a trailer (the rest of the name), sent after the body. No
+/// HTTP field name has a `:`, so no header is taken for one; a build from before trailers were stored
+/// leaves such entries out of its replays, as it does any name that is not HTTP.
+pub const TRAILER_PREFIX: &str = ":trailer:";
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     /// Status code.
     pub status: u16,
-    /// End-to-end headers in order, names lower-case.
+    /// End-to-end headers in order, names lower-case; then the trailers, if the response had any, each
+    /// name prefixed with [`TRAILER_PREFIX`].
     pub headers: Vec<(String, Vec<u8>)>,
     /// The body, or `None` when it was over `max_stored_response` and not retained.
     pub body: Option<Bytes>,

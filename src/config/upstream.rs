@@ -51,10 +51,30 @@ pub struct RawUpstream {
     /// closing at that moment fails after it may have been received (an unknown outcome for a keyed one).
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
+    /// Which HTTP version requests go upstream in: `http1`, `h2c` (HTTP/2 without TLS, every request)
+    /// or `auto` (over TLS what ALPN agrees, HTTP/2 preferred; in cleartext HTTP/2 for gRPC requests and
+    /// HTTP/1.1 for the rest).
+    pub protocol: UpstreamProtocol,
     /// TLS settings for an `https://` upstream; absent means the system's CA certificates, the URL's
     /// host as the name, and no client certificate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<RawUpstreamTls>,
+}
+
+/// `upstream.protocol`: the HTTP version the proxy speaks to the upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1 only, over a pool of keep-alive connections (ALPN `http/1.1` over TLS).
+    #[default]
+    Http1,
+    /// HTTP/2 with prior knowledge over cleartext TCP or a unix socket, for every request: one
+    /// multiplexed connection per worker.
+    H2c,
+    /// Over TLS, the version ALPN agrees (`h2` offered first, then `http/1.1`); in cleartext, HTTP/2
+    /// (h2c) for gRPC requests (`content-type: application/grpc…`, which need it) and HTTP/1.1 for the
+    /// rest.
+    Auto,
 }
 
 impl Default for RawUpstream {
@@ -65,6 +85,7 @@ impl Default for RawUpstream {
             timeout: Duration::from_secs(60),
             max_connections: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            protocol: UpstreamProtocol::Http1,
             tls: None,
         }
     }
@@ -93,21 +114,21 @@ pub struct RawUpstreamTls {
 /// Where the upstream listens, and how to reach it.
 #[derive(Clone)]
 pub enum UpstreamAddress {
-    /// Cleartext HTTP/1.1 over TCP to `host:port`.
+    /// Cleartext TCP to `host:port`.
     Http {
         /// `host:port` to connect to.
         authority: String,
     },
-    /// HTTP/1.1 over TLS over TCP to `host:port`.
+    /// TLS over TCP to `host:port`.
     Https {
         /// `host:port` to connect to.
         authority: String,
         /// The name verified in the upstream's certificate and sent as SNI.
         server_name: ServerName<'static>,
-        /// Trusted roots, client certificate, ALPN `http/1.1`.
+        /// Trusted roots, client certificate, ALPN (`http/1.1`, and `h2` first with protocol `auto`).
         tls: Arc<rustls::ClientConfig>,
     },
-    /// Cleartext HTTP/1.1 over a unix stream socket.
+    /// Cleartext over a unix stream socket.
     Unix {
         /// The socket's path.
         path: PathBuf,
@@ -146,6 +167,8 @@ pub struct UpstreamConfig {
     pub max_connections: usize,
     /// Longest an upstream connection stays idle in the pool.
     pub idle_timeout: Duration,
+    /// The HTTP version spoken to the upstream.
+    pub protocol: UpstreamProtocol,
 }
 
 impl RawUpstream {
@@ -165,6 +188,7 @@ impl RawUpstream {
             timeout: self.timeout,
             max_connections,
             idle_timeout: self.idle_timeout()?,
+            protocol: self.protocol,
         })
     }
 
@@ -193,11 +217,22 @@ impl RawUpstream {
             self.no_tls_section("an http:// URL")?;
             return Ok((UpstreamAddress::Http { authority }, base));
         }
+        if self.protocol == UpstreamProtocol::H2c {
+            return Err(ConfigError::new(
+                "upstream.protocol",
+                "\"h2c\" is HTTP/2 without TLS; with an https:// upstream.url, \"auto\" agrees on \
+                 HTTP/2 through ALPN",
+            ));
+        }
         let section = self.tls.clone().unwrap_or_default();
+        let mut tls = section.client_config()?;
+        if self.protocol == UpstreamProtocol::Auto {
+            tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        }
         let address = UpstreamAddress::Https {
             authority,
             server_name: section.server_name(host)?,
-            tls: Arc::new(section.client_config()?),
+            tls: Arc::new(tls),
         };
         Ok((address, base))
     }

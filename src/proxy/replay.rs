@@ -1,7 +1,8 @@
 //! Runs when the claim found a completed record with the same fingerprint, or the replay cache holds
 //! one: rebuilds the original response from the store, byte for byte, without touching the upstream.
 
-use http::{HeaderName, HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body_util::BodyExt;
 
 use super::answer::Handled;
 use super::cache::{Lookup, ReplayCache};
@@ -11,7 +12,7 @@ use crate::config::Route;
 use crate::error::ProxyError;
 use crate::headers::REPLAYED_HEADER;
 use crate::metrics::{Metrics, Outcome};
-use crate::store::{ClaimRequest, StoredResponse};
+use crate::store::{ClaimRequest, StoredResponse, TRAILER_PREFIX};
 
 /// A retry of a record this process has seen completed, answered from `cache` without the store: the
 /// replay, or the refusal of a key reused with another payload; `None` when the cache does not know.
@@ -33,24 +34,28 @@ pub(crate) fn from_cache(
     Some(answer)
 }
 
-/// The stored response as the client first saw it, plus `Idempotent-Replayed: true`. A record kept
-/// without its body (over `max_stored_response`) answers 410: the operation happened and must not run again.
+/// The stored response as the client first saw it (status, headers, body, then trailers), plus
+/// `Idempotent-Replayed: true`. A record kept without its body (over `max_stored_response`) answers 410:
+/// the operation happened and must not run again.
 pub fn response(stored: &StoredResponse) -> Result<Response<ProxyBody>, ProxyError> {
     let Some(body) = stored.body.clone() else {
         return Err(ProxyError::ResponseNotRetained {
             status: stored.status,
         });
     };
-    let mut response = Response::new(body::full(body));
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
-    let headers = response.headers_mut();
+    let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
+    let mut trailers = HeaderMap::new();
     for (name, value) in &stored.headers {
+        let (into, name) = match name.strip_prefix(TRAILER_PREFIX) {
+            Some(trailer) => (&mut trailers, trailer),
+            None => (&mut headers, name.as_str()),
+        };
         match (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_bytes(value),
         ) {
             (Ok(name), Ok(value)) => {
-                headers.append(name, value);
+                into.append(name, value);
             }
             _ => {
                 tracing::warn!(header = %name, "stored header is not valid HTTP; left out of the replay")
@@ -58,6 +63,16 @@ pub fn response(stored: &StoredResponse) -> Result<Response<ProxyBody>, ProxyErr
         }
     }
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    let body = if trailers.is_empty() {
+        body::full(body)
+    } else {
+        body::full(body)
+            .with_trailers(std::future::ready(Some(Ok(trailers))))
+            .boxed()
+    };
+    let mut response = Response::new(body);
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    *response.headers_mut() = headers;
     Ok(response)
 }
 
@@ -86,6 +101,27 @@ mod tests {
         assert_eq!(response.headers()[REPLAYED_HEADER], "true");
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"{\"id\":7}");
+    }
+
+    #[tokio::test]
+    async fn stored_trailers_come_after_the_body_and_not_among_the_headers() {
+        let stored = StoredResponse {
+            status: 200,
+            headers: vec![
+                ("content-type".into(), b"application/grpc".to_vec()),
+                (format!("{TRAILER_PREFIX}grpc-status"), b"0".to_vec()),
+                (format!("{TRAILER_PREFIX}x-checksum"), b"abc".to_vec()),
+            ],
+            body: Some(Bytes::from_static(b"\0\0\0\0\x02hi")),
+        };
+        let response = response(&stored).unwrap();
+        assert_eq!(response.headers().len(), 2, "{:?}", response.headers());
+        assert!(response.headers().get("grpc-status").is_none());
+        let collected = response.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned().expect("trailers replayed");
+        assert_eq!(trailers["grpc-status"], "0");
+        assert_eq!(trailers["x-checksum"], "abc");
+        assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\x02hi");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! configured timeouts, and classifies failures by whether the upstream may have received the request.
 
 mod connect;
+mod multiplex;
 pub mod pool;
 
 use std::time::Duration;
@@ -91,6 +92,7 @@ impl Upstream {
         Upstream {
             pool: Pool::new(
                 config.address.clone(),
+                config.protocol,
                 config.connect_timeout,
                 config.idle_timeout,
                 config.max_connections,
@@ -130,8 +132,14 @@ impl Upstream {
             mut headers,
             ..
         } = parts;
+        // The proxy relays trailers, so a client that accepts them (gRPC's always do) says so upstream
+        // too; `TE`'s other codings are for this hop only.
+        let trailers = accepts_trailers(&headers);
         // The proxy has answered any 100-continue itself by reading the body.
         strip_hop_by_hop_and(&mut headers, |name| name == header::EXPECT);
+        if trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         set_length(&mut headers, &body);
         let host = match headers.get(header::HOST) {
             Some(host) => Some(host.clone()),
@@ -251,6 +259,20 @@ fn origin_form(uri: Uri) -> Uri {
     Uri::from(path.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
 }
 
+/// Whether the client's `TE` lists `trailers` (RFC 9110 §10.1.4).
+fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers.get_all(header::TE).iter().any(|value| {
+        value.to_str().is_ok_and(|value| {
+            value.split(',').any(|coding| {
+                coding
+                    .split(';')
+                    .next()
+                    .is_some_and(|c| c.trim().eq_ignore_ascii_case("trailers"))
+            })
+        })
+    })
+}
+
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
@@ -335,6 +357,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             max_connections: 16,
             idle_timeout: Duration::from_secs(1),
+            protocol: crate::config::UpstreamProtocol::Http1,
         };
         Upstream::new(&config, Metrics::new())
     }
@@ -363,6 +386,30 @@ mod tests {
         assert_eq!(headers[header::CONTENT_TYPE], "application/json");
         assert!(headers.get(header::EXPECT).is_none());
         assert!(headers.get(header::TRANSFER_ENCODING).is_none());
+    }
+
+    #[test]
+    fn te_goes_upstream_as_trailers_only_when_the_client_accepts_trailers() {
+        let peer = Downstream::new(Peer::Tcp("10.1.2.3:5000".parse().unwrap()), false, 1, None);
+        let te = |value: Option<&'static str>| {
+            let mut client = Request::post("/pay");
+            if let Some(value) = value {
+                client = client.header(header::TE, value);
+            }
+            let request = upstream("http://127.0.0.1:9").request(parts(client), crate::body::empty(), &peer);
+            request
+                .headers()
+                .get(header::TE)
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        assert_eq!(te(Some("trailers")).as_deref(), Some("trailers"));
+        assert_eq!(te(Some("gzip;q=0.5, Trailers")).as_deref(), Some("trailers"));
+        assert_eq!(
+            te(Some("gzip, deflate")),
+            None,
+            "other codings are for this hop only"
+        );
+        assert_eq!(te(None), None);
     }
 
     #[test]

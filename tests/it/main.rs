@@ -9,6 +9,7 @@ mod concurrency;
 mod config_errors;
 mod demo_upstream;
 mod encryption;
+mod grpc;
 mod guarantees;
 mod harness;
 mod health_cli;

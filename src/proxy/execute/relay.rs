@@ -24,7 +24,7 @@ use crate::metrics::{Metrics, Outcome};
 use crate::proxy::answer::Answer;
 use crate::proxy::upstream::pool::PooledBody;
 use crate::proxy::upstream::strip_hop_by_hop;
-use crate::store::RecordId;
+use crate::store::{RecordId, TRAILER_PREFIX};
 
 /// Frames buffered between the relay and a slow client before the relay waits.
 const DOWNSTREAM_FRAMES: usize = 8;
@@ -197,7 +197,7 @@ impl Relay {
         };
         let ToStore {
             status,
-            headers,
+            mut headers,
             mut capture,
         } = record;
         let mut last = None;
@@ -237,6 +237,9 @@ impl Relay {
             };
             let data = frame.data_ref().cloned();
             received += data.as_ref().map_or(0, |data| data.len() as u64);
+            if let Some(trailers) = frame.trailers_ref() {
+                headers.extend(storable_trailers(trailers, &policy.never_store_headers));
+            }
             // A frame held as the last one was not, since another follows.
             if let Some(earlier) = last.take() {
                 client.deliver(earlier, &self.metrics, id).await;
@@ -286,5 +289,22 @@ fn storable_headers(headers: &HeaderMap, never_store: &[HeaderName]) -> Vec<(Str
         .iter()
         .filter(|(name, _)| **name != header::CONTENT_LENGTH && !never_store.contains(name))
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect()
+}
+
+/// The response's trailers as stored: after its headers, each name marked as a trailer's
+/// ([`TRAILER_PREFIX`]); hop-by-hop and `never_store` names are left out, as they are from headers.
+fn storable_trailers(trailers: &HeaderMap, never_store: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
+    let mut trailers = trailers.clone();
+    strip_hop_by_hop(&mut trailers);
+    trailers
+        .iter()
+        .filter(|(name, _)| !never_store.contains(name))
+        .map(|(name, value)| {
+            (
+                format!("{TRAILER_PREFIX}{}", name.as_str()),
+                value.as_bytes().to_vec(),
+            )
+        })
         .collect()
 }

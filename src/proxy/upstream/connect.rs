@@ -1,6 +1,6 @@
 //! Opens one connection to the upstream, when the pool (`pool.rs`) has no idle one and room for another:
 //! TCP (no delay, keep-alive probes), TLS over TCP (rustls, the upstream's certificate verified as
-//! `[upstream.tls]` says, ALPN `http/1.1`), or a unix stream socket. Touches only the socket it opens.
+//! `[upstream.tls]` says, ALPN as `upstream.protocol` says), or a unix stream socket. Touches only the socket it opens.
 
 use std::io;
 use std::pin::Pin;
@@ -27,6 +27,21 @@ pub enum Stream {
     Tls(Box<TlsStream<TcpStream>>),
     /// A unix stream socket.
     Unix(UnixStream),
+}
+
+impl Stream {
+    /// Whether the stream is TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Stream::Tls(_))
+    }
+
+    /// Whether the upstream agreed to HTTP/2 in the TLS handshake (ALPN `h2`).
+    pub fn agreed_h2(&self) -> bool {
+        match self {
+            Stream::Tls(tls) => tls.get_ref().1.alpn_protocol() == Some(b"h2"),
+            _ => false,
+        }
+    }
 }
 
 /// Connects to `address`; the error says what failed, in one line (a failed TLS handshake as

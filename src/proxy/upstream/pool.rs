@@ -1,19 +1,23 @@
-//! Runs when a request goes upstream: hands it to an idle HTTP/1.1 connection to the upstream, or to a
-//! new one, and takes the connection back once its response body has been read to the end. Each worker
-//! has its own pool, so a request and the connection carrying it run on the same thread. Uses hyper's
-//! connection-level client: one task per connection, no pool-wide bookkeeping per request. Connections
-//! are opened by `connect.rs` (TCP, TLS or a unix socket); reuse, the cap and the timeouts are the same
-//! for each. A connection idle for `upstream.idle_timeout` is never handed a request, and is closed by
-//! the pool within half that again: the proxy, not the upstream, ends an idle connection, so a request is
-//! never written to one the upstream is closing.
+//! Runs when a request goes upstream: picks the HTTP version (`upstream.protocol`); over HTTP/1.1 hands
+//! the request to an idle connection to the upstream, or to a new one, and takes the connection back
+//! once its response body has been read to the end; over HTTP/2 sends it as a stream of the worker's one
+//! multiplexed connection (`multiplex.rs`). Each worker has its own pool, so a request and the connection
+//! carrying it run on the same thread. Uses hyper's connection-level client: one task per connection, no
+//! pool-wide bookkeeping per request. Connections are opened by `connect.rs` (TCP, TLS or a unix socket);
+//! reuse, the cap and the timeouts are the same for each. An HTTP/1.1 connection idle for
+//! `upstream.idle_timeout` is never handed a request, and is closed by the pool within half that again:
+//! the proxy, not the upstream, ends an idle connection, so a request is never written to one the
+//! upstream is closing.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::uri::{Authority, Scheme};
+use http::{Request, Response, header};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -22,8 +26,9 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::connect::{self, Stream};
+use super::multiplex::{self, Multiplexed};
 use crate::body::ProxyBody;
-use crate::config::UpstreamAddress;
+use crate::config::{UpstreamAddress, UpstreamProtocol};
 use crate::error_chain::error_chain;
 
 /// Why the pool gave no response head.
@@ -59,6 +64,19 @@ struct Inner {
     returned: Notify,
     /// Starts the task that closes connections idle for too long, with the first connection.
     closer: Once,
+    protocol: UpstreamProtocol,
+    /// The HTTP/2 connection, for the requests that go over HTTP/2.
+    multiplexed: Multiplexed,
+    /// With protocol `auto` over TLS: the upstream agreed to HTTP/2 (ALPN) on the last connection made.
+    agreed_h2: AtomicBool,
+}
+
+/// A connection the pool opened.
+enum Opened {
+    /// An HTTP/1.1 connection, and whether it came from the idle list.
+    Http1(SendRequest<ProxyBody>, bool),
+    /// The upstream agreed to HTTP/2 (protocol `auto` over TLS): the connection is the multiplexed one.
+    Http2,
 }
 
 struct Idle {
@@ -67,14 +85,22 @@ struct Idle {
 }
 
 impl Pool {
-    /// An empty pool for `address` holding at most `max_connections` open; connections left idle for
-    /// `idle_timeout` are closed.
+    /// An empty pool for `address` speaking `protocol`, holding at most `max_connections` HTTP/1.1
+    /// connections open; those left idle for `idle_timeout` are closed.
     pub fn new(
         address: UpstreamAddress,
+        protocol: UpstreamProtocol,
         connect_timeout: Duration,
         idle_timeout: Duration,
         max_connections: usize,
     ) -> Pool {
+        let (scheme, authority) = match &address {
+            UpstreamAddress::Http { authority } => (Scheme::HTTP, authority.as_str()),
+            UpstreamAddress::Https { authority, .. } => (Scheme::HTTPS, authority.as_str()),
+            UpstreamAddress::Unix { .. } => (Scheme::HTTP, "localhost"),
+        };
+        let authority =
+            Authority::try_from(authority).unwrap_or_else(|_| Authority::from_static("localhost"));
         Pool {
             inner: Arc::new(Inner {
                 address,
@@ -85,6 +111,9 @@ impl Pool {
                 max_connections,
                 returned: Notify::new(),
                 closer: Once::new(),
+                protocol,
+                multiplexed: Multiplexed::new(scheme, authority),
+                agreed_h2: AtomicBool::new(false),
             }),
         }
     }
@@ -94,6 +123,7 @@ impl Pool {
         let inner = &self.inner;
         Pool::new(
             inner.address.clone(),
+            inner.protocol,
             inner.connect_timeout,
             inner.idle_timeout,
             inner.max_connections,
@@ -105,16 +135,28 @@ impl Pool {
         self.inner.lock().len()
     }
 
+    /// Whether the HTTP/2 connection is open.
+    #[cfg(test)]
+    pub(super) fn multiplexed_is_open(&self) -> bool {
+        self.inner.multiplexed.is_open()
+    }
+
     /// Sends `request` (origin-form URI, `Host` set) and waits for the response head. A pooled
     /// connection that turns out to be closed before the request is written is discarded and the
     /// request goes to the next one, or to a new connection. A new connection the upstream's TLS layer
     /// refuses (a handshake alert, such as a missing client certificate) never delivered the request.
     pub async fn send(&self, mut request: Request<ProxyBody>) -> Result<Response<PooledBody>, SendError> {
+        if self.inner.over_h2(&request) {
+            return Box::pin(self.send_h2(request)).await;
+        }
         loop {
             let (mut sender, reused) = match self.checkout().await {
                 Some(sender) => (sender, true),
                 // Connecting is rare and its state large; boxed, it stays out of every request's future.
-                None => Box::pin(self.connection()).await?,
+                None => match Box::pin(self.connection()).await? {
+                    Opened::Http1(sender, reused) => (sender, reused),
+                    Opened::Http2 => return Box::pin(self.send_h2(request)).await,
+                },
             };
             match sender.try_send_request(request).await {
                 Ok(response) => return Ok(response.map(|body| self.returning(body, sender))),
@@ -133,6 +175,38 @@ impl Pool {
         }
     }
 
+    /// Sends `request` as a stream of the multiplexed HTTP/2 connection.
+    async fn send_h2(&self, request: Request<ProxyBody>) -> Result<Response<PooledBody>, SendError> {
+        let response = self.inner.multiplexed.send(request, || self.open_h2()).await?;
+        Ok(response.map(|body| PooledBody { body, home: None }))
+    }
+
+    /// A new connection for HTTP/2: over TLS, only if the upstream agrees to it (ALPN).
+    async fn open_h2(&self) -> Result<Stream, SendError> {
+        let stream = self.open().await?;
+        if stream.is_tls() && !stream.agreed_h2() {
+            self.inner.agreed_h2.store(false, Ordering::Relaxed);
+            return Err(SendError::NotSent(format!(
+                "{} no longer agrees to HTTP/2 (ALPN); the next request goes over HTTP/1.1",
+                self.inner.address
+            )));
+        }
+        Ok(stream)
+    }
+
+    /// A new connection to the upstream, within the connect timeout.
+    async fn open(&self) -> Result<Stream, SendError> {
+        let not_sent = |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.address));
+        match tokio::time::timeout(self.inner.connect_timeout, connect::connect(&self.inner.address)).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(error)) => Err(not_sent(error)),
+            Err(_) => Err(not_sent(format!(
+                "timed out after {:?}",
+                self.inner.connect_timeout
+            ))),
+        }
+    }
+
     /// The most recently used idle connection that is still open and ready for a request.
     async fn checkout(&self) -> Option<SendRequest<ProxyBody>> {
         loop {
@@ -144,8 +218,8 @@ impl Pool {
     }
 
     /// A new connection if the cap allows one; otherwise the first connection to come back idle, or the
-    /// room a closed one leaves, within the connect timeout. `true` with a pooled connection.
-    async fn connection(&self) -> Result<(SendRequest<ProxyBody>, bool), SendError> {
+    /// room a closed one leaves, within the connect timeout.
+    async fn connection(&self) -> Result<Opened, SendError> {
         let deadline = Instant::now() + self.inner.connect_timeout;
         loop {
             let returned = self.inner.returned.notified();
@@ -153,13 +227,13 @@ impl Pool {
             // Registered before the idle list is looked at, so a connection returned meanwhile wakes it.
             returned.as_mut().enable();
             if let Some(sender) = self.checkout().await {
-                return Ok((sender, true));
+                return Ok(Opened::Http1(sender, true));
             }
             let room = self.inner.room.clone();
             tokio::select! {
                 permit = room.acquire_owned() => {
                     let permit = permit.map_err(|_| SendError::Busy)?;
-                    return Ok((self.connect(permit).await?, false));
+                    return self.connect(permit).await;
                 }
                 _ = &mut returned => {}
                 _ = tokio::time::sleep_until(deadline) => {
@@ -171,19 +245,18 @@ impl Pool {
         }
     }
 
-    async fn connect(&self, room: OwnedSemaphorePermit) -> Result<SendRequest<ProxyBody>, SendError> {
-        let not_sent = |why: String| SendError::NotSent(format!("connect to {}: {why}", self.inner.address));
-        let connecting = tokio::time::timeout(self.inner.connect_timeout, self.handshake());
-        let (sender, connection) = match connecting.await {
-            Ok(Ok(connected)) => connected,
-            Ok(Err(error)) => return Err(not_sent(error)),
-            Err(_) => {
-                return Err(not_sent(format!(
-                    "timed out after {:?}",
-                    self.inner.connect_timeout
-                )));
-            }
-        };
+    async fn connect(&self, room: OwnedSemaphorePermit) -> Result<Opened, SendError> {
+        let stream = self.open().await?;
+        if stream.agreed_h2() {
+            // Protocol `auto` over TLS, and the upstream prefers HTTP/2: this is the connection every
+            // request shares from now on, outside the HTTP/1.1 cap.
+            self.inner.multiplexed.adopt(multiplex::handshake(stream).await?);
+            self.inner.agreed_h2.store(true, Ordering::Relaxed);
+            return Ok(Opened::Http2);
+        }
+        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await.map_err(|e| {
+            SendError::NotSent(format!("connect to {}: {}", self.inner.address, error_chain(&e)))
+        })?;
         tokio::spawn(async move {
             if let Err(error) = connection.await {
                 tracing::debug!(error = %error_chain(&error), "upstream connection ended with an error");
@@ -194,22 +267,7 @@ impl Pool {
         self.inner
             .closer
             .call_once(|| drop(tokio::spawn(close_idle(pool))));
-        Ok(sender)
-    }
-
-    async fn handshake(
-        &self,
-    ) -> Result<
-        (
-            SendRequest<ProxyBody>,
-            http1::Connection<TokioIo<Stream>, ProxyBody>,
-        ),
-        String,
-    > {
-        let stream = connect::connect(&self.inner.address).await?;
-        http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| error_chain(&e))
+        Ok(Opened::Http1(sender, false))
     }
 
     fn returning(&self, body: Incoming, sender: SendRequest<ProxyBody>) -> PooledBody {
@@ -221,6 +279,18 @@ impl Pool {
 }
 
 impl Inner {
+    /// Whether `request` goes over HTTP/2.
+    fn over_h2(&self, request: &Request<ProxyBody>) -> bool {
+        match self.protocol {
+            UpstreamProtocol::Http1 => false,
+            UpstreamProtocol::H2c => true,
+            UpstreamProtocol::Auto => match self.address {
+                UpstreamAddress::Https { .. } => self.agreed_h2.load(Ordering::Relaxed),
+                _ => is_grpc(request),
+            },
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -232,6 +302,19 @@ impl Inner {
         });
         self.returned.notify_one();
     }
+}
+
+/// Whether `request` is gRPC (`application/grpc`, `+proto`, `+json`, any other `+` suffix), which only
+/// HTTP/2 carries. gRPC-Web (`application/grpc-web…`) is made for HTTP/1.1 and is not.
+pub fn is_grpc<B>(request: &Request<B>) -> bool {
+    let Some(content_type) = request.headers().get(header::CONTENT_TYPE) else {
+        return false;
+    };
+    let bytes = content_type.as_bytes();
+    let prefix = b"application/grpc";
+    bytes.len() >= prefix.len()
+        && bytes[..prefix.len()].eq_ignore_ascii_case(prefix)
+        && matches!(bytes.get(prefix.len()), None | Some(b'+' | b';'))
 }
 
 /// Closes connections idle for longer than the pool's idle timeout, checking twice per timeout, for as
@@ -361,6 +444,7 @@ mod tests {
     fn pool(authority: String, idle_timeout: Duration) -> Pool {
         Pool::new(
             UpstreamAddress::Http { authority },
+            UpstreamProtocol::Http1,
             Duration::from_secs(2),
             idle_timeout,
             16,
