@@ -15,6 +15,7 @@
 
 mod encryption;
 mod error;
+mod grpc;
 mod idempotency;
 mod key_source;
 mod log;
@@ -45,6 +46,7 @@ pub use encryption::{
     is_key_id,
 };
 pub use error::ConfigError;
+pub use grpc::{GrpcOutcome, GrpcOutcomes};
 pub use idempotency::{
     FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, RawIdempotency, ReleasePolicy, Unscoped,
 };

@@ -14,6 +14,7 @@ pub mod client_body;
 pub mod downstream;
 pub mod execute;
 pub mod expiry;
+pub mod grpc;
 pub mod intake;
 pub mod key;
 pub mod passthrough;

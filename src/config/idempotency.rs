@@ -21,6 +21,7 @@ use http::{HeaderName, Method};
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
+use super::grpc::GrpcOutcomes;
 use super::key_source::{KeySource, parse_pointer};
 use super::parse::{exact_size, parse_header, parse_headers, positive};
 use super::signature::{ProcessSecrets, RawSignature, SecretReader, SignatureConfig};
@@ -70,6 +71,14 @@ pub struct RawIdempotency {
     /// means `5xx`, 408, 425 and 429, and on a shared scope also 401 and 403.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub release_statuses: Option<Vec<String>>,
+    /// gRPC status codes (names or numbers) whose keyed calls give the key back instead of being
+    /// stored; absent means UNAVAILABLE, RESOURCE_EXHAUSTED and ABORTED.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_release_codes: Option<Vec<String>>,
+    /// gRPC status codes whose keyed calls have an unknown outcome (`on_unknown_outcome`); absent
+    /// means DEADLINE_EXCEEDED, CANCELLED, UNKNOWN, INTERNAL and DATA_LOSS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_unknown_codes: Option<Vec<String>>,
     /// What a keyed request without any of `scope_headers` gets: refused, or one scope shared by all
     /// such requests.
     pub unscoped: Unscoped,
@@ -122,6 +131,8 @@ impl Default for RawIdempotency {
             scope_headers: vec!["authorization".into()],
             fingerprint_headers: vec!["content-type".into()],
             release_statuses: None,
+            grpc_release_codes: None,
+            grpc_unknown_codes: None,
             unscoped: Unscoped::Reject,
             in_flight_retry_after: Duration::from_secs(1),
             on_unknown_outcome: OnUnknownOutcome::Retry,
@@ -207,6 +218,8 @@ pub struct Policy {
     pub fingerprint_headers: Vec<HeaderName>,
     /// Statuses that release the claim.
     pub release: ReleasePolicy,
+    /// What a gRPC call's status means for its key.
+    pub grpc: GrpcOutcomes,
     /// Keyed requests without a scope header: refused or shared.
     pub unscoped: Unscoped,
     /// `Retry-After` of a 409 for a key in flight.
@@ -308,6 +321,12 @@ impl RawIdempotency {
             scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
             fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
             release: self.release(&key("release_statuses"))?,
+            grpc: GrpcOutcomes::parse(
+                self.grpc_release_codes.as_deref(),
+                self.grpc_unknown_codes.as_deref(),
+                &key("grpc_release_codes"),
+                &key("grpc_unknown_codes"),
+            )?,
             signature: self
                 .signature
                 .as_ref()

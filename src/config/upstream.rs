@@ -338,12 +338,31 @@ impl RawUpstreamTls {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::Config;
+    use crate::config::{Config, UpstreamAddress, UpstreamProtocol};
 
     #[test]
     fn bad_upstream_names_the_key() {
         let err = Config::from_toml_str("[upstream]\nurl = \"ftp://x\"\n").unwrap_err();
         assert_eq!(err.key, "upstream.url");
+    }
+
+    #[test]
+    fn the_protocol_is_http1_unless_set_and_h2c_is_refused_over_tls() {
+        let config = Config::from_toml_str("").unwrap();
+        assert_eq!(config.upstream.protocol, UpstreamProtocol::Http1);
+        let config = Config::from_toml_str("[upstream]\nprotocol = \"h2c\"\n").unwrap();
+        assert_eq!(config.upstream.protocol, UpstreamProtocol::H2c);
+        let err =
+            Config::from_toml_str("[upstream]\nurl = \"https://svc\"\nprotocol = \"h2c\"\n").unwrap_err();
+        assert_eq!(err.key, "upstream.protocol");
+        let config =
+            Config::from_toml_str("[upstream]\nurl = \"https://svc\"\nprotocol = \"auto\"\n").unwrap();
+        let UpstreamAddress::Https { tls, .. } = &config.upstream.address else {
+            panic!("an https upstream");
+        };
+        assert_eq!(tls.alpn_protocols, vec![b"h2".to_vec(), b"http/1.1".to_vec()]);
+        let err = Config::from_toml_str("[upstream]\nprotocol = \"h3\"\n").unwrap_err();
+        assert_eq!(err.key, "upstream.protocol");
     }
 
     #[test]

@@ -32,10 +32,11 @@ use super::answer::{Answer, Handled};
 use super::cache::{Fill, ReplayCache};
 use super::downstream::Downstream;
 use super::expiry;
+use super::grpc;
 use super::settle::Settle;
 use super::upstream::{Upstream, stream_response};
 use crate::body::{BoxError, ProxyBody};
-use crate::config::{Config, OnUnknownOutcome, Route};
+use crate::config::{Config, GrpcOutcome, OnUnknownOutcome, Route};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
@@ -161,6 +162,7 @@ impl Executor {
         head: Answer,
         heartbeat: &Heartbeat<'_>,
     ) {
+        let grpc = grpc::is_grpc(&request);
         let response = match self.upstream.send(request).await {
             Ok(response) => response,
             Err(failure) => {
@@ -170,7 +172,9 @@ impl Executor {
                         .release_then_answer(claim, head, Err(failure.into_error()))
                         .await;
                 }
-                return self.unknown_outcome(claim, head, failure.into_error()).await;
+                let error = failure.into_error();
+                let why = error.to_string();
+                return self.unknown_outcome(claim, head, Err(error), &why).await;
             }
         };
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -178,12 +182,30 @@ impl Executor {
             // not known, and a 101 can be neither relayed (nothing asked for an upgrade) nor replayed.
             heartbeat.stop();
             let error = ProxyError::UpstreamInvalidResponse(response.status());
-            return self.unknown_outcome(claim, head, error).await;
+            let why = error.to_string();
+            return self.unknown_outcome(claim, head, Err(error), &why).await;
         }
         if claim.route.policy.release.releases(response.status()) {
             heartbeat.stop();
             let answer = Ok((stream_response(response), Outcome::Executed));
             return self.release_then_answer(claim, head, answer).await;
+        }
+        // A gRPC answer that is trailers only carries its status in the head: what it means for the key
+        // is known before any body.
+        let head_status = (grpc && response.status() == StatusCode::OK)
+            .then(|| grpc::status(response.headers()))
+            .flatten();
+        if let Some(code) = head_status {
+            let outcome = claim.route.policy.grpc.of(code);
+            if outcome != GrpcOutcome::Store {
+                heartbeat.stop();
+                let answer = Ok((stream_response(response), Outcome::Executed));
+                if outcome == GrpcOutcome::Release {
+                    return self.release_then_answer(claim, head, answer).await;
+                }
+                let why = format!("gRPC status {code}");
+                return self.unknown_outcome(claim, head, answer, &why).await;
+            }
         }
         let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
         match self
@@ -191,6 +213,26 @@ impl Executor {
             .run(&claim.id, &claim.route.policy, response, head, stamp)
             .await
         {
+            Relayed::Whole(record, held) if grpc && record.status == 200 => {
+                // The status came after the messages, in the trailers; none at all is a broken call.
+                match grpc::stored_status(&record.headers)
+                    .map(|code| (code, claim.route.policy.grpc.of(code)))
+                {
+                    Some((_, GrpcOutcome::Store)) => self.finish(claim, record, held, heartbeat).await,
+                    Some((code, GrpcOutcome::Release)) => {
+                        self.not_stored(claim, held, heartbeat, None).await;
+                        tracing::debug!(key_hash = %claim.id.key_hash(), code, "gRPC status gave the key back");
+                    }
+                    Some((code, GrpcOutcome::Unknown)) => {
+                        let why = format!("gRPC status {code}");
+                        self.not_stored(claim, held, heartbeat, Some(&why)).await;
+                    }
+                    None => {
+                        let why = "a gRPC answer without grpc-status";
+                        self.not_stored(claim, held, heartbeat, Some(why)).await;
+                    }
+                }
+            }
             Relayed::Whole(record, held) => self.finish(claim, record, held, heartbeat).await,
             Relayed::Broken {
                 client,
@@ -205,19 +247,21 @@ impl Executor {
     /// with `"hold"` the record is marked unknown first, so a retry sent right after this answer is
     /// refused until an operator releases the key. The client waits for the hold at most
     /// `completion_hold`.
-    async fn unknown_outcome(&self, claim: &Claimed, head: Answer, error: ProxyError) {
+    /// The client's answer is `answer`: the error, or the upstream's own answer when it said the outcome
+    /// is not known (a gRPC status such as DEADLINE_EXCEEDED); `why` says what happened, for the log.
+    async fn unknown_outcome(&self, claim: &Claimed, head: Answer, answer: Handled, why: &str) {
         self.metrics.unknown_outcomes.inc();
         let key_hash = claim.id.key_hash();
         if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
-            tracing::warn!(%key_hash, %error, "upstream outcome unknown; claim left to its lease");
-            head.send(Err(error));
+            tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
+            head.send(answer);
             return;
         }
-        tracing::warn!(%key_hash, %error, "upstream outcome unknown; holding the key until released");
+        tracing::warn!(%key_hash, error = why, "upstream outcome unknown; holding the key until released");
         let holding = self.hold(claim);
         tokio::pin!(holding);
         let in_time = tokio::time::timeout(self.completion_hold, &mut holding).await;
-        head.send(Err(error));
+        head.send(answer);
         let held = match in_time {
             Ok(held) => held,
             Err(_) => holding.await,
@@ -277,6 +321,36 @@ impl Executor {
         if completed {
             self.settle.settled(&claim.route, id).await;
         }
+    }
+
+    /// A whole answer that is not a result to store (a gRPC status in the trailers): the key is given back
+    /// (`unknown` is `None`), or the outcome is unknown (`unknown` says why) and `on_unknown_outcome`
+    /// decides. The client gets the end of its answer after that, so a retry sent right after it finds
+    /// the key free, or held.
+    async fn not_stored(
+        &self,
+        claim: &Claimed,
+        held: Held,
+        heartbeat: &Heartbeat<'_>,
+        unknown: Option<&str>,
+    ) {
+        heartbeat.stop();
+        match unknown {
+            None => self.release(claim).await,
+            Some(why) => {
+                self.metrics.unknown_outcomes.inc();
+                let key_hash = claim.id.key_hash();
+                if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
+                    tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
+                } else {
+                    tracing::warn!(%key_hash, error = why, "upstream outcome unknown; holding the key until released");
+                    if self.hold(claim).await {
+                        self.settle.settled(&claim.route, &claim.id).await;
+                    }
+                }
+            }
+        }
+        held.release(&self.metrics, &claim.id).await;
     }
 
     /// Completes the record and, once it is stored, puts it in the replay cache; `true` once it is stored.

@@ -2,7 +2,10 @@
 //! tonic server speaking only HTTP/2 (`upstream.protocol = "h2c"`, or `"auto"`, which sends gRPC requests
 //! over h2c), the client a tonic channel. A call passes through with its message and its status (a
 //! `grpc-status` in the trailers, or a trailers-only answer); a call with an `idempotency-key` executes
-//! once and its retry gets the same message and status, replayed with the trailers stored beside it.
+//! once and its retry gets the same message and status, replayed with the trailers stored beside it; a
+//! server-streaming call is replayed message for message. The status decides what is kept: UNAVAILABLE
+//! (before or after messages) gives the key back and the retry executes; INTERNAL is an unknown outcome,
+//! held under `on_unknown_outcome = "hold"`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -25,6 +28,7 @@ use crate::support::http::TEST_CREDENTIAL;
 use crate::support::{InProcessProxy, ProxyConfig, TestEnv};
 
 const CREATE_PAYMENT: &str = "/payments.Payments/CreatePayment";
+const LIST_REFUNDS: &str = "/payments.Payments/ListRefunds";
 
 #[derive(Clone, PartialEq, prost::Message)]
 struct CreatePayment {
@@ -45,16 +49,49 @@ struct Payment {
     execution: u64,
 }
 
-/// The `payments.Payments` service: `CreatePayment` counts its executions and refuses an amount that is
-/// not positive with INVALID_ARGUMENT.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ListRefunds {
+    #[prost(string, tag = "1")]
+    payment: String,
+    #[prost(uint32, tag = "2")]
+    count: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Refund {
+    #[prost(string, tag = "1")]
+    id: String,
+    #[prost(uint64, tag = "2")]
+    execution: u64,
+}
+
+/// The `payments.Payments` service. Each method counts its executions. `CreatePayment` refuses an
+/// amount that is not positive with INVALID_ARGUMENT; `ListRefunds` streams `count` refunds. The next
+/// execution of either can be made to fail with a given code (`fail_next`): `CreatePayment` before any
+/// message (a trailers-only answer), `ListRefunds` after its messages (the status in the trailers).
 #[derive(Clone, Default)]
 struct Payments {
     executions: Arc<AtomicU64>,
+    fail_next: Arc<std::sync::Mutex<Option<Code>>>,
 }
 
 impl Payments {
     fn executions(&self) -> u64 {
         self.executions.load(Ordering::SeqCst)
+    }
+
+    fn fail_next(&self, code: Code) {
+        *self.fail_next.lock().unwrap() = Some(code);
+    }
+
+    /// Counts an execution; its number, and the failure it is to end with, if one was set.
+    fn execute(&self) -> (u64, Option<Status>) {
+        let execution = self.executions.fetch_add(1, Ordering::SeqCst) + 1;
+        let failure = self.fail_next.lock().unwrap().take();
+        (
+            execution,
+            failure.map(|code| Status::new(code, format!("failed with {code:?} on purpose"))),
+        )
     }
 }
 
@@ -70,11 +107,17 @@ impl Service<http::Request<Body>> for Payments {
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let payments = self.clone();
         Box::pin(async move {
-            if request.uri().path() != CREATE_PAYMENT {
-                return Ok(Status::unimplemented("no such method").into_http());
+            match request.uri().path() {
+                CREATE_PAYMENT => {
+                    let mut grpc = tonic::server::Grpc::new(ProstCodec::<Payment, CreatePayment>::default());
+                    Ok(grpc.unary(Create(payments), request).await)
+                }
+                LIST_REFUNDS => {
+                    let mut grpc = tonic::server::Grpc::new(ProstCodec::<Refund, ListRefunds>::default());
+                    Ok(grpc.server_streaming(List(payments), request).await)
+                }
+                _ => Ok(Status::unimplemented("no such method").into_http()),
             }
-            let mut grpc = tonic::server::Grpc::new(ProstCodec::<Payment, CreatePayment>::default());
-            Ok(grpc.unary(Create(payments), request).await)
         })
     }
 }
@@ -90,9 +133,11 @@ impl tonic::server::UnaryService<CreatePayment> for Create {
     type Future = BoxFuture<tonic::Response<Payment>, Status>;
 
     fn call(&mut self, request: tonic::Request<CreatePayment>) -> Self::Future {
-        let executions = self.0.executions.clone();
+        let (execution, failure) = self.0.execute();
         Box::pin(async move {
-            let execution = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            if let Some(failure) = failure {
+                return Err(failure);
+            }
             let CreatePayment { customer, amount } = request.into_inner();
             if amount <= 0 {
                 return Err(Status::invalid_argument(format!(
@@ -105,6 +150,31 @@ impl tonic::server::UnaryService<CreatePayment> for Create {
                 execution,
             }))
         })
+    }
+}
+
+struct List(Payments);
+
+type Refunds = futures_util::stream::Iter<std::vec::IntoIter<Result<Refund, Status>>>;
+
+impl tonic::server::ServerStreamingService<ListRefunds> for List {
+    type Response = Refund;
+    type ResponseStream = Refunds;
+    type Future = BoxFuture<tonic::Response<Refunds>, Status>;
+
+    fn call(&mut self, request: tonic::Request<ListRefunds>) -> Self::Future {
+        let (execution, failure) = self.0.execute();
+        let ListRefunds { payment, count } = request.into_inner();
+        let mut items: Vec<_> = (1..=count)
+            .map(|n| {
+                Ok(Refund {
+                    id: format!("{payment}_refund_{n}"),
+                    execution,
+                })
+            })
+            .collect();
+        items.extend(failure.map(Err));
+        Box::pin(async move { Ok(tonic::Response::new(futures_util::stream::iter(items))) })
     }
 }
 
@@ -131,13 +201,22 @@ async fn grpc_upstream(payments: Payments) -> String {
 
 /// A proxy in front of `upstream`, speaking `protocol` to it.
 async fn proxy(env: &TestEnv, upstream: &str, protocol: &str) -> InProcessProxy {
-    let config = ProxyConfig::new(&env.store.url(), upstream).set("upstream.protocol", protocol);
-    InProcessProxy::start(&config).await
+    InProcessProxy::start(&config(env, upstream, protocol)).await
 }
 
-/// `CreatePayment` through the proxy at `url` from a tonic client, with the test credential and, if
-/// given, an `idempotency-key`: the message and the response metadata, or the status.
-async fn create(url: &str, key: Option<&str>, amount: i64) -> Result<(Payment, MetadataMap), Status> {
+/// The proxy's config, with the route docs/routes.md gives for a gRPC service.
+fn config(env: &TestEnv, upstream: &str, protocol: &str) -> ProxyConfig {
+    ProxyConfig::new(&env.store.url(), upstream)
+        .set("upstream.protocol", protocol)
+        .route("name = \"payments\"\npath_prefix = \"/payments.Payments\"\nrequired = false")
+}
+
+/// A tonic client of the proxy at `url`, and a request carrying the test credential and `key`.
+async fn client<M>(
+    url: &str,
+    key: Option<&str>,
+    message: M,
+) -> (tonic::client::Grpc<Channel>, tonic::Request<M>) {
     let channel = Channel::from_shared(url.to_owned())
         .unwrap()
         .connect()
@@ -145,15 +224,23 @@ async fn create(url: &str, key: Option<&str>, amount: i64) -> Result<(Payment, M
         .unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
-    let mut request = tonic::Request::new(CreatePayment {
-        customer: "c_1".into(),
-        amount,
-    });
+    let mut request = tonic::Request::new(message);
     let metadata = request.metadata_mut();
     metadata.insert("authorization", TEST_CREDENTIAL.parse().unwrap());
     if let Some(key) = key {
         metadata.insert("idempotency-key", key.parse().unwrap());
     }
+    (grpc, request)
+}
+
+/// `CreatePayment` through the proxy at `url` from a tonic client, with the test credential and, if
+/// given, an `idempotency-key`: the message and the response metadata, or the status.
+async fn create(url: &str, key: Option<&str>, amount: i64) -> Result<(Payment, MetadataMap), Status> {
+    let message = CreatePayment {
+        customer: "c_1".into(),
+        amount,
+    };
+    let (mut grpc, request) = client(url, key, message).await;
     let codec = ProstCodec::<CreatePayment, Payment>::default();
     let response = grpc
         .unary(request, PathAndQuery::from_static(CREATE_PAYMENT), codec)
@@ -221,4 +308,116 @@ async fn a_call_with_a_key_executes_once_and_its_retry_gets_the_same_message_and
     );
     assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
     assert_eq!(payments.executions(), 2);
+}
+
+/// `ListRefunds` through the proxy at `url` with `key`: every message the stream brought until its
+/// status, the status (OK or not), and whether the answer said it was replayed.
+async fn list(url: &str, key: &str, count: u32) -> (Vec<Refund>, Status, bool) {
+    let message = ListRefunds {
+        payment: "pay_1".into(),
+        count,
+    };
+    let (mut grpc, request) = client(url, Some(key), message).await;
+    let codec = ProstCodec::<ListRefunds, Refund>::default();
+    let response = match grpc
+        .server_streaming(request, PathAndQuery::from_static(LIST_REFUNDS), codec)
+        .await
+    {
+        Ok(response) => response,
+        Err(status) => return (Vec::new(), status, false),
+    };
+    let replayed = response.metadata().get("idempotent-replayed").is_some();
+    let mut stream = response.into_inner();
+    let mut refunds = Vec::new();
+    loop {
+        match stream.message().await {
+            Ok(Some(refund)) => refunds.push(refund),
+            Ok(None) => return (refunds, Status::ok(""), replayed),
+            Err(status) => return (refunds, status, replayed),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_server_streaming_call_is_replayed_message_for_message() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let proxy = proxy(&env, &upstream, "h2c").await;
+
+    let (first, status, replayed) = list(&proxy.url, "refunds-1", 3).await;
+    assert_eq!(status.code(), Code::Ok, "{status:?}");
+    assert!(!replayed);
+    assert_eq!(first.len(), 3);
+    let (again, status, replayed) = list(&proxy.url, "refunds-1", 3).await;
+    assert_eq!(status.code(), Code::Ok, "{status:?}");
+    assert!(replayed);
+    assert_eq!(again, first, "the same messages, from the first execution");
+    assert_eq!(payments.executions(), 1);
+}
+
+#[tokio::test]
+async fn unavailable_before_or_after_the_messages_gives_the_key_back_and_the_retry_executes() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let proxy = proxy(&env, &upstream, "h2c").await;
+
+    // A trailers-only answer: the status comes in the head.
+    payments.fail_next(Code::Unavailable);
+    let refused = create(&proxy.url, Some("unavailable-1"), 300)
+        .await
+        .expect_err("unavailable");
+    assert_eq!(refused.code(), Code::Unavailable);
+    let (payment, metadata) = create(&proxy.url, Some("unavailable-1"), 300)
+        .await
+        .expect("the retry runs");
+    assert_eq!(payment.execution, 2);
+    assert!(metadata.get("idempotent-replayed").is_none());
+
+    // The status in the trailers, after messages the client has already read.
+    payments.fail_next(Code::Unavailable);
+    let (refunds, status, _) = list(&proxy.url, "unavailable-2", 2).await;
+    assert_eq!((refunds.len(), status.code()), (2, Code::Unavailable));
+    let (refunds, status, replayed) = list(&proxy.url, "unavailable-2", 2).await;
+    assert_eq!((refunds.len(), status.code(), replayed), (2, Code::Ok, false));
+    assert_eq!(refunds[0].execution, 4, "the retry ran the method again");
+}
+
+#[tokio::test]
+async fn an_unknown_outcome_status_is_relayed_and_holds_the_key_under_hold() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let config = config(&env, &upstream, "h2c").set("idempotency.on_unknown_outcome", "hold");
+    let proxy = InProcessProxy::start(&config).await;
+
+    payments.fail_next(Code::Internal);
+    let failed = create(&proxy.url, Some("internal-1"), 300)
+        .await
+        .expect_err("internal");
+    assert_eq!(
+        failed.code(),
+        Code::Internal,
+        "the client gets the upstream's own status"
+    );
+    assert_eq!(failed.message(), "failed with Internal on purpose");
+    // The key is held: the retry neither runs the method again nor gets INTERNAL replayed as a result.
+    let retry = create(&proxy.url, Some("internal-1"), 300)
+        .await
+        .expect_err("held");
+    assert_held(&retry, &failed);
+    payments.fail_next(Code::Internal);
+    let (refunds, status, _) = list(&proxy.url, "internal-2", 1).await;
+    assert_eq!((refunds.len(), status.code()), (1, Code::Internal));
+    let (_, retry, _) = list(&proxy.url, "internal-2", 1).await;
+    assert_held(&retry, &failed);
+    assert_eq!(payments.executions(), 2, "neither retry executed");
+}
+
+/// `retry` is the proxy's refusal of a held key, not the upstream's `failed` replayed.
+fn assert_held(retry: &Status, failed: &Status) {
+    assert_ne!(retry.code(), Code::Ok);
+    assert_ne!(retry.message(), failed.message(), "{retry:?}");
+    assert!(retry.metadata().get("idempotent-replayed").is_none(), "{retry:?}");
 }

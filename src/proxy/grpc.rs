@@ -1,0 +1,55 @@
+//! Reads what a gRPC call's answer says of its outcome: the `grpc-status` in the head of a trailers-only
+//! answer, or in the trailers after the messages (gRPC over HTTP/2, PROTOCOL-HTTP2.md). The route's
+//! `grpc_release_codes` and `grpc_unknown_codes` decide what the code means for the key (`execute.rs`).
+
+use http::HeaderMap;
+
+use crate::store::TRAILER_PREFIX;
+
+pub(crate) use super::upstream::pool::is_grpc;
+
+const STATUS: &str = "grpc-status";
+
+/// The status code in `headers`, if there is one and it is a number.
+pub(crate) fn status(headers: &HeaderMap) -> Option<u32> {
+    code(headers.get(STATUS)?.as_bytes())
+}
+
+/// The status code of a response as it is to be stored: in its headers (trailers-only) or its trailers.
+pub(crate) fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
+    entries
+        .iter()
+        .find(|(name, _)| name == STATUS || name.strip_prefix(TRAILER_PREFIX) == Some(STATUS))
+        .and_then(|(_, value)| code(value))
+}
+
+fn code(value: &[u8]) -> Option<u32> {
+    std::str::from_utf8(value).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_is_read_from_the_head_or_from_the_stored_trailers() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(status(&headers), None);
+        headers.insert(STATUS, "14".parse().unwrap());
+        assert_eq!(status(&headers), Some(14));
+        headers.insert(STATUS, "fourteen".parse().unwrap());
+        assert_eq!(status(&headers), None, "not a number");
+
+        let trailer = |value: &str| (format!("{TRAILER_PREFIX}grpc-status"), value.as_bytes().to_vec());
+        let head = ("content-type".to_owned(), b"application/grpc".to_vec());
+        assert_eq!(stored_status(&[head.clone(), trailer("0")]), Some(0));
+        assert_eq!(
+            stored_status(&[head.clone(), ("grpc-status".into(), b"5".to_vec())]),
+            Some(5)
+        );
+        assert_eq!(
+            stored_status(&[head, ("x-grpc-status".into(), b"5".to_vec())]),
+            None
+        );
+    }
+}
