@@ -24,6 +24,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
 
+use crate::support::certs::{TestCa, toml_path};
 use crate::support::http::TEST_CREDENTIAL;
 use crate::support::{InProcessProxy, ProxyConfig, TestEnv};
 
@@ -199,6 +200,33 @@ async fn grpc_upstream(payments: Payments) -> String {
     url
 }
 
+/// `payments` over TLS with ALPN `h2` only, with a certificate `ca` issued for 127.0.0.1; its URL.
+async fn grpc_upstream_over_tls(payments: Payments, ca: &TestCa) -> String {
+    let mut tls = (*ca.issue("upstream", &["127.0.0.1"]).server_config(None)).clone();
+    tls.alpn_protocols = vec![b"h2".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (payments, acceptor) = (payments.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                let Ok(stream) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+                    let mut payments = payments.clone();
+                    async move { payments.call(request.map(Body::new)).await }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    url
+}
+
 /// A proxy in front of `upstream`, speaking `protocol` to it.
 async fn proxy(env: &TestEnv, upstream: &str, protocol: &str) -> InProcessProxy {
     InProcessProxy::start(&config(env, upstream, protocol)).await
@@ -336,6 +364,30 @@ async fn list(url: &str, key: &str, count: u32) -> (Vec<Refund>, Status, bool) {
             Err(status) => return (refunds, status, replayed),
         }
     }
+}
+
+#[tokio::test]
+async fn with_protocol_auto_an_https_upstream_that_agrees_to_h2_gets_grpc_calls_over_it() {
+    let env = TestEnv::new().await;
+    let ca = TestCa::new("upstream CA");
+    let payments = Payments::default();
+    let upstream = grpc_upstream_over_tls(payments.clone(), &ca).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let mut tls = toml::Table::new();
+    tls.insert("ca_file".into(), toml_path(&ca_file).into());
+    let proxy = InProcessProxy::start(&config(&env, &upstream, "auto").set("upstream.tls", tls)).await;
+
+    let (first, _) = create(&proxy.url, Some("tls-1"), 900)
+        .await
+        .expect("over h2 and TLS");
+    let (retry, metadata) = create(&proxy.url, Some("tls-1"), 900).await.expect("replayed");
+    assert_eq!(retry, first);
+    assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
+    let (other, _) = create(&proxy.url, None, 5).await.expect("a passthrough call");
+    assert_eq!(other.execution, 2);
+    assert_eq!(payments.executions(), 2);
 }
 
 #[tokio::test]

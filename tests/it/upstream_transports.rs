@@ -64,6 +64,20 @@ async fn keyed_requests_run_once_and_replay_through_an_https_upstream() {
 }
 
 #[tokio::test]
+async fn with_protocol_auto_an_https_upstream_that_speaks_only_http1_is_spoken_to_in_http1() {
+    let env = TestEnv::new().await;
+    let ca = TestCa::new("upstream CA");
+    let upstream = https_upstream(&ca, None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let config =
+        config(&env, &upstream, &[("ca_file", toml_path(&ca_file))]).set("upstream.protocol", "auto");
+    let proxy = InProcessProxy::start(&config).await;
+    executes_once_and_replays(&proxy, &upstream, "https-auto-1").await;
+}
+
+#[tokio::test]
 async fn an_upstream_requiring_a_client_certificate_accepts_ours_and_refuses_none_with_a_502() {
     let env = TestEnv::new().await;
     let ca = TestCa::new("mutual CA");
