@@ -1,6 +1,7 @@
 //! The one error type of the request path. Every failure a client can see is a [`ProxyError`]; it maps to
 //! its status, its stable problem type and its metrics outcome in one exhaustive `match` each, and becomes
-//! an RFC 9457 `application/problem+json` response in [`ProxyError::into_response`].
+//! an RFC 9457 `application/problem+json` response in [`ProxyError::into_response`], or, to a gRPC call,
+//! a gRPC status in a trailers-only answer ([`ProxyError::into_grpc`]).
 
 use std::time::Duration;
 
@@ -293,6 +294,46 @@ impl ProxyError {
         }
     }
 
+    /// The gRPC status code this error answers a gRPC call with (grpc/doc/statuscodes.md): what a gRPC
+    /// client can act on, as [`ProxyError::status`] is for an HTTP one.
+    pub fn grpc_code(&self) -> u32 {
+        const INVALID_ARGUMENT: u32 = 3;
+        const DEADLINE_EXCEEDED: u32 = 4;
+        const ALREADY_EXISTS: u32 = 6;
+        const RESOURCE_EXHAUSTED: u32 = 8;
+        const FAILED_PRECONDITION: u32 = 9;
+        const ABORTED: u32 = 10;
+        const UNIMPLEMENTED: u32 = 12;
+        const INTERNAL: u32 = 13;
+        const UNAVAILABLE: u32 = 14;
+        const DATA_LOSS: u32 = 15;
+        const UNAUTHENTICATED: u32 = 16;
+        match self {
+            ProxyError::MissingKey(_)
+            | ProxyError::InvalidKey(_)
+            | ProxyError::CloudEventsBatch
+            | ProxyError::MissingScope(_)
+            | ProxyError::ClientBody(_)
+            | ProxyError::NonNormalPath(_)
+            | ProxyError::KeyReused => INVALID_ARGUMENT,
+            ProxyError::SignatureInvalid(_) => UNAUTHENTICATED,
+            ProxyError::RequestTooLarge { .. } => RESOURCE_EXHAUSTED,
+            ProxyError::MethodNotAllowed(_) => UNIMPLEMENTED,
+            // Run again later: the original is still running, and its answer will be there.
+            ProxyError::KeyInFlight { .. } => ABORTED,
+            // The operation happened; it will not run again.
+            ProxyError::ResponseNotRetained { .. } => ALREADY_EXISTS,
+            // Not to be retried until an operator has looked (statuscodes.md's own test for the code).
+            ProxyError::OutcomeUnknown => FAILED_PRECONDITION,
+            ProxyError::StoreUnavailable(_) | ProxyError::UpstreamUnreachable(_) | ProxyError::Busy(_) => {
+                UNAVAILABLE
+            }
+            ProxyError::UpstreamTimeout(_) | ProxyError::RequestTimeout(_) => DEADLINE_EXCEEDED,
+            ProxyError::UpstreamInvalidResponse(_) => INTERNAL,
+            ProxyError::RecordUnreadable => DATA_LOSS,
+        }
+    }
+
     fn retry_after(&self) -> Option<u64> {
         match self {
             ProxyError::KeyInFlight { retry_after } => {
@@ -345,6 +386,37 @@ impl ProxyError {
     }
 }
 
+impl ProxyError {
+    /// The gRPC answer for this error: HTTP 200, trailers only (`grpc-status`, `grpc-message` with the
+    /// problem's detail, percent-encoded as gRPC asks), the problem's `type` as `idemproxy-problem`
+    /// metadata, and a `Retry-After` as `grpc-retry-pushback-ms` (gRFC A6). A gRPC client reads an HTTP
+    /// error only as a status without its reason.
+    pub fn into_grpc(self, base: &str) -> Response<ProxyBody> {
+        let mut response = Response::new(body::empty());
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert("grpc-status", HeaderValue::from(self.grpc_code()));
+        let message = percent_encoding::utf8_percent_encode(&self.detail(), GRPC_MESSAGE).to_string();
+        if let Ok(message) = HeaderValue::try_from(message) {
+            headers.insert("grpc-message", message);
+        }
+        if let Ok(problem) = HeaderValue::try_from(format!("{base}{}", self.slug())) {
+            headers.insert("idemproxy-problem", problem);
+        }
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(secs) = self.retry_after() {
+            headers.insert("grpc-retry-pushback-ms", HeaderValue::from(secs * 1000));
+        }
+        if matches!(self, ProxyError::ResponseNotRetained { .. }) {
+            headers.insert(crate::headers::REPLAYED_HEADER, HeaderValue::from_static("true"));
+        }
+        response
+    }
+}
+
+/// What `grpc-message` percent-encodes: every byte outside printable ASCII, and `%` itself.
+const GRPC_MESSAGE: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+
 /// The challenge of a 401 `signature-invalid`: the request must carry its sender's webhook signature.
 const SIGNATURE_CHALLENGE: &str = "Webhook-Signature";
 
@@ -354,6 +426,36 @@ const FORWARDED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grpc_answer_is_trailers_only_with_the_status_and_the_detail_percent_encoded() {
+        let response = ProxyError::KeyInFlight {
+            retry_after: Duration::from_millis(1500),
+        }
+        .into_grpc("https://errors.example/");
+        assert_eq!(response.status(), StatusCode::OK);
+        let headers = response.headers();
+        assert_eq!(headers["content-type"], "application/grpc");
+        assert_eq!(headers["grpc-status"], "10");
+        assert_eq!(headers["grpc-retry-pushback-ms"], "2000");
+        assert_eq!(
+            headers["idemproxy-problem"],
+            "https://errors.example/key-in-flight"
+        );
+        assert!(
+            http_body::Body::is_end_stream(response.body()),
+            "no messages, so trailers only"
+        );
+        let message = ProxyError::RequestTooLarge { limit: 5 }.into_grpc("b/");
+        assert_eq!(message.headers()["grpc-status"], "8");
+        assert_eq!(
+            message.headers()["grpc-message"],
+            "The request body is larger than 5 bytes."
+        );
+        let encoded = ProxyError::SignatureInvalid("100% \u{e9}".into()).into_grpc("b/");
+        let text = encoded.headers()["grpc-message"].to_str().unwrap().to_owned();
+        assert!(text.contains("(100%25 %C3%A9)"), "{text}");
+    }
 
     #[test]
     fn conflict_carries_retry_after_of_at_least_one_second() {

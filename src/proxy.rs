@@ -205,6 +205,8 @@ impl Proxy {
             otel.name = tracing::field::Empty,
         );
         let line = self.open_line(&request, &span);
+        // A gRPC client reads the proxy's own answers only as gRPC statuses.
+        let grpc = grpc::is_grpc(&request);
         // A refused path is counted under the default route, as a path no route matches is.
         let route = match normal {
             Ok(()) => self.routes.select(request.method(), request.uri().path()),
@@ -235,7 +237,12 @@ impl Proxy {
                     self.metrics.busy(*what);
                 }
                 let outcome = error.outcome();
-                (error.into_problem(&self.problem_base), outcome)
+                let response = if grpc {
+                    error.into_grpc(&self.problem_base)
+                } else {
+                    error.into_problem(&self.problem_base)
+                };
+                (response, outcome)
             }
         };
         span.record("outcome", outcome.as_str());

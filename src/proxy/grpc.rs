@@ -2,13 +2,24 @@
 //! answer, or in the trailers after the messages (gRPC over HTTP/2, PROTOCOL-HTTP2.md). The route's
 //! `grpc_release_codes` and `grpc_unknown_codes` decide what the code means for the key (`execute.rs`).
 
-use http::HeaderMap;
+use http::{HeaderMap, Request, header};
 
 use crate::store::TRAILER_PREFIX;
 
-pub(crate) use super::upstream::pool::is_grpc;
-
 const STATUS: &str = "grpc-status";
+
+/// Whether `request` is gRPC (`application/grpc`, `+proto`, `+json`, any other `+` suffix), which only
+/// HTTP/2 carries. gRPC-Web (`application/grpc-web…`) is made for HTTP/1.1 and is not.
+pub(crate) fn is_grpc<B>(request: &Request<B>) -> bool {
+    let Some(content_type) = request.headers().get(header::CONTENT_TYPE) else {
+        return false;
+    };
+    let bytes = content_type.as_bytes();
+    let prefix = b"application/grpc";
+    bytes.len() >= prefix.len()
+        && bytes[..prefix.len()].eq_ignore_ascii_case(prefix)
+        && matches!(bytes.get(prefix.len()), None | Some(b'+' | b';'))
+}
 
 /// The status code in `headers`, if there is one and it is a number.
 pub(crate) fn status(headers: &HeaderMap) -> Option<u32> {
@@ -30,6 +41,35 @@ fn code(value: &[u8]) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_calls_are_told_by_their_content_type_and_grpc_web_is_not_one() {
+        let with = |content_type: &'static str| {
+            is_grpc(
+                &Request::post("/s/M")
+                    .header(header::CONTENT_TYPE, content_type)
+                    .body(())
+                    .unwrap(),
+            )
+        };
+        for yes in [
+            "application/grpc",
+            "application/grpc+proto",
+            "Application/GRPC+json",
+            "application/grpc;x=1",
+        ] {
+            assert!(with(yes), "{yes}");
+        }
+        for no in [
+            "application/grpc-web",
+            "application/grpc-web+proto",
+            "application/grpcx",
+            "application/json",
+        ] {
+            assert!(!with(no), "{no}");
+        }
+        assert!(!is_grpc(&Request::post("/s/M").body(()).unwrap()));
+    }
 
     #[test]
     fn the_status_is_read_from_the_head_or_from_the_stored_trailers() {

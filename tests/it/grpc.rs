@@ -74,7 +74,13 @@ struct Refund {
 struct Payments {
     executions: Arc<AtomicU64>,
     fail_next: Arc<std::sync::Mutex<Option<Code>>>,
+    /// A `CreatePayment` of [`GATED`] says it has started here, then waits for `release`.
+    entered: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
 }
+
+/// The amount of a `CreatePayment` that runs until the test lets it go.
+const GATED: i64 = 4242;
 
 impl Payments {
     fn executions(&self) -> u64 {
@@ -135,11 +141,16 @@ impl tonic::server::UnaryService<CreatePayment> for Create {
 
     fn call(&mut self, request: tonic::Request<CreatePayment>) -> Self::Future {
         let (execution, failure) = self.0.execute();
+        let (entered, release) = (self.0.entered.clone(), self.0.release.clone());
         Box::pin(async move {
             if let Some(failure) = failure {
                 return Err(failure);
             }
             let CreatePayment { customer, amount } = request.into_inner();
+            if amount == GATED {
+                entered.notify_one();
+                release.notified().await;
+            }
             if amount <= 0 {
                 return Err(Status::invalid_argument(format!(
                     "amount {amount} is not positive"
@@ -245,6 +256,18 @@ async fn client<M>(
     key: Option<&str>,
     message: M,
 ) -> (tonic::client::Grpc<Channel>, tonic::Request<M>) {
+    let (grpc, mut request) = anonymous_client(url, key, message).await;
+    let credential = TEST_CREDENTIAL.parse().unwrap();
+    request.metadata_mut().insert("authorization", credential);
+    (grpc, request)
+}
+
+/// [`client`] without a credential.
+async fn anonymous_client<M>(
+    url: &str,
+    key: Option<&str>,
+    message: M,
+) -> (tonic::client::Grpc<Channel>, tonic::Request<M>) {
     let channel = Channel::from_shared(url.to_owned())
         .unwrap()
         .connect()
@@ -253,10 +276,10 @@ async fn client<M>(
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
     let mut request = tonic::Request::new(message);
-    let metadata = request.metadata_mut();
-    metadata.insert("authorization", TEST_CREDENTIAL.parse().unwrap());
     if let Some(key) = key {
-        metadata.insert("idempotency-key", key.parse().unwrap());
+        request
+            .metadata_mut()
+            .insert("idempotency-key", key.parse().unwrap());
     }
     (grpc, request)
 }
@@ -469,7 +492,77 @@ async fn an_unknown_outcome_status_is_relayed_and_holds_the_key_under_hold() {
 
 /// `retry` is the proxy's refusal of a held key, not the upstream's `failed` replayed.
 fn assert_held(retry: &Status, failed: &Status) {
-    assert_ne!(retry.code(), Code::Ok);
+    assert_eq!(retry.code(), Code::FailedPrecondition, "{retry:?}");
+    assert_problem(retry, "outcome-unknown");
     assert_ne!(retry.message(), failed.message(), "{retry:?}");
     assert!(retry.metadata().get("idempotent-replayed").is_none(), "{retry:?}");
+}
+
+/// `status` is the proxy's own answer, of problem type `slug`.
+fn assert_problem(status: &Status, slug: &str) {
+    let problem = status
+        .metadata()
+        .get("idemproxy-problem")
+        .map(|v| v.to_str().unwrap().to_owned());
+    assert_eq!(
+        problem,
+        Some(format!("https://idemproxy.dev/problems/{slug}")),
+        "{status:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let proxy = proxy(&env, &upstream, "h2c").await;
+
+    // A key without a credential to scope it.
+    let message = CreatePayment {
+        customer: "c_1".into(),
+        amount: 10,
+    };
+    let (mut grpc, request) = anonymous_client(&proxy.url, Some("anon-1"), message).await;
+    let codec = ProstCodec::<CreatePayment, Payment>::default();
+    let refused = grpc
+        .unary(request, PathAndQuery::from_static(CREATE_PAYMENT), codec)
+        .await
+        .expect_err("no credential");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("credential"), "{refused:?}");
+    assert_problem(&refused, "missing-scope");
+
+    // The same key with another message.
+    create(&proxy.url, Some("reused-1"), 10).await.expect("first use");
+    let reused = create(&proxy.url, Some("reused-1"), 11)
+        .await
+        .expect_err("another message");
+    assert_eq!(reused.code(), Code::InvalidArgument, "{reused:?}");
+    assert!(reused.message().contains("different request"), "{reused:?}");
+    assert_problem(&reused, "key-reused");
+
+    // A duplicate while the first call runs: ABORTED, with when to try again.
+    let entered = payments.entered.notified();
+    let url = proxy.url.clone();
+    let first = tokio::spawn(async move { create(&url, Some("in-flight-1"), GATED).await });
+    entered.await;
+    let duplicate = create(&proxy.url, Some("in-flight-1"), GATED)
+        .await
+        .expect_err("in flight");
+    assert_eq!(duplicate.code(), Code::Aborted, "{duplicate:?}");
+    assert_problem(&duplicate, "key-in-flight");
+    let pushback = duplicate
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .expect("pushback");
+    assert!(pushback.to_str().unwrap().parse::<u64>().unwrap() >= 1000);
+    payments.release.notify_one();
+    let (original, _) = first.await.unwrap().expect("the original completes");
+    let (retry, metadata) = create(&proxy.url, Some("in-flight-1"), GATED)
+        .await
+        .expect("replayed");
+    assert_eq!(retry, original);
+    assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(payments.executions(), 2, "reused-1 and in-flight-1 ran once each");
 }

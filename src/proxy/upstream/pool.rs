@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
-use http::{Request, Response, header};
+use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -30,6 +30,7 @@ use super::multiplex::{self, Multiplexed};
 use crate::body::ProxyBody;
 use crate::config::{UpstreamAddress, UpstreamProtocol};
 use crate::error_chain::error_chain;
+use crate::proxy::grpc::is_grpc;
 
 /// Why the pool gave no response head.
 #[derive(Debug)]
@@ -302,19 +303,6 @@ impl Inner {
         });
         self.returned.notify_one();
     }
-}
-
-/// Whether `request` is gRPC (`application/grpc`, `+proto`, `+json`, any other `+` suffix), which only
-/// HTTP/2 carries. gRPC-Web (`application/grpc-web…`) is made for HTTP/1.1 and is not.
-pub fn is_grpc<B>(request: &Request<B>) -> bool {
-    let Some(content_type) = request.headers().get(header::CONTENT_TYPE) else {
-        return false;
-    };
-    let bytes = content_type.as_bytes();
-    let prefix = b"application/grpc";
-    bytes.len() >= prefix.len()
-        && bytes[..prefix.len()].eq_ignore_ascii_case(prefix)
-        && matches!(bytes.get(prefix.len()), None | Some(b'+' | b';'))
 }
 
 /// Closes connections idle for longer than the pool's idle timeout, checking twice per timeout, for as
