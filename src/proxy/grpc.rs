@@ -21,6 +21,27 @@ pub(crate) fn is_grpc<B>(request: &Request<B>) -> bool {
         && matches!(bytes.get(prefix.len()), None | Some(b'+' | b';'))
 }
 
+/// The deadline a gRPC client set on its call (`grpc-timeout`: up to 8 digits and a unit, `H`, `M`,
+/// `S`, `m`, `u` or `n`), if it sent a valid one.
+pub(crate) fn timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let value = headers.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at_checked(value.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
 /// The status code in `headers`, if there is one and it is a number.
 pub(crate) fn status(headers: &HeaderMap) -> Option<u32> {
     code(headers.get(STATUS)?.as_bytes())
@@ -69,6 +90,26 @@ mod tests {
             assert!(!with(no), "{no}");
         }
         assert!(!is_grpc(&Request::post("/s/M").body(()).unwrap()));
+    }
+
+    #[test]
+    fn grpc_timeout_is_read_in_each_unit_and_anything_else_is_ignored() {
+        use std::time::Duration;
+        let read = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("grpc-timeout", value.parse().unwrap());
+            timeout(&headers)
+        };
+        assert_eq!(read("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(read("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(read("10S"), Some(Duration::from_secs(10)));
+        assert_eq!(read("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(read("99999999u"), Some(Duration::from_micros(99_999_999)));
+        assert_eq!(read("5n"), Some(Duration::from_nanos(5)));
+        for bad in ["", "m", "100", "123456789m", "1.5S", "-1S", "10s", "1 S", "1Sé"] {
+            assert_eq!(read(bad), None, "{bad:?}");
+        }
+        assert_eq!(timeout(&HeaderMap::new()), None);
     }
 
     #[test]

@@ -178,7 +178,12 @@ impl Upstream {
     ) -> Result<Response<PooledBody>, UpstreamFailure> {
         let span = otlp::upstream(self.traced, &mut request);
         let started = std::time::Instant::now();
-        let sending = tokio::time::timeout(self.timeout, self.pool.send(request));
+        // A gRPC client's own deadline bounds the call too, when it is the shorter.
+        let timeout = match crate::proxy::grpc::timeout(request.headers()) {
+            Some(deadline) if crate::proxy::grpc::is_grpc(&request) => deadline.min(self.timeout),
+            _ => self.timeout,
+        };
+        let sending = tokio::time::timeout(timeout, self.pool.send(request));
         let result = if span.is_none() {
             sending.await
         } else {
@@ -192,7 +197,7 @@ impl Upstream {
             Ok(Err(SendError::NotSent(why))) => Err(UpstreamFailure::NotDelivered(why)),
             Ok(Err(SendError::Failed(why))) => Err(UpstreamFailure::Ambiguous(why)),
             Ok(Err(SendError::Busy)) => Err(UpstreamFailure::Busy),
-            Err(_) => Err(UpstreamFailure::Timeout(self.timeout)),
+            Err(_) => Err(UpstreamFailure::Timeout(timeout)),
         };
         match &result {
             Ok(response) => otlp::upstream_answered(&span, response.status()),

@@ -77,6 +77,19 @@ struct Payments {
     /// A `CreatePayment` of [`GATED`] says it has started here, then waits for `release`.
     entered: Arc<tokio::sync::Notify>,
     release: Arc<tokio::sync::Notify>,
+    /// Told when a gated call is dropped before it was let go (its caller reset the stream).
+    abandoned: Arc<tokio::sync::Notify>,
+}
+
+/// Tells `abandoned` when dropped while armed.
+struct Abandoned(Option<Arc<tokio::sync::Notify>>);
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.0.take() {
+            abandoned.notify_one();
+        }
+    }
 }
 
 /// The amount of a `CreatePayment` that runs until the test lets it go.
@@ -142,14 +155,17 @@ impl tonic::server::UnaryService<CreatePayment> for Create {
     fn call(&mut self, request: tonic::Request<CreatePayment>) -> Self::Future {
         let (execution, failure) = self.0.execute();
         let (entered, release) = (self.0.entered.clone(), self.0.release.clone());
+        let abandoned = self.0.abandoned.clone();
         Box::pin(async move {
             if let Some(failure) = failure {
                 return Err(failure);
             }
             let CreatePayment { customer, amount } = request.into_inner();
             if amount == GATED {
+                let mut guard = Abandoned(Some(abandoned));
                 entered.notify_one();
                 release.notified().await;
+                guard.0 = None;
             }
             if amount <= 0 {
                 return Err(Status::invalid_argument(format!(
@@ -565,4 +581,61 @@ async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
     assert_eq!(retry, original);
     assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(payments.executions(), 2, "reused-1 and in-flight-1 ran once each");
+}
+
+#[tokio::test]
+async fn the_clients_grpc_timeout_bounds_the_upstream_call() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let proxy = proxy(&env, &upstream, "h2c").await;
+
+    let message = CreatePayment {
+        customer: "c_1".into(),
+        amount: GATED,
+    };
+    let (mut grpc, mut request) = client(&proxy.url, Some("deadline-1"), message).await;
+    request.set_timeout(std::time::Duration::from_millis(300));
+    let codec = ProstCodec::<CreatePayment, Payment>::default();
+    let failed = grpc
+        .unary(request, PathAndQuery::from_static(CREATE_PAYMENT), codec)
+        .await
+        .expect_err("past its deadline");
+    // tonic gives up at the deadline itself (CANCELLED), or reads the proxy's DEADLINE_EXCEEDED.
+    assert!(
+        matches!(failed.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{failed:?}"
+    );
+    // The proxy gave up on the upstream call at the client's deadline (upstream.timeout is 60 s), so
+    // the service saw its stream reset.
+    tokio::time::timeout(std::time::Duration::from_secs(10), payments.abandoned.notified())
+        .await
+        .expect("the upstream call was cancelled at the deadline");
+}
+
+#[tokio::test]
+async fn in_wait_mode_a_duplicate_in_flight_gets_the_stored_answer() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let config = config(&env, &upstream, "h2c").set("idempotency.on_in_flight", "wait");
+    let proxy = InProcessProxy::start(&config).await;
+
+    let entered = payments.entered.notified();
+    let url = proxy.url.clone();
+    let first = tokio::spawn(async move { create(&url, Some("wait-1"), GATED).await });
+    entered.await;
+    let url = proxy.url.clone();
+    let duplicate = tokio::spawn(async move { create(&url, Some("wait-1"), GATED).await });
+    // The duplicate is waiting once the proxy counts it.
+    crate::support::metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    payments.release.notify_one();
+    let (original, _) = first.await.unwrap().expect("the original completes");
+    let (waited, metadata) = duplicate
+        .await
+        .unwrap()
+        .expect("the duplicate gets the stored answer");
+    assert_eq!(waited, original);
+    assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(payments.executions(), 1);
 }
