@@ -295,7 +295,7 @@ impl Proxy {
         access::route(&route.name);
         path::respell(&mut request, &route)?;
         let method = request.method();
-        if route.passthrough || !route.policy.methods.contains(method) {
+        if route.passthrough || !route.policy.methods.contains(method) || grpc::is_infrastructure(&request) {
             return self.forward.passthrough(request, &peer).await;
         }
         let key = if route.policy.key.needs_body() {

@@ -21,6 +21,20 @@ pub(crate) fn is_grpc<B>(request: &Request<B>) -> bool {
         && matches!(bytes.get(prefix.len()), None | Some(b'+' | b';'))
 }
 
+/// The services every gRPC server may carry that are never keyed, whatever the route: health checks (a
+/// Kubernetes gRPC probe calls `Check` with no key) and server reflection (a tool's bidirectional stream).
+const INFRASTRUCTURE: [&str; 3] = [
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+];
+
+/// Whether `request` is a gRPC call to health checking or reflection, which pass through untouched.
+pub(crate) fn is_infrastructure<B>(request: &Request<B>) -> bool {
+    let path = request.uri().path();
+    INFRASTRUCTURE.iter().any(|prefix| path.starts_with(prefix)) && is_grpc(request)
+}
+
 /// The deadline a gRPC client set on its call (`grpc-timeout`: up to 8 digits and a unit, `H`, `M`,
 /// `S`, `m`, `u` or `n`), if it sent a valid one.
 pub(crate) fn timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
@@ -90,6 +104,25 @@ mod tests {
             assert!(!with(no), "{no}");
         }
         assert!(!is_grpc(&Request::post("/s/M").body(()).unwrap()));
+    }
+
+    #[test]
+    fn health_and_reflection_calls_are_infrastructure_and_other_calls_are_not() {
+        let call = |path: &str| {
+            Request::post(path)
+                .header(header::CONTENT_TYPE, "application/grpc")
+                .body(())
+                .unwrap()
+        };
+        assert!(is_infrastructure(&call("/grpc.health.v1.Health/Check")));
+        assert!(is_infrastructure(&call("/grpc.health.v1.Health/Watch")));
+        assert!(is_infrastructure(&call(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+        )));
+        assert!(!is_infrastructure(&call("/payments.Payments/CreatePayment")));
+        assert!(!is_infrastructure(&call("/grpc.health.v1.HealthX/Check")));
+        let not_grpc = Request::post("/grpc.health.v1.Health/Check").body(()).unwrap();
+        assert!(!is_infrastructure(&not_grpc), "only gRPC calls");
     }
 
     #[test]

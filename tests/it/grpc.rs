@@ -211,12 +211,22 @@ impl tonic::server::ServerStreamingService<ListRefunds> for List {
 async fn grpc_upstream(payments: Payments) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
+    // The standard health service beside it, reporting it serving.
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<Payments>().await;
     tokio::spawn(async move {
+        let _reporter = reporter;
         while let Ok((stream, _)) = listener.accept().await {
-            let payments = payments.clone();
+            let (payments, health) = (payments.clone(), health.clone());
             let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
-                let mut payments = payments.clone();
-                async move { payments.call(request.map(Body::new)).await }
+                let (mut payments, mut health) = (payments.clone(), health.clone());
+                async move {
+                    let request = request.map(Body::new);
+                    if request.uri().path().starts_with("/grpc.health.v1.Health/") {
+                        return health.call(request).await;
+                    }
+                    payments.call(request).await
+                }
             });
             tokio::spawn(
                 hyper::server::conn::http2::Builder::new(TokioExecutor::new())
@@ -638,4 +648,40 @@ async fn in_wait_mode_a_duplicate_in_flight_gets_the_stored_answer() {
     assert_eq!(waited, original);
     assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(payments.executions(), 1);
+}
+
+#[tokio::test]
+async fn health_checks_pass_through_on_a_route_that_requires_keys() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let config = ProxyConfig::new(&env.store.url(), &upstream)
+        .set("upstream.protocol", "h2c")
+        .route("name = \"everything\"\npath_prefix = \"/\"\nrequired = true");
+    let proxy = InProcessProxy::start(&config).await;
+
+    let channel = Channel::from_shared(proxy.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in ["", "payments.Payments"] {
+        let request = tonic_health::pb::HealthCheckRequest {
+            service: service.into(),
+        };
+        let answer = health
+            .check(request)
+            .await
+            .expect("the health check passes through");
+        assert_eq!(
+            answer.into_inner().status(),
+            tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "{service:?}"
+        );
+    }
+    // The route does require a key of every other call.
+    let refused = create(&proxy.url, None, 10).await.expect_err("no key");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert_problem(&refused, "missing-key");
 }
