@@ -94,6 +94,8 @@ impl Drop for Abandoned {
 
 /// The amount of a `CreatePayment` that runs until the test lets it go.
 const GATED: i64 = 4242;
+/// The amount of a `CreatePayment` whose stream the service resets after it started executing.
+const RESET: i64 = 5005;
 
 impl Payments {
     fn executions(&self) -> u64 {
@@ -161,6 +163,10 @@ impl tonic::server::UnaryService<CreatePayment> for Create {
                 return Err(failure);
             }
             let CreatePayment { customer, amount } = request.into_inner();
+            if amount == RESET {
+                // hyper's server resets the stream of a call whose handler panics.
+                panic!("the service fails mid-call");
+            }
             if amount == GATED {
                 let mut guard = Abandoned(Some(abandoned));
                 entered.notify_one();
@@ -684,4 +690,44 @@ async fn health_checks_pass_through_on_a_route_that_requires_keys() {
     let refused = create(&proxy.url, None, 10).await.expect_err("no key");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
     assert_problem(&refused, "missing-key");
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_call_whose_stream_the_service_resets_is_held_or_left_to_its_lease(
+    #[values("hold", "retry")] policy: &str,
+) {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let config = config(&env, &upstream, "h2c")
+        .set("idempotency.on_unknown_outcome", policy)
+        .set("idempotency.lock_timeout", "1s");
+    let proxy = InProcessProxy::start(&config).await;
+
+    let failed = create(&proxy.url, Some("reset-1"), RESET)
+        .await
+        .expect_err("reset");
+    assert_eq!(failed.code(), Code::Unavailable, "{failed:?}");
+    assert_problem(&failed, "upstream-unreachable");
+    let retry = create(&proxy.url, Some("reset-1"), RESET)
+        .await
+        .expect_err("not run again yet");
+    if policy == "hold" {
+        assert_eq!(retry.code(), Code::FailedPrecondition, "{retry:?}");
+        assert_problem(&retry, "outcome-unknown");
+    } else {
+        // Left to its lease: in flight until the lease has run out, then run again.
+        assert_eq!(retry.code(), Code::Aborted, "{retry:?}");
+        let again = crate::support::poll_until("the lease to run out", || async {
+            let again = create(&proxy.url, Some("reset-1"), RESET)
+                .await
+                .expect_err("reset again");
+            (again.code() != Code::Aborted).then_some(again)
+        })
+        .await;
+        assert_eq!(again.code(), Code::Unavailable, "{again:?}");
+    }
+    let executions = if policy == "hold" { 1 } else { 2 };
+    assert_eq!(payments.executions(), executions);
 }
