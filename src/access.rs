@@ -100,6 +100,8 @@ pub struct Line {
     trace_id: Option<String>,
     ledger: Arc<Ledger>,
     answered: Option<(Outcome, u16)>,
+    /// A gRPC answer's `grpc-status`: from a trailers-only head, or from the trailers as they pass.
+    grpc_status: Option<u32>,
 }
 
 impl Line {
@@ -113,6 +115,7 @@ impl Line {
             trace_id: trace_id.map(str::to_owned),
             ledger: Arc::default(),
             answered: None,
+            grpc_status: None,
         }
     }
 
@@ -124,7 +127,8 @@ impl Line {
     /// Notes the answer; the line is written when the returned response's body is dropped.
     pub fn answered(mut self, outcome: Outcome, response: Response<ProxyBody>) -> Response<ProxyBody> {
         self.answered = Some((outcome, response.status().as_u16()));
-        response.map(|body| Logged { body, _line: self }.boxed())
+        self.grpc_status = grpc_status(response.headers());
+        response.map(|body| Logged { body, line: self }.boxed())
     }
 
     fn write(&self) {
@@ -149,6 +153,7 @@ impl Line {
             upstream_ms,
             store_ms = millis(ledger.store_us.load(Ordering::Relaxed)),
             duration_ms = millis(micros(self.started.elapsed())),
+            grpc_status = self.grpc_status,
             trace_id = self.trace_id.as_deref(),
             "access"
         );
@@ -164,7 +169,12 @@ impl Drop for Line {
 /// A response body that carries its request's line to the end.
 struct Logged {
     body: ProxyBody,
-    _line: Line,
+    line: Line,
+}
+
+/// The `grpc-status` in `headers`, if it holds a number.
+fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
+    headers.get("grpc-status")?.to_str().ok()?.parse().ok()
 }
 
 impl Body for Logged {
@@ -175,7 +185,13 @@ impl Body for Logged {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(trailers) = frame.trailers_ref()
+        {
+            self.line.grpc_status = grpc_status(trailers).or(self.line.grpc_status);
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

@@ -731,3 +731,55 @@ async fn a_call_whose_stream_the_service_resets_is_held_or_left_to_its_lease(
     let executions = if policy == "hold" { 1 } else { 2 };
     assert_eq!(payments.executions(), executions);
 }
+
+#[tokio::test]
+async fn the_access_log_names_each_calls_method_and_grpc_status() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    let config = config(&env, &upstream, "h2c")
+        .set("log.format", "json")
+        .set("log.access", true);
+    let proxy = crate::support::ProxyProcess::spawn(&config).await;
+
+    create(&proxy.url, Some("logged-1"), 10).await.expect("executed");
+    create(&proxy.url, Some("logged-1"), 10).await.expect("replayed");
+    let refused = create(&proxy.url, Some("logged-2"), -1)
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    let reused = create(&proxy.url, Some("logged-1"), 11)
+        .await
+        .expect_err("reused");
+    assert_eq!(reused.code(), Code::InvalidArgument);
+
+    let lines = crate::support::poll_until("four access lines", || async {
+        let lines: Vec<serde_json::Value> = proxy
+            .stderr()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|event| event["target"] == "idemproxy::access")
+            .collect();
+        (lines.len() >= 4).then_some(lines)
+    })
+    .await;
+    let seen: Vec<(&str, &str, Option<u64>)> = lines
+        .iter()
+        .map(|line| {
+            (
+                line["path"].as_str().unwrap(),
+                line["outcome"].as_str().unwrap(),
+                line["grpc_status"].as_u64(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (CREATE_PAYMENT, "executed", Some(0)),
+            (CREATE_PAYMENT, "replayed", Some(0)),
+            (CREATE_PAYMENT, "executed", Some(3)),
+            (CREATE_PAYMENT, "mismatch", Some(3)),
+        ]
+    );
+}
