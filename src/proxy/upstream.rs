@@ -179,10 +179,10 @@ impl Upstream {
         let span = otlp::upstream(self.traced, &mut request);
         let started = std::time::Instant::now();
         // A gRPC client's own deadline bounds the call too, when it is the shorter.
-        let timeout = match crate::proxy::grpc::timeout(request.headers()) {
-            Some(deadline) if crate::proxy::grpc::is_grpc(&request) => deadline.min(self.timeout),
-            _ => self.timeout,
-        };
+        let deadline = crate::proxy::grpc::is_grpc(&request)
+            .then(|| crate::proxy::grpc::timeout(request.headers()))
+            .flatten();
+        let timeout = deadline.map_or(self.timeout, |deadline| deadline.min(self.timeout));
         let sending = tokio::time::timeout(timeout, self.pool.send(request));
         let result = if span.is_none() {
             sending.await
