@@ -189,3 +189,65 @@ async fn a_zero_or_nonsense_idle_timeout_exits_64_naming_the_key() {
         assert!(stderr.contains("upstream.idle_timeout"), "{value}: {stderr}");
     }
 }
+
+/// An HTTP/2-only upstream on 127.0.0.1:0: `/big` answers 3 MiB, anything else `ok`. Its URL.
+async fn h2_upstream_with_a_big_answer() -> String {
+    use http_body_util::Full;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let service =
+                hyper::service::service_fn(|request: http::Request<hyper::body::Incoming>| async move {
+                    let body = if request.uri().path() == "/big" {
+                        bytes::Bytes::from(vec![b'x'; 3 << 20])
+                    } else {
+                        bytes::Bytes::from_static(b"ok")
+                    };
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(body)))
+                });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+            );
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn over_http2_clients_that_stop_reading_big_answers_do_not_stall_the_others() {
+    use crate::support::raw_h2;
+    let env = TestEnv::new().await;
+    let upstream = h2_upstream_with_a_big_answer().await;
+    let config = ProxyConfig::new(&env.store.url(), &upstream)
+        .set("upstream.protocol", "h2c")
+        .set("server.workers", 1);
+    let proxy = InProcessProxy::start(&config).await;
+
+    // Eight clients ask for 3 MiB each and read none of it: what the upstream sends them backs up in
+    // the proxy, on the worker's one connection to the upstream.
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut client = raw_h2::connect(&proxy.url).await;
+        let request = http::Request::get(format!("{}/big", proxy.url)).body(()).unwrap();
+        client = client.ready().await.unwrap();
+        let (response, _) = client.send_request(request, true).unwrap();
+        let head = response.await.expect("the head of the big answer");
+        assert_eq!(head.status(), 200);
+        stalled.push((client, head));
+    }
+    // Another client's small answer still comes, over the same upstream connection.
+    let mut client = raw_h2::connect(&proxy.url).await;
+    let request = http::Request::get(format!("{}/small", proxy.url))
+        .body(())
+        .unwrap();
+    client = client.ready().await.unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    let small = tokio::time::timeout(std::time::Duration::from_secs(10), raw_h2::reply(response))
+        .await
+        .expect("the small answer is not held up by the stalled ones")
+        .unwrap();
+    assert_eq!(&small.body[..], b"ok");
+    drop(stalled);
+}

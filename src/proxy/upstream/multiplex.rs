@@ -24,6 +24,14 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// How long the PING's answer may take before the connection is given up.
 const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What the upstream may send on one stream ahead of its client reading it.
+const STREAM_WINDOW: u32 = 1 << 20;
+/// What it may send ahead on the whole connection: 256 streams' worth, more than the concurrent
+/// streams most servers allow (Go's 250, hyper's 200), so clients that stop reading their answers fill
+/// their own streams' windows, never the connection's that every other request of the worker shares.
+/// (hyper's default, 5 MiB against 2 MiB a stream, let three such clients stall the worker's every call.)
+const CONNECTION_WINDOW: u32 = 256 * STREAM_WINDOW;
+
 /// The worker's HTTP/2 connection to the upstream, once there is one.
 pub(super) struct Multiplexed {
     current: Mutex<Option<SendRequest<ProxyBody>>>,
@@ -142,6 +150,8 @@ pub(super) async fn handshake(stream: Stream) -> Result<SendRequest<ProxyBody>, 
         .timer(TokioTimer::new())
         .keep_alive_interval(KEEP_ALIVE_INTERVAL)
         .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .handshake(TokioIo::new(stream))
         .await
         .map_err(|e| SendError::NotSent(format!("HTTP/2 handshake: {}", error_chain(&e))))?;
