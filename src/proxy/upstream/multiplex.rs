@@ -81,28 +81,39 @@ impl Multiplexed {
         C: Fn() -> F,
         F: Future<Output = Result<Stream, SendError>>,
     {
-        let request = self.in_h2_form(request);
-        let mut sender = match self.live() {
-            Some(sender) => sender,
-            None => self.connection(&connect).await?,
-        };
-        // Waits for room for a stream within the upstream's SETTINGS; an error here means the
-        // connection takes no new streams, and the request has not left.
-        if sender.ready().await.is_err() {
-            sender = self.connection(&connect).await?;
-            sender
-                .ready()
-                .await
-                .map_err(|e| SendError::NotSent(error_chain(&e)))?;
-        }
-        match sender.try_send_request(request).await {
-            Ok(response) => Ok(response),
-            Err(mut failed) => {
-                let why = error_chain(failed.error());
-                if failed.take_message().is_some() || refused(failed.error()) {
-                    Err(SendError::NotSent(why))
-                } else {
-                    Err(SendError::Failed(why))
+        let mut request = self.in_h2_form(request);
+        let mut last_try = false;
+        loop {
+            let mut sender = match self.live() {
+                Some(sender) => sender,
+                None => {
+                    last_try = true;
+                    self.connection(&connect).await?
+                }
+            };
+            // An error here means the connection takes no new streams, and the request has not left.
+            if sender.ready().await.is_err() {
+                last_try = true;
+                sender = self.connection(&connect).await?;
+                sender
+                    .ready()
+                    .await
+                    .map_err(|e| SendError::NotSent(error_chain(&e)))?;
+            }
+            match sender.try_send_request(request).await {
+                Ok(response) => return Ok(response),
+                Err(mut failed) => {
+                    let why = error_chain(failed.error());
+                    match failed.take_message() {
+                        // The connection closed before the stream was opened: once more, at most.
+                        Some(unsent) if !last_try => {
+                            request = unsent;
+                            last_try = true;
+                        }
+                        Some(_) => return Err(SendError::NotSent(why)),
+                        None if refused(failed.error()) => return Err(SendError::NotSent(why)),
+                        None => return Err(SendError::Failed(why)),
+                    }
                 }
             }
         }

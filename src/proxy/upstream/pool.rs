@@ -65,6 +65,7 @@ struct Inner {
     returned: Notify,
     /// Starts the task that closes connections idle for too long, with the first connection.
     closer: Once,
+    /// The HTTP version spoken (`upstream.protocol`).
     protocol: UpstreamProtocol,
     /// The HTTP/2 connection, for the requests that go over HTTP/2.
     multiplexed: Multiplexed,
