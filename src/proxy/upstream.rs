@@ -5,6 +5,7 @@
 mod connect;
 mod multiplex;
 pub mod pool;
+mod send_error;
 
 use std::time::Duration;
 

@@ -15,7 +15,7 @@ use hyper::client::conn::http2::{self, SendRequest};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
 use super::connect::Stream;
-use super::pool::SendError;
+use super::send_error::SendError;
 use crate::body::ProxyBody;
 use crate::error_chain::error_chain;
 

@@ -27,22 +27,11 @@ use tokio::time::Instant;
 
 use super::connect::{self, Stream};
 use super::multiplex::{self, Multiplexed};
+pub use super::send_error::SendError;
 use crate::body::ProxyBody;
 use crate::config::{UpstreamAddress, UpstreamProtocol};
 use crate::error_chain::error_chain;
 use crate::proxy::grpc::is_grpc;
-
-/// Why the pool gave no response head.
-#[derive(Debug)]
-pub enum SendError {
-    /// No connection took the request: connecting failed or timed out, or the connection closed before
-    /// the request was written.
-    NotSent(String),
-    /// The request was handed to a connection that then failed; it may have been written.
-    Failed(String),
-    /// The pool was at its connection cap, and no connection came free within the connect timeout.
-    Busy,
-}
 
 /// Idle connections to one upstream.
 #[derive(Clone)]
