@@ -46,7 +46,7 @@ pub use encryption::{
     is_key_id,
 };
 pub use error::ConfigError;
-pub use grpc::{GrpcOutcome, GrpcOutcomes};
+pub use grpc::{GrpcOutcome, GrpcOutcomes, code_name as grpc_code_name};
 pub use idempotency::{
     FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, RawIdempotency, ReleasePolicy, Unscoped,
 };

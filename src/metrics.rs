@@ -52,8 +52,10 @@ pub use routes::{RouteSeries, RouteSet};
 mod label {
     /// [`super::Outcome`], on `requests` and `request_duration`.
     pub const OUTCOME: &str = "outcome";
-    /// A route's name, on `requests`, its aliases and `request_duration`.
+    /// A route's name, on `requests`, its aliases, `request_duration` and `grpc_calls`.
     pub const ROUTE: &str = "route";
+    /// A gRPC status code's name, on `grpc_calls`.
+    pub const CODE: &str = "code";
     /// A [`super::BusyReason`], on `busy_refusals`.
     pub const REASON: &str = "reason";
     /// The crate's version, on `build_info`.
@@ -145,6 +147,12 @@ families! {
             "idemproxy_mismatches_total",
             "Requests refused because their key was used with another payload.",
             &[label::ROUTE],
+        ),
+        /// Counted through a [`RouteSeries`].
+        grpc_calls: IntCounterVec = counter_vec(
+            "idemproxy_grpc_calls_total",
+            "gRPC calls by route and the grpc-status their client got (NONE: the answer ended without one).",
+            &[label::ROUTE, label::CODE],
         ),
         pub in_flight: IntGauge = gauge("idemproxy_in_flight_requests", "Requests being handled now."),
         pub unprotected: IntCounter = counter(

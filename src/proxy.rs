@@ -249,6 +249,11 @@ impl Proxy {
         otlp::answered(&span, self.traced, response.status());
         let elapsed = arrived.elapsed();
         series.answered(outcome, elapsed);
+        let response = if grpc {
+            grpc::counted(response, series.clone())
+        } else {
+            response
+        };
         tracing::debug!(
             status = response.status().as_u16(),
             elapsed_ms = elapsed.as_secs_f64() * 1000.0,

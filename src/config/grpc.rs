@@ -32,6 +32,11 @@ const DEFAULT_RELEASE: [u32; 3] = [14, 8, 10];
 /// DATA_LOSS.
 const DEFAULT_UNKNOWN: [u32; 5] = [4, 1, 2, 13, 15];
 
+/// The name of gRPC status `code` (`"UNAVAILABLE"`), or `"OTHER"` past the last one gRPC defines.
+pub fn code_name(code: u32) -> &'static str {
+    NAMES.get(code as usize).copied().unwrap_or("OTHER")
+}
+
 /// What a keyed gRPC call's status means for its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GrpcOutcome {

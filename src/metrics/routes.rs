@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{Histogram, IntCounter};
+use prometheus::{Histogram, IntCounter, IntCounterVec};
 
 use super::MetricSet;
 use super::labels::Outcome;
@@ -23,6 +23,9 @@ pub struct RouteSeries {
     replays: IntCounter,
     conflicts: IntCounter,
     mismatches: IntCounter,
+    /// `idemproxy_grpc_calls_total{route, code}`: the `OK` series resolved at start, others as they come.
+    grpc_calls: IntCounterVec,
+    route: Box<str>,
 }
 
 impl RouteSeries {
@@ -38,6 +41,12 @@ impl RouteSeries {
     pub fn answered(&self, outcome: Outcome, elapsed: Duration) {
         self.record(outcome);
         self.durations[outcome as usize].observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts a gRPC call by the `grpc-status` its client got (`code`: the code's name, `OTHER` past the
+    /// last one gRPC defines, or `NONE` for an answer that ended without one).
+    pub fn grpc_answered(&self, code: &str) {
+        self.grpc_calls.with_label_values(&[&*self.route, code]).inc();
     }
 
     /// The counter kept for existing dashboards that repeats `idemproxy_requests_total` for `outcome`, if
@@ -89,12 +98,16 @@ impl MetricSet {
         let by = |outcome: Outcome| [name, outcome.as_str()];
         let [replays, conflicts, mismatches] =
             [&self.replays, &self.conflicts, &self.mismatches].map(|alias| alias.with_label_values(&[name]));
+        // Served from the start, so a rate over it works before the first call.
+        self.grpc_calls.with_label_values(&[name, "OK"]);
         RouteSeries {
             by_outcome: Outcome::ALL.map(|outcome| self.requests.with_label_values(&by(outcome))),
             durations: Outcome::ALL.map(|outcome| self.request_duration.with_label_values(&by(outcome))),
             replays,
             conflicts,
             mismatches,
+            grpc_calls: self.grpc_calls.clone(),
+            route: name.into(),
         }
     }
 }

@@ -2,8 +2,18 @@
 //! answer, or in the trailers after the messages (gRPC over HTTP/2, PROTOCOL-HTTP2.md). The route's
 //! `grpc_release_codes` and `grpc_unknown_codes` decide what the code means for the key (`execute.rs`).
 
-use http::{HeaderMap, Request, header};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, header};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+
+use crate::body::{BoxError, ProxyBody};
+use crate::config::grpc_code_name;
+use crate::metrics::RouteSeries;
 use crate::store::TRAILER_PREFIX;
 
 const STATUS: &str = "grpc-status";
@@ -67,6 +77,63 @@ pub(crate) fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
         .iter()
         .find(|(name, _)| name == STATUS || name.strip_prefix(TRAILER_PREFIX) == Some(STATUS))
         .and_then(|(_, value)| code(value))
+}
+
+/// `response`, counted in `idemproxy_grpc_calls_total` by the status its client gets: now, from a
+/// trailers-only head, or as its trailers pass; `NONE` if its body ends, or its client goes, without one.
+pub(crate) fn counted(response: Response<ProxyBody>, series: Arc<RouteSeries>) -> Response<ProxyBody> {
+    if let Some(code) = status(response.headers()) {
+        series.grpc_answered(grpc_code_name(code));
+        return response;
+    }
+    response.map(|body| {
+        Counted {
+            body,
+            series: Some(series),
+        }
+        .boxed()
+    })
+}
+
+/// A gRPC answer's body that counts its status once, when its trailers pass or when it is dropped.
+struct Counted {
+    body: ProxyBody,
+    series: Option<Arc<RouteSeries>>,
+}
+
+impl Body for Counted {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(trailers) = frame.trailers_ref()
+            && let Some(series) = self.series.take()
+        {
+            series.grpc_answered(status(trailers).map_or("NONE", grpc_code_name));
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some(series) = self.series.take() {
+            series.grpc_answered("NONE");
+        }
+    }
 }
 
 fn code(value: &[u8]) -> Option<u32> {

@@ -489,6 +489,12 @@ async fn unavailable_before_or_after_the_messages_gives_the_key_back_and_the_ret
     let (refunds, status, replayed) = list(&proxy.url, "unavailable-2", 2).await;
     assert_eq!((refunds.len(), status.code(), replayed), (2, Code::Ok, false));
     assert_eq!(refunds[0].execution, 4, "the retry ran the method again");
+    // Each call is counted by the status its client got.
+    for (code, calls) in [("UNAVAILABLE", 2.0), ("OK", 2.0)] {
+        let labels = [("route", "payments"), ("code", code)];
+        let counted = crate::support::metric(&proxy.admin_url, "idemproxy_grpc_calls_total", &labels).await;
+        assert_eq!(counted, calls, "{code}");
+    }
 }
 
 #[tokio::test]
