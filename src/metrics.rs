@@ -400,6 +400,7 @@ mod tests {
     const REPLAYS: &str = "idemproxy_replays_total";
     const CONFLICTS: &str = "idemproxy_conflicts_total";
     const MISMATCHES: &str = "idemproxy_mismatches_total";
+    const GRPC_CALLS: &str = "idemproxy_grpc_calls_total";
     const BUSY_REFUSALS: &str = "idemproxy_busy_refusals_total";
     const RECORDS: &str = "idemproxy_records";
 
@@ -635,7 +636,8 @@ mod tests {
                         label::ROUTE,
                         label::REASON,
                         label::VERSION,
-                        label::PROFILE
+                        label::PROFILE,
+                        label::CODE
                     ]
                     .contains(&label),
                     "{name}: {label}"
@@ -661,6 +663,7 @@ mod tests {
             REPLAYS,
             CONFLICTS,
             MISMATCHES,
+            GRPC_CALLS,
         ];
         assert_eq!(absent, expected.map(String::from).into());
     }

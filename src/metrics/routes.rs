@@ -1,5 +1,6 @@
-//! The families the route decides (`idemproxy_requests_total`, its three aliases and
-//! `idemproxy_request_duration_seconds`), resolved once per configured route at start
+//! The families the route decides (`idemproxy_requests_total`, its three aliases,
+//! `idemproxy_request_duration_seconds` and `idemproxy_grpc_calls_total`), resolved once per configured
+//! route at start (of the gRPC family, the `OK` series; the other codes as calls get them)
 //! ([`MetricSet::routes`]) into a [`RouteSet`]; a request then finds its [`RouteSeries`] by its route's
 //! name. Runs at start, and on the request path for each answered request; touches only those series.
 
