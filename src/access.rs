@@ -6,18 +6,16 @@
 //! ([`key`]) add to the request's [`Ledger`], a task-local that is set only while the log is on: with it
 //! off they pay one empty thread-local lookup, and nothing here allocates or reads a clock.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, Response};
-use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
+use http_body::Frame;
 
-use crate::body::{BoxError, ProxyBody};
+use crate::body::{self, Inspect, ProxyBody};
+use crate::headers::grpc_status;
 use crate::metrics::Outcome;
 
 /// The target access events are logged on, for `log.filter` / `RUST_LOG` to route or silence.
@@ -128,7 +126,7 @@ impl Line {
     pub fn answered(mut self, outcome: Outcome, response: Response<ProxyBody>) -> Response<ProxyBody> {
         self.answered = Some((outcome, response.status().as_u16()));
         self.grpc_status = grpc_status(response.headers());
-        response.map(|body| Logged { body, line: self }.boxed())
+        response.map(|body| body::inspected(body, self))
     }
 
     fn write(&self) {
@@ -166,40 +164,13 @@ impl Drop for Line {
     }
 }
 
-/// A response body that carries its request's line to the end.
-struct Logged {
-    body: ProxyBody,
-    line: Line,
-}
-
-/// The `grpc-status` in `headers`, if it holds a number.
-fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
-    headers.get("grpc-status")?.to_str().ok()?.parse().ok()
-}
-
-impl Body for Logged {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.body).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(trailers) = frame.trailers_ref()
-        {
-            self.line.grpc_status = grpc_status(trailers).or(self.line.grpc_status);
+/// The line watches its response's frames for a gRPC answer's trailers, and is written when the body
+/// is dropped.
+impl Inspect for Line {
+    fn frame(&mut self, frame: &Frame<Bytes>) {
+        if let Some(trailers) = frame.trailers_ref() {
+            self.grpc_status = grpc_status(trailers).or(self.grpc_status);
         }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 

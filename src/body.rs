@@ -1,7 +1,11 @@
 //! The one response body type every path of the proxy answers with: upstream bodies streamed through,
 //! relay channels, stored bodies and problem documents, all boxed behind [`ProxyBody`].
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Empty, Full};
 
@@ -19,4 +23,47 @@ pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
 /// A body with no bytes.
 pub fn empty() -> ProxyBody {
     Empty::new().map_err(|never| match never {}).boxed()
+}
+
+/// What watches a body's frames as they pass ([`inspected`]); the body's end, or its being dropped
+/// before the end, it learns by its own `Drop`, which runs after the body's.
+pub trait Inspect: Send + Sync + Unpin + 'static {
+    /// Sees each frame the body yields, before its reader does.
+    fn frame(&mut self, frame: &Frame<Bytes>);
+}
+
+/// `body` with `inspector` told of each of its frames, and dropped with it.
+pub fn inspected(body: ProxyBody, inspector: impl Inspect) -> ProxyBody {
+    Inspected { body, inspector }.boxed()
+}
+
+/// A body and its inspector; fields drop in order, so the inspector outlives the body it watched.
+struct Inspected<I> {
+    body: ProxyBody,
+    inspector: I,
+}
+
+impl<I: Inspect> Body for Inspected<I> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            this.inspector.frame(frame);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }

@@ -1,6 +1,12 @@
-//! Header names idemproxy itself writes on responses, shared by the replay and the error responses.
+//! Header names idemproxy itself writes on responses, shared by the replay and the error responses, and
+//! the one gRPC field more than one layer reads.
 
-use http::HeaderName;
+use http::{HeaderMap, HeaderName};
 
 /// Marks every response answered from the store, and the 410 of a record kept without its body.
 pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The `grpc-status` in a gRPC answer's head (trailers-only) or trailers, if it holds a number.
+pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
+    headers.get("grpc-status")?.to_str().ok()?.trim().parse().ok()
+}

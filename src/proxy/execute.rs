@@ -193,7 +193,7 @@ impl Executor {
         // A gRPC answer that is trailers only carries its status in the head: what it means for the key
         // is known before any body.
         let head_status = (grpc && response.status() == StatusCode::OK)
-            .then(|| grpc::status(response.headers()))
+            .then(|| crate::headers::grpc_status(response.headers()))
             .flatten();
         if let Some(code) = head_status {
             let outcome = claim.route.policy.grpc.of(code);

@@ -2,17 +2,15 @@
 //! answer, or in the trailers after the messages (gRPC over HTTP/2, PROTOCOL-HTTP2.md). The route's
 //! `grpc_release_codes` and `grpc_unknown_codes` decide what the code means for the key (`execute.rs`).
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, header};
-use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
+use http_body::Frame;
 
-use crate::body::{BoxError, ProxyBody};
+use crate::body::{self, Inspect, ProxyBody};
 use crate::config::grpc_code_name;
+use crate::headers::grpc_status;
 use crate::metrics::RouteSeries;
 use crate::store::TRAILER_PREFIX;
 
@@ -66,11 +64,6 @@ pub(crate) fn timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
     })
 }
 
-/// The status code in `headers`, if there is one and it is a number.
-pub(crate) fn status(headers: &HeaderMap) -> Option<u32> {
-    code(headers.get(STATUS)?.as_bytes())
-}
-
 /// The status code of a response as it is to be stored: in its headers (trailers-only) or its trailers.
 pub(crate) fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
     entries
@@ -82,55 +75,30 @@ pub(crate) fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
 /// `response`, counted in `idemproxy_grpc_calls_total` by the status its client gets: now, from a
 /// trailers-only head, or as its trailers pass; `NONE` if its body ends, or its client goes, without one.
 pub(crate) fn counted(response: Response<ProxyBody>, series: Arc<RouteSeries>) -> Response<ProxyBody> {
-    if let Some(code) = status(response.headers()) {
+    if let Some(code) = grpc_status(response.headers()) {
         series.grpc_answered(grpc_code_name(code));
         return response;
     }
-    response.map(|body| {
-        Counted {
-            body,
-            series: Some(series),
-        }
-        .boxed()
-    })
+    response.map(|body| body::inspected(body, Uncounted(Some(series))))
 }
 
-/// A gRPC answer's body that counts its status once, when its trailers pass or when it is dropped.
-struct Counted {
-    body: ProxyBody,
-    series: Option<Arc<RouteSeries>>,
-}
+/// A gRPC answer's route while its status is not counted yet: counted when the trailers pass, or as
+/// `NONE` when dropped before them.
+struct Uncounted(Option<Arc<RouteSeries>>);
 
-impl Body for Counted {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.body).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(trailers) = frame.trailers_ref()
-            && let Some(series) = self.series.take()
+impl Inspect for Uncounted {
+    fn frame(&mut self, frame: &Frame<Bytes>) {
+        if let Some(trailers) = frame.trailers_ref()
+            && let Some(series) = self.0.take()
         {
-            series.grpc_answered(status(trailers).map_or("NONE", grpc_code_name));
+            series.grpc_answered(grpc_status(trailers).map_or("NONE", grpc_code_name));
         }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 
-impl Drop for Counted {
+impl Drop for Uncounted {
     fn drop(&mut self) {
-        if let Some(series) = self.series.take() {
+        if let Some(series) = self.0.take() {
             series.grpc_answered("NONE");
         }
     }
@@ -215,11 +183,11 @@ mod tests {
     #[test]
     fn the_status_is_read_from_the_head_or_from_the_stored_trailers() {
         let mut headers = HeaderMap::new();
-        assert_eq!(status(&headers), None);
+        assert_eq!(grpc_status(&headers), None);
         headers.insert(STATUS, "14".parse().unwrap());
-        assert_eq!(status(&headers), Some(14));
+        assert_eq!(grpc_status(&headers), Some(14));
         headers.insert(STATUS, "fourteen".parse().unwrap());
-        assert_eq!(status(&headers), None, "not a number");
+        assert_eq!(grpc_status(&headers), None, "not a number");
 
         let trailer = |value: &str| (format!("{TRAILER_PREFIX}grpc-status"), value.as_bytes().to_vec());
         let head = ("content-type".to_owned(), b"application/grpc".to_vec());

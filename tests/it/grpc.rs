@@ -270,6 +270,14 @@ async fn grpc_upstream_over_tls(payments: Payments, ca: &TestCa) -> String {
     url
 }
 
+/// A store, and `payments` served over h2c: the store, the service, and its URL.
+async fn service() -> (TestEnv, Payments, String) {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    let upstream = grpc_upstream(payments.clone()).await;
+    (env, payments, upstream)
+}
+
 /// A proxy in front of `upstream`, speaking `protocol` to it.
 async fn proxy(env: &TestEnv, upstream: &str, protocol: &str) -> InProcessProxy {
     InProcessProxy::start(&config(env, upstream, protocol)).await
@@ -323,7 +331,16 @@ async fn create(url: &str, key: Option<&str>, amount: i64) -> Result<(Payment, M
         customer: "c_1".into(),
         amount,
     };
-    let (mut grpc, request) = client(url, key, message).await;
+    let (grpc, request) = client(url, key, message).await;
+    send_create(grpc, request).await
+}
+
+/// Sends `request`, a prepared `CreatePayment`, on `grpc`: the message and the response metadata, or
+/// the status.
+async fn send_create(
+    mut grpc: tonic::client::Grpc<Channel>,
+    request: tonic::Request<CreatePayment>,
+) -> Result<(Payment, MetadataMap), Status> {
     let codec = ProstCodec::<CreatePayment, Payment>::default();
     let response = grpc
         .unary(request, PathAndQuery::from_static(CREATE_PAYMENT), codec)
@@ -337,9 +354,7 @@ async fn create(url: &str, key: Option<&str>, amount: i64) -> Result<(Payment, M
 async fn a_call_without_a_key_passes_through_with_its_message_and_status(
     #[values("h2c", "auto")] protocol: &str,
 ) {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, protocol).await;
 
     let (payment, metadata) = create(&proxy.url, None, 1200).await.expect("the call succeeds");
@@ -361,9 +376,7 @@ async fn a_call_without_a_key_passes_through_with_its_message_and_status(
 async fn a_call_with_a_key_executes_once_and_its_retry_gets_the_same_message_and_status(
     #[values("h2c", "auto")] protocol: &str,
 ) {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, protocol).await;
 
     let (first, metadata) = create(&proxy.url, Some("grpc-pay-1"), 700)
@@ -447,9 +460,7 @@ async fn with_protocol_auto_an_https_upstream_that_agrees_to_h2_gets_grpc_calls_
 
 #[tokio::test]
 async fn a_server_streaming_call_is_replayed_message_for_message() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, "h2c").await;
 
     let (first, status, replayed) = list(&proxy.url, "refunds-1", 3).await;
@@ -465,9 +476,7 @@ async fn a_server_streaming_call_is_replayed_message_for_message() {
 
 #[tokio::test]
 async fn unavailable_before_or_after_the_messages_gives_the_key_back_and_the_retry_executes() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, "h2c").await;
 
     // A trailers-only answer: the status comes in the head.
@@ -499,9 +508,7 @@ async fn unavailable_before_or_after_the_messages_gives_the_key_back_and_the_ret
 
 #[tokio::test]
 async fn an_unknown_outcome_status_is_relayed_and_holds_the_key_under_hold() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let config = config(&env, &upstream, "h2c").set("idempotency.on_unknown_outcome", "hold");
     let proxy = InProcessProxy::start(&config).await;
 
@@ -551,9 +558,7 @@ fn assert_problem(status: &Status, slug: &str) {
 
 #[tokio::test]
 async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, "h2c").await;
 
     // A key without a credential to scope it.
@@ -561,12 +566,8 @@ async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
         customer: "c_1".into(),
         amount: 10,
     };
-    let (mut grpc, request) = anonymous_client(&proxy.url, Some("anon-1"), message).await;
-    let codec = ProstCodec::<CreatePayment, Payment>::default();
-    let refused = grpc
-        .unary(request, PathAndQuery::from_static(CREATE_PAYMENT), codec)
-        .await
-        .expect_err("no credential");
+    let (grpc, request) = anonymous_client(&proxy.url, Some("anon-1"), message).await;
+    let refused = send_create(grpc, request).await.expect_err("no credential");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
     assert!(refused.message().contains("credential"), "{refused:?}");
     assert_problem(&refused, "missing-scope");
@@ -607,22 +608,16 @@ async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
 
 #[tokio::test]
 async fn the_clients_grpc_timeout_bounds_the_upstream_call() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, "h2c").await;
 
     let message = CreatePayment {
         customer: "c_1".into(),
         amount: GATED,
     };
-    let (mut grpc, mut request) = client(&proxy.url, Some("deadline-1"), message).await;
+    let (grpc, mut request) = client(&proxy.url, Some("deadline-1"), message).await;
     request.set_timeout(std::time::Duration::from_millis(300));
-    let codec = ProstCodec::<CreatePayment, Payment>::default();
-    let failed = grpc
-        .unary(request, PathAndQuery::from_static(CREATE_PAYMENT), codec)
-        .await
-        .expect_err("past its deadline");
+    let failed = send_create(grpc, request).await.expect_err("past its deadline");
     // tonic gives up at the deadline itself (CANCELLED), or reads the proxy's DEADLINE_EXCEEDED.
     assert!(
         matches!(failed.code(), Code::DeadlineExceeded | Code::Cancelled),
@@ -637,9 +632,7 @@ async fn the_clients_grpc_timeout_bounds_the_upstream_call() {
 
 #[tokio::test]
 async fn in_wait_mode_a_duplicate_in_flight_gets_the_stored_answer() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let config = config(&env, &upstream, "h2c").set("idempotency.on_in_flight", "wait");
     let proxy = InProcessProxy::start(&config).await;
 
@@ -664,9 +657,7 @@ async fn in_wait_mode_a_duplicate_in_flight_gets_the_stored_answer() {
 
 #[tokio::test]
 async fn health_checks_pass_through_on_a_route_that_requires_keys() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, _, upstream) = service().await;
     let config = ProxyConfig::new(&env.store.url(), &upstream)
         .set("upstream.protocol", "h2c")
         .route("name = \"everything\"\npath_prefix = \"/\"\nrequired = true");
@@ -703,9 +694,7 @@ async fn health_checks_pass_through_on_a_route_that_requires_keys() {
 async fn a_call_whose_stream_the_service_resets_is_held_or_left_to_its_lease(
     #[values("hold", "retry")] policy: &str,
 ) {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, payments, upstream) = service().await;
     let config = config(&env, &upstream, "h2c")
         .set("idempotency.on_unknown_outcome", policy)
         .set("idempotency.lock_timeout", "1s");
@@ -740,9 +729,7 @@ async fn a_call_whose_stream_the_service_resets_is_held_or_left_to_its_lease(
 
 #[tokio::test]
 async fn the_access_log_names_each_calls_method_and_grpc_status() {
-    let env = TestEnv::new().await;
-    let payments = Payments::default();
-    let upstream = grpc_upstream(payments.clone()).await;
+    let (env, _, upstream) = service().await;
     let config = config(&env, &upstream, "h2c")
         .set("log.format", "json")
         .set("log.access", true);
