@@ -22,6 +22,8 @@ use super::tls;
 /// servers (gunicorn 2 s; Node.js, uvicorn and Apache 5 s; nginx 75 s), so the proxy, not the upstream,
 /// closes an idle connection, and never while a request is being written to it.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// `upstream.max_concurrent_streams` when unset: the least RFC 9113 (§6.5.2) asks a server to allow.
+pub const DEFAULT_MAX_CONCURRENT_STREAMS: usize = 100;
 
 /// The bounds of `upstream.idle_timeout`: the pool looks for idle connections to close twice per
 /// timeout, so a shorter one costs wake-ups for nothing, and a longer one outlives every upstream's.
@@ -41,11 +43,15 @@ pub struct RawUpstream {
     /// Bound on waiting for the response head, and on the gap between two body chunks.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
-    /// Most connections each worker holds open to the upstream (in use or idle); a request that finds
-    /// none free waits up to `connect_timeout`, then gets 503. Absent means `server.max_connections`
-    /// divided among the workers.
+    /// Most connections each worker holds open to the upstream (in use or idle, HTTP/1.1 or HTTP/2); a
+    /// request that finds none free waits up to `connect_timeout`, then gets 503. Absent means
+    /// `server.max_connections` divided among the workers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<usize>,
+    /// Most requests one HTTP/2 connection to the upstream carries at once, as streams; with every
+    /// connection full, the next request opens another. At most the upstream's own
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`, or requests beyond that wait inside the connection.
+    pub max_concurrent_streams: usize,
     /// How long an upstream connection may sit idle in the pool before the proxy closes it. Keep it
     /// shorter than the upstream's own keep-alive timeout: a request sent on a connection the upstream is
     /// closing at that moment fails after it may have been received (an unknown outcome for a keyed one).
@@ -84,6 +90,7 @@ impl Default for RawUpstream {
             connect_timeout: Duration::from_secs(2),
             timeout: Duration::from_secs(60),
             max_connections: None,
+            max_concurrent_streams: DEFAULT_MAX_CONCURRENT_STREAMS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             protocol: UpstreamProtocol::Http1,
             tls: None,
@@ -165,6 +172,8 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// Most upstream connections per worker.
     pub max_connections: usize,
+    /// Most streams at once on one HTTP/2 connection to the upstream.
+    pub max_concurrent_streams: usize,
     /// Longest an upstream connection stays idle in the pool.
     pub idle_timeout: Duration,
     /// The HTTP version spoken to the upstream.
@@ -187,6 +196,11 @@ impl RawUpstream {
             connect_timeout: self.connect_timeout,
             timeout: self.timeout,
             max_connections,
+            max_concurrent_streams: within(
+                "upstream.max_concurrent_streams",
+                self.max_concurrent_streams,
+                1..=1000,
+            )?,
             idle_timeout: self.idle_timeout()?,
             protocol: self.protocol,
         })
@@ -422,6 +436,9 @@ mod tests {
             ("idle_timeout = \"2h\"", "upstream.idle_timeout"),
             ("idle_timeout = \"soon\"", "upstream.idle_timeout"),
             ("idle_timeout = 5", "upstream.idle_timeout"),
+            ("max_concurrent_streams = 0", "upstream.max_concurrent_streams"),
+            ("max_concurrent_streams = 1001", "upstream.max_concurrent_streams"),
+            ("max_concurrent_streams = -1", "upstream.max_concurrent_streams"),
         ] {
             let err = Config::from_toml_str(&format!("[upstream]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");

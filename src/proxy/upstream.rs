@@ -76,7 +76,7 @@ impl UpstreamFailure {
     }
 }
 
-/// The HTTP/1.1 client to the upstream, over a pool of keep-alive connections.
+/// The client to the upstream, over a pool of keep-alive HTTP/1.1 connections or multiplexed HTTP/2 ones.
 #[derive(Clone)]
 pub struct Upstream {
     pool: Pool,
@@ -97,6 +97,7 @@ impl Upstream {
                 config.connect_timeout,
                 config.idle_timeout,
                 config.max_connections,
+                config.max_concurrent_streams,
             ),
             base: config.base.clone(),
             timeout: config.timeout,
@@ -362,6 +363,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
             max_connections: 16,
+            max_concurrent_streams: 100,
             idle_timeout: Duration::from_secs(1),
             protocol: crate::config::UpstreamProtocol::Http1,
         };

@@ -76,9 +76,30 @@ struct Payments {
     fail_next: Arc<std::sync::Mutex<Option<Code>>>,
     /// A `CreatePayment` of [`GATED`] says it has started here, then waits for `release`.
     entered: Arc<tokio::sync::Notify>,
-    release: Arc<tokio::sync::Notify>,
+    release: Gate,
     /// Told when a gated call is dropped before it was let go (its caller reset the stream).
     abandoned: Arc<tokio::sync::Notify>,
+}
+
+/// Lets gated calls go on, one per permit given.
+#[derive(Clone)]
+struct Gate(Arc<tokio::sync::Semaphore>);
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate(Arc::new(tokio::sync::Semaphore::new(0)))
+    }
+}
+
+impl Gate {
+    /// Lets `calls` gated calls go on, now or when they come.
+    fn open(&self, calls: usize) {
+        self.0.add_permits(calls);
+    }
+
+    async fn pass(&self) {
+        self.0.acquire().await.unwrap().forget();
+    }
 }
 
 /// Tells `abandoned` when dropped while armed.
@@ -170,7 +191,7 @@ impl tonic::server::UnaryService<CreatePayment> for Create {
             if amount == GATED {
                 let mut guard = Abandoned(Some(abandoned));
                 entered.notify_one();
-                release.notified().await;
+                release.pass().await;
                 guard.0 = None;
             }
             if amount <= 0 {
@@ -215,6 +236,14 @@ impl tonic::server::ServerStreamingService<ListRefunds> for List {
 /// `payments` served by tonic's server side on 127.0.0.1:0, over HTTP/2 only (hyper's h2c server, as
 /// tonic's own transport runs it); its URL.
 async fn grpc_upstream(payments: Payments) -> String {
+    grpc_upstream_taking(payments, HYPER_MAX_STREAMS).await
+}
+
+/// The concurrent streams hyper's HTTP/2 server allows on a connection unless told otherwise.
+const HYPER_MAX_STREAMS: u32 = 200;
+
+/// [`grpc_upstream`], allowing `max_streams` concurrent streams on each connection.
+async fn grpc_upstream_taking(payments: Payments, max_streams: u32) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     // The standard health service beside it, reporting it serving.
@@ -236,6 +265,7 @@ async fn grpc_upstream(payments: Payments) -> String {
             });
             tokio::spawn(
                 hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(max_streams)
                     .serve_connection(TokioIo::new(stream), service),
             );
         }
@@ -596,7 +626,7 @@ async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
         .get("grpc-retry-pushback-ms")
         .expect("pushback");
     assert!(pushback.to_str().unwrap().parse::<u64>().unwrap() >= 1000);
-    payments.release.notify_one();
+    payments.release.open(1);
     let (original, _) = first.await.unwrap().expect("the original completes");
     let (retry, metadata) = create(&proxy.url, Some("in-flight-1"), GATED)
         .await
@@ -644,7 +674,7 @@ async fn in_wait_mode_a_duplicate_in_flight_gets_the_stored_answer() {
     let duplicate = tokio::spawn(async move { create(&url, Some("wait-1"), GATED).await });
     // The duplicate is waiting once the proxy counts it.
     crate::support::metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
-    payments.release.notify_one();
+    payments.release.open(1);
     let (original, _) = first.await.unwrap().expect("the original completes");
     let (waited, metadata) = duplicate
         .await
@@ -653,6 +683,83 @@ async fn in_wait_mode_a_duplicate_in_flight_gets_the_stored_answer() {
     assert_eq!(waited, original);
     assert_eq!(metadata.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(payments.executions(), 1);
+}
+
+/// `CreatePayment` of [`GATED`] with `key`, sent from a task of its own.
+fn gated_call(url: &str, key: &str) -> tokio::task::JoinHandle<Result<(Payment, MetadataMap), Status>> {
+    let (url, key) = (url.to_owned(), key.to_owned());
+    tokio::spawn(async move { create(&url, Some(&key), GATED).await })
+}
+
+/// Waits until `payments` has started `n` executions.
+async fn executing(payments: &Payments, n: u64) {
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while payments.executions() < n {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{} of {n} calls reached the service", payments.executions()));
+}
+
+#[tokio::test]
+async fn calls_beyond_an_upstream_connections_stream_limit_run_at_once_on_another() {
+    let env = TestEnv::new().await;
+    let payments = Payments::default();
+    // The service allows two streams per connection, and the proxy is told so.
+    let upstream = grpc_upstream_taking(payments.clone(), 2).await;
+    let config = config(&env, &upstream, "h2c").set("upstream.max_concurrent_streams", 2);
+    let proxy = InProcessProxy::start(&config).await;
+
+    let calls: Vec<_> = (0..5)
+        .map(|n| gated_call(&proxy.url, &format!("limit-{n}")))
+        .collect();
+    // All five execute at once: none waits for a stream of a full connection.
+    executing(&payments, 5).await;
+    payments.release.open(5);
+    let mut seen = Vec::new();
+    for call in calls {
+        let (payment, metadata) = call.await.unwrap().expect("every call succeeds");
+        assert!(metadata.get("idempotent-replayed").is_none());
+        seen.push(payment.execution);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [1, 2, 3, 4, 5], "five executions, one per key");
+}
+
+#[tokio::test]
+async fn at_the_upstream_connection_cap_a_call_with_no_stream_free_is_unavailable_and_its_retry_executes() {
+    let (env, payments, upstream) = service().await;
+    let config = config(&env, &upstream, "h2c")
+        .set("server.workers", 1)
+        .set("upstream.max_connections", 1)
+        .set("upstream.max_concurrent_streams", 1)
+        .set("upstream.connect_timeout", "300ms");
+    let proxy = InProcessProxy::start(&config).await;
+
+    let first = gated_call(&proxy.url, "cap-1");
+    executing(&payments, 1).await;
+    let busy = create(&proxy.url, Some("cap-2"), 300)
+        .await
+        .expect_err("no stream is free");
+    assert_eq!(busy.code(), Code::Unavailable, "{busy:?}");
+    assert_problem(&busy, "busy");
+    assert!(
+        busy.metadata().get("grpc-retry-pushback-ms").is_some(),
+        "{busy:?}"
+    );
+    assert_eq!(
+        payments.executions(),
+        1,
+        "the busy call never reached the service"
+    );
+
+    payments.release.open(1);
+    first.await.unwrap().expect("the first call completes");
+    // The key was given back: its retry executes.
+    let (payment, metadata) = create(&proxy.url, Some("cap-2"), 300).await.expect("the retry");
+    assert_eq!(payment.execution, 2);
+    assert!(metadata.get("idempotent-replayed").is_none());
 }
 
 #[tokio::test]

@@ -1,11 +1,15 @@
 //! Runs when a request goes to the upstream over HTTP/2 (`upstream.protocol`, `pool.rs` decides): keeps
-//! one multiplexed connection per worker, on which each request is a stream. hyper's HTTP/2 layer holds
-//! back a stream the upstream's SETTINGS leave no room for until one ends; a connection the upstream
-//! closes or sends GOAWAY on is replaced by a new one for the requests that come after. Which failures
-//! left the request certainly unprocessed follows RFC 9113 §8.7: a stream refused (`REFUSED_STREAM`), or
-//! one above the last stream id a GOAWAY says the upstream processed.
+//! the worker's multiplexed connections, on which each request is a stream. A request takes a stream on
+//! the first connection with fewer than `upstream.max_concurrent_streams` open; when every connection is
+//! full, another is opened, within `upstream.max_connections`; at that cap a request waits for a stream
+//! to end, and after `upstream.connect_timeout` is refused as busy, never sent. A connection beyond the
+//! first that carries no stream for `upstream.idle_timeout` is let go. A connection the upstream closes
+//! or sends GOAWAY on is replaced for the requests that come after. Which failures left the request
+//! certainly unprocessed follows RFC 9113 §8.7: a stream refused (`REFUSED_STREAM`), or one above the
+//! last stream id a GOAWAY says the upstream processed.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
@@ -13,6 +17,8 @@ use http::{Request, Response, Uri, Version, header};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::{self, SendRequest};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use super::connect::Stream;
 use super::send_error::SendError;
@@ -26,57 +32,156 @@ const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the upstream may send on one stream ahead of its client reading it.
 const STREAM_WINDOW: u32 = 1 << 20;
-/// What it may send ahead on the whole connection: 256 streams' worth, more than the concurrent
-/// streams most servers allow (Go's 250, hyper's 200), so clients that stop reading their answers fill
-/// their own streams' windows, never the connection's that every other request of the worker shares.
-/// (hyper's default, 5 MiB against 2 MiB a stream, let three such clients stall the worker's every call.)
-const CONNECTION_WINDOW: u32 = 256 * STREAM_WINDOW;
+/// The largest flow-control window HTTP/2 allows (RFC 9113 §6.9.1).
+const MAX_WINDOW: u32 = (1 << 31) - 1;
 
-/// The worker's HTTP/2 connection to the upstream, once there is one.
+/// How the worker's HTTP/2 connections are shared out.
+pub(super) struct Limits {
+    /// Most streams open at once on one connection (`upstream.max_concurrent_streams`).
+    pub max_streams: usize,
+    /// How long a connection beyond the first may carry no stream before it is let go.
+    pub idle_timeout: Duration,
+    /// How long a request may wait for a stream when every connection the cap allows is full.
+    pub wait: Duration,
+}
+
+/// The worker's HTTP/2 connections to the upstream.
 pub(super) struct Multiplexed {
-    current: Mutex<Option<SendRequest<ProxyBody>>>,
-    /// One new connection at a time: requests that find none wait for it rather than each opening one.
+    /// Open connections, filled in order: the first takes every stream it has room for.
+    connections: Mutex<Vec<Connection>>,
+    /// One new connection at a time: requests that find no room wait for it rather than each opening one.
     connecting: tokio::sync::Mutex<()>,
+    /// Told when a stream ends on a full connection, for a request waiting for room.
+    freed: Arc<Notify>,
+    /// The upstream connections the worker may hold, HTTP/2 and HTTP/1.1 alike (`upstream.max_connections`):
+    /// each connection's task holds one until the connection closes.
+    room: Arc<Semaphore>,
+    limits: Limits,
     /// `http` or `https`, as each request's `:scheme`.
     scheme: Scheme,
     /// The `:authority` of a request whose client sent no usable `Host`.
     authority: Authority,
 }
 
+/// One HTTP/2 connection, and the streams open on it.
+struct Connection {
+    sender: SendRequest<ProxyBody>,
+    streams: Arc<Streams>,
+}
+
+struct Streams {
+    open: AtomicUsize,
+    /// When the last stream ended (or the connection was made).
+    quiet_since: Mutex<Instant>,
+}
+
+impl Connection {
+    /// Whether no stream has been open on it for `timeout`.
+    fn idle_for(&self, timeout: Duration) -> bool {
+        self.streams.open.load(Ordering::Acquire) == 0
+            && self
+                .streams
+                .quiet_since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .elapsed()
+                >= timeout
+    }
+}
+
+/// A stream taken on a connection, given back when dropped (its response body ended or was dropped).
+pub(super) struct StreamSlot {
+    streams: Arc<Streams>,
+    /// The connection's stream limit, and who to tell when a stream ends on a full connection.
+    max_streams: usize,
+    freed: Arc<Notify>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let was_open = self.streams.open.fetch_sub(1, Ordering::AcqRel);
+        if was_open == 1 {
+            *self.streams.quiet_since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        }
+        if was_open == self.max_streams {
+            self.freed.notify_one();
+        }
+    }
+}
+
 impl Multiplexed {
-    pub(super) fn new(scheme: Scheme, authority: Authority) -> Multiplexed {
+    pub(super) fn new(
+        scheme: Scheme,
+        authority: Authority,
+        room: Arc<Semaphore>,
+        limits: Limits,
+    ) -> Multiplexed {
         Multiplexed {
-            current: Mutex::new(None),
+            connections: Mutex::new(Vec::new()),
             connecting: tokio::sync::Mutex::new(()),
+            freed: Arc::new(Notify::new()),
+            room,
+            limits,
             scheme,
             authority,
         }
     }
 
-    /// The connection in use, if it is still open.
-    fn live(&self) -> Option<SendRequest<ProxyBody>> {
-        let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        current.as_ref().filter(|sender| !sender.is_closed()).cloned()
+    /// A stream on the first open connection with room for one. Forgets closed connections, and those
+    /// beyond the first that have carried no stream for the idle timeout.
+    fn slot(&self) -> Option<(SendRequest<ProxyBody>, StreamSlot)> {
+        let mut connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        let mut first = true;
+        connections.retain(|connection| {
+            let keep =
+                !connection.sender.is_closed() && (first || !connection.idle_for(self.limits.idle_timeout));
+            first &= !keep;
+            keep
+        });
+        let connection = connections
+            .iter()
+            .find(|connection| connection.streams.open.load(Ordering::Acquire) < self.limits.max_streams)?;
+        connection.streams.open.fetch_add(1, Ordering::AcqRel);
+        let slot = StreamSlot {
+            streams: connection.streams.clone(),
+            max_streams: self.limits.max_streams,
+            freed: self.freed.clone(),
+        };
+        Some((connection.sender.clone(), slot))
     }
 
+    /// Connections open now.
     #[cfg(test)]
-    pub(super) fn is_open(&self) -> bool {
-        self.live().is_some()
+    pub(super) fn open_connections(&self) -> usize {
+        let connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        connections.iter().filter(|c| !c.sender.is_closed()).count()
     }
 
-    /// Makes `sender` the connection in use.
-    pub(super) fn adopt(&self, sender: SendRequest<ProxyBody>) {
-        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(sender);
+    /// Makes an HTTP/2 connection over `stream`, holding `room` while it lasts, and sends requests on it.
+    pub(super) async fn add(&self, stream: Stream, room: OwnedSemaphorePermit) -> Result<(), SendError> {
+        let sender = handshake(stream, room, self.limits.max_streams).await?;
+        let connection = Connection {
+            sender,
+            streams: Arc::new(Streams {
+                open: AtomicUsize::new(0),
+                quiet_since: Mutex::new(Instant::now()),
+            }),
+        };
+        self.connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(connection);
+        Ok(())
     }
 
-    /// Sends `request` (origin form, `Host` set) as a stream and waits for its response head. A
-    /// connection that can take no new stream (closed, or going away) is replaced first; `connect`
-    /// opens the stream a new connection runs on.
+    /// Sends `request` (origin form, `Host` set) as a stream and waits for its response head; the
+    /// stream counts against its connection's limit until the slot returned with it is dropped.
+    /// `connect` opens the stream a new connection runs on.
     pub(super) async fn send<C, F>(
         &self,
         request: Request<ProxyBody>,
         connect: C,
-    ) -> Result<Response<Incoming>, SendError>
+    ) -> Result<(Response<Incoming>, StreamSlot), SendError>
     where
         C: Fn() -> F,
         F: Future<Output = Result<Stream, SendError>>,
@@ -84,8 +189,8 @@ impl Multiplexed {
         let mut request = self.in_h2_form(request);
         let mut last_try = false;
         loop {
-            let mut sender = match self.live() {
-                Some(sender) => sender,
+            let (mut sender, mut slot) = match self.slot() {
+                Some(found) => found,
                 None => {
                     last_try = true;
                     self.connection(&connect).await?
@@ -94,14 +199,15 @@ impl Multiplexed {
             // An error here means the connection takes no new streams, and the request has not left.
             if sender.ready().await.is_err() {
                 last_try = true;
-                sender = self.connection(&connect).await?;
+                drop(slot);
+                (sender, slot) = self.connection(&connect).await?;
                 sender
                     .ready()
                     .await
                     .map_err(|e| SendError::NotSent(error_chain(&e)))?;
             }
             match sender.try_send_request(request).await {
-                Ok(response) => return Ok(response),
+                Ok(response) => return Ok((response, slot)),
                 Err(mut failed) => {
                     let why = error_chain(failed.error());
                     match failed.take_message() {
@@ -119,20 +225,45 @@ impl Multiplexed {
         }
     }
 
-    /// A new connection, unless another request opened one meanwhile.
-    async fn connection<C, F>(&self, connect: &C) -> Result<SendRequest<ProxyBody>, SendError>
+    /// A stream on a new connection, unless another request opened one meanwhile or a stream ended; at
+    /// the connection cap, waits for either up to the limit's wait, then the request is busy.
+    async fn connection<C, F>(&self, connect: &C) -> Result<(SendRequest<ProxyBody>, StreamSlot), SendError>
     where
         C: Fn() -> F,
         F: Future<Output = Result<Stream, SendError>>,
     {
-        let _one_at_a_time = self.connecting.lock().await;
-        if let Some(sender) = self.live().filter(SendRequest::is_ready) {
-            return Ok(sender);
+        let deadline = Instant::now() + self.limits.wait;
+        let mut permit = None;
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            // Registered before looking for room, so a stream that ends meanwhile wakes it.
+            freed.as_mut().enable();
+            {
+                let _one_at_a_time = self.connecting.lock().await;
+                if let Some(found) = self.slot() {
+                    return Ok(found);
+                }
+                if let Some(permit) = permit
+                    .take()
+                    .or_else(|| self.room.clone().try_acquire_owned().ok())
+                {
+                    self.add(connect().await?, permit).await?;
+                    return self.slot().ok_or(SendError::Busy);
+                }
+            }
+            tokio::select! {
+                _ = &mut freed => {}
+                acquired = self.room.clone().acquire_owned() => {
+                    permit = Some(acquired.map_err(|_| SendError::Busy)?);
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(max_streams = self.limits.max_streams,
+                        "every stream of every HTTP/2 connection to the upstream stayed busy for the connect timeout");
+                    return Err(SendError::Busy);
+                }
+            }
         }
-        let stream = connect().await?;
-        let sender = handshake(stream).await?;
-        self.adopt(sender.clone());
-        Ok(sender)
     }
 
     /// The request as HTTP/2 sends it: `:scheme` and `:authority` (the client's `Host`, else the
@@ -155,14 +286,26 @@ impl Multiplexed {
     }
 }
 
-/// The HTTP/2 handshake over `stream`; the connection runs on a task of its own until it ends.
-pub(super) async fn handshake(stream: Stream) -> Result<SendRequest<ProxyBody>, SendError> {
+/// The HTTP/2 handshake over `stream`; the connection runs on a task of its own, holding `room`, until
+/// it ends. The upstream may send `max_streams` streams' worth ahead on the connection: clients that stop
+/// reading their answers fill their own streams' windows, never the connection's that every other
+/// request on it shares (hyper's default, 5 MiB against 2 MiB a stream, let three such clients stall
+/// every call).
+async fn handshake(
+    stream: Stream,
+    room: OwnedSemaphorePermit,
+    max_streams: usize,
+) -> Result<SendRequest<ProxyBody>, SendError> {
+    let connection_window = u32::try_from(max_streams)
+        .unwrap_or(u32::MAX)
+        .saturating_mul(STREAM_WINDOW)
+        .min(MAX_WINDOW);
     let (sender, connection) = http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .keep_alive_interval(KEEP_ALIVE_INTERVAL)
         .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
         .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
+        .initial_connection_window_size(connection_window)
         .handshake(TokioIo::new(stream))
         .await
         .map_err(|e| SendError::NotSent(format!("HTTP/2 handshake: {}", error_chain(&e))))?;
@@ -170,6 +313,7 @@ pub(super) async fn handshake(stream: Stream) -> Result<SendRequest<ProxyBody>, 
         if let Err(error) = connection.await {
             tracing::debug!(error = %error_chain(&error), "upstream HTTP/2 connection ended with an error");
         }
+        drop(room);
     });
     Ok(sender)
 }
@@ -206,31 +350,57 @@ mod tests {
     enum Answer {
         /// 200 with body `ok`.
         Ok,
+        /// 200 with body `ok` once the stub's gate lets it: one stream per permit.
+        Held,
         /// `RST_STREAM` with this reason, before any response.
         Reset(h2::Reason),
         /// 200 to the first stream of each connection, then GOAWAY (graceful) and the connection's end.
         OnceThenGoAway,
     }
 
-    /// An h2c upstream on 127.0.0.1:0; reports each connection it accepts.
-    async fn upstream(answer: Answer) -> (String, mpsc::UnboundedReceiver<()>) {
+    /// An h2c upstream on 127.0.0.1:0.
+    struct Stub {
+        authority: String,
+        /// One message per connection accepted.
+        connections: mpsc::UnboundedReceiver<()>,
+        /// One message per stream received.
+        streams: mpsc::UnboundedReceiver<()>,
+        /// Lets held streams be answered.
+        gate: Arc<Semaphore>,
+    }
+
+    async fn upstream(answer: Answer) -> Stub {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let authority = listener.local_addr().unwrap().to_string();
         let (accepted, connections) = mpsc::unbounded_channel();
+        let (received, streams) = mpsc::unbounded_channel();
+        let gate = Arc::new(Semaphore::new(0));
+        let held = gate.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let _ = accepted.send(());
+                let (received, held) = (received.clone(), held.clone());
                 tokio::spawn(async move {
                     let mut connection = h2::server::handshake(stream).await.unwrap();
                     while let Some(Ok((request, mut respond))) = connection.accept().await {
                         drop(request);
-                        match answer {
-                            Answer::Reset(reason) => respond.send_reset(reason),
-                            Answer::Ok | Answer::OnceThenGoAway => {
-                                let response = http::Response::new(());
-                                let mut body = respond.send_response(response, false).unwrap();
-                                body.send_data(Bytes::from_static(b"ok"), true).unwrap();
+                        let _ = received.send(());
+                        if let Answer::Reset(reason) = answer {
+                            respond.send_reset(reason);
+                            continue;
+                        }
+                        let held = held.clone();
+                        let answered = async move {
+                            if let Answer::Held = answer {
+                                held.acquire().await.unwrap().forget();
                             }
+                            let response = http::Response::new(());
+                            let mut body = respond.send_response(response, false).unwrap();
+                            body.send_data(Bytes::from_static(b"ok"), true).unwrap();
+                        };
+                        match answer {
+                            Answer::Held => drop(tokio::spawn(answered)),
+                            _ => answered.await,
                         }
                         if let Answer::OnceThenGoAway = answer {
                             connection.graceful_shutdown();
@@ -239,16 +409,28 @@ mod tests {
                 });
             }
         });
-        (authority, connections)
+        Stub {
+            authority,
+            connections,
+            streams,
+            gate,
+        }
     }
 
     fn pool(authority: String) -> Pool {
+        limited_pool(authority, 16, 100, Duration::from_secs(2))
+    }
+
+    /// A pool of at most `connections` HTTP/2 connections of `streams` streams each, whose requests
+    /// wait up to `wait` for room.
+    fn limited_pool(authority: String, connections: usize, streams: usize, wait: Duration) -> Pool {
         Pool::new(
             UpstreamAddress::Http { authority },
             UpstreamProtocol::H2c,
-            Duration::from_secs(2),
-            Duration::from_secs(90),
-            16,
+            wait,
+            Duration::from_millis(200),
+            connections,
+            streams,
         )
     }
 
@@ -262,49 +444,139 @@ mod tests {
         Ok(response.into_body().collect().await.unwrap().to_bytes())
     }
 
+    /// Waits for `n` messages on `events`.
+    async fn seen(events: &mut mpsc::UnboundedReceiver<()>, n: usize) {
+        for _ in 0..n {
+            tokio::time::timeout(Duration::from_secs(10), events.recv())
+                .await
+                .expect("the stub upstream saw it")
+                .unwrap();
+        }
+    }
+
     #[tokio::test]
     async fn requests_at_once_are_streams_of_one_connection() {
-        let (authority, mut connections) = upstream(Answer::Ok).await;
-        let pool = pool(authority);
+        let mut stub = upstream(Answer::Ok).await;
+        let pool = pool(stub.authority);
         let fetched = futures_util::future::join_all((0..8).map(|_| fetch(&pool))).await;
         for body in fetched {
             assert_eq!(body.unwrap(), "ok");
         }
-        assert_eq!(connections.recv().await, Some(()));
-        assert!(connections.try_recv().is_err(), "only one connection was opened");
+        assert_eq!(stub.connections.recv().await, Some(()));
+        assert!(
+            stub.connections.try_recv().is_err(),
+            "only one connection was opened"
+        );
+    }
+
+    #[tokio::test]
+    async fn with_every_stream_taken_the_next_request_opens_another_connection() {
+        let mut stub = upstream(Answer::Held).await;
+        let pool = limited_pool(stub.authority, 16, 2, Duration::from_secs(10));
+        let fetching = tokio::spawn(async move {
+            let fetched = futures_util::future::join_all((0..5).map(|_| fetch(&pool))).await;
+            (pool, fetched)
+        });
+        // All five reach the upstream at once, two streams on each connection but the last.
+        seen(&mut stub.streams, 5).await;
+        seen(&mut stub.connections, 3).await;
+        assert!(
+            stub.connections.try_recv().is_err(),
+            "three connections, not more"
+        );
+        stub.gate.add_permits(5);
+        let (pool, fetched) = fetching.await.unwrap();
+        for body in fetched {
+            assert_eq!(body.unwrap(), "ok");
+        }
+        assert_eq!(pool.multiplexed_open(), 3);
+        // The two beyond the first, quiet for the idle timeout, are let go as requests come.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while pool.multiplexed_open() > 1 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                stub.gate.add_permits(1);
+                assert_eq!(fetch(&pool).await.unwrap(), "ok");
+            }
+        })
+        .await
+        .expect("idle connections beyond the first are closed");
+    }
+
+    #[tokio::test]
+    async fn at_the_connection_cap_a_request_with_no_stream_free_is_busy_and_not_sent() {
+        let mut stub = upstream(Answer::Held).await;
+        let pool = Arc::new(limited_pool(stub.authority, 1, 2, Duration::from_millis(300)));
+        let held: Vec<_> = (0..2)
+            .map(|_| {
+                let pool = pool.clone();
+                tokio::spawn(async move { fetch(&pool).await })
+            })
+            .collect();
+        seen(&mut stub.streams, 2).await;
+        let refused = tokio::time::timeout(Duration::from_secs(10), fetch(&pool)).await;
+        assert!(matches!(refused, Ok(Err(SendError::Busy))), "{refused:?}");
+        stub.gate.add_permits(2);
+        for fetched in held {
+            assert_eq!(fetched.await.unwrap().unwrap(), "ok");
+        }
+        assert!(
+            stub.streams.try_recv().is_err(),
+            "the busy request never reached the upstream"
+        );
+        stub.gate.add_permits(1);
+        assert_eq!(fetch(&pool).await.unwrap(), "ok", "the streams are free again");
+        assert_eq!(stub.connections.recv().await, Some(()));
+        assert!(stub.connections.try_recv().is_err(), "one connection, as capped");
+    }
+
+    #[tokio::test]
+    async fn at_the_connection_cap_a_request_takes_the_first_stream_that_ends() {
+        let mut stub = upstream(Answer::Held).await;
+        let pool = Arc::new(limited_pool(stub.authority, 1, 1, Duration::from_secs(10)));
+        let first = {
+            let pool = pool.clone();
+            tokio::spawn(async move { fetch(&pool).await })
+        };
+        seen(&mut stub.streams, 1).await;
+        let second = {
+            let pool = pool.clone();
+            tokio::spawn(async move { fetch(&pool).await })
+        };
+        stub.gate.add_permits(2);
+        assert_eq!(first.await.unwrap().unwrap(), "ok");
+        assert_eq!(second.await.unwrap().unwrap(), "ok");
+        seen(&mut stub.streams, 1).await;
     }
 
     #[tokio::test]
     async fn a_stream_the_upstream_refuses_was_not_sent() {
-        let (authority, _connections) = upstream(Answer::Reset(h2::Reason::REFUSED_STREAM)).await;
-        let failed = fetch(&pool(authority)).await;
+        let stub = upstream(Answer::Reset(h2::Reason::REFUSED_STREAM)).await;
+        let failed = fetch(&pool(stub.authority)).await;
         assert!(matches!(failed, Err(SendError::NotSent(_))), "{failed:?}");
     }
 
     #[tokio::test]
     async fn a_stream_the_upstream_resets_otherwise_may_have_been_processed() {
-        let (authority, _connections) = upstream(Answer::Reset(h2::Reason::INTERNAL_ERROR)).await;
-        let failed = fetch(&pool(authority)).await;
+        let stub = upstream(Answer::Reset(h2::Reason::INTERNAL_ERROR)).await;
+        let failed = fetch(&pool(stub.authority)).await;
         assert!(matches!(failed, Err(SendError::Failed(_))), "{failed:?}");
     }
 
     #[tokio::test]
     async fn after_a_goaway_the_next_request_goes_over_a_new_connection() {
-        let (authority, mut connections) = upstream(Answer::OnceThenGoAway).await;
-        let pool = pool(authority);
+        let mut stub = upstream(Answer::OnceThenGoAway).await;
+        let pool = pool(stub.authority);
         for _ in 0..3 {
             assert_eq!(fetch(&pool).await.unwrap(), "ok");
             // The GOAWAY, and the connection's end, reach the client after the response does.
             tokio::time::timeout(Duration::from_secs(10), async {
-                while pool.multiplexed_is_open() {
+                while pool.multiplexed_open() > 0 {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             })
             .await
             .expect("the upstream's GOAWAY closes the connection");
         }
-        for _ in 0..3 {
-            assert_eq!(connections.recv().await, Some(()));
-        }
+        seen(&mut stub.connections, 3).await;
     }
 }

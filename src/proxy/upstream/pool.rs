@@ -1,7 +1,7 @@
 //! Runs when a request goes upstream: picks the HTTP version (`upstream.protocol`); over HTTP/1.1 hands
 //! the request to an idle connection to the upstream, or to a new one, and takes the connection back
-//! once its response body has been read to the end; over HTTP/2 sends it as a stream of the worker's one
-//! multiplexed connection (`multiplex.rs`). Each worker has its own pool, so a request and the connection
+//! once its response body has been read to the end; over HTTP/2 sends it as a stream of one of the worker's
+//! multiplexed connections (`multiplex.rs`). Each worker has its own pool, so a request and the connection
 //! carrying it run on the same thread. Uses hyper's connection-level client: one task per connection, no
 //! pool-wide bookkeeping per request. Connections are opened by `connect.rs` (TCP, TLS or a unix socket);
 //! reuse, the cap and the timeouts are the same for each. An HTTP/1.1 connection idle for
@@ -26,7 +26,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::connect::{self, Stream};
-use super::multiplex::{self, Multiplexed};
+use super::multiplex::{Limits, Multiplexed, StreamSlot};
 pub use super::send_error::SendError;
 use crate::body::ProxyBody;
 use crate::config::{UpstreamAddress, UpstreamProtocol};
@@ -46,8 +46,8 @@ struct Inner {
     idle_timeout: Duration,
     /// Most recently used last.
     idle: Mutex<Vec<Idle>>,
-    /// One permit per connection the pool may hold open, in use or idle; each connection's task holds
-    /// one until the connection closes.
+    /// One permit per connection the pool may hold open, in use or idle, HTTP/1.1 or HTTP/2; each
+    /// connection's task holds one until the connection closes.
     room: Arc<Semaphore>,
     max_connections: usize,
     /// Signalled when a connection goes back to the idle list, for a request waiting at the cap.
@@ -56,8 +56,10 @@ struct Inner {
     closer: Once,
     /// The HTTP version spoken (`upstream.protocol`).
     protocol: UpstreamProtocol,
-    /// The HTTP/2 connection, for the requests that go over HTTP/2.
+    /// The HTTP/2 connections, for the requests that go over HTTP/2.
     multiplexed: Multiplexed,
+    /// Most streams open at once on one HTTP/2 connection.
+    max_streams: usize,
     /// With protocol `auto` over TLS: the upstream agreed to HTTP/2 (ALPN) on the last connection made.
     agreed_h2: AtomicBool,
 }
@@ -66,7 +68,7 @@ struct Inner {
 enum Opened {
     /// An HTTP/1.1 connection, and whether it came from the idle list.
     Http1(SendRequest<ProxyBody>, bool),
-    /// The upstream agreed to HTTP/2 (protocol `auto` over TLS): the connection is the multiplexed one.
+    /// The upstream agreed to HTTP/2 (protocol `auto` over TLS): the connection is a multiplexed one.
     Http2,
 }
 
@@ -76,14 +78,16 @@ struct Idle {
 }
 
 impl Pool {
-    /// An empty pool for `address` speaking `protocol`, holding at most `max_connections` HTTP/1.1
-    /// connections open; those left idle for `idle_timeout` are closed.
+    /// An empty pool for `address` speaking `protocol`, holding at most `max_connections` connections
+    /// open, with at most `max_streams` streams on each HTTP/2 one; HTTP/1.1 connections left idle for
+    /// `idle_timeout` are closed, and so are HTTP/2 ones beyond the first that carry no stream as long.
     pub fn new(
         address: UpstreamAddress,
         protocol: UpstreamProtocol,
         connect_timeout: Duration,
         idle_timeout: Duration,
         max_connections: usize,
+        max_streams: usize,
     ) -> Pool {
         let (scheme, authority) = match &address {
             UpstreamAddress::Http { authority } => (Scheme::HTTP, authority.as_str()),
@@ -92,18 +96,25 @@ impl Pool {
         };
         let authority =
             Authority::try_from(authority).unwrap_or_else(|_| Authority::from_static("localhost"));
+        let room = Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS)));
+        let limits = Limits {
+            max_streams,
+            idle_timeout,
+            wait: connect_timeout,
+        };
         Pool {
             inner: Arc::new(Inner {
                 address,
                 connect_timeout,
                 idle_timeout,
                 idle: Mutex::new(Vec::new()),
-                room: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+                multiplexed: Multiplexed::new(scheme, authority, room.clone(), limits),
+                room,
                 max_connections,
                 returned: Notify::new(),
                 closer: Once::new(),
                 protocol,
-                multiplexed: Multiplexed::new(scheme, authority),
+                max_streams,
                 agreed_h2: AtomicBool::new(false),
             }),
         }
@@ -118,6 +129,7 @@ impl Pool {
             inner.connect_timeout,
             inner.idle_timeout,
             inner.max_connections,
+            inner.max_streams,
         )
     }
 
@@ -126,10 +138,10 @@ impl Pool {
         self.inner.lock().len()
     }
 
-    /// Whether the HTTP/2 connection is open.
+    /// HTTP/2 connections open now.
     #[cfg(test)]
-    pub(super) fn multiplexed_is_open(&self) -> bool {
-        self.inner.multiplexed.is_open()
+    pub(super) fn multiplexed_open(&self) -> usize {
+        self.inner.multiplexed.open_connections()
     }
 
     /// Sends `request` (origin-form URI, `Host` set) and waits for the response head. A pooled
@@ -166,10 +178,14 @@ impl Pool {
         }
     }
 
-    /// Sends `request` as a stream of the multiplexed HTTP/2 connection.
+    /// Sends `request` as a stream of a multiplexed HTTP/2 connection.
     async fn send_h2(&self, request: Request<ProxyBody>) -> Result<Response<PooledBody>, SendError> {
-        let response = self.inner.multiplexed.send(request, || self.open_h2()).await?;
-        Ok(response.map(|body| PooledBody { body, home: None }))
+        let (response, stream) = self.inner.multiplexed.send(request, || self.open_h2()).await?;
+        Ok(response.map(|body| PooledBody {
+            body,
+            home: None,
+            stream: Some(stream),
+        }))
     }
 
     /// A new connection for HTTP/2: over TLS, only if the upstream agrees to it (ALPN).
@@ -239,9 +255,9 @@ impl Pool {
     async fn connect(&self, room: OwnedSemaphorePermit) -> Result<Opened, SendError> {
         let stream = self.open().await?;
         if stream.agreed_h2() {
-            // Protocol `auto` over TLS, and the upstream prefers HTTP/2: this is the connection every
-            // request shares from now on, outside the HTTP/1.1 cap.
-            self.inner.multiplexed.adopt(multiplex::handshake(stream).await?);
+            // Protocol `auto` over TLS, and the upstream prefers HTTP/2: requests are its streams from
+            // now on.
+            self.inner.multiplexed.add(stream, room).await?;
             self.inner.agreed_h2.store(true, Ordering::Relaxed);
             return Ok(Opened::Http2);
         }
@@ -265,6 +281,7 @@ impl Pool {
         PooledBody {
             body,
             home: Some((sender, self.inner.clone())),
+            stream: None,
         }
     }
 }
@@ -311,11 +328,13 @@ async fn close_idle(pool: Weak<Inner>) {
     }
 }
 
-/// An upstream response body; its connection goes back to the pool once the body has ended. A body
-/// dropped before its end takes its connection with it (hyper closes it).
+/// An upstream response body; its HTTP/1.1 connection goes back to the pool once the body has ended (a
+/// body dropped before its end takes its connection with it: hyper closes it), and its HTTP/2 stream
+/// stops counting against its connection's limit.
 pub struct PooledBody {
     body: Incoming,
     home: Option<(SendRequest<ProxyBody>, Arc<Inner>)>,
+    stream: Option<StreamSlot>,
 }
 
 impl PooledBody {
@@ -336,8 +355,14 @@ impl Body for PooledBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.body).poll_frame(cx);
         match &polled {
-            Poll::Ready(None) => self.go_home(),
-            Poll::Ready(Some(Err(_))) => self.home = None,
+            Poll::Ready(None) => {
+                self.go_home();
+                self.stream = None;
+            }
+            Poll::Ready(Some(Err(_))) => {
+                self.home = None;
+                self.stream = None;
+            }
             _ => {}
         }
         polled
@@ -426,6 +451,7 @@ mod tests {
             Duration::from_secs(2),
             idle_timeout,
             16,
+            100,
         )
     }
 
