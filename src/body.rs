@@ -5,9 +5,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Empty, Full, StreamBody};
 
 /// Errors a body may yield mid-stream.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -18,6 +19,13 @@ pub type ProxyBody = BoxBody<Bytes, BoxError>;
 /// A body of known bytes.
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
     Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+}
+
+/// Known bytes, then `trailers`. Its length is left undeclared, so an HTTP/1.1 hop sends it chunked,
+/// the only framing that carries trailers there.
+pub fn full_with_trailers(bytes: impl Into<Bytes>, trailers: HeaderMap) -> ProxyBody {
+    let frames = [Frame::data(bytes.into()), Frame::trailers(trailers)];
+    StreamBody::new(futures_util::stream::iter(frames.map(Ok))).boxed()
 }
 
 /// A body with no bytes.

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -103,13 +104,24 @@ impl Reservation {
 pub struct ReservedBody {
     /// The body's bytes.
     pub bytes: Bytes,
+    /// The trailers the client sent after them, forwarded after them (not part of the fingerprint).
+    trailers: Option<HeaderMap>,
     reservation: Reservation,
 }
 
 impl ReservedBody {
     /// Bytes and the reservation that pays for them.
     pub fn new(bytes: Bytes, reservation: Reservation) -> ReservedBody {
-        ReservedBody { bytes, reservation }
+        ReservedBody {
+            bytes,
+            trailers: None,
+            reservation,
+        }
+    }
+
+    /// The same body, with the trailers its client sent after it.
+    pub fn with_trailers(self, trailers: Option<HeaderMap>) -> ReservedBody {
+        ReservedBody { trailers, ..self }
     }
 
     /// Runs `work` on the bytes, giving it a way to grow the reservation for working memory (`true`
@@ -127,6 +139,7 @@ impl ReservedBody {
     pub fn into_body(self) -> ProxyBody {
         Held {
             inner: Full::new(self.bytes),
+            trailers: self.trailers,
             _reservation: self.reservation,
         }
         .map_err(|never| match never {})
@@ -136,6 +149,8 @@ impl ReservedBody {
 
 struct Held {
     inner: Full<Bytes>,
+    /// Sent once the bytes are.
+    trailers: Option<HeaderMap>,
     _reservation: Reservation,
 }
 
@@ -147,15 +162,23 @@ impl Body for Held {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(None) => Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t)))),
+            polled => polled,
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.is_end_stream() && self.trailers.is_none()
     }
 
+    /// Exact without trailers; with them, left undeclared, so an HTTP/1.1 upstream gets the body
+    /// chunked, the only framing that carries trailers there.
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.trailers {
+            None => self.inner.size_hint(),
+            Some(_) => SizeHint::default(),
+        }
     }
 }
 

@@ -135,15 +135,18 @@ impl Intake {
         };
         let mut body = GuardedBody::whole(body, parts.version, peer.body_watch());
         let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(&mut body, limit).collect());
-        let bytes = match reading.await {
-            Ok(Ok(collected)) => collected.to_bytes(),
+        let (bytes, trailers) = match reading.await {
+            Ok(Ok(collected)) => {
+                let trailers = collected.trailers().cloned();
+                (collected.to_bytes(), trailers)
+            }
             Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(too_large),
             Ok(Err(e)) => return Err(body.error().unwrap_or(ProxyError::ClientBody(e.to_string()))),
             Err(_) => return Err(ProxyError::RequestTimeout(self.body_read_timeout)),
         };
         client_body::check_length(declared, bytes.len())?;
         reservation.shrink_to(bytes.len());
-        Ok(ReservedBody::new(bytes, reservation))
+        Ok(ReservedBody::new(bytes, reservation).with_trailers(trailers))
     }
 }
 

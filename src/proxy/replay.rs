@@ -2,7 +2,6 @@
 //! one: rebuilds the original response from the store, byte for byte, without touching the upstream.
 
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use http_body_util::BodyExt;
 
 use super::answer::Handled;
 use super::cache::{Lookup, ReplayCache};
@@ -66,9 +65,7 @@ pub fn response(stored: &StoredResponse) -> Result<Response<ProxyBody>, ProxyErr
     let body = if trailers.is_empty() {
         body::full(body)
     } else {
-        body::full(body)
-            .with_trailers(std::future::ready(Some(Ok(trailers))))
-            .boxed()
+        body::full_with_trailers(body, trailers)
     };
     let mut response = Response::new(body);
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);

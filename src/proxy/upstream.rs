@@ -25,11 +25,11 @@ use crate::metrics::Metrics;
 use crate::otlp;
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1): meaningful for one connection only, never forwarded or stored.
-const HOP_BY_HOP: [HeaderName; 6] = [
+/// `Trailer` is not one: it names the trailer fields to come, and an HTTP/1.1 hop sends only those.
+const HOP_BY_HOP: [HeaderName; 5] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];

@@ -33,6 +33,7 @@ mod sweeper;
 mod telemetry;
 #[cfg(feature = "otlp")]
 mod traces;
+mod trailers;
 mod upstream_faults;
 mod upstream_transports;
 mod wait;
