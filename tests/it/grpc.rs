@@ -313,11 +313,22 @@ async fn proxy(env: &TestEnv, upstream: &str, protocol: &str) -> InProcessProxy 
     InProcessProxy::start(&config(env, upstream, protocol)).await
 }
 
-/// The proxy's config, with the route docs/routes.md gives for a gRPC service.
+/// The proxy's config: the README's gRPC example as written (its route, and its `[upstream]` but for the
+/// protocol, which is `protocol`).
 fn config(env: &TestEnv, upstream: &str, protocol: &str) -> ProxyConfig {
     ProxyConfig::new(&env.store.url(), upstream)
+        .with_toml(&readme_grpc_example())
         .set("upstream.protocol", protocol)
-        .route("name = \"payments\"\npath_prefix = \"/payments.Payments\"\nrequired = false")
+}
+
+/// The TOML block of the README's "gRPC services" section.
+fn readme_grpc_example() -> String {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = &readme[readme
+        .find("## gRPC services")
+        .expect("the README's gRPC section")..];
+    let block = &section[section.find("```toml\n").expect("its TOML block") + "```toml\n".len()..];
+    block[..block.find("```").unwrap()].to_owned()
 }
 
 /// A tonic client of the proxy at `url`, and a request carrying the test credential and `key`.
