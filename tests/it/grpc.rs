@@ -23,6 +23,8 @@ use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse::ListServicesResponse;
 
 use crate::support::certs::{TestCa, toml_path};
 use crate::support::http::TEST_CREDENTIAL;
@@ -246,19 +248,28 @@ const HYPER_MAX_STREAMS: u32 = 200;
 async fn grpc_upstream_taking(payments: Payments, max_streams: u32) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    // The standard health service beside it, reporting it serving.
+    // The standard health service beside it, reporting it serving, and server reflection describing it.
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<Payments>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .unwrap();
     tokio::spawn(async move {
         let _reporter = reporter;
         while let Ok((stream, _)) = listener.accept().await {
-            let (payments, health) = (payments.clone(), health.clone());
+            let (payments, health, reflection) = (payments.clone(), health.clone(), reflection.clone());
             let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
                 let (mut payments, mut health) = (payments.clone(), health.clone());
+                let mut reflection = reflection.clone();
                 async move {
                     let request = request.map(Body::new);
-                    if request.uri().path().starts_with("/grpc.health.v1.Health/") {
+                    let path = request.uri().path();
+                    if path.starts_with("/grpc.health.v1.Health/") {
                         return health.call(request).await;
+                    }
+                    if path.starts_with("/grpc.reflection.v1.ServerReflection/") {
+                        return reflection.call(request).await;
                     }
                     payments.call(request).await
                 }
@@ -774,7 +785,7 @@ async fn at_the_upstream_connection_cap_a_call_with_no_stream_free_is_unavailabl
 }
 
 #[tokio::test]
-async fn health_checks_pass_through_on_a_route_that_requires_keys() {
+async fn health_checks_and_reflection_pass_through_on_a_route_that_requires_keys() {
     let (env, _, upstream) = service().await;
     let config = ProxyConfig::new(&env.store.url(), &upstream)
         .set("upstream.protocol", "h2c")
@@ -786,7 +797,7 @@ async fn health_checks_pass_through_on_a_route_that_requires_keys() {
         .connect()
         .await
         .unwrap();
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
     for service in ["", "payments.Payments"] {
         let request = tonic_health::pb::HealthCheckRequest {
             service: service.into(),
@@ -801,6 +812,24 @@ async fn health_checks_pass_through_on_a_route_that_requires_keys() {
             "{service:?}"
         );
     }
+    // Server reflection, as grpcurl and Postman use it: a bidirectional stream, without a key.
+    let mut reflection =
+        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
+    let ask = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(ListServices(String::new())),
+    };
+    let mut answers = reflection
+        .server_reflection_info(futures_util::stream::iter([ask]))
+        .await
+        .expect("reflection passes through")
+        .into_inner();
+    let answer = answers.message().await.unwrap().expect("an answer");
+    let Some(ListServicesResponse(list)) = answer.message_response else {
+        panic!("not a list of services: {answer:?}");
+    };
+    let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
     // The route does require a key of every other call.
     let refused = create(&proxy.url, None, 10).await.expect_err("no key");
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
