@@ -2,6 +2,7 @@
 //! relay channels, stored bodies and problem documents, all boxed behind [`ProxyBody`].
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -26,6 +27,66 @@ pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
 pub fn full_with_trailers(bytes: impl Into<Bytes>, trailers: HeaderMap) -> ProxyBody {
     let frames = [Frame::data(bytes.into()), Frame::trailers(trailers)];
     StreamBody::new(futures_util::stream::iter(frames.map(Ok))).boxed()
+}
+
+/// A request body read whole, kept beside the one sent, so that a request the upstream certainly did
+/// not process (its HTTP/2 stream refused) can be sent once more. Shares the bytes rather than copying
+/// them, and holds what pays for them (the body budget's reservation) until the last copy is gone.
+#[derive(Clone)]
+pub struct Resendable {
+    bytes: Bytes,
+    trailers: Option<HeaderMap>,
+    paid: Arc<dyn Send + Sync>,
+}
+
+impl Resendable {
+    /// `bytes` then `trailers`, paid for by `paid`.
+    pub fn new(bytes: Bytes, trailers: Option<HeaderMap>, paid: Arc<dyn Send + Sync>) -> Resendable {
+        Resendable {
+            bytes,
+            trailers,
+            paid,
+        }
+    }
+
+    /// A copy of the body to send.
+    pub fn body(&self) -> ProxyBody {
+        let body = match &self.trailers {
+            None => full(self.bytes.clone()),
+            Some(trailers) => full_with_trailers(self.bytes.clone(), trailers.clone()),
+        };
+        Paid {
+            body,
+            _paid: self.paid.clone(),
+        }
+        .boxed()
+    }
+}
+
+/// A body and what pays for its bytes, held until the body is dropped.
+struct Paid {
+    body: ProxyBody,
+    _paid: Arc<dyn Send + Sync>,
+}
+
+impl Body for Paid {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// A body with no bytes.

@@ -18,7 +18,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::body::ProxyBody;
+use crate::body::{ProxyBody, Resendable};
 use crate::metrics::Metrics;
 
 /// The process's budget for buffered keyed request bodies, in bytes.
@@ -133,6 +133,13 @@ impl ReservedBody {
         let result = work(&self.bytes, &mut grow);
         self.reservation.shrink_to(held);
         result
+    }
+
+    /// The body for the upstream request, and a copy of it to send again if need be; the reservation
+    /// is held until both are gone.
+    pub fn into_resendable(self) -> (ProxyBody, Resendable) {
+        let again = Resendable::new(self.bytes, self.trailers, Arc::new(self.reservation));
+        (again.body(), again)
     }
 
     /// The body for the upstream request; the reservation goes with it.

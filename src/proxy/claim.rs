@@ -309,7 +309,7 @@ impl Claims {
                 return false;
             }
         };
-        let request = self.executor.request(parts, body.into_body(), &peer);
+        let request = self.executor.request(parts, body, &peer);
         let claimed = Claimed {
             id: claim.id,
             lease: claim.lease,

@@ -29,6 +29,7 @@ use self::capture::CaptureBudget;
 use self::heartbeat::Heartbeat;
 use self::relay::{Held, Relay, Relayed, ToStore};
 use super::answer::{Answer, Handled};
+use super::budget::ReservedBody;
 use super::cache::{Fill, ReplayCache};
 use super::downstream::Downstream;
 use super::expiry;
@@ -133,14 +134,14 @@ impl Executor {
         }
     }
 
-    /// The request `parts` and `body` as they go upstream from `peer`.
+    /// The request `parts` and `body`, read whole, as they go upstream from `peer`.
     pub(crate) fn request(
         &self,
         parts: request::Parts,
-        body: ProxyBody,
+        body: ReservedBody,
         peer: &Downstream,
     ) -> Request<ProxyBody> {
-        self.upstream.request(parts, body, peer)
+        self.upstream.request_whole(parts, body, peer)
     }
 
     /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
@@ -509,7 +510,7 @@ mod tests {
         };
         let request = stages
             .executor
-            .request(taken.parts, taken.body.into_body(), &stage_tests::peer());
+            .request(taken.parts, taken.body, &stage_tests::peer());
         let (head, answer) = stage_tests::answer(&stages.metrics);
         let client = async {
             let (response, _) = answer.await.expect("an answer").expect("a response");

@@ -109,7 +109,7 @@ impl Forward {
         peer: &Downstream,
         outcome: Outcome,
     ) -> Handled {
-        let request = self.upstream.request(parts, body.into_body(), peer);
+        let request = self.upstream.request_whole(parts, body, peer);
         let response = self
             .upstream
             .send(request)

@@ -7,7 +7,10 @@ mod multiplex;
 pub mod pool;
 mod send_error;
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use bytes::Bytes;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version, request};
@@ -17,8 +20,9 @@ use http_body_util::BodyExt;
 use tracing::Instrument;
 
 use self::pool::{Pool, PooledBody, SendError};
+use super::budget::ReservedBody;
 use super::downstream::Downstream;
-use crate::body::{BoxError, ProxyBody};
+use crate::body::{BoxError, ProxyBody, Resendable};
 use crate::config::UpstreamConfig;
 use crate::error::{Busy, ProxyError};
 use crate::metrics::Metrics;
@@ -158,11 +162,35 @@ impl Upstream {
             }
         };
         peer.set_forwarded(&mut headers, host);
+        // A request without a body can be sent again as it is, should an HTTP/2 upstream refuse it.
+        let resendable = body.is_end_stream() && self.pool.may_use_h2();
         let mut request = Request::new(body);
         *request.method_mut() = method;
         *request.uri_mut() = origin_form(uri);
         *request.version_mut() = Version::HTTP_11;
         *request.headers_mut() = headers;
+        if resendable {
+            let nothing = Resendable::new(Bytes::new(), None, Arc::new(()));
+            request.extensions_mut().insert(nothing);
+        }
+        request
+    }
+
+    /// [`Upstream::request`] for a body read whole. When the request may go over HTTP/2 it carries a copy
+    /// of the body (its bytes shared, not copied), so that a stream the upstream refuses unprocessed is
+    /// sent again (`multiplex.rs`).
+    pub fn request_whole(
+        &self,
+        parts: request::Parts,
+        body: ReservedBody,
+        peer: &Downstream,
+    ) -> Request<ProxyBody> {
+        if !self.pool.may_use_h2() {
+            return self.request(parts, body.into_body(), peer);
+        }
+        let (body, again) = body.into_resendable();
+        let mut request = self.request(parts, body, peer);
+        request.extensions_mut().insert(again);
         request
     }
 

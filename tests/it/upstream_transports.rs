@@ -242,3 +242,83 @@ async fn over_http2_clients_that_stop_reading_big_answers_do_not_stall_the_other
     assert_eq!(&small.body[..], b"ok");
     drop(stalled);
 }
+
+/// An h2c upstream that refuses the first stream of each connection (`REFUSED_STREAM`: not processed,
+/// safe to send again) and answers the others `200 paid: <body>`; its URL, and how many it answered.
+async fn h2_upstream_refusing_each_first_stream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>)
+{
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let answered = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = answered.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut connection = h2::server::handshake(stream).await.unwrap();
+                let mut first = true;
+                while let Some(Ok((request, mut respond))) = connection.accept().await {
+                    if std::mem::take(&mut first) {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    let counter = counter.clone();
+                    tokio::spawn(async move {
+                        let mut body = request.into_body();
+                        let mut read = Vec::new();
+                        while let Some(Ok(chunk)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(chunk.len());
+                            read.extend_from_slice(&chunk);
+                        }
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        let mut sending = respond.send_response(http::Response::new(()), false).unwrap();
+                        let answer = format!("paid: {}", String::from_utf8_lossy(&read));
+                        sending.send_data(bytes::Bytes::from(answer), true).unwrap();
+                    });
+                }
+            });
+        }
+    });
+    (url, answered)
+}
+
+#[tokio::test]
+async fn over_http2_a_request_the_upstream_refuses_unprocessed_is_sent_again_when_its_body_was_read_whole() {
+    use std::sync::atomic::Ordering;
+    let env = TestEnv::new().await;
+    let (upstream, answered) = h2_upstream_refusing_each_first_stream().await;
+    let config = ProxyConfig::new(&env.store.url(), &upstream)
+        .set("upstream.protocol", "h2c")
+        .set("server.workers", 1);
+    let proxy = InProcessProxy::start(&config).await;
+
+    // A keyed request's body was read whole: refused once, it is sent again, and runs once.
+    let first = Reply::of(keyed_post(&proxy.url, "/pay", "refused-once-1", "{\"amount\":5}")).await;
+    assert_eq!(
+        (first.status.as_u16(), first.text().as_str()),
+        (200, "paid: {\"amount\":5}")
+    );
+    assert_eq!(answered.load(Ordering::SeqCst), 1);
+    let retry = Reply::of(keyed_post(&proxy.url, "/pay", "refused-once-1", "{\"amount\":5}")).await;
+    assert!(retry.is_replay());
+    assert_eq!(answered.load(Ordering::SeqCst), 1, "the retry was the replay");
+
+    // So is a request without a body, on a proxy of its own (whose first stream is refused).
+    let fresh = InProcessProxy::start(&config).await;
+    let get = Reply::of(crate::support::http::client().get(format!("{}/pay", fresh.url))).await;
+    assert_eq!((get.status.as_u16(), get.text().as_str()), (200, "paid: "));
+    assert_eq!(answered.load(Ordering::SeqCst), 2);
+
+    // A streamed body is gone once sent: the refusal reaches the client as a 502, nothing having run.
+    let fresh = InProcessProxy::start(&config).await;
+    let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>("{\"amount\":6}")]);
+    let streamed = Reply::of(
+        crate::support::http::client()
+            .post(format!("{}/pay", fresh.url))
+            .body(reqwest::Body::wrap_stream(chunks)),
+    )
+    .await;
+    assert_eq!(streamed.status, 502, "{}", streamed.text());
+    assert_eq!(answered.load(Ordering::SeqCst), 2);
+}

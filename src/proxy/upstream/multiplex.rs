@@ -6,7 +6,8 @@
 //! first that carries no stream for `upstream.idle_timeout` is let go. A connection the upstream closes
 //! or sends GOAWAY on is replaced for the requests that come after. Which failures left the request
 //! certainly unprocessed follows RFC 9113 §8.7: a stream refused (`REFUSED_STREAM`), or one above the
-//! last stream id a GOAWAY says the upstream processed.
+//! last stream id a GOAWAY says the upstream processed. Such a request is sent once more when a copy of
+//! its body was kept (a body read whole, or none); otherwise it was never delivered.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,7 +23,7 @@ use tokio::time::Instant;
 
 use super::connect::Stream;
 use super::send_error::SendError;
-use crate::body::ProxyBody;
+use crate::body::{ProxyBody, Resendable};
 use crate::error_chain::error_chain;
 
 /// A PING on a connection quiet for this long, so an upstream that vanished is noticed.
@@ -176,7 +177,9 @@ impl Multiplexed {
 
     /// Sends `request` (origin form, `Host` set) as a stream and waits for its response head; the
     /// stream counts against its connection's limit until the slot returned with it is dropped.
-    /// `connect` opens the stream a new connection runs on.
+    /// `connect` opens the stream a new connection runs on. A request carrying a [`Resendable`] copy of
+    /// its body is sent once more, on another stream, when the upstream refuses its stream unprocessed
+    /// (`REFUSED_STREAM`, or above a GOAWAY's last stream id, whose connection is then left).
     pub(super) async fn send<C, F>(
         &self,
         request: Request<ProxyBody>,
@@ -187,6 +190,14 @@ impl Multiplexed {
         F: Future<Output = Result<Stream, SendError>>,
     {
         let mut request = self.in_h2_form(request);
+        let mut again = request.extensions_mut().remove::<Resendable>().map(|body| {
+            let head = (
+                request.method().clone(),
+                request.uri().clone(),
+                request.headers().clone(),
+            );
+            (head, body)
+        });
         let mut last_try = false;
         loop {
             let (mut sender, mut slot) = match self.slot() {
@@ -210,19 +221,41 @@ impl Multiplexed {
                 Ok(response) => return Ok((response, slot)),
                 Err(mut failed) => {
                     let why = error_chain(failed.error());
-                    match failed.take_message() {
+                    match (failed.take_message(), refused(failed.error())) {
                         // The connection closed before the stream was opened: once more, at most.
-                        Some(unsent) if !last_try => {
+                        (Some(unsent), _) if !last_try => {
                             request = unsent;
                             last_try = true;
                         }
-                        Some(_) => return Err(SendError::NotSent(why)),
-                        None if refused(failed.error()) => return Err(SendError::NotSent(why)),
-                        None => return Err(SendError::Failed(why)),
+                        (Some(_), _) => return Err(SendError::NotSent(why)),
+                        (None, Some(refusal)) => {
+                            let Some(((method, uri, headers), body)) = again.take() else {
+                                return Err(SendError::NotSent(why));
+                            };
+                            tracing::debug!(
+                                why,
+                                "the upstream refused the stream unprocessed; sending it once more"
+                            );
+                            if refusal == Refusal::GoingAway {
+                                self.leave(&slot);
+                            }
+                            request = Request::new(body.body());
+                            *request.method_mut() = method;
+                            *request.uri_mut() = uri;
+                            *request.version_mut() = Version::HTTP_2;
+                            *request.headers_mut() = headers;
+                        }
+                        (None, None) => return Err(SendError::Failed(why)),
                     }
                 }
             }
         }
+    }
+
+    /// Stops giving streams of `slot`'s connection to new requests (it is going away).
+    fn leave(&self, slot: &StreamSlot) {
+        let mut connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        connections.retain(|connection| !Arc::ptr_eq(&connection.streams, &slot.streams));
     }
 
     /// A stream on a new connection, unless another request opened one meanwhile or a stream ended; at
@@ -318,18 +351,31 @@ async fn handshake(
     Ok(sender)
 }
 
+/// How the upstream said it did not process a stream.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// `REFUSED_STREAM`: this stream only.
+    Refused,
+    /// A GOAWAY whose last stream id is below the stream's: the connection takes no more.
+    GoingAway,
+}
+
 /// Whether the upstream said it did not process the stream: `REFUSED_STREAM`, or a GOAWAY whose last
 /// stream id is below the stream's (h2 fails exactly those streams with the GOAWAY's error; one that
 /// was processed and then lost its connection fails with a broken pipe instead).
-fn refused(error: &(dyn std::error::Error + 'static)) -> bool {
+fn refused(error: &(dyn std::error::Error + 'static)) -> Option<Refusal> {
     let mut cause = Some(error);
     while let Some(error) = cause {
         if let Some(h2) = error.downcast_ref::<h2::Error>() {
-            return h2.is_remote() && (h2.is_go_away() || h2.reason() == Some(h2::Reason::REFUSED_STREAM));
+            return match (h2.is_remote(), h2.is_go_away(), h2.reason()) {
+                (true, true, _) => Some(Refusal::GoingAway),
+                (true, false, Some(h2::Reason::REFUSED_STREAM)) => Some(Refusal::Refused),
+                _ => None,
+            };
         }
         cause = error.source();
     }
-    false
+    None
 }
 
 #[cfg(test)]
@@ -354,6 +400,8 @@ mod tests {
         Held,
         /// `RST_STREAM` with this reason, before any response.
         Reset(h2::Reason),
+        /// `REFUSED_STREAM` to the first stream of each connection, 200 with body `ok` to the others.
+        RefuseFirst,
         /// 200 to the first stream of each connection, then GOAWAY (graceful) and the connection's end.
         OnceThenGoAway,
     }
@@ -382,10 +430,17 @@ mod tests {
                 let (received, held) = (received.clone(), held.clone());
                 tokio::spawn(async move {
                     let mut connection = h2::server::handshake(stream).await.unwrap();
+                    let mut first = true;
                     while let Some(Ok((request, mut respond))) = connection.accept().await {
                         drop(request);
                         let _ = received.send(());
-                        if let Answer::Reset(reason) = answer {
+                        let reset = match answer {
+                            Answer::Reset(reason) => Some(reason),
+                            Answer::RefuseFirst if first => Some(h2::Reason::REFUSED_STREAM),
+                            _ => None,
+                        };
+                        first = false;
+                        if let Some(reason) = reset {
                             respond.send_reset(reason);
                             continue;
                         }
@@ -553,6 +608,21 @@ mod tests {
         let stub = upstream(Answer::Reset(h2::Reason::REFUSED_STREAM)).await;
         let failed = fetch(&pool(stub.authority)).await;
         assert!(matches!(failed, Err(SendError::NotSent(_))), "{failed:?}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_stream_whose_body_is_kept_is_sent_once_more() {
+        let mut stub = upstream(Answer::RefuseFirst).await;
+        let pool = pool(stub.authority);
+        let mut request = Request::post("/pay")
+            .header(header::HOST, "api.example")
+            .body(body::full("{}"))
+            .unwrap();
+        let kept = Resendable::new(Bytes::from_static(b"{}"), None, Arc::new(()));
+        request.extensions_mut().insert(kept);
+        let response = pool.send(request).await.expect("sent again, and answered");
+        assert_eq!(response.into_body().collect().await.unwrap().to_bytes(), "ok");
+        seen(&mut stub.streams, 2).await;
     }
 
     #[tokio::test]

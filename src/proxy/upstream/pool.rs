@@ -133,6 +133,11 @@ impl Pool {
         )
     }
 
+    /// Whether a request may go over HTTP/2 (`upstream.protocol` is not `http1`).
+    pub fn may_use_h2(&self) -> bool {
+        self.inner.protocol != UpstreamProtocol::Http1
+    }
+
     /// Idle connections held now.
     pub fn idle(&self) -> usize {
         self.inner.lock().len()
