@@ -37,10 +37,16 @@ const INFRASTRUCTURE: [&str; 3] = [
     "/grpc.reflection.v1alpha.ServerReflection/",
 ];
 
-/// Whether `request` is a gRPC call to health checking or reflection, which pass through untouched.
+/// Whether `request` is a gRPC call to health checking or reflection, which pass through untouched: the
+/// path is one of those services and a method name, nothing else (no further segment, no escape that a
+/// router behind the proxy might decode into one).
 pub(crate) fn is_infrastructure<B>(request: &Request<B>) -> bool {
     let path = request.uri().path();
-    INFRASTRUCTURE.iter().any(|prefix| path.starts_with(prefix)) && is_grpc(request)
+    INFRASTRUCTURE.iter().any(|service| {
+        path.strip_prefix(service).is_some_and(|method| {
+            !method.is_empty() && method.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        })
+    }) && is_grpc(request)
 }
 
 /// The deadline a gRPC client set on its call (`grpc-timeout`: up to 8 digits and a unit, `H`, `M`,
@@ -156,6 +162,15 @@ mod tests {
         )));
         assert!(!is_infrastructure(&call("/payments.Payments/CreatePayment")));
         assert!(!is_infrastructure(&call("/grpc.health.v1.HealthX/Check")));
+        // Other spellings that a router behind the proxy might take for another method are not.
+        for path in [
+            "/grpc.health.v1.Health/",
+            "/grpc.health.v1.Health/Check/../../payments.Payments/CreatePayment",
+            "/grpc.health.v1.Health/Check%2F..%2F..%2Fpayments.Payments%2FCreatePayment",
+            "/grpc.health.v1.Health/Check;x=1",
+        ] {
+            assert!(!is_infrastructure(&call(path)), "{path}");
+        }
         let not_grpc = Request::post("/grpc.health.v1.Health/Check").body(()).unwrap();
         assert!(!is_infrastructure(&not_grpc), "only gRPC calls");
     }

@@ -527,6 +527,24 @@ async fn a_server_streaming_call_is_replayed_message_for_message() {
 }
 
 #[tokio::test]
+async fn a_stream_longer_than_max_stored_response_reaches_its_client_whole_and_its_retry_is_already_exists() {
+    let (env, payments, upstream) = service().await;
+    let config = config(&env, &upstream, "h2c").set("idempotency.max_stored_response", "1KiB");
+    let proxy = InProcessProxy::start(&config).await;
+
+    // 100 refunds are about 3 KiB of messages: all of them reach the client that asked.
+    let (first, status, _) = list(&proxy.url, "long-1", 100).await;
+    assert_eq!(status.code(), Code::Ok, "{status:?}");
+    assert_eq!(first.len(), 100);
+    // The retry is told the call ran and its answer was not kept, as a gRPC status, and runs nothing.
+    let (again, status, _) = list(&proxy.url, "long-1", 100).await;
+    assert!(again.is_empty());
+    assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
+    assert_problem(&status, "response-not-retained");
+    assert_eq!(payments.executions(), 1);
+}
+
+#[tokio::test]
 async fn unavailable_before_or_after_the_messages_gives_the_key_back_and_the_retry_executes() {
     let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, "h2c").await;
