@@ -48,7 +48,8 @@ pub use encryption::{
 pub use error::ConfigError;
 pub use grpc::{GrpcOutcome, GrpcOutcomes, code_name as grpc_code_name};
 pub use idempotency::{
-    FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, RawIdempotency, ReleasePolicy, Unscoped,
+    FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, ProblemStatuses, RawIdempotency, ReleasePolicy,
+    Unscoped,
 };
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};

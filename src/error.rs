@@ -8,6 +8,7 @@ use std::time::Duration;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::body::{self, ProxyBody};
+use crate::config::ProblemStatuses;
 use crate::metrics::Outcome;
 
 /// Base of every problem `type` URI unless `server.problem_type_base` names another; the slug follows.
@@ -100,9 +101,12 @@ pub enum ProxyError {
     /// The store could not be reached (fail_closed).
     #[error("the idempotency store is unavailable: {0}")]
     StoreUnavailable(String),
-    /// The upstream could not be reached or broke off.
+    /// The upstream could not be reached: it never saw the request.
     #[error("upstream unreachable: {0}")]
     UpstreamUnreachable(String),
+    /// The upstream broke off after the request may have reached it.
+    #[error("upstream broke off: {0}")]
+    UpstreamBroken(String),
     /// The upstream did not answer in time.
     #[error("upstream timed out after {0:?}")]
     UpstreamTimeout(Duration),
@@ -138,9 +142,9 @@ impl ProxyError {
             ProxyError::ResponseNotRetained { .. } => StatusCode::GONE,
             ProxyError::OutcomeUnknown => StatusCode::BAD_GATEWAY,
             ProxyError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamInvalidResponse(_) => {
-                StatusCode::BAD_GATEWAY
-            }
+            ProxyError::UpstreamUnreachable(_)
+            | ProxyError::UpstreamBroken(_)
+            | ProxyError::UpstreamInvalidResponse(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
@@ -165,7 +169,7 @@ impl ProxyError {
             ProxyError::ResponseNotRetained { .. } => "response-not-retained",
             ProxyError::OutcomeUnknown => "outcome-unknown",
             ProxyError::StoreUnavailable(_) => "store-unavailable",
-            ProxyError::UpstreamUnreachable(_) => "upstream-unreachable",
+            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamBroken(_) => "upstream-unreachable",
             ProxyError::UpstreamTimeout(_) => "upstream-timeout",
             ProxyError::UpstreamInvalidResponse(_) => "upstream-invalid-response",
             ProxyError::RequestTimeout(_) => "request-timeout",
@@ -190,7 +194,7 @@ impl ProxyError {
             ProxyError::ResponseNotRetained { .. } => "Response not retained",
             ProxyError::OutcomeUnknown => "Outcome unknown",
             ProxyError::StoreUnavailable(_) => "Idempotency store unavailable",
-            ProxyError::UpstreamUnreachable(_) => "Upstream unreachable",
+            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamBroken(_) => "Upstream unreachable",
             ProxyError::UpstreamTimeout(_) => "Upstream timeout",
             ProxyError::UpstreamInvalidResponse(_) => "Upstream response not relayed",
             ProxyError::RequestTimeout(_) => "Request body timeout",
@@ -253,6 +257,9 @@ impl ProxyError {
                 "The idempotency store is unavailable; the request was not forwarded.".into()
             }
             ProxyError::UpstreamUnreachable(_) => "The upstream service could not be reached.".into(),
+            ProxyError::UpstreamBroken(_) => {
+                "The upstream service broke off before answering; the request may have been executed.".into()
+            }
             ProxyError::UpstreamTimeout(after) => {
                 format!("The upstream service did not answer within {after:?}.")
             }
@@ -289,6 +296,7 @@ impl ProxyError {
             ProxyError::OutcomeUnknown => Outcome::Held,
             ProxyError::StoreUnavailable(_) | ProxyError::RecordUnreadable => Outcome::StoreUnavailable,
             ProxyError::UpstreamUnreachable(_)
+            | ProxyError::UpstreamBroken(_)
             | ProxyError::UpstreamTimeout(_)
             | ProxyError::UpstreamInvalidResponse(_) => Outcome::UpstreamError,
         }
@@ -325,12 +333,85 @@ impl ProxyError {
             ProxyError::ResponseNotRetained { .. } => ALREADY_EXISTS,
             // Not to be retried until an operator has looked (statuscodes.md's own test for the code).
             ProxyError::OutcomeUnknown => FAILED_PRECONDITION,
-            ProxyError::StoreUnavailable(_) | ProxyError::UpstreamUnreachable(_) | ProxyError::Busy(_) => {
-                UNAVAILABLE
-            }
+            ProxyError::StoreUnavailable(_)
+            | ProxyError::UpstreamUnreachable(_)
+            | ProxyError::UpstreamBroken(_)
+            | ProxyError::Busy(_) => UNAVAILABLE,
             ProxyError::UpstreamTimeout(_) | ProxyError::RequestTimeout(_) => DEADLINE_EXCEEDED,
             ProxyError::UpstreamInvalidResponse(_) => INTERNAL,
             ProxyError::RecordUnreadable => DATA_LOSS,
+        }
+    }
+
+    /// Where the key's operation stands, as the problem's `operation_state` tells the client:
+    /// `not_started` (this request's effect was not applied: the upstream never had it), `in_progress`,
+    /// `completed`, or `unknown` (it may have been applied).
+    pub fn operation_state(&self) -> &'static str {
+        match self {
+            ProxyError::KeyInFlight { .. } => "in_progress",
+            ProxyError::ResponseNotRetained { .. } | ProxyError::RecordUnreadable => "completed",
+            ProxyError::OutcomeUnknown
+            | ProxyError::UpstreamBroken(_)
+            | ProxyError::UpstreamTimeout(_)
+            | ProxyError::UpstreamInvalidResponse(_) => "unknown",
+            ProxyError::MissingKey(_)
+            | ProxyError::InvalidKey(_)
+            | ProxyError::CloudEventsBatch
+            | ProxyError::MissingScope(_)
+            | ProxyError::SignatureInvalid(_)
+            | ProxyError::RequestTooLarge { .. }
+            | ProxyError::ClientBody(_)
+            | ProxyError::NonNormalPath(_)
+            | ProxyError::MethodNotAllowed(_)
+            | ProxyError::KeyReused
+            | ProxyError::StoreUnavailable(_)
+            | ProxyError::UpstreamUnreachable(_)
+            | ProxyError::RequestTimeout(_)
+            | ProxyError::Busy(_) => "not_started",
+        }
+    }
+
+    /// Whether sending the same request again, with the same key, can get another answer: the problem's
+    /// `retryable`. False where only a change to the request (or an operator) can.
+    pub fn retryable(&self) -> bool {
+        match self {
+            ProxyError::KeyInFlight { .. }
+            | ProxyError::ClientBody(_)
+            | ProxyError::StoreUnavailable(_)
+            | ProxyError::UpstreamUnreachable(_)
+            | ProxyError::UpstreamBroken(_)
+            | ProxyError::UpstreamTimeout(_)
+            | ProxyError::RequestTimeout(_)
+            | ProxyError::Busy(_) => true,
+            ProxyError::MissingKey(_)
+            | ProxyError::InvalidKey(_)
+            | ProxyError::CloudEventsBatch
+            | ProxyError::MissingScope(_)
+            | ProxyError::SignatureInvalid(_)
+            | ProxyError::RequestTooLarge { .. }
+            | ProxyError::NonNormalPath(_)
+            | ProxyError::MethodNotAllowed(_)
+            | ProxyError::KeyReused
+            | ProxyError::ResponseNotRetained { .. }
+            | ProxyError::OutcomeUnknown
+            | ProxyError::UpstreamInvalidResponse(_)
+            | ProxyError::RecordUnreadable => false,
+        }
+    }
+
+    /// Whether the request may be sent under a new key without its effect being applied twice: true
+    /// exactly where its effect was certainly not applied (the problem's `safe_new_key`, present only
+    /// then).
+    pub fn safe_new_key(&self) -> bool {
+        self.operation_state() == "not_started"
+    }
+
+    /// The HTTP status of this error on a route with `statuses` of its own.
+    pub fn status_under(&self, statuses: &ProblemStatuses) -> StatusCode {
+        match self {
+            ProxyError::KeyInFlight { .. } => statuses.in_flight,
+            ProxyError::KeyReused => statuses.mismatch,
+            _ => self.status(),
         }
     }
 
@@ -346,18 +427,24 @@ impl ProxyError {
 
     /// The problem+json response for this error, its `type` under [`PROBLEM_BASE`].
     pub fn into_response(self) -> Response<ProxyBody> {
-        self.into_problem(PROBLEM_BASE)
+        self.into_problem(PROBLEM_BASE, &ProblemStatuses::default())
     }
 
-    /// The problem+json response for this error, its `type` the slug appended to `base`.
-    pub fn into_problem(self, base: &str) -> Response<ProxyBody> {
-        let status = self.status();
-        let problem = serde_json::json!({
+    /// The problem+json response for this error, its `type` the slug appended to `base`, its status
+    /// the route's (`statuses`) where the route sets its own.
+    pub fn into_problem(self, base: &str, statuses: &ProblemStatuses) -> Response<ProxyBody> {
+        let status = self.status_under(statuses);
+        let mut problem = serde_json::json!({
             "type": format!("{base}{}", self.slug()),
             "title": self.title(),
             "status": status.as_u16(),
             "detail": self.detail(),
+            "operation_state": self.operation_state(),
+            "retryable": self.retryable(),
         });
+        if self.safe_new_key() {
+            problem["safe_new_key"] = serde_json::Value::Bool(true);
+        }
         let mut response = Response::new(body::full(problem.to_string()));
         *response.status_mut() = status;
         let headers = response.headers_mut();
@@ -402,6 +489,17 @@ impl ProxyError {
         }
         if let Ok(problem) = HeaderValue::try_from(format!("{base}{}", self.slug())) {
             headers.insert("idemproxy-problem", problem);
+        }
+        headers.insert(
+            "idemproxy-operation-state",
+            HeaderValue::from_static(self.operation_state()),
+        );
+        headers.insert(
+            "idemproxy-retryable",
+            HeaderValue::from_static(if self.retryable() { "true" } else { "false" }),
+        );
+        if self.safe_new_key() {
+            headers.insert("idemproxy-safe-new-key", HeaderValue::from_static("true"));
         }
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(secs) = self.retry_after() {
@@ -469,6 +567,141 @@ mod tests {
             response.headers()[header::CONTENT_TYPE],
             "application/problem+json"
         );
+    }
+
+    /// One refusal of each kind, each at the index [`kind`] gives it.
+    fn one_of_each() -> Vec<ProxyError> {
+        vec![
+            ProxyError::MissingKey("an idempotency-key header".into()),
+            ProxyError::InvalidKey("too long".into()),
+            ProxyError::CloudEventsBatch,
+            ProxyError::MissingScope("authorization".into()),
+            ProxyError::SignatureInvalid("no signature".into()),
+            ProxyError::RequestTooLarge { limit: 10 },
+            ProxyError::ClientBody("reset".into()),
+            ProxyError::NonNormalPath(crate::config::NotNormal::MalformedEscape),
+            ProxyError::MethodNotAllowed(http::Method::TRACE),
+            ProxyError::KeyInFlight {
+                retry_after: Duration::from_secs(1),
+            },
+            ProxyError::KeyReused,
+            ProxyError::ResponseNotRetained { status: 201 },
+            ProxyError::OutcomeUnknown,
+            ProxyError::StoreUnavailable("down".into()),
+            ProxyError::UpstreamUnreachable("refused".into()),
+            ProxyError::UpstreamBroken("reset".into()),
+            ProxyError::UpstreamTimeout(Duration::from_secs(60)),
+            ProxyError::UpstreamInvalidResponse(StatusCode::SWITCHING_PROTOCOLS),
+            ProxyError::RequestTimeout(Duration::from_secs(10)),
+            ProxyError::RecordUnreadable,
+            ProxyError::Busy(Busy::KeyedInFlight),
+        ]
+    }
+
+    /// Where each kind sits in [`one_of_each`]; a new kind fails to compile here until it is listed.
+    fn kind(error: &ProxyError) -> usize {
+        match error {
+            ProxyError::MissingKey(_) => 0,
+            ProxyError::InvalidKey(_) => 1,
+            ProxyError::CloudEventsBatch => 2,
+            ProxyError::MissingScope(_) => 3,
+            ProxyError::SignatureInvalid(_) => 4,
+            ProxyError::RequestTooLarge { .. } => 5,
+            ProxyError::ClientBody(_) => 6,
+            ProxyError::NonNormalPath(_) => 7,
+            ProxyError::MethodNotAllowed(_) => 8,
+            ProxyError::KeyInFlight { .. } => 9,
+            ProxyError::KeyReused => 10,
+            ProxyError::ResponseNotRetained { .. } => 11,
+            ProxyError::OutcomeUnknown => 12,
+            ProxyError::StoreUnavailable(_) => 13,
+            ProxyError::UpstreamUnreachable(_) => 14,
+            ProxyError::UpstreamBroken(_) => 15,
+            ProxyError::UpstreamTimeout(_) => 16,
+            ProxyError::UpstreamInvalidResponse(_) => 17,
+            ProxyError::RequestTimeout(_) => 18,
+            ProxyError::RecordUnreadable => 19,
+            ProxyError::Busy(_) => 20,
+        }
+    }
+
+    /// The row of docs/contract.md's problem table for `slug`, split into its cells.
+    fn contract_row(slug: &str) -> Vec<String> {
+        let contract = include_str!("../docs/contract.md");
+        let row = contract
+            .lines()
+            .find(|line| line.starts_with('|') && line.contains(&format!("/problems/{slug}`")))
+            .unwrap_or_else(|| panic!("docs/contract.md has no row for {slug}"));
+        row.split('|').map(|cell| cell.trim().to_owned()).collect()
+    }
+
+    #[tokio::test]
+    async fn every_problem_carries_its_operation_state_and_retryable_as_the_contract_table_gives_them() {
+        use http_body_util::BodyExt;
+        let all = one_of_each();
+        let kinds: Vec<usize> = all.iter().map(kind).collect();
+        assert_eq!(
+            kinds,
+            (0..all.len()).collect::<Vec<_>>(),
+            "one of each kind, in order"
+        );
+        for error in all {
+            let (slug, state, retryable) = (error.slug(), error.operation_state(), error.retryable());
+            let grpc_code = error.grpc_code();
+            let response = error.into_response();
+            assert_eq!(response.headers()[header::CACHE_CONTROL], "no-store", "{slug}");
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let mut members: Vec<&str> = problem.as_object().unwrap().keys().map(String::as_str).collect();
+            members.sort_unstable();
+            let mut expected = vec![
+                "detail",
+                "operation_state",
+                "retryable",
+                "status",
+                "title",
+                "type",
+            ];
+            if state == "not_started" {
+                expected.push("safe_new_key");
+                assert_eq!(problem["safe_new_key"], true, "{slug}");
+            }
+            expected.sort_unstable();
+            assert_eq!(members, expected, "{slug}");
+            assert!(
+                ["not_started", "in_progress", "completed", "unknown"].contains(&state),
+                "{slug}: {state}"
+            );
+            assert_eq!(problem["operation_state"], state, "{slug}");
+            assert_eq!(problem["retryable"], retryable, "{slug}");
+            assert_eq!(problem["status"], status.as_u16(), "{slug}");
+
+            // The contract says the same: | status | gRPC | operation_state | retryable | type |.
+            let row = contract_row(slug);
+            assert_eq!(row[1], status.as_str(), "{slug}");
+            let grpc_name = crate::config::grpc_code_name(grpc_code);
+            assert_eq!(row[2], grpc_name, "{slug}");
+            assert!(row[3].contains(&format!("`{state}`")), "{slug}: {}", row[3]);
+            assert_eq!(row[4], if retryable { "yes" } else { "no" }, "{slug}");
+        }
+    }
+
+    #[test]
+    fn a_route_may_set_the_status_of_key_in_flight_and_of_key_reused_and_of_nothing_else() {
+        let statuses = ProblemStatuses {
+            in_flight: StatusCode::TOO_MANY_REQUESTS,
+            mismatch: StatusCode::BAD_REQUEST,
+        };
+        for error in one_of_each() {
+            let expected = match error {
+                ProxyError::KeyInFlight { .. } => StatusCode::TOO_MANY_REQUESTS,
+                ProxyError::KeyReused => StatusCode::BAD_REQUEST,
+                _ => error.status(),
+            };
+            let response = error.into_problem(PROBLEM_BASE, &statuses);
+            assert_eq!(response.status(), expected);
+        }
     }
 
     #[tokio::test]

@@ -215,6 +215,7 @@ impl Proxy {
         .clone();
         otlp::adopt(&span, self.traced, &request, &route.name);
         let series = self.route_series.get(&route.name);
+        let statuses = route.policy.statuses;
         let inner = access::within(
             line.as_ref().map(Line::ledger),
             self.handle_inner(request, peer, normal, route),
@@ -240,7 +241,7 @@ impl Proxy {
                 let response = if grpc {
                     error.into_grpc(&self.problem_base)
                 } else {
-                    error.into_problem(&self.problem_base)
+                    error.into_problem(&self.problem_base, &statuses)
                 };
                 (response, outcome)
             }
@@ -351,7 +352,7 @@ impl Proxy {
         let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         response.await.unwrap_or_else(|_| {
-            Err(ProxyError::UpstreamUnreachable(
+            Err(ProxyError::UpstreamBroken(
                 "the request's task ended without a response".into(),
             ))
         })

@@ -572,7 +572,7 @@ where
 
 /// The answer to a request that arrived on a connection just evicted; nothing was forwarded.
 fn evicted(problem_base: &str) -> Response<ProxyBody> {
-    let mut response = ProxyError::Busy(Busy::Connections).into_problem(problem_base);
+    let mut response = ProxyError::Busy(Busy::Connections).into_problem(problem_base, &Default::default());
     response
         .headers_mut()
         .insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));

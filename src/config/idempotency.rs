@@ -85,6 +85,11 @@ pub struct RawIdempotency {
     /// The `Retry-After` of a 409 for a key in flight (never more than the lease left).
     #[serde(with = "humantime_serde")]
     pub in_flight_retry_after: Duration,
+    /// The HTTP status of a `key-in-flight` refusal: 409 (the draft standard's), 429 or 503.
+    pub in_flight_status: u16,
+    /// The HTTP status of a `key-reused` refusal: 422 (the draft standard's), or 409 or 400 for an API
+    /// where 422 means a validation error.
+    pub mismatch_status: u16,
     /// What happens to a key whose request may have reached the upstream but got no full answer.
     pub on_unknown_outcome: OnUnknownOutcome,
     /// Response headers relayed to the first client but neither stored nor replayed.
@@ -135,6 +140,8 @@ impl Default for RawIdempotency {
             grpc_unknown_codes: None,
             unscoped: Unscoped::Reject,
             in_flight_retry_after: Duration::from_secs(1),
+            in_flight_status: 409,
+            mismatch_status: 422,
             on_unknown_outcome: OnUnknownOutcome::Retry,
             never_store_headers: vec!["set-cookie".into()],
             key: None,
@@ -224,6 +231,8 @@ pub struct Policy {
     pub unscoped: Unscoped,
     /// `Retry-After` of a 409 for a key in flight.
     pub in_flight_retry_after: Duration,
+    /// The statuses of the refusals a route may set its own for.
+    pub statuses: ProblemStatuses,
     /// Unknown outcomes: retried after the lease, or held.
     pub on_unknown_outcome: OnUnknownOutcome,
     /// Response headers never stored, lower-case.
@@ -244,6 +253,39 @@ pub struct Policy {
     pub expires_header: Option<HeaderName>,
     /// The webhook signature checked before the claim, if any.
     pub signature: Option<Arc<SignatureConfig>>,
+}
+
+/// The HTTP statuses of the refusals whose status an API may need to be its own (IETF httpapi
+/// idempotency draft, issue #42): the rest of the contract is fixed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProblemStatuses {
+    /// `key-in-flight`.
+    pub in_flight: http::StatusCode,
+    /// `key-reused`.
+    pub mismatch: http::StatusCode,
+}
+
+impl Default for ProblemStatuses {
+    fn default() -> Self {
+        ProblemStatuses {
+            in_flight: http::StatusCode::CONFLICT,
+            mismatch: http::StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
+}
+
+/// `value` as a status, if it is one of `allowed`.
+fn one_of(key: &str, value: u16, allowed: &[u16]) -> Result<http::StatusCode, ConfigError> {
+    match http::StatusCode::from_u16(value) {
+        Ok(status) if allowed.contains(&value) => Ok(status),
+        _ => {
+            let allowed: Vec<String> = allowed.iter().map(u16::to_string).collect();
+            Err(ConfigError::new(
+                key,
+                format!("must be one of {}", allowed.join(", ")),
+            ))
+        }
+    }
 }
 
 /// Which upstream statuses mean "not processed, run it again" and so release the claim.
@@ -334,6 +376,10 @@ impl RawIdempotency {
                 .transpose()?,
             unscoped: self.unscoped,
             in_flight_retry_after: self.in_flight_retry_after(prefix)?,
+            statuses: ProblemStatuses {
+                in_flight: one_of(&key("in_flight_status"), self.in_flight_status, &[409, 429, 503])?,
+                mismatch: one_of(&key("mismatch_status"), self.mismatch_status, &[400, 409, 422])?,
+            },
             on_unknown_outcome: self.on_unknown_outcome,
             never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
             fingerprint_body: self.fingerprint_body,

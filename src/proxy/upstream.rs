@@ -71,9 +71,8 @@ impl UpstreamFailure {
     /// The client-facing error.
     pub fn into_error(self) -> ProxyError {
         match self {
-            UpstreamFailure::NotDelivered(why) | UpstreamFailure::Ambiguous(why) => {
-                ProxyError::UpstreamUnreachable(why)
-            }
+            UpstreamFailure::NotDelivered(why) => ProxyError::UpstreamUnreachable(why),
+            UpstreamFailure::Ambiguous(why) => ProxyError::UpstreamBroken(why),
             UpstreamFailure::Timeout(after) => ProxyError::UpstreamTimeout(after),
             UpstreamFailure::Busy => ProxyError::Busy(Busy::UpstreamConnections),
         }

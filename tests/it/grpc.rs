@@ -624,6 +624,33 @@ fn assert_problem(status: &Status, slug: &str) {
         Some(format!("https://idemproxy.dev/problems/{slug}")),
         "{status:?}"
     );
+    // Where the operation stands, as a problem body would say (docs/contract.md, Problem types).
+    let metadata = status.metadata();
+    let state = metadata
+        .get("idemproxy-operation-state")
+        .map(|v| v.to_str().unwrap());
+    assert!(
+        matches!(
+            state,
+            Some("not_started" | "in_progress" | "completed" | "unknown")
+        ),
+        "{status:?}"
+    );
+    assert!(
+        matches!(
+            metadata.get("idemproxy-retryable").map(|v| v.to_str().unwrap()),
+            Some("true" | "false")
+        ),
+        "{status:?}"
+    );
+    let safe_new_key = metadata
+        .get("idemproxy-safe-new-key")
+        .map(|v| v.to_str().unwrap());
+    assert_eq!(
+        safe_new_key,
+        (state == Some("not_started")).then_some("true"),
+        "{status:?}"
+    );
 }
 
 #[tokio::test]

@@ -19,6 +19,7 @@ mod key_header;
 mod keys_cli;
 mod keys_oncall;
 mod keys_sources;
+mod problems;
 mod processes;
 mod protocols;
 mod proxy_basic;

@@ -227,7 +227,7 @@ impl Relay {
                 None => break,
                 Some(Ok(frame)) => frame,
                 Some(Err(error)) => {
-                    let failure = ProxyError::UpstreamUnreachable(error.to_string());
+                    let failure = ProxyError::UpstreamBroken(error.to_string());
                     return Relayed::Broken {
                         client,
                         error: error.into(),

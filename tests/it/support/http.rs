@@ -78,6 +78,23 @@ impl Reply {
         assert_eq!(problem["type"], expected.as_str(), "problem: {problem}");
         assert_eq!(problem["status"], status, "problem: {problem}");
         assert!(problem["title"].is_string(), "problem: {problem}");
+        // The members every problem carries for a client to act on (docs/contract.md, Problem types).
+        let state = problem["operation_state"].as_str().unwrap_or_default();
+        assert!(
+            ["not_started", "in_progress", "completed", "unknown"].contains(&state),
+            "operation_state; problem: {problem}"
+        );
+        assert!(problem["retryable"].is_boolean(), "retryable; problem: {problem}");
+        let safe_new_key = problem.get("safe_new_key");
+        match state {
+            "not_started" => assert_eq!(safe_new_key, Some(&true.into()), "problem: {problem}"),
+            _ => assert_eq!(safe_new_key, None, "problem: {problem}"),
+        }
+        assert_eq!(
+            self.header("cache-control"),
+            Some("no-store"),
+            "problem: {problem}"
+        );
     }
 
     /// The `Retry-After` header as whole seconds.
