@@ -55,38 +55,20 @@ impl Resendable {
             None => full(self.bytes.clone()),
             Some(trailers) => full_with_trailers(self.bytes.clone(), trailers.clone()),
         };
-        Paid {
-            body,
+        let paying = Paying {
             _paid: self.paid.clone(),
-        }
-        .boxed()
+        };
+        inspected(body, paying)
     }
 }
 
-/// A body and what pays for its bytes, held until the body is dropped.
-struct Paid {
-    body: ProxyBody,
+/// What pays for a body's bytes, held until the body is dropped; it looks at no frame.
+struct Paying {
     _paid: Arc<dyn Send + Sync>,
 }
 
-impl Body for Paid {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
+impl Inspect for Paying {
+    fn frame(&mut self, _: &Frame<Bytes>) {}
 }
 
 /// A body with no bytes.
