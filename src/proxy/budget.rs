@@ -239,6 +239,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_body_kept_to_send_again_holds_its_bytes_until_its_last_copy_is_gone() {
+        let budget = BodyBudget::new(100, Metrics::new());
+        let reservation = budget.reserve(40, PATIENCE).await.unwrap();
+        let (sent, kept) = ReservedBody::new(Bytes::from(vec![0; 40]), reservation).into_resendable();
+        let resent = kept.body();
+        drop((sent, kept));
+        assert!(
+            budget.reserve(61, Duration::from_millis(10)).await.is_none(),
+            "the copy being sent again still holds the 40 bytes"
+        );
+        drop(resent);
+        assert!(budget.reserve(100, Duration::from_millis(10)).await.is_some());
+    }
+
+    #[tokio::test]
     async fn unused_bytes_are_returned_and_a_spent_budget_gives_up_after_patience() {
         let budget = BodyBudget::new(100, Metrics::new());
         let mut undeclared = budget.reserve(100, PATIENCE).await.unwrap();
