@@ -5,6 +5,10 @@ use http::{HeaderMap, HeaderName};
 
 /// Marks every response answered from the store, and the 410 of a record kept without its body.
 pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// The request header that tells the upstream which execution of a key this is: `1`, or `N;retry`
+/// after a released attempt, `N;takeover` after one whose lease ran out (an RFC 8941 integer with a
+/// boolean parameter). Set by the proxy only: a client's own is never forwarded.
+pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("idempotency-attempt");
 
 /// The `grpc-status` in a gRPC answer's head (trailers-only) or trailers, if it holds a number.
 pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {

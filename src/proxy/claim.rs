@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use http::HeaderValue;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -24,6 +25,7 @@ use super::upstream::Upstream;
 use super::{expiry, replay};
 use crate::config::{Config, OnInFlight, Route};
 use crate::error::ProxyError;
+use crate::headers::ATTEMPT_HEADER;
 use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
 use crate::store::wake::{RecordTag, Waiter, Waiters};
@@ -107,6 +109,31 @@ pub(crate) struct Won {
     fill: Option<Fill>,
     /// The request's keyed slot, if it holds one.
     slot: Option<KeyedSlot>,
+    /// Which execution of the key this is.
+    attempt: Attempt,
+}
+
+/// Which execution of a key a won claim is, as the upstream is told (`Idempotency-Attempt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    /// 1 for a new record, one more for each retry or takeover.
+    pub number: i32,
+    /// How the claim came about.
+    pub kind: ClaimKind,
+}
+
+impl Attempt {
+    /// The `Idempotency-Attempt` value: `1`, `2;retry`, `3;takeover`.
+    pub fn header_value(self) -> HeaderValue {
+        let parameter = match self.kind {
+            ClaimKind::New => return HeaderValue::from(self.number),
+            ClaimKind::Retry => "retry",
+            ClaimKind::Takeover => "takeover",
+        };
+        // Digits and a word: always a valid value.
+        HeaderValue::try_from(format!("{};{parameter}", self.number))
+            .unwrap_or_else(|_| HeaderValue::from(self.number))
+    }
 }
 
 impl Claims {
@@ -227,12 +254,13 @@ impl Claims {
         let policy = &keyed.request.route.policy;
         let id = &keyed.request.claim.id;
         match decide(result, id, policy.in_flight_retry_after, &self.metrics) {
-            Ok(Decision::Execute) => Round::Won(Box::new(Won {
+            Ok(Decision::Execute(attempt)) => Round::Won(Box::new(Won {
                 keyed,
                 started,
                 expires_at,
                 fill,
                 slot,
+                attempt,
             })),
             Ok(Decision::Replay(stored, expires_in)) => {
                 let replay = replay::response(&stored).map(|mut response| {
@@ -309,7 +337,10 @@ impl Claims {
                 return false;
             }
         };
-        let request = self.executor.request(parts, body, &peer);
+        let mut request = self.executor.request(parts, body, &peer);
+        request
+            .headers_mut()
+            .insert(ATTEMPT_HEADER, won.attempt.header_value());
         let claimed = Claimed {
             id: claim.id,
             lease: claim.lease,
@@ -401,8 +432,8 @@ impl Orphan {
 /// What to do with a request after its claim statement.
 #[derive(Debug)]
 pub enum Decision {
-    /// This request holds the key: forward it.
-    Execute,
+    /// This request holds the key: forward it, as this attempt.
+    Execute(Attempt),
     /// Answer from the stored response; the record expires after the duration.
     Replay(StoredResponse, Duration),
 }
@@ -425,7 +456,10 @@ pub fn decide(
             } else if kind == ClaimKind::Retry {
                 tracing::info!(key_hash = %id.key_hash(), attempt, "released key executes again");
             }
-            Ok(Decision::Execute)
+            Ok(Decision::Execute(Attempt {
+                number: attempt,
+                kind,
+            }))
         }
         ClaimResult::Held(existing) => held(existing, retry_hint),
     }
@@ -613,7 +647,10 @@ mod tests {
         };
         assert!(matches!(
             decide(result, &id(), HINT, &metrics),
-            Ok(Decision::Execute)
+            Ok(Decision::Execute(Attempt {
+                number: 2,
+                kind: ClaimKind::Takeover
+            }))
         ));
         assert_eq!(metrics.stale_takeovers.get(), 1);
     }

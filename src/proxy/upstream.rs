@@ -25,6 +25,7 @@ use super::downstream::Downstream;
 use crate::body::{BoxError, ProxyBody, Resendable};
 use crate::config::UpstreamConfig;
 use crate::error::{Busy, ProxyError};
+use crate::headers::ATTEMPT_HEADER;
 use crate::metrics::Metrics;
 use crate::otlp;
 
@@ -141,7 +142,10 @@ impl Upstream {
         // too; `TE`'s other codings are for this hop only.
         let trailers = accepts_trailers(&headers);
         // The proxy has answered any 100-continue itself by reading the body.
-        strip_hop_by_hop_and(&mut headers, |name| name == header::EXPECT);
+        // Nor does a client tell the upstream which attempt this is: only the proxy knows.
+        strip_hop_by_hop_and(&mut headers, |name| {
+            name == header::EXPECT || name == ATTEMPT_HEADER
+        });
         if trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
