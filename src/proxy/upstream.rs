@@ -166,7 +166,7 @@ impl Upstream {
         };
         peer.set_forwarded(&mut headers, host);
         // A request without a body can be sent again as it is, should an HTTP/2 upstream refuse it.
-        let resendable = body.is_end_stream() && self.pool.may_use_h2();
+        let resendable = self.pool.may_use_h2() && body.is_end_stream();
         let mut request = Request::new(body);
         *request.method_mut() = method;
         *request.uri_mut() = origin_form(uri);
@@ -211,8 +211,9 @@ impl Upstream {
     ) -> Result<Response<PooledBody>, UpstreamFailure> {
         let span = otlp::upstream(self.traced, &mut request);
         let started = std::time::Instant::now();
-        // A gRPC client's own deadline bounds the call too, when it is the shorter.
-        let deadline = crate::proxy::grpc::is_grpc(&request)
+        // A gRPC client's own deadline bounds the call too, when it is the shorter (gRPC needs HTTP/2,
+        // so over HTTP/1.1 only there is none to look for).
+        let deadline = (self.pool.may_use_h2() && crate::proxy::grpc::is_grpc(&request))
             .then(|| crate::proxy::grpc::timeout(request.headers()))
             .flatten();
         let timeout = deadline.map_or(self.timeout, |deadline| deadline.min(self.timeout));
