@@ -105,7 +105,8 @@ pub struct ReservedBody {
     /// The body's bytes.
     pub bytes: Bytes,
     /// The trailers the client sent after them, forwarded after them (not part of the fingerprint).
-    trailers: Option<HeaderMap>,
+    /// Boxed: rare, and the body is moved along the keyed path many times.
+    trailers: Option<Box<HeaderMap>>,
     reservation: Reservation,
 }
 
@@ -121,7 +122,10 @@ impl ReservedBody {
 
     /// The same body, with the trailers its client sent after it.
     pub fn with_trailers(self, trailers: Option<HeaderMap>) -> ReservedBody {
-        ReservedBody { trailers, ..self }
+        ReservedBody {
+            trailers: trailers.map(Box::new),
+            ..self
+        }
     }
 
     /// Runs `work` on the bytes, giving it a way to grow the reservation for working memory (`true`
@@ -138,7 +142,8 @@ impl ReservedBody {
     /// The body for the upstream request, and a copy of it to send again if need be; the reservation
     /// is held until both are gone.
     pub fn into_resendable(self) -> (ProxyBody, Resendable) {
-        let again = Resendable::new(self.bytes, self.trailers, Arc::new(self.reservation));
+        let trailers = self.trailers.map(|trailers| *trailers);
+        let again = Resendable::new(self.bytes, trailers, Arc::new(self.reservation));
         (again.body(), again)
     }
 
@@ -157,7 +162,7 @@ impl ReservedBody {
 struct Held {
     inner: Full<Bytes>,
     /// Sent once the bytes are.
-    trailers: Option<HeaderMap>,
+    trailers: Option<Box<HeaderMap>>,
     _reservation: Reservation,
 }
 
@@ -170,7 +175,7 @@ impl Body for Held {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(None) => Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t)))),
+            Poll::Ready(None) => Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(*t)))),
             polled => polled,
         }
     }
