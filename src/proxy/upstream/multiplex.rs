@@ -52,7 +52,7 @@ pub(super) struct Multiplexed {
     connections: Mutex<Vec<Connection>>,
     /// One new connection at a time: requests that find no room wait for it rather than each opening one.
     connecting: tokio::sync::Mutex<()>,
-    /// Told when a stream ends on a full connection, for a request waiting for room.
+    /// Told when a stream ends, for a request waiting for room.
     freed: Arc<Notify>,
     /// The upstream connections the worker may hold, HTTP/2 and HTTP/1.1 alike (`upstream.max_connections`):
     /// each connection's task holds one until the connection closes.
@@ -93,8 +93,7 @@ impl Connection {
 /// A stream taken on a connection, given back when dropped (its response body ended or was dropped).
 pub(super) struct StreamSlot {
     streams: Arc<Streams>,
-    /// The connection's stream limit, and who to tell when a stream ends on a full connection.
-    max_streams: usize,
+    /// Who to tell when the stream ends.
     freed: Arc<Notify>,
 }
 
@@ -104,9 +103,9 @@ impl Drop for StreamSlot {
         if was_open == 1 {
             *self.streams.quiet_since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         }
-        if was_open == self.max_streams {
-            self.freed.notify_one();
-        }
+        // Every end, not only one on a full connection: two streams may end before the request woken by
+        // the first takes its stream, and the second must wake another.
+        self.freed.notify_one();
     }
 }
 
@@ -145,7 +144,6 @@ impl Multiplexed {
         connection.streams.open.fetch_add(1, Ordering::AcqRel);
         let slot = StreamSlot {
             streams: connection.streams.clone(),
-            max_streams: self.limits.max_streams,
             freed: self.freed.clone(),
         };
         Some((connection.sender.clone(), slot))
@@ -601,6 +599,34 @@ mod tests {
         assert_eq!(first.await.unwrap().unwrap(), "ok");
         assert_eq!(second.await.unwrap().unwrap(), "ok");
         seen(&mut stub.streams, 1).await;
+    }
+
+    #[tokio::test]
+    async fn streams_that_end_together_each_let_a_waiting_request_go() {
+        let stub = upstream(Answer::Ok).await;
+        let pool = limited_pool(stub.authority, 1, 2, Duration::from_secs(10));
+        let post = || {
+            Request::post("/pay")
+                .header(header::HOST, "api.example")
+                .body(body::full("{}"))
+                .unwrap()
+        };
+        // Two answers whose bodies are held: the one connection's two streams stay taken.
+        let held = (pool.send(post()).await.unwrap(), pool.send(post()).await.unwrap());
+        let waiting: Vec<_> = (0..2)
+            .map(|_| {
+                let pool = pool.clone();
+                tokio::spawn(async move { fetch(&pool).await })
+            })
+            .collect();
+        // Both find no stream and wait (no I/O stands between them and their wait).
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        for waiter in waiting {
+            assert_eq!(waiter.await.unwrap().unwrap(), "ok");
+        }
     }
 
     #[tokio::test]
