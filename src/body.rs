@@ -49,6 +49,11 @@ impl Resendable {
         }
     }
 
+    /// No body at all: nothing to pay for.
+    pub fn empty() -> Resendable {
+        Resendable::new(Bytes::new(), None, Arc::new(()))
+    }
+
     /// A copy of the body to send.
     pub fn body(&self) -> ProxyBody {
         let body = match &self.trailers {

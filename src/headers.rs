@@ -12,5 +12,10 @@ pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("idempotency-atte
 
 /// The `grpc-status` in a gRPC answer's head (trailers-only) or trailers, if it holds a number.
 pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
-    headers.get("grpc-status")?.to_str().ok()?.trim().parse().ok()
+    grpc_code(headers.get("grpc-status")?.as_bytes())
+}
+
+/// A `grpc-status` value as a code, if it is a number.
+pub fn grpc_code(value: &[u8]) -> Option<u32> {
+    std::str::from_utf8(value).ok()?.trim().parse().ok()
 }

@@ -251,14 +251,10 @@ impl Executor {
     /// The client's answer is `answer`: the error, or the upstream's own answer when it said the outcome
     /// is not known (a gRPC status such as DEADLINE_EXCEEDED); `why` says what happened, for the log.
     async fn unknown_outcome(&self, claim: &Claimed, head: Answer, answer: Handled, why: &str) {
-        self.metrics.unknown_outcomes.inc();
-        let key_hash = claim.id.key_hash();
-        if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
-            tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
+        if !self.holds_unknown(claim, why) {
             head.send(answer);
             return;
         }
-        tracing::warn!(%key_hash, error = why, "upstream outcome unknown; holding the key until released");
         let holding = self.hold(claim);
         tokio::pin!(holding);
         let in_time = tokio::time::timeout(self.completion_hold, &mut holding).await;
@@ -270,6 +266,19 @@ impl Executor {
         if held {
             self.settle.settled(&claim.route, &claim.id).await;
         }
+    }
+
+    /// Counts and logs an unknown outcome; whether the route holds its key (`on_unknown_outcome =
+    /// "hold"`) rather than leaving the claim to its lease.
+    fn holds_unknown(&self, claim: &Claimed, why: &str) -> bool {
+        self.metrics.unknown_outcomes.inc();
+        let key_hash = claim.id.key_hash();
+        if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
+            tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
+            return false;
+        }
+        tracing::warn!(%key_hash, error = why, "upstream outcome unknown; holding the key until released");
+        true
     }
 
     /// Marks the record unknown, trying for up to the lease while the store does not answer; `true` once
@@ -339,15 +348,8 @@ impl Executor {
         match unknown {
             None => self.release(claim).await,
             Some(why) => {
-                self.metrics.unknown_outcomes.inc();
-                let key_hash = claim.id.key_hash();
-                if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
-                    tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
-                } else {
-                    tracing::warn!(%key_hash, error = why, "upstream outcome unknown; holding the key until released");
-                    if self.hold(claim).await {
-                        self.settle.settled(&claim.route, &claim.id).await;
-                    }
+                if self.holds_unknown(claim, why) && self.hold(claim).await {
+                    self.settle.settled(&claim.route, &claim.id).await;
                 }
             }
         }

@@ -10,7 +10,7 @@ use http_body::Frame;
 
 use crate::body::{self, Inspect, ProxyBody};
 use crate::config::grpc_code_name;
-use crate::headers::grpc_status;
+use crate::headers::{grpc_code, grpc_status};
 use crate::metrics::RouteSeries;
 use crate::store::TRAILER_PREFIX;
 
@@ -75,7 +75,7 @@ pub(crate) fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
     entries
         .iter()
         .find(|(name, _)| name == STATUS || name.strip_prefix(TRAILER_PREFIX) == Some(STATUS))
-        .and_then(|(_, value)| code(value))
+        .and_then(|(_, value)| grpc_code(value))
 }
 
 /// `response`, counted in `idemproxy_grpc_calls_total` by the status its client gets: now, from a
@@ -108,10 +108,6 @@ impl Drop for Uncounted {
             series.grpc_answered("NONE");
         }
     }
-}
-
-fn code(value: &[u8]) -> Option<u32> {
-    std::str::from_utf8(value).ok()?.trim().parse().ok()
 }
 
 #[cfg(test)]

@@ -7,10 +7,7 @@ mod multiplex;
 pub mod pool;
 mod send_error;
 
-use std::sync::Arc;
 use std::time::Duration;
-
-use bytes::Bytes;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version, request};
@@ -173,8 +170,7 @@ impl Upstream {
         *request.version_mut() = Version::HTTP_11;
         *request.headers_mut() = headers;
         if resendable {
-            let nothing = Resendable::new(Bytes::new(), None, Arc::new(()));
-            request.extensions_mut().insert(nothing);
+            request.extensions_mut().insert(Resendable::empty());
         }
         request
     }
@@ -312,7 +308,8 @@ fn accepts_trailers(headers: &HeaderMap) -> bool {
     })
 }
 
-fn is_hop_by_hop(name: &HeaderName) -> bool {
+/// Whether `name` is hop-by-hop of itself (not counting what a `Connection` header names).
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-")
 }
 

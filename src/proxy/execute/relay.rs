@@ -23,7 +23,7 @@ use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::proxy::answer::Answer;
 use crate::proxy::upstream::pool::PooledBody;
-use crate::proxy::upstream::strip_hop_by_hop;
+use crate::proxy::upstream::{is_hop_by_hop, strip_hop_by_hop};
 use crate::store::{RecordId, TRAILER_PREFIX};
 
 /// Frames buffered between the relay and a slow client before the relay waits.
@@ -295,11 +295,9 @@ fn storable_headers(headers: &HeaderMap, never_store: &[HeaderName]) -> Vec<(Str
 /// The response's trailers as stored: after its headers, each name marked as a trailer's
 /// ([`TRAILER_PREFIX`]); hop-by-hop and `never_store` names are left out, as they are from headers.
 fn storable_trailers(trailers: &HeaderMap, never_store: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
-    let mut trailers = trailers.clone();
-    strip_hop_by_hop(&mut trailers);
     trailers
         .iter()
-        .filter(|(name, _)| !never_store.contains(name))
+        .filter(|(name, _)| !is_hop_by_hop(name) && !never_store.contains(name))
         .map(|(name, value)| {
             (
                 format!("{TRAILER_PREFIX}{}", name.as_str()),

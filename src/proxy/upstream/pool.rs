@@ -58,8 +58,6 @@ struct Inner {
     protocol: UpstreamProtocol,
     /// The HTTP/2 connections, for the requests that go over HTTP/2.
     multiplexed: Multiplexed,
-    /// Most streams open at once on one HTTP/2 connection.
-    max_streams: usize,
     /// With protocol `auto` over TLS: the upstream agreed to HTTP/2 (ALPN) on the last connection made.
     agreed_h2: AtomicBool,
 }
@@ -114,7 +112,6 @@ impl Pool {
                 returned: Notify::new(),
                 closer: Once::new(),
                 protocol,
-                max_streams,
                 agreed_h2: AtomicBool::new(false),
             }),
         }
@@ -129,7 +126,7 @@ impl Pool {
             inner.connect_timeout,
             inner.idle_timeout,
             inner.max_connections,
-            inner.max_streams,
+            inner.multiplexed.max_streams(),
         )
     }
 
