@@ -149,6 +149,11 @@ impl Multiplexed {
         Some((connection.sender.clone(), slot))
     }
 
+    /// Most streams open at once on one connection.
+    pub(super) fn max_streams(&self) -> usize {
+        self.limits.max_streams
+    }
+
     /// Connections open now.
     #[cfg(test)]
     pub(super) fn open_connections(&self) -> usize {
@@ -400,6 +405,9 @@ mod tests {
         Reset(h2::Reason),
         /// `REFUSED_STREAM` to the first stream of each connection, 200 with body `ok` to the others.
         RefuseFirst,
+        /// On the first connection, a GOAWAY whose last stream id (0) is below the first stream's, as
+        /// that stream's HEADERS arrive, then the connection's end; 200 with body `ok` on later ones.
+        GoAwayFirst,
         /// 200 to the first stream of each connection, then GOAWAY (graceful) and the connection's end.
         OnceThenGoAway,
     }
@@ -423,9 +431,14 @@ mod tests {
         let gate = Arc::new(Semaphore::new(0));
         let held = gate.clone();
         tokio::spawn(async move {
+            let mut first_connection = true;
             while let Ok((stream, _)) = listener.accept().await {
                 let _ = accepted.send(());
                 let (received, held) = (received.clone(), held.clone());
+                if matches!(answer, Answer::GoAwayFirst) && std::mem::take(&mut first_connection) {
+                    tokio::spawn(go_away_at_first_stream(stream, received));
+                    continue;
+                }
                 tokio::spawn(async move {
                     let mut connection = h2::server::handshake(stream).await.unwrap();
                     let mut first = true;
@@ -467,6 +480,36 @@ mod tests {
             connections,
             streams,
             gate,
+        }
+    }
+
+    /// Speaks just enough HTTP/2 to refuse the client's first stream by a GOAWAY that says no stream was
+    /// processed (h2's own server counts every stream it has received as processed, so it cannot).
+    async fn go_away_at_first_stream(mut stream: tokio::net::TcpStream, received: mpsc::UnboundedSender<()>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const SETTINGS: u8 = 4;
+        const GOAWAY: u8 = 7;
+        const HEADERS: u8 = 1;
+        let mut preface = [0u8; 24];
+        stream.read_exact(&mut preface).await.unwrap();
+        stream
+            .write_all(&[0, 0, 0, SETTINGS, 0, 0, 0, 0, 0])
+            .await
+            .unwrap();
+        loop {
+            let mut head = [0u8; 9];
+            stream.read_exact(&mut head).await.unwrap();
+            let length = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; length];
+            stream.read_exact(&mut payload).await.unwrap();
+            if head[3] == HEADERS {
+                let _ = received.send(());
+                // Last stream id 0, error NO_ERROR: nothing was processed.
+                let go_away = [0, 0, 8, GOAWAY, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+                stream.write_all(&go_away).await.unwrap();
+                stream.shutdown().await.unwrap();
+                return;
+            }
         }
     }
 
@@ -649,6 +692,28 @@ mod tests {
         let response = pool.send(request).await.expect("sent again, and answered");
         assert_eq!(response.into_body().collect().await.unwrap().to_bytes(), "ok");
         seen(&mut stub.streams, 2).await;
+    }
+
+    #[tokio::test]
+    async fn a_stream_above_a_goaways_last_stream_id_is_sent_again_on_a_new_connection() {
+        let mut stub = upstream(Answer::GoAwayFirst).await;
+        let mut request = Request::post("/pay")
+            .header(header::HOST, "api.example")
+            .body(body::full("{}"))
+            .unwrap();
+        request
+            .extensions_mut()
+            .insert(Resendable::new(Bytes::from_static(b"{}"), None, Arc::new(())));
+        let sent = pool(stub.authority).send(request).await;
+        let response = sent.expect("sent again, and answered");
+        assert_eq!(response.into_body().collect().await.unwrap().to_bytes(), "ok");
+        seen(&mut stub.streams, 2).await;
+        seen(&mut stub.connections, 2).await;
+        // Without a copy of its body, the same refusal is a request never delivered.
+        let mut stub = upstream(Answer::GoAwayFirst).await;
+        let failed = fetch(&pool(stub.authority.clone())).await;
+        assert!(matches!(failed, Err(SendError::NotSent(_))), "{failed:?}");
+        seen(&mut stub.streams, 1).await;
     }
 
     #[tokio::test]
