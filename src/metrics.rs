@@ -167,14 +167,24 @@ families! {
         // Waiting for a key in flight (`on_in_flight = "wait"`).
         waits: [IntCounter; WaitResult::ALL.len()] = counters_by(
             "idemproxy_waits_total",
-            "Requests that found their key in flight on a route with on_in_flight = \"wait\", by how \
-            their wait ended.",
+            "Requests that found their key in flight on a route with on_in_flight = \"wait\" or \
+            \"attach\", by how their wait ended.",
             label::RESULT,
             WaitResult::ALL.map(WaitResult::as_str),
         ),
         pub waiting: IntGauge = gauge(
             "idemproxy_waiting_requests",
             "Requests waiting now for the original request with their key (server.max_waiting at most).",
+        ),
+        pub attached: IntGauge = gauge(
+            "idemproxy_attached_requests",
+            "Duplicates following now the live response of the original request with their key \
+            (on_in_flight = \"attach\"); they count against server.max_waiting.",
+        ),
+        pub attach_cutoffs: IntCounter = counter(
+            "idemproxy_attach_cutoffs_total",
+            "Duplicates cut off because they fell behind the live response they followed by more than \
+            server.attach_buffer.",
         ),
         pub wait_listener_connected: IntGauge = gauge(
             "idemproxy_wait_listener_connected",

@@ -7,6 +7,7 @@
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
 pub mod answer;
+pub mod attach;
 pub mod budget;
 pub mod cache;
 pub mod claim;
@@ -23,6 +24,7 @@ pub mod replay;
 pub mod settle;
 pub mod signature;
 pub mod slot;
+pub mod sse;
 pub mod trace_context;
 pub mod upstream;
 pub mod wait;
@@ -38,6 +40,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use self::answer::{Answer, Handled};
+use self::attach::Attachments;
 use self::cache::ReplayCache;
 use self::claim::{Claims, ClaimsParts};
 use self::downstream::Downstream;
@@ -110,6 +113,7 @@ impl Proxy {
         let slots = KeyedSlots::new(server.max_keyed_in_flight);
         let settle = Settle::new(waiters.clone(), store.clone(), serving.capabilities.shared);
         let forward = Forward::new(config, upstream.clone(), metrics.clone());
+        let attachments = Attachments::new(server.attach_buffer, waiters.clone(), metrics.clone());
         let executor = Executor::new(
             config,
             ExecutorParts {
@@ -118,6 +122,7 @@ impl Proxy {
                 cache: cache.clone(),
                 metrics: metrics.clone(),
                 settle: settle.clone(),
+                attachments,
             },
         );
         let claims = Claims::new(
@@ -340,7 +345,14 @@ impl Proxy {
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
             Err(unkeyed) => return Box::pin(self.forward.read(unkeyed.parts, unkeyed.body, &peer)).await,
         };
-        if let Some(answer) = replay::from_cache(&self.cache, &taken.claim, &taken.route, &self.metrics) {
+        let cached = replay::from_cache(
+            &self.cache,
+            &taken.claim,
+            &taken.route,
+            &taken.parts.headers,
+            &self.metrics,
+        );
+        if let Some(answer) = cached {
             return answer;
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.

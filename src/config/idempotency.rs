@@ -176,6 +176,16 @@ pub enum OnInFlight {
     /// Wait up to `wait_timeout` for the original and answer with its response (or execute, if it
     /// failed); 409 if it does not end in time.
     Wait,
+    /// Follow the original's response as it is relayed, from its first byte, where this replica runs
+    /// it; elsewhere (or once its beginning is no longer kept) as `Wait`.
+    Attach,
+}
+
+impl OnInFlight {
+    /// Whether a duplicate waits for the original rather than getting 409 at once.
+    pub fn waits(self) -> bool {
+        matches!(self, OnInFlight::Wait | OnInFlight::Attach)
+    }
 }
 
 /// What a keyed request that carries none of the scope headers gets.

@@ -492,6 +492,8 @@ impl Route {
                 super::OnInFlight::Reject => "reject".to_owned(),
                 super::OnInFlight::Wait =>
                     format!("wait {}", humantime::format_duration(policy.wait_timeout)),
+                super::OnInFlight::Attach =>
+                    format!("attach {}", humantime::format_duration(policy.wait_timeout)),
             },
             match &policy.signature {
                 Some(signature) => format!(

@@ -106,6 +106,9 @@ pub struct RawServer {
     /// 409 at once. Absent means `max_connections`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_waiting: Option<usize>,
+    /// The most bytes of a live response queued for one duplicate that follows it (`on_in_flight =
+    /// "attach"`); one that falls further behind is cut off, its response ended with an error.
+    pub attach_buffer: ByteSize,
     /// A request path not in normal form (repeated slashes, dot segments, escaped unreserved characters,
     /// lower-case escapes): `normalize` brings it to normal form before anything reads it and forwards
     /// it so; `reject` refuses it (400 `non-normal-path`).
@@ -143,6 +146,7 @@ impl Default for RawServer {
             capture_wait: DEFAULT_CAPTURE_WAIT,
             problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.into(),
             max_waiting: None,
+            attach_buffer: ByteSize::mib(1),
             paths: PathMode::Normalize,
             escaped_slashes: Ambiguous::Reject,
             path_parameters: Ambiguous::Reject,
@@ -251,8 +255,10 @@ pub struct ServerConfig {
     pub capture_wait: Duration,
     /// The base of problem `type` URIs.
     pub problem_type_base: String,
-    /// Most requests waiting for the original with their key.
+    /// Most requests waiting for the original with their key, or following it.
     pub max_waiting: usize,
+    /// Most bytes of live frames queued for one duplicate that follows its original.
+    pub attach_buffer: usize,
     /// How request paths are brought to their one spelling, or refused.
     pub paths: PathRules,
 }
@@ -286,6 +292,10 @@ impl RawServer {
             max_waiting: match self.max_waiting {
                 Some(n) => within("server.max_waiting", n, 1..=1_000_000)?,
                 None => self.max_connections,
+            },
+            attach_buffer: match memory(self.attach_buffer) {
+                0 => return Err(ConfigError::new("server.attach_buffer", "must be more than 0")),
+                bytes => bytes,
             },
             paths: PathRules {
                 mode: self.paths,

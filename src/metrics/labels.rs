@@ -61,6 +61,9 @@ pub enum WaitResult {
     Replayed,
     /// The original was released (or its lease ran out): this request claimed the key and executed it.
     Executed,
+    /// The original's response was being relayed here: this request followed it (`on_in_flight =
+    /// "attach"`).
+    Attached,
     /// Answered otherwise once the original ended: held outcome (502), store unavailable, no slot to
     /// execute in (503), or the key meanwhile used for another request (422).
     Refused,
@@ -75,9 +78,10 @@ pub enum WaitResult {
 }
 
 impl WaitResult {
-    pub(super) const ALL: [WaitResult; 7] = [
+    pub(super) const ALL: [WaitResult; 8] = [
         WaitResult::Replayed,
         WaitResult::Executed,
+        WaitResult::Attached,
         WaitResult::Refused,
         WaitResult::Timeout,
         WaitResult::RejectedFull,
@@ -90,6 +94,7 @@ impl WaitResult {
         match self {
             WaitResult::Replayed => "replayed",
             WaitResult::Executed => "executed",
+            WaitResult::Attached => "attached",
             WaitResult::Refused => "refused",
             WaitResult::Timeout => "timeout",
             WaitResult::RejectedFull => "rejected_full",

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::answer::Answer;
+use super::attach::Attachments;
 use super::cache::{Fill, ReplayCache};
 use super::downstream::Downstream;
 use super::execute::{Claimed, Executor};
@@ -23,7 +24,7 @@ use super::settle::Settle;
 use super::slot::{KeyedSlot, KeyedSlots};
 use super::upstream::Upstream;
 use super::{expiry, replay};
-use crate::config::{Config, OnInFlight, Route};
+use crate::config::{Config, Route};
 use crate::error::ProxyError;
 use crate::headers::ATTEMPT_HEADER;
 use crate::metrics::{Metrics, Outcome};
@@ -164,6 +165,11 @@ impl Claims {
 
     /// The same stage for another worker thread: its executions and its fail_open forwards go through
     /// `upstream` and `forward`, and its claims and their settling through the thread's store handle.
+    /// The executions of this process that duplicates may follow.
+    pub(crate) fn attachments(&self) -> &Arc<Attachments> {
+        self.executor.attachments()
+    }
+
     pub(crate) fn for_worker(&self, upstream: Upstream, forward: Forward) -> Claims {
         let store = self.store.for_worker();
         Claims {
@@ -202,7 +208,10 @@ impl Claims {
     /// statement: a settlement that commits after the statement read the record wakes it, whatever
     /// the statement found. Routes that do not wait pay nothing.
     fn wait_for(&self, route: &Route, id: &RecordId) -> Option<Waiter> {
-        (route.policy.on_in_flight == OnInFlight::Wait)
+        route
+            .policy
+            .on_in_flight
+            .waits()
             .then(|| self.waiters.wait_for(RecordTag::of(&id.scope, &id.key)))
     }
 
@@ -263,7 +272,7 @@ impl Claims {
                 attempt,
             })),
             Ok(Decision::Replay(stored, expires_in)) => {
-                let replay = replay::response(&stored).map(|mut response| {
+                let replay = replay::response(&stored, &keyed.request.parts.headers).map(|mut response| {
                     let expires_at = expiry::after(sent, expires_in);
                     expiry::stamp(response.headers_mut(), policy, Some(expires_at));
                     (response, Outcome::Replayed)
@@ -347,6 +356,7 @@ impl Claims {
             route,
             expires_at: won.expires_at,
             fill: won.fill,
+            fingerprint: claim.fingerprint,
         };
         self.executor.execute(claimed, request, head).await;
         true

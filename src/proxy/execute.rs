@@ -29,6 +29,7 @@ use self::capture::CaptureBudget;
 use self::heartbeat::Heartbeat;
 use self::relay::{Held, Relay, Relayed, ToStore};
 use super::answer::{Answer, Handled};
+use super::attach::Attachments;
 use super::budget::ReservedBody;
 use super::cache::{Fill, ReplayCache};
 use super::downstream::Downstream;
@@ -37,7 +38,7 @@ use super::grpc;
 use super::settle::Settle;
 use super::upstream::{Upstream, stream_response};
 use crate::body::{BoxError, ProxyBody};
-use crate::config::{Config, GrpcOutcome, OnUnknownOutcome, Route};
+use crate::config::{Config, GrpcOutcome, OnInFlight, OnUnknownOutcome, Route};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
@@ -65,6 +66,8 @@ pub(crate) struct Executor {
     /// Whether store writes are traced (`traces.enabled`).
     traced: bool,
     settle: Settle,
+    /// The executions duplicates may follow (`on_in_flight = "attach"`), shared by every worker.
+    attachments: Arc<Attachments>,
 }
 
 /// What an [`Executor`] is made of beside the configuration.
@@ -74,6 +77,7 @@ pub(crate) struct ExecutorParts {
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) metrics: Metrics,
     pub(crate) settle: Settle,
+    pub(crate) attachments: Arc<Attachments>,
 }
 
 /// A won claim: the record it holds, fenced by its token, and the lease it was claimed with. The
@@ -89,6 +93,8 @@ pub(crate) struct Claimed {
     pub(crate) expires_at: Option<SystemTime>,
     /// The replay cache entry the completion may make.
     pub(crate) fill: Option<Fill>,
+    /// The request's fingerprint: the duplicates that may follow its response have the same.
+    pub(crate) fingerprint: [u8; 32],
 }
 
 impl Executor {
@@ -99,6 +105,7 @@ impl Executor {
             cache,
             metrics,
             settle,
+            attachments,
         } = parts;
         let server = &config.server;
         // Bytes of keyed responses being captured, and each scope's share: one budget for every worker.
@@ -122,7 +129,13 @@ impl Executor {
             metrics,
             traced: otlp::traced(&config.traces),
             settle,
+            attachments,
         }
+    }
+
+    /// The executions of this process that duplicates may follow.
+    pub(crate) fn attachments(&self) -> &Arc<Attachments> {
+        &self.attachments
     }
 
     /// The same stage for another worker thread: its pool of upstream connections and its store handle.
@@ -164,6 +177,9 @@ impl Executor {
         heartbeat: &Heartbeat<'_>,
     ) {
         let grpc = grpc::is_grpc(&request);
+        // Followable from before it is sent, so that a duplicate that comes meanwhile gets its head.
+        let publisher = (claim.route.policy.on_in_flight == OnInFlight::Attach)
+            .then(|| self.attachments.publish(&claim.id, claim.fingerprint));
         let response = match self.upstream.send(request).await {
             Ok(response) => response,
             Err(failure) => {
@@ -211,7 +227,7 @@ impl Executor {
         let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
         match self
             .relay
-            .run(&claim.id, &claim.route.policy, response, head, stamp)
+            .run(&claim.id, &claim.route.policy, response, (head, publisher), stamp)
             .await
         {
             Relayed::Whole(record, held) if grpc && record.status == 200 => {
@@ -509,6 +525,7 @@ mod tests {
                 fingerprint: taken.claim.fingerprint,
                 deadline: Instant::now() + Duration::from_secs(600),
             }),
+            fingerprint: taken.claim.fingerprint,
         };
         let request = stages
             .executor

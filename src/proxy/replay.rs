@@ -5,7 +5,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use super::answer::Handled;
 use super::cache::{Lookup, ReplayCache};
-use super::expiry;
+use super::{expiry, sse};
 use crate::body::{self, ProxyBody};
 use crate::config::Route;
 use crate::error::ProxyError;
@@ -19,10 +19,11 @@ pub(crate) fn from_cache(
     cache: &ReplayCache,
     claim: &ClaimRequest,
     route: &Route,
+    request: &HeaderMap,
     metrics: &Metrics,
 ) -> Option<Handled> {
     let answer = match cache.lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint) {
-        Lookup::Replay(stored, expires_at) => response(&stored).map(|mut response| {
+        Lookup::Replay(stored, expires_at) => response(&stored, request).map(|mut response| {
             expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
             (response, Outcome::Replayed)
         }),
@@ -35,9 +36,10 @@ pub(crate) fn from_cache(
 
 /// The stored response as the client first saw it (status, headers, body, then trailers), plus
 /// `Idempotent-Replayed: true`. A record kept without its body (over `max_stored_response`) answers 410:
-/// the operation happened and must not run again.
-pub fn response(stored: &StoredResponse) -> Result<Response<ProxyBody>, ProxyError> {
-    let Some(body) = stored.body.clone() else {
+/// the operation happened and must not run again. An event stream replayed to a `request` that carries
+/// `Last-Event-ID` resumes after that event (`sse.rs`).
+pub fn response(stored: &StoredResponse, request: &HeaderMap) -> Result<Response<ProxyBody>, ProxyError> {
+    let Some(mut body) = stored.body.clone() else {
         return Err(ProxyError::ResponseNotRetained {
             status: stored.status,
         });
@@ -62,6 +64,11 @@ pub fn response(stored: &StoredResponse) -> Result<Response<ProxyBody>, ProxyErr
         }
     }
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    if let Some(id) = sse::last_event_id(request)
+        && sse::is_event_stream(&headers)
+    {
+        body = sse::resumed(&body, id);
+    }
     let body = if trailers.is_empty() {
         body::full(body)
     } else {
@@ -91,7 +98,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"{\"id\":7}")),
         };
-        let response = response(&stored).unwrap();
+        let response = response(&stored, &HeaderMap::new()).unwrap();
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()["content-type"], "application/json");
         assert_eq!(response.headers().get_all("set-cookie").iter().count(), 2);
@@ -111,7 +118,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"\0\0\0\0\x02hi")),
         };
-        let response = response(&stored).unwrap();
+        let response = response(&stored, &HeaderMap::new()).unwrap();
         assert_eq!(response.headers().len(), 2, "{:?}", response.headers());
         assert!(response.headers().get("grpc-status").is_none());
         let collected = response.into_body().collect().await.unwrap();
@@ -129,7 +136,7 @@ mod tests {
             body: None,
         };
         assert!(matches!(
-            response(&stored),
+            response(&stored, &HeaderMap::new()),
             Err(ProxyError::ResponseNotRetained { status: 200 })
         ));
     }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::config::{OnInFlight, Route};
+use crate::config::Route;
 use crate::store::listen;
 use crate::store::wake::{RecordTag, Waiters};
 use crate::store::{RecordId, StoreHandle};
@@ -36,7 +36,7 @@ impl Settle {
     /// fails is logged and left: a waiter elsewhere then re-checks when the lease it saw runs out, or
     /// gets 409 at its `wait_timeout`.
     pub(crate) async fn settled(&self, route: &Route, id: &RecordId) {
-        if route.policy.on_in_flight != OnInFlight::Wait {
+        if !route.policy.on_in_flight.waits() {
             return;
         }
         let tag = RecordTag::of(&id.scope, &id.key);

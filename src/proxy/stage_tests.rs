@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
 use super::answer::{Answer, Handled};
+use super::attach::Attachments;
 use super::budget::{BodyBudget, ReservedBody};
 use super::cache::ReplayCache;
 use super::claim::{Claims, ClaimsParts};
@@ -75,6 +76,7 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
     let waiters = Waiters::new();
     let settle = Settle::new(waiters.clone(), handle.clone(), false);
     let upstream = Upstream::new(&config.upstream, metrics.clone());
+    let attachments = Attachments::new(config.server.attach_buffer, waiters.clone(), metrics.clone());
     let executor = Executor::new(
         &config,
         ExecutorParts {
@@ -83,6 +85,7 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
             cache: cache.clone(),
             metrics: metrics.clone(),
             settle: settle.clone(),
+            attachments,
         },
     );
     let slots = KeyedSlots::new(4);

@@ -26,15 +26,18 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
 use super::answer::Answer;
+use super::attach::{Head, Joined};
 use super::cache::ReplayCache;
 use super::claim::{Claims, InFlight, Round, Won, in_flight_retry_after};
 use super::downstream::Downstream;
 use super::intake::TakenIn;
 use super::replay;
 use super::slot::KeyedSlot;
-use crate::config::Config;
+use super::sse::{self, Resume};
+use crate::body::ProxyBody;
+use crate::config::{Config, OnInFlight};
 use crate::error::ProxyError;
-use crate::metrics::{Metrics, WaitResult};
+use crate::metrics::{Metrics, Outcome, WaitResult};
 
 /// The least time before a lease re-check: a lease the store reports as (nearly) over is re-checked
 /// after this, not in a loop.
@@ -50,6 +53,16 @@ pub(crate) struct Waits {
     shutdown: CancellationToken,
     cache: Arc<ReplayCache>,
     metrics: Metrics,
+}
+
+/// How following an execution ended, short of the record's fate.
+enum Followed {
+    /// The request got the head, and follows the body.
+    Attached,
+    /// The execution ended without a response to follow: the request goes back to waiting.
+    Back(Box<InFlight>),
+    /// The wait is over without an answer: 409.
+    Stop(Box<InFlight>, WaitResult),
 }
 
 /// How a wait ended.
@@ -128,8 +141,8 @@ impl Waits {
             conflict(in_flight);
             return;
         };
-        let waiting = Waiting::enter(&self.metrics, permit);
-        let ended = self.wait_rounds(in_flight).await;
+        let mut waiting = Waiting::enter(&self.metrics, permit);
+        let ended = self.wait_rounds(in_flight, &mut waiting).await;
         drop(waiting);
         let result = match ended {
             Ended::Answered(result) => result,
@@ -141,18 +154,42 @@ impl Waits {
         self.metrics.wait_ended(result);
     }
 
-    /// Waits and re-checks until the record's fate answers the request, or the wait ends.
-    async fn wait_rounds(&self, mut in_flight: Box<InFlight>) -> Ended {
+    /// Waits and re-checks until the record's fate answers the request, or the wait ends. On a route
+    /// that attaches, the request follows the execution whenever this process runs it, rather than
+    /// waiting for its record.
+    async fn wait_rounds(&self, mut in_flight: Box<InFlight>, waiting: &mut Waiting<'_>) -> Ended {
         let deadline = Instant::now() + in_flight.keyed.request.route.policy.wait_timeout;
+        let attaches = in_flight.keyed.request.route.policy.on_in_flight == OnInFlight::Attach;
         loop {
-            if let Woken::Stop(result) = self.until_woken(&mut in_flight, deadline).await {
+            let claim = &in_flight.keyed.request.claim;
+            let joined = attaches
+                .then(|| {
+                    let attachments = self.claims.attachments();
+                    attachments.join(&claim.id, &claim.fingerprint)
+                })
+                .flatten();
+            if let Some(joined) = joined {
+                in_flight = match self.follow(in_flight, joined, deadline, waiting).await {
+                    Followed::Attached => return Ended::Answered(WaitResult::Attached),
+                    Followed::Stop(in_flight, result) => {
+                        conflict(in_flight);
+                        return Ended::Answered(result);
+                    }
+                    // The execution is over: its record has settled, or soon will.
+                    Followed::Back(in_flight) => in_flight,
+                };
+            } else if let Woken::Stop(result) = self.until_woken(&mut in_flight, deadline).await {
                 conflict(in_flight);
                 return Ended::Answered(result);
             }
             let request = &in_flight.keyed.request;
-            if let Some(answer) =
-                replay::from_cache(&self.cache, &request.claim, &request.route, &self.metrics)
-            {
+            if let Some(answer) = replay::from_cache(
+                &self.cache,
+                &request.claim,
+                &request.route,
+                &request.parts.headers,
+                &self.metrics,
+            ) {
                 let result = if answer.is_ok() {
                     WaitResult::Replayed
                 } else {
@@ -169,6 +206,36 @@ impl Waits {
                 Round::Refused => return Ended::Answered(WaitResult::Refused),
             };
         }
+    }
+
+    /// Follows the execution the request joined: once its head comes, the request is answered with it
+    /// and a body that follows the response to its end, holding the request's place among those that
+    /// wait until then.
+    async fn follow(
+        &self,
+        mut in_flight: Box<InFlight>,
+        mut joined: Joined,
+        deadline: Instant,
+        waiting: &mut Waiting<'_>,
+    ) -> Followed {
+        let head = tokio::select! {
+            biased;
+            _ = self.shutdown.cancelled() => return Followed::Stop(in_flight, WaitResult::Shutdown),
+            _ = in_flight.keyed.head.closed() => return Followed::Stop(in_flight, WaitResult::ClientGone),
+            _ = sleep_until(deadline) => return Followed::Stop(in_flight, WaitResult::Timeout),
+            head = joined.head() => head,
+        };
+        let Some(head) = head else {
+            return Followed::Back(in_flight);
+        };
+        let place = Attached::enter(&self.metrics, waiting.permit.take());
+        let request = &in_flight.keyed.request.parts.headers;
+        let resume = sse::last_event_id(request)
+            .filter(|_| sse::is_event_stream(&head.headers))
+            .map(Resume::after);
+        let response = followed(&head, joined, place, resume);
+        in_flight.keyed.head.send(Ok((response, Outcome::Replayed)));
+        Followed::Attached
     }
 
     /// Sleeps until the next reason to re-check or to stop. Shutdown and a gone client come first, then
@@ -199,10 +266,11 @@ fn conflict(in_flight: Box<InFlight>) {
         .send(Err(ProxyError::KeyInFlight { retry_after }));
 }
 
-/// A request counted in `idemproxy_waiting_requests`, holding its `server.max_waiting` permit.
+/// A request counted in `idemproxy_waiting_requests`, holding its `server.max_waiting` permit until it
+/// stops waiting, or hands it to the response it follows.
 struct Waiting<'a> {
     metrics: &'a Metrics,
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl<'a> Waiting<'a> {
@@ -210,7 +278,7 @@ impl<'a> Waiting<'a> {
         metrics.waiting.inc();
         Waiting {
             metrics,
-            _permit: permit,
+            permit: Some(permit),
         }
     }
 }
@@ -219,6 +287,48 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.metrics.waiting.dec();
     }
+}
+
+/// A request following an execution, counted in `idemproxy_attached_requests` and holding its
+/// `server.max_waiting` permit until its response ends or its client goes.
+struct Attached {
+    metrics: Metrics,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Attached {
+    fn enter(metrics: &Metrics, permit: Option<OwnedSemaphorePermit>) -> Attached {
+        metrics.attached.inc();
+        Attached {
+            metrics: metrics.clone(),
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.metrics.attached.dec();
+    }
+}
+
+/// The response a request that follows an execution gets: its head, and a body that follows it (from
+/// after the event `resume` names, if any).
+fn followed(
+    head: &Head,
+    joined: Joined,
+    place: Attached,
+    resume: Option<Resume>,
+) -> http::Response<ProxyBody> {
+    use http_body_util::BodyExt;
+    let resumed = resume.is_some();
+    let mut response = http::Response::new(joined.body(place, resume).boxed());
+    *response.status_mut() = head.status;
+    *response.headers_mut() = head.headers.clone();
+    if resumed {
+        response.headers_mut().remove(http::header::CONTENT_LENGTH);
+    }
+    response
 }
 
 #[cfg(test)]

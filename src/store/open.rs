@@ -32,7 +32,7 @@ use super::redis::RedisStore;
 use super::sqlite::{self, SqliteStore};
 use super::wake::Waiters;
 use super::{Capabilities, Listens, Store, StoreError, StoreHandle, WaitListener};
-use crate::config::{Config, OnInFlight, StoreBackend, StoreConfig};
+use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
 
 /// The step of the first wait before the migrations are tried again; each step doubles up to
@@ -325,10 +325,7 @@ fn wait_listener(
     metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> Option<Task> {
-    let waits = config
-        .routes
-        .policies()
-        .any(|policy| policy.on_in_flight == OnInFlight::Wait);
+    let waits = config.routes.policies().any(|policy| policy.on_in_flight.waits());
     let listener = capabilities.listener.clone().filter(|_| waits)?;
     Some(Box::pin(listener.run(
         config.store.clone(),

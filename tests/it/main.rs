@@ -4,6 +4,7 @@ mod support;
 
 mod access_log;
 mod admin;
+mod attach;
 mod attempts;
 mod cli;
 mod concurrency;

@@ -228,6 +228,11 @@ impl Capture {
         self.reservation.release();
     }
 
+    /// Whether the body is still kept whole so far.
+    pub(super) fn keeps(&self) -> bool {
+        !self.over
+    }
+
     pub(super) fn finish(self) -> Captured {
         let body = if self.over {
             None

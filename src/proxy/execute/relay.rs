@@ -11,7 +11,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, Response, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 use http_body::{Body as _, Frame};
 use http_body_util::BodyExt;
 
@@ -20,8 +20,10 @@ use super::channel::{self, Sender};
 use crate::body::{self, BoxError, ProxyBody};
 use crate::config::Policy;
 use crate::error::ProxyError;
+use crate::headers::REPLAYED_HEADER;
 use crate::metrics::{Metrics, Outcome};
 use crate::proxy::answer::Answer;
+use crate::proxy::attach::{End, Head, Publisher};
 use crate::proxy::upstream::pool::PooledBody;
 use crate::proxy::upstream::{is_hop_by_hop, strip_hop_by_hop};
 use crate::store::{RecordId, TRAILER_PREFIX};
@@ -35,6 +37,9 @@ pub(super) struct Client {
     head: Option<(Answer, Response<ProxyBody>)>,
     sender: Option<Sender>,
     write_timeout: Duration,
+    /// The duplicates that follow the response (`on_in_flight = "attach"`), which get every frame the
+    /// client gets, whether or not the client is still there.
+    followers: Option<Publisher>,
 }
 
 impl Client {
@@ -55,6 +60,9 @@ impl Client {
     /// counted; either way the relay reads on.
     async fn deliver(&mut self, frame: Frame<Bytes>, metrics: &Metrics, id: &RecordId) {
         self.send_head(id);
+        if let Some(followers) = &self.followers {
+            followers.frame(&frame);
+        }
         let Some(sender) = self.sender.as_mut() else {
             return;
         };
@@ -82,6 +90,9 @@ impl Client {
     /// The upstream failed mid-body: a client that has not had the head yet gets `failure` instead; one
     /// that has gets its stream ended with the error, never passed off as complete.
     pub(super) fn fail(&mut self, error: BoxError, failure: ProxyError) {
+        if let Some(followers) = self.followers.take() {
+            followers.end(End::Broken);
+        }
         match self.head.take() {
             Some((answer, _)) => {
                 answer.send(Err(failure));
@@ -94,8 +105,8 @@ impl Client {
 
 /// What the relay holds back from the client until the record is stored.
 pub(super) enum Held {
-    /// An empty body: the head is the whole response.
-    Head(Answer, Response<ProxyBody>),
+    /// An empty body: the head is the whole response (and the duplicates following it).
+    Head(Answer, Response<ProxyBody>, Option<Publisher>),
     /// The last frame, if one is held, then the end of the body.
     End(Client, Option<Frame<Bytes>>),
 }
@@ -104,13 +115,19 @@ impl Held {
     /// Lets the client have the rest of its response; the body ends once the client is dropped.
     pub(super) async fn release(self, metrics: &Metrics, id: &RecordId) {
         match self {
-            Held::Head(head, response) => {
+            Held::Head(head, response, followers) => {
                 head.send(Ok((response, Outcome::Executed)));
+                if let Some(followers) = followers {
+                    followers.end(End::Whole);
+                }
             }
             Held::End(mut client, last) => {
                 client.send_head(id);
                 if let Some(frame) = last {
                     client.deliver(frame, metrics, id).await;
+                }
+                if let Some(followers) = client.followers.take() {
+                    followers.end(End::Whole);
                 }
             }
         }
@@ -165,14 +182,15 @@ impl Relay {
         }
     }
 
-    /// Relays the response to the client while capturing it, until the upstream body ends or breaks.
+    /// Relays the response to the client, and to the duplicates that follow it, while capturing it,
+    /// until the upstream body ends or breaks.
     pub(super) async fn run(
         &self,
         id: &RecordId,
         policy: &Policy,
         response: Response<PooledBody>,
-        head: Answer,
-        stamp: impl FnOnce(&mut HeaderMap),
+        (head, followers): (Answer, Option<Publisher>),
+        stamp: impl Fn(&mut HeaderMap),
     ) -> Relayed {
         let (mut parts, mut upstream) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -181,11 +199,14 @@ impl Relay {
             headers: storable_headers(&parts.headers, &policy.never_store_headers),
             capture: Capture::new(policy.max_stored_response, &self.captures, &id.scope),
         };
+        if let Some(followers) = &followers {
+            followers.head(followed_head(&parts, &policy.never_store_headers, &stamp));
+        }
         // What the proxy adds for this client only, after the stored headers are taken.
         stamp(&mut parts.headers);
         if http_body::Body::is_end_stream(&upstream) {
             drop(upstream);
-            let held = Held::Head(head, Response::from_parts(parts, body::empty()));
+            let held = Held::Head(head, Response::from_parts(parts, body::empty()), followers);
             return Relayed::Whole(record, held);
         }
         let declared = content_length(&parts.headers);
@@ -194,6 +215,7 @@ impl Relay {
             head: Some((head, Response::from_parts(parts, receiver.boxed()))),
             sender: Some(sender),
             write_timeout: self.write_timeout,
+            followers,
         };
         let ToStore {
             status,
@@ -253,6 +275,11 @@ impl Relay {
             // waits for room in the budget delays the next read, not this frame.
             if let Some(data) = data {
                 capture.push(data).await;
+                if !capture.keeps()
+                    && let Some(followers) = &client.followers
+                {
+                    followers.forget();
+                }
             }
         }
         let record = ToStore {
@@ -275,6 +302,25 @@ fn completes(frame: &Frame<Bytes>, upstream: &PooledBody, declared: Option<u64>,
     frame.is_trailers()
         || http_body::Body::is_end_stream(upstream)
         || declared.is_some_and(|length| received >= length)
+}
+
+/// The head a duplicate that follows the response gets: the headers a replay of it would carry (the
+/// length included, since the body is the same), marked replayed.
+fn followed_head(
+    parts: &http::response::Parts,
+    never_store: &[HeaderName],
+    stamp: &impl Fn(&mut HeaderMap),
+) -> Head {
+    let mut headers = parts.headers.clone();
+    for name in never_store {
+        headers.remove(name);
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    stamp(&mut headers);
+    Head {
+        status: parts.status,
+        headers,
+    }
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -1,0 +1,399 @@
+//! `on_in_flight = "attach"` and resumable event streams, from the clients' side: duplicates of a key
+//! whose response is being streamed follow it live and get byte for byte what the original client got
+//! (status, headers, body, trailers), with one execution; a duplicate that stops reading is cut off
+//! without slowing the others; a retry carrying `Last-Event-ID` gets only the events after that id,
+//! while the stream runs and after it is stored. The clients are hyper's HTTP/1.1 client over real
+//! sockets; the upstream is a hyper server sending server-sent events one at a time, as the test lets
+//! it.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::watch;
+
+use crate::support::http::TEST_CREDENTIAL;
+use crate::support::{Backend, InProcessProxy, ProxyConfig, TestStore, metric, metric_reaches, poll_until};
+
+/// Bound on anything a test awaits.
+const BOUND: Duration = Duration::from_secs(60);
+
+/// A stream upstream: every request gets `text/event-stream` events `0..events`, each `size` bytes of
+/// data; event 0 goes with the head once `opened` reaches 1 (the head's gate), event `i` once it
+/// reaches `i + 1`. A trailer `x-events: <events>` (declared) ends the body. Counts its executions.
+struct Events {
+    url: String,
+    gate: watch::Sender<usize>,
+    executions: Arc<AtomicUsize>,
+}
+
+/// Event `i` as the upstream sends it.
+fn event(i: usize, size: usize) -> Bytes {
+    let data: String = std::iter::repeat_n(char::from(b'a' + (i % 26) as u8), size).collect();
+    Bytes::from(format!("id: {i}\nevent: token\ndata: {data}\n\n"))
+}
+
+impl Events {
+    async fn start(events: usize, size: usize) -> Events {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (gate, opened) = watch::channel(0usize);
+        let executions = Arc::new(AtomicUsize::new(0));
+        let counted = executions.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (opened, counted) = (opened.clone(), counted.clone());
+                let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                    let (mut opened, counted) = (opened.clone(), counted.clone());
+                    async move {
+                        request.into_body().collect().await.unwrap();
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        opened.wait_for(|n| *n >= 1).await.unwrap();
+                        let frames = futures_util::stream::iter(0..=events).then(move |i| {
+                            let mut opened = opened.clone();
+                            async move {
+                                opened.wait_for(|n| *n > i).await.unwrap();
+                                if i == events {
+                                    let mut trailers = HeaderMap::new();
+                                    trailers.insert("x-events", HeaderValue::from(events));
+                                    return Ok::<_, Infallible>(Frame::trailers(trailers));
+                                }
+                                Ok(Frame::data(event(i, size)))
+                            }
+                        });
+                        let mut response = Response::new(StreamBody::new(frames));
+                        let headers = response.headers_mut();
+                        headers.insert("content-type", HeaderValue::from_static("text/event-stream"));
+                        headers.insert("trailer", HeaderValue::from_static("x-events"));
+                        headers.insert("set-cookie", HeaderValue::from_static("session=first-only"));
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service),
+                );
+            }
+        });
+        Events {
+            url,
+            gate,
+            executions,
+        }
+    }
+
+    /// Lets the head and the events before `n - 1` go (`open(1)`: the head and event 0).
+    fn open(&self, n: usize) {
+        self.gate.send_replace(n);
+    }
+}
+
+async fn proxy(upstream: &str, toml: &str) -> (TestStore, InProcessProxy) {
+    let store = TestStore::create(Backend::Postgres).await;
+    let config = ProxyConfig::new(&store.url(), upstream)
+        .with_toml(&store.store_toml())
+        .set("idempotency.on_in_flight", "attach")
+        .set("idempotency.wait_timeout", "50s")
+        .set("idempotency.lock_timeout", "120s")
+        .set("idempotency.max_stored_response", "32MiB")
+        .set("server.max_buffered_responses", "256MiB")
+        .with_toml(toml);
+    let proxy = InProcessProxy::start(&config).await;
+    (store, proxy)
+}
+
+/// A response as a client read it.
+#[derive(Debug, PartialEq)]
+struct Read {
+    status: u16,
+    content_type: Option<HeaderValue>,
+    cookie: Option<HeaderValue>,
+    replayed: bool,
+    body: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+/// A keyed `POST /chat` to the proxy at `url` over its own HTTP/1.1 connection (`receive_buffer`: the
+/// socket's receive buffer, if set), with `Last-Event-ID` if given: its head, and its body unread.
+async fn post(
+    url: String,
+    key: &str,
+    last_event_id: Option<&str>,
+    receive_buffer: Option<u32>,
+) -> Response<Incoming> {
+    let authority = url.trim_start_matches("http://");
+    let socket = TcpSocket::new_v4().unwrap();
+    if let Some(size) = receive_buffer {
+        socket.set_recv_buffer_size(size).unwrap();
+    }
+    let stream: TcpStream = socket.connect(authority.parse().unwrap()).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let mut request = Request::post("/chat")
+        .header("host", authority)
+        .header("authorization", TEST_CREDENTIAL)
+        .header("content-type", "application/json")
+        .header("idempotency-key", key)
+        .header("te", "trailers")
+        .body(http_body_util::Full::new(Bytes::from_static(
+            b"{\"prompt\":\"hi\"}",
+        )))
+        .unwrap();
+    if let Some(id) = last_event_id {
+        request
+            .headers_mut()
+            .insert("last-event-id", HeaderValue::from_str(id).unwrap());
+    }
+    tokio::time::timeout(BOUND, sender.send_request(request))
+        .await
+        .expect("a response head in time")
+        .unwrap()
+}
+
+/// Reads `response` to its end: what the client got, or the error its body ended with.
+async fn read(response: Response<Incoming>) -> Result<Read, hyper::Error> {
+    read_counting(response, Arc::default()).await
+}
+
+/// [`read`], counting in `progress` the body bytes read so far.
+async fn read_counting(
+    response: Response<Incoming>,
+    progress: Arc<AtomicUsize>,
+) -> Result<Read, hyper::Error> {
+    let (head, mut body) = response.into_parts();
+    let mut data = Vec::new();
+    let mut trailers = None;
+    let reading = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame?;
+            if let Some(chunk) = frame.data_ref() {
+                data.extend_from_slice(chunk);
+                progress.store(data.len(), Ordering::SeqCst);
+            }
+            if let Ok(sent) = frame.into_trailers() {
+                trailers = Some(sent);
+            }
+        }
+        Ok::<_, hyper::Error>(())
+    };
+    tokio::time::timeout(BOUND, reading)
+        .await
+        .expect("the body ends in time")?;
+    Ok(Read {
+        status: head.status.as_u16(),
+        content_type: head.headers.get("content-type").cloned(),
+        cookie: head.headers.get("set-cookie").cloned(),
+        replayed: head
+            .headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true"),
+        trailers,
+        body: Bytes::from(data),
+    })
+}
+
+async fn attached(proxy: &InProcessProxy) -> f64 {
+    metric(&proxy.admin_url, "idemproxy_attached_requests", &[]).await
+}
+
+#[tokio::test]
+async fn ten_duplicates_follow_one_slow_stream_byte_for_byte_and_one_that_stops_reading_is_cut_off() {
+    // 12 MiB of events: more than the stalled client's socket buffers and its 256 KiB attach buffer
+    // can hold, so it falls behind; each of the others reads everything.
+    const EVENTS: usize = 192;
+    const SIZE: usize = 64 * 1024;
+    /// Events let go at once: 256 KiB, well under the attach buffer, so that readers which keep up
+    /// are never cut off.
+    const STEP: usize = 4;
+    let upstream = Events::start(EVENTS, SIZE).await;
+    let (_store, proxy) = proxy(&upstream.url, "[server]\nattach_buffer = \"1MiB\"\n").await;
+    let lengths: Vec<usize> = (0..EVENTS).map(|i| event(i, SIZE).len()).collect();
+    let sent = |n: usize| lengths[..n.min(EVENTS)].iter().sum::<usize>();
+
+    let original = tokio::spawn(post(proxy.url.clone(), "chat-1", None, None));
+    // Five duplicates come before the head, and wait for it.
+    let early: Vec<_> = (0..5)
+        .map(|_| tokio::spawn(post(proxy.url.clone(), "chat-1", None, None)))
+        .collect();
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 5.0).await;
+    upstream.open(3);
+    let mut progress = vec![Arc::new(AtomicUsize::new(0))];
+    let original = tokio::spawn(read_counting(original.await.unwrap(), progress[0].clone()));
+    // Five more come mid-stream: they get the first three events from the capture, then the rest live.
+    let late: Vec<_> = (0..5)
+        .map(|_| tokio::spawn(post(proxy.url.clone(), "chat-1", None, None)))
+        .collect();
+    let stalled = post(proxy.url.clone(), "chat-1", None, Some(4096)).await;
+    let mut followers = Vec::new();
+    for response in early.into_iter().chain(late) {
+        let counter = Arc::new(AtomicUsize::new(0));
+        progress.push(counter.clone());
+        followers.push(tokio::spawn(read_counting(response.await.unwrap(), counter)));
+    }
+    assert_eq!(
+        attached(&proxy).await,
+        11.0,
+        "ten readers and the stalled one follow"
+    );
+    // The upstream goes on a step at a time, once every reader has had the events before: a slow
+    // stream, as a model's tokens come.
+    for open in (3 + STEP..=EVENTS + STEP).step_by(STEP) {
+        let want = sent(open - STEP);
+        poll_until("every reader has the events so far", || async {
+            progress
+                .iter()
+                .all(|read| read.load(Ordering::SeqCst) >= want)
+                .then_some(())
+        })
+        .await;
+        upstream.open(open.min(EVENTS + 1));
+    }
+
+    let original = original.await.unwrap().expect("the original's whole response");
+    assert_eq!(original.status, 200);
+    assert_eq!(original.body.len(), sent(EVENTS));
+    assert_eq!(original.trailers.as_ref().expect("trailers")["x-events"], "192");
+    assert!(!original.replayed);
+    for follower in followers {
+        let follower = follower.await.unwrap().expect("a follower's whole response");
+        assert_eq!(follower.status, original.status);
+        assert_eq!(follower.content_type, original.content_type);
+        assert!(
+            follower.body == original.body,
+            "a follower's body differs from the original's"
+        );
+        assert_eq!(follower.trailers, original.trailers);
+        assert!(follower.replayed, "a follower's response is marked replayed");
+        assert_eq!(
+            follower.cookie, None,
+            "never_store headers go to the first client only"
+        );
+    }
+    assert_eq!(upstream.executions.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        metric(&proxy.admin_url, "idemproxy_attach_cutoffs_total", &[]).await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &proxy.admin_url,
+            "idemproxy_waits_total",
+            &[("result", "attached")]
+        )
+        .await,
+        11.0
+    );
+    // The stalled client, reading at last, finds its response broken off, not passed off as whole.
+    let cut = read(stalled).await;
+    assert!(
+        cut.is_err(),
+        "the stalled follower's body ended cleanly: {:?}",
+        cut.map(|r| r.body.len())
+    );
+    // Each follower's place among those that wait is given back once its response has ended.
+    poll_until("no request follows any more", || async {
+        (attached(&proxy).await == 0.0).then_some(())
+    })
+    .await;
+
+    // A retry now is the stored response's replay, the same bytes again.
+    let replay = read(post(proxy.url.clone(), "chat-1", None, None).await)
+        .await
+        .unwrap();
+    assert!(replay.replayed);
+    assert!(replay.body == original.body);
+    assert_eq!(replay.trailers, original.trailers);
+}
+
+#[tokio::test]
+async fn an_event_stream_resumes_after_last_event_id_while_it_runs_and_once_it_is_stored() {
+    const EVENTS: usize = 6;
+    const SIZE: usize = 8;
+    let upstream = Events::start(EVENTS, SIZE).await;
+    let (_store, proxy) = proxy(&upstream.url, "").await;
+    let after = |id: usize| {
+        (id + 1..EVENTS)
+            .flat_map(|i| event(i, SIZE).to_vec())
+            .collect::<Vec<u8>>()
+    };
+
+    let original = tokio::spawn(post(proxy.url.clone(), "chat-2", None, None));
+    upstream.open(3);
+    let original = tokio::spawn(read(original.await.unwrap()));
+    // Events 0..=2 have gone to the original: a reconnect that saw event 1 gets 2 onwards.
+    let resumed = post(proxy.url.clone(), "chat-2", Some("1"), None).await;
+    assert!(resumed.headers().get("content-length").is_none());
+    let resumed = tokio::spawn(read(resumed));
+    upstream.open(EVENTS + 1);
+    let original = original.await.unwrap().unwrap();
+    let resumed = resumed.await.unwrap().unwrap();
+    assert_eq!(resumed.body, after(1), "live, from after event 1");
+    assert!(resumed.replayed);
+    assert_eq!(resumed.trailers, original.trailers);
+
+    // Once stored: after event 3, after the last one (nothing), an id the stream never sent (nothing),
+    // and without the header (everything).
+    let stored = read(post(proxy.url.clone(), "chat-2", Some("3"), None).await)
+        .await
+        .unwrap();
+    assert!(stored.replayed);
+    assert_eq!(stored.body, after(3));
+    let last = read(post(proxy.url.clone(), "chat-2", Some("5"), None).await)
+        .await
+        .unwrap();
+    assert_eq!(last.body, Bytes::new());
+    let unknown = read(post(proxy.url.clone(), "chat-2", Some("nope"), None).await)
+        .await
+        .unwrap();
+    assert_eq!(unknown.body, Bytes::new());
+    let whole = read(post(proxy.url.clone(), "chat-2", None, None).await)
+        .await
+        .unwrap();
+    assert_eq!(whole.body, original.body);
+    assert_eq!(upstream.executions.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn on_another_replica_a_duplicate_waits_for_the_stored_response() {
+    const EVENTS: usize = 4;
+    let upstream = Events::start(EVENTS, 8).await;
+    let (store, here) = proxy(&upstream.url, "").await;
+    let config = ProxyConfig::new(&store.url(), &upstream.url)
+        .with_toml(&store.store_toml())
+        .set("idempotency.on_in_flight", "attach")
+        .set("idempotency.wait_timeout", "50s")
+        .set("idempotency.lock_timeout", "120s");
+    let there = InProcessProxy::start(&config).await;
+
+    let original = tokio::spawn(post(here.url.clone(), "chat-3", None, None));
+    upstream.open(2);
+    let original = tokio::spawn(read(original.await.unwrap()));
+    let duplicate = tokio::spawn(post(there.url.clone(), "chat-3", None, None));
+    metric_reaches(&there.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    assert!(!duplicate.is_finished(), "no head before the original is stored");
+    upstream.open(EVENTS + 1);
+    let original = original.await.unwrap().unwrap();
+    let duplicate = read(duplicate.await.unwrap()).await.unwrap();
+    assert!(duplicate.replayed);
+    assert_eq!(duplicate.body, original.body);
+    assert_eq!(
+        metric(
+            &there.admin_url,
+            "idemproxy_waits_total",
+            &[("result", "replayed")]
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(upstream.executions.load(Ordering::SeqCst), 1);
+}
