@@ -173,6 +173,11 @@ pub enum ClaimResult {
         attempt: i32,
         /// How the claim came about.
         kind: ClaimKind,
+        /// Time until the record expires as this claim left it, by the store's clock, measured when the
+        /// claim was decided and rounded up to the millisecond at most: a new key's `ttl`; for a retry
+        /// or a takeover, the expiry the record already had, moved to the new lease's end if that is
+        /// later (a running key never expires).
+        expires_in: Duration,
     },
     /// Another record holds the key and could not be claimed.
     Held(Existing),

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing, StoredResponse};
+use crate::store::{ClaimRequest, ClaimResult, Existing, StoredResponse};
 
 /// What an entry costs beyond its key and response bytes: the map slot at its load factor, the eviction
 /// queue item, the `Arc`s and the allocator's rounding. Set so that the accounted bytes match the heap
@@ -240,16 +240,17 @@ fn response_weight(response: &StoredResponse) -> usize {
 
 impl ReplayCache {
     /// Feeds the replay cache from what the claim statement found, with deadlines measured from `started`,
-    /// an instant before the statement ran. A completed record reported by the store enters now. A new
-    /// record (expiring `ttl` after the statement) can enter once it is completed: that is the returned
-    /// [`Fill`]. A retry or takeover keeps an expiry this process never saw, so it does not enter.
+    /// an instant before the statement ran. A completed record reported by the store enters now. A won
+    /// claim's record (new, retried or taken over, expiring when the store said) can enter once it is
+    /// completed: that is the returned [`Fill`]. Its expiry only moves later until then (a heartbeat
+    /// may extend it, a completion keeps it).
     pub fn remember(&self, claim: &ClaimRequest, result: &ClaimResult, started: Instant) -> Option<Fill> {
+        // The store rounds its time to expiry up to the millisecond.
+        let until = |expires_in: &Duration| started + expires_in.saturating_sub(Duration::from_millis(1));
         match result {
-            ClaimResult::Won {
-                kind: ClaimKind::New, ..
-            } => Some(Fill {
+            ClaimResult::Won { expires_in, .. } => Some(Fill {
                 fingerprint: claim.fingerprint,
-                deadline: started + claim.ttl,
+                deadline: until(expires_in),
             }),
             ClaimResult::Held(Existing::Completed {
                 same_fingerprint: true,
@@ -257,9 +258,8 @@ impl ReplayCache {
                 expires_in,
                 ..
             }) => {
-                // The store rounds its time to expiry up to the millisecond.
-                let deadline = started + expires_in.saturating_sub(Duration::from_millis(1));
                 let id = &claim.id;
+                let deadline = until(expires_in);
                 self.insert(&id.scope, &id.key, claim.fingerprint, response.clone(), deadline);
                 None
             }
@@ -402,6 +402,33 @@ mod tests {
         assert!(cache.lock().order.len() <= 19, "stale queue items are compacted");
         let one = entry_name("s", "k").len() + response_weight(&response(b"x")) + ENTRY_OVERHEAD;
         assert_eq!(cache.bytes(), one);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_won_claim_fills_until_the_expiry_its_claim_reported() {
+        use crate::store::{ClaimKind, RecordId};
+        let claim = ClaimRequest {
+            id: RecordId {
+                scope: "s".into(),
+                key: "k".into(),
+                token: uuid::Uuid::nil(),
+            },
+            fingerprint: FP,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(86_400),
+        };
+        let started = Instant::now();
+        for kind in [ClaimKind::New, ClaimKind::Retry, ClaimKind::Takeover] {
+            let won = ClaimResult::Won {
+                attempt: 2,
+                kind,
+                expires_in: Duration::from_secs(90),
+            };
+            let fill = cache().remember(&claim, &won, started).expect("a fill");
+            assert_eq!(fill.fingerprint, FP);
+            // Not the request's ttl: what the store reported, less its rounding.
+            assert_eq!(fill.deadline, started + Duration::from_millis(89_999), "{kind:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

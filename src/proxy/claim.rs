@@ -104,8 +104,9 @@ pub(crate) struct Won {
     keyed: Keyed,
     /// An instant before the claim statement was sent.
     started: Instant,
-    /// When the record expires, where this process knows it (a new record).
-    expires_at: Option<SystemTime>,
+    /// When the record expires, as the claim left it (by this process's clock, never later than by the
+    /// store's).
+    expires_at: SystemTime,
     /// The replay cache entry the completion may make.
     fill: Option<Fill>,
     /// The request's keyed slot, if it holds one.
@@ -252,21 +253,13 @@ impl Claims {
             }));
         }
         let fill = self.cache.remember(&keyed.request.claim, &result, started);
-        let expires_at = matches!(
-            result,
-            ClaimResult::Won {
-                kind: ClaimKind::New,
-                ..
-            }
-        )
-        .then(|| expiry::after(sent, keyed.request.claim.ttl));
         let policy = &keyed.request.route.policy;
         let id = &keyed.request.claim.id;
         match decide(result, id, policy.in_flight_retry_after, &self.metrics) {
-            Ok(Decision::Execute(attempt)) => Round::Won(Box::new(Won {
+            Ok(Decision::Execute(attempt, expires_in)) => Round::Won(Box::new(Won {
                 keyed,
                 started,
-                expires_at,
+                expires_at: expiry::after(sent, expires_in),
                 fill,
                 slot,
                 attempt,
@@ -442,8 +435,9 @@ impl Orphan {
 /// What to do with a request after its claim statement.
 #[derive(Debug)]
 pub enum Decision {
-    /// This request holds the key: forward it, as this attempt.
-    Execute(Attempt),
+    /// This request holds the key: forward it, as this attempt; the record expires after the duration
+    /// (a new key's TTL, or the expiry a retry or takeover keeps).
+    Execute(Attempt, Duration),
     /// Answer from the stored response; the record expires after the duration.
     Replay(StoredResponse, Duration),
 }
@@ -459,17 +453,24 @@ pub fn decide(
     metrics: &Metrics,
 ) -> Result<Decision, ProxyError> {
     match result {
-        ClaimResult::Won { attempt, kind } => {
+        ClaimResult::Won {
+            attempt,
+            kind,
+            expires_in,
+        } => {
             if kind == ClaimKind::Takeover {
                 metrics.stale_takeovers.inc();
                 tracing::warn!(key_hash = %id.key_hash(), attempt, "stale claim taken over: its lease ran out");
             } else if kind == ClaimKind::Retry {
                 tracing::info!(key_hash = %id.key_hash(), attempt, "released key executes again");
             }
-            Ok(Decision::Execute(Attempt {
-                number: attempt,
-                kind,
-            }))
+            Ok(Decision::Execute(
+                Attempt {
+                    number: attempt,
+                    kind,
+                },
+                expires_in,
+            ))
         }
         ClaimResult::Held(existing) => held(existing, retry_hint),
     }
@@ -654,13 +655,17 @@ mod tests {
         let result = ClaimResult::Won {
             attempt: 2,
             kind: ClaimKind::Takeover,
+            expires_in: Duration::from_secs(80),
         };
         assert!(matches!(
             decide(result, &id(), HINT, &metrics),
-            Ok(Decision::Execute(Attempt {
-                number: 2,
-                kind: ClaimKind::Takeover
-            }))
+            Ok(Decision::Execute(
+                Attempt {
+                    number: 2,
+                    kind: ClaimKind::Takeover
+                },
+                expires_in
+            )) if expires_in == Duration::from_secs(80)
         ));
         assert_eq!(metrics.stale_takeovers.get(), 1);
     }

@@ -89,8 +89,9 @@ pub(crate) struct Claimed {
     pub(crate) lease: Duration,
     /// The route the request took, whose policy decides what is stored and released.
     pub(crate) route: Arc<Route>,
-    /// When the record expires, where this process knows it (a new record).
-    pub(crate) expires_at: Option<SystemTime>,
+    /// When the record expires as the claim left it, by this process's clock (never later than by the
+    /// store's): what the expiry header of its response says.
+    pub(crate) expires_at: SystemTime,
     /// The replay cache entry the completion may make.
     pub(crate) fill: Option<Fill>,
     /// The request's fingerprint: the duplicates that may follow its response have the same.
@@ -224,7 +225,8 @@ impl Executor {
                 return self.unknown_outcome(claim, head, answer, &why).await;
             }
         }
-        let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, claim.expires_at);
+        let stamp =
+            |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, Some(claim.expires_at));
         match self
             .relay
             .run(&claim.id, &claim.route.policy, response, (head, publisher), stamp)
@@ -520,7 +522,7 @@ mod tests {
             id: taken.claim.id.clone(),
             lease: taken.claim.lease,
             route: taken.route.clone(),
-            expires_at: None,
+            expires_at: SystemTime::now() + Duration::from_secs(600),
             fill: Some(Fill {
                 fingerprint: taken.claim.fingerprint,
                 deadline: Instant::now() + Duration::from_secs(600),

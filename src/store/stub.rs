@@ -143,6 +143,7 @@ impl StubStore {
             Op::Claim => Reply::Claim(ClaimResult::Won {
                 attempt: 1,
                 kind: ClaimKind::New,
+                expires_in: Duration::from_secs(86_400),
             }),
             Op::Sweep => Reply::Deleted(0),
             _ => Reply::Done(true),

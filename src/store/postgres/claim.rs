@@ -41,6 +41,17 @@ macro_rules! seen_record {
     };
 }
 
+/// What a claim that won reports of the record it wrote `r`: its attempt, its kind and its time to expiry
+/// in milliseconds, rounded up. Measured from the `updated_at` the same statement wrote, which is its
+/// `now()`: the store's clock, and no function of a column (Citus refuses a stable function applied
+/// to a column in a distributed UPDATE, and sends this arithmetic to the shard as it is).
+macro_rules! won_columns {
+    () => {
+        "r.attempt, r.claim_kind, \
+         ceil(extract(epoch FROM (r.expires_at - r.updated_at)) * 1000)::bigint AS ttl_ms"
+    };
+}
+
 /// The shape of CLAIM's and TAKE's answer: one row saying whether this request won the key, and if not,
 /// the record as of the statement's snapshot. `$1`, `$2`: scope and key; the CTE is named `won`.
 macro_rules! won_or_record {
@@ -48,7 +59,7 @@ macro_rules! won_or_record {
         concat!(
             "SELECT true AS won, w.attempt, w.claim_kind, NULL::boolean AS same_fingerprint, \
                     NULL::text AS status, NULL::bigint AS lease_ms, NULL::boolean AS expired, \
-                    NULL::bigint AS ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
+                    w.ttl_ms, NULL::smallint AS response_status, NULL::text[] AS response_header_names, \
                     NULL::bytea[] AS response_header_values, NULL::bytea AS response_body, \
                     NULL::boolean AS body_retained, NULL::uuid AS record_token
              FROM won w
@@ -110,7 +121,9 @@ macro_rules! insert_new {
 const CLAIM: &str = concat!(
     "WITH won AS (",
     insert_new!(),
-    " RETURNING r.attempt, r.claim_kind) ",
+    " RETURNING ",
+    won_columns!(),
+    ") ",
     won_or_record!()
 );
 
@@ -141,7 +154,9 @@ const TAKE: &str = concat!(
         WHERE r.scope = $1 AND r.key = $2 AND ",
     claimable!(),
     "
-        RETURNING r.attempt, r.claim_kind
+        RETURNING ",
+    won_columns!(),
+    "
     ) ",
     won_or_record!()
 );
@@ -255,9 +270,11 @@ impl<'a> ClaimBatch<'a> {
             .iter()
             .map(|r| {
                 if won.contains(&r.id.token) {
+                    // Inserted at the statement's `now()` to expire `ttl` after it.
                     Some(ClaimResult::Won {
                         attempt: 1,
                         kind: ClaimKind::New,
+                        expires_in: r.ttl,
                     })
                 } else {
                     settle(views.remove(&r.id.token).map(Seen::Record))
@@ -337,13 +354,15 @@ mod tests {
         let won = settle(Some(Seen::Won {
             attempt: 2,
             kind: ClaimKind::Retry,
+            expires_in: Duration::from_secs(80),
         }));
         assert!(matches!(
             won,
             Some(ClaimResult::Won {
                 attempt: 2,
-                kind: ClaimKind::Retry
-            })
+                kind: ClaimKind::Retry,
+                expires_in,
+            }) if expires_in == Duration::from_secs(80)
         ));
         let held = settle(Some(Seen::Record(view("processing", false, 900, true))));
         assert!(matches!(
@@ -386,8 +405,9 @@ mod tests {
             answers[0],
             Some(ClaimResult::Won {
                 attempt: 1,
-                kind: ClaimKind::New
-            })
+                kind: ClaimKind::New,
+                expires_in,
+            }) if expires_in == Duration::from_secs(86_400)
         ));
         assert!(matches!(
             answers[1],

@@ -18,7 +18,11 @@ use crate::store::{
 
 /// One row of CLAIM or TAKE.
 pub(super) enum Seen {
-    Won { attempt: i32, kind: ClaimKind },
+    Won {
+        attempt: i32,
+        kind: ClaimKind,
+        expires_in: Duration,
+    },
     Record(View),
 }
 
@@ -58,7 +62,12 @@ pub(super) fn decode(row: &Row) -> Result<Seen, tokio_postgres::Error> {
     if row.try_get::<_, bool>("won")? {
         let kind = ClaimKind::parse(row.try_get("claim_kind")?).unwrap_or(ClaimKind::New);
         let attempt = row.try_get("attempt")?;
-        return Ok(Seen::Won { attempt, kind });
+        let expires_in = Duration::from_millis(row.try_get::<_, i64>("ttl_ms")?.max(0) as u64);
+        return Ok(Seen::Won {
+            attempt,
+            kind,
+            expires_in,
+        });
     }
     Ok(Seen::Record(view(row)?))
 }
@@ -82,7 +91,15 @@ pub(super) const CLAIM_ROUNDS: usize = 3;
 /// claimable, so the next round must decide.
 pub(super) fn settle(seen: Option<Seen>) -> Option<ClaimResult> {
     match seen? {
-        Seen::Won { attempt, kind } => Some(ClaimResult::Won { attempt, kind }),
+        Seen::Won {
+            attempt,
+            kind,
+            expires_in,
+        } => Some(ClaimResult::Won {
+            attempt,
+            kind,
+            expires_in,
+        }),
         Seen::Record(view) if !claimable(&view) => Some(ClaimResult::Held(view.into_existing())),
         Seen::Record(_) => None,
     }

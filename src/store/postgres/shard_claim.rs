@@ -18,7 +18,7 @@ use crate::store::{ClaimResult, RecordId};
 /// The row of a statement that won the key: what `rows::decode` reads of a win.
 macro_rules! won_returning {
     () => {
-        " RETURNING true AS won, r.attempt, r.claim_kind"
+        concat!(" RETURNING true AS won, ", won_columns!())
     };
 }
 

@@ -75,6 +75,7 @@ pub(super) fn claim_result(value: Value) -> Result<ClaimResult, StoreError> {
         return Ok(ClaimResult::Won {
             attempt: i32::try_from(int(&fields, 1)?).map_err(|_| malformed("attempt"))?,
             kind: ClaimKind::parse(&text(&fields, 2)?).ok_or_else(|| malformed("claim kind"))?,
+            expires_in: Duration::from_millis(int(&fields, 3)?.max(0) as u64),
         });
     }
     let same_fingerprint = int(&fields, 2)? == 1;
@@ -248,13 +249,15 @@ mod tests {
             Value::Int(1),
             Value::Int(2),
             Value::BulkString(b"retry".to_vec()),
+            Value::Int(80_000),
         ]);
         assert!(matches!(
             claim_result(won).unwrap(),
             ClaimResult::Won {
                 attempt: 2,
-                kind: ClaimKind::Retry
-            }
+                kind: ClaimKind::Retry,
+                expires_in,
+            } if expires_in == Duration::from_secs(80)
         ));
         let token = Uuid::new_v4();
         let headers = crate::store::blob::encode_headers(&[("x".into(), b"y".to_vec())]);

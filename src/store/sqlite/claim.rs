@@ -3,6 +3,8 @@
 //! CLAIM decides it by the primary key; a claim it did not win reads the holder (HOLDER) in the same
 //! transaction, so the answer is the record that beat it.
 
+use std::time::Duration;
+
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::bridge::millis;
@@ -12,7 +14,8 @@ use crate::store::{ClaimKind, ClaimRequest, ClaimResult, Existing};
 /// The claim, decided by the primary key: a new key is inserted; an existing one is taken only when it is
 /// claimable (expired and not running under a live lease; or, for the same fingerprint, released or past
 /// its lease), all in one statement. A takeover or retry keeps the expiry at least as late as its lease.
-/// `RETURNING` yields a row only when this claim won. `?5` is now, `?6` the lease end, `?7` the expiry.
+/// `RETURNING` yields a row only when this claim won, with the expiry as the claim left it. `?5` is now, `?6`
+/// the lease end, `?7` the expiry.
 const CLAIM: &str = "INSERT INTO records AS r
         (scope, key, fingerprint, status, token, attempt, claim_kind,
          locked_until, created_at, expires_at, updated_at)
@@ -37,7 +40,7 @@ const CLAIM: &str = "INSERT INTO records AS r
     WHERE (r.expires_at <= ?5 AND NOT (r.status = 'processing' AND r.locked_until > ?5))
        OR (r.fingerprint = excluded.fingerprint
            AND (r.status = 'failed' OR (r.status = 'processing' AND r.locked_until <= ?5)))
-    RETURNING attempt, claim_kind";
+    RETURNING attempt, claim_kind, expires_at";
 
 /// The record a claim did not win, read in the claim's own transaction.
 const HOLDER: &str = "SELECT status, fingerprint, token, locked_until, expires_at,
@@ -59,13 +62,20 @@ pub(super) fn claim_in(tx: &Connection, now: i64, request: &ClaimRequest) -> rus
                 now.saturating_add(millis(request.lease)),
                 now.saturating_add(millis(request.ttl)),
             ],
-            |row| Ok((row.get::<_, i32>(0)?, row.get::<_, String>(1)?)),
+            |row| {
+                Ok((
+                    row.get::<_, i32>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, i64>(2)?,
+                ))
+            },
         )
         .optional()?;
     let result = match won {
-        Some((attempt, kind)) => ClaimResult::Won {
+        Some((attempt, kind, expires_at)) => ClaimResult::Won {
             attempt,
             kind: ClaimKind::parse(&kind).unwrap_or(ClaimKind::New),
+            expires_in: Duration::from_millis(expires_at.saturating_sub(now).max(0) as u64),
         },
         None => ClaimResult::Held(holder(tx, now, request)?),
     };

@@ -276,7 +276,7 @@ async fn a_batch_answers_each_request_as_it_would_be_answered_alone() {
         other => panic!("in flight: {other:?}"),
     }
     let mut won = |what: &str| match next() {
-        ClaimResult::Won { attempt, kind } => (attempt, kind),
+        ClaimResult::Won { attempt, kind, .. } => (attempt, kind),
         other => panic!("{what}: expected a win, got {other:?}"),
     };
     assert_eq!(won("expired"), (1, ClaimKind::New));
@@ -493,7 +493,8 @@ async fn claims_and_completions_that_arrive_together_share_one_commit() {
                 answer,
                 Answer::Claim(ClaimResult::Won {
                     attempt: 1,
-                    kind: ClaimKind::New
+                    kind: ClaimKind::New,
+                    ..
                 })
             ),
             "{answer:?}"

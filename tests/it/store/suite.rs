@@ -6,7 +6,7 @@
 //! decides), kept short.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use idemproxy::store::{
@@ -59,8 +59,18 @@ pub fn response(body: &'static [u8]) -> StoredResponse {
 }
 
 pub async fn won(store: &dyn Store, request: &ClaimRequest) -> (i32, ClaimKind) {
+    let (attempt, kind, _) = won_expiring(store, request).await;
+    (attempt, kind)
+}
+
+/// Wins `request`'s claim: its attempt, its kind and the time to expiry it reports.
+pub async fn won_expiring(store: &dyn Store, request: &ClaimRequest) -> (i32, ClaimKind, Duration) {
     match store.claim(request).await.expect("claim runs") {
-        ClaimResult::Won { attempt, kind } => (attempt, kind),
+        ClaimResult::Won {
+            attempt,
+            kind,
+            expires_in,
+        } => (attempt, kind, expires_in),
         ClaimResult::Held(existing) => panic!("expected to win the claim, found {existing:?}"),
     }
 }
@@ -96,7 +106,7 @@ async fn concurrent_winners(store: &Arc<dyn Store>, key: &'static str) -> Vec<(i
     let mut winners = Vec::new();
     for claim in claims {
         match claim.await.unwrap().expect("claim runs") {
-            ClaimResult::Won { attempt, kind } => winners.push((attempt, kind)),
+            ClaimResult::Won { attempt, kind, .. } => winners.push((attempt, kind)),
             ClaimResult::Held(Existing::Processing {
                 same_fingerprint: true,
                 lease_remaining,
@@ -322,6 +332,68 @@ async fn a_takeover_keeps_the_expiry_at_least_as_late_as_its_lease(
     assert_eq!(won(&*store, &taker).await, (2, ClaimKind::Takeover));
     let record = store.find("stale", None).await.unwrap().remove(0);
     assert!(record.expires_at >= record.locked_until, "{record:?}");
+}
+
+const HOUR: Duration = Duration::from_secs(3_600);
+
+/// Wins `request`'s claim, checking that the time to expiry it reports is the record's expiry as the
+/// store holds it: never later (the proxy announces it to clients), and no earlier than the claim's own
+/// round trip allows. Returns the attempt, the kind and the time reported.
+async fn won_reporting_its_expiry(store: &dyn Store, request: &ClaimRequest) -> (i32, ClaimKind, Duration) {
+    let sent = SystemTime::now();
+    let (attempt, kind, expires_in) = won_expiring(store, request).await;
+    let answered = SystemTime::now();
+    let record = store.find(&request.id.key, None).await.unwrap().remove(0);
+    // The store reports to the millisecond, rounded up; `keys show` reads the expiry to the millisecond.
+    let ms = Duration::from_millis(1);
+    assert!(
+        sent + expires_in.saturating_sub(ms) <= record.expires_at,
+        "reported {expires_in:?}, later than the record's expiry: {record:?}"
+    );
+    assert!(
+        record.expires_at <= answered + expires_in + ms,
+        "reported {expires_in:?}, earlier than the record's expiry: {record:?}"
+    );
+    (attempt, kind, expires_in)
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_retry_and_a_takeover_report_the_expiry_they_keep(
+    #[values(Postgres, Sqlite, Redis, RedisCluster, Citus)] backend: Backend,
+) {
+    let (_store, store) = suite_store!(backend);
+    let (_, _, new) = won_reporting_its_expiry(&*store, &request("kept", 1, SHORT_TTL, HOUR)).await;
+    assert!(
+        new <= HOUR && new > HOUR - LONG,
+        "a new key expires its TTL after: {new:?}"
+    );
+    until_short_ttl_passed().await;
+    // The retry and the takeover ask for a day: the record keeps the hour it was created with.
+    let taker = request("kept", 1, LONG, DAY);
+    let (attempt, kind, taken) = won_reporting_its_expiry(&*store, &taker).await;
+    assert_eq!((attempt, kind), (2, ClaimKind::Takeover));
+    assert!(
+        taken <= new && taken > HOUR - LONG,
+        "a takeover keeps the expiry: {taken:?}"
+    );
+    assert!(store.release(&taker.id).await.unwrap());
+    let (attempt, kind, retried) = won_reporting_its_expiry(&*store, &request("kept", 1, LONG, DAY)).await;
+    assert_eq!((attempt, kind), (3, ClaimKind::Retry));
+    assert!(
+        retried <= taken && retried > HOUR - LONG,
+        "a retry keeps the expiry: {retried:?}"
+    );
+
+    // A record about to expire is kept at least until the new lease ends, and says so.
+    won(&*store, &request("ending", 1, SHORT_TTL, Duration::from_secs(1))).await;
+    until_short_ttl_passed().await;
+    let (attempt, kind, moved) = won_reporting_its_expiry(&*store, &request("ending", 1, LONG, DAY)).await;
+    assert_eq!((attempt, kind), (2, ClaimKind::Takeover));
+    assert!(
+        moved <= LONG && moved > LONG / 2,
+        "the expiry moves to the lease's end: {moved:?}"
+    );
 }
 
 #[rstest]

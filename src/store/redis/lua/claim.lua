@@ -3,8 +3,9 @@
 -- the same fingerprint, released or past its lease). A takeover or retry keeps the expiry at least as
 -- late as its lease. The record expires (Redis TTL) at its expiry or its lease end, whichever is later.
 -- KEYS[1]: the record. ARGV: fingerprint, token, lease (ms), ttl (ms).
--- Returns {1, attempt, claim kind} when this claim won, else {0, status, same fingerprint (0/1), token,
--- lease left (ms), expiry left (ms), response status, headers, body, body retained}.
+-- Returns {1, attempt, claim kind, expiry left (ms)} when this claim won (the expiry as it left it), else
+-- {0, status, same fingerprint (0/1), token, lease left (ms), expiry left (ms), response status, headers,
+-- body, body retained}.
 local k = KEYS[1]
 local fp, token = ARGV[1], ARGV[2]
 local t = redis.call('TIME')
@@ -17,11 +18,11 @@ if not st then
   redis.call('HSET', k, 'st', 'processing', 'fp', fp, 'tk', token, 'at', 1, 'ck', 'new',
     'ca', now, 'ua', now, 'ea', ea, 'lu', lu)
   redis.call('PEXPIREAT', k, math.max(ea, lu))
-  return {1, 1, 'new'}
+  return {1, 1, 'new', ea - now}
 end
 -- This very claim, sent again after its answer was lost: it won then.
 if r[3] == token and st == 'processing' then
-  return {1, tonumber(r[4]), r[7]}
+  return {1, tonumber(r[4]), r[7], math.max(tonumber(r[5]) - now, 0)}
 end
 local old_ea, old_lu = tonumber(r[5]), tonumber(r[6])
 local expired = old_ea <= now
@@ -40,7 +41,7 @@ if (expired and not running) or (same and (st == 'failed' or (st == 'processing'
   redis.call('HSET', k, 'st', 'processing', 'fp', fp, 'tk', token, 'at', at, 'ck', ck,
     'ua', now, 'ea', ea, 'lu', lu)
   redis.call('PEXPIREAT', k, math.max(ea, lu))
-  return {1, at, ck}
+  return {1, at, ck, ea - now}
 end
 local h = redis.call('HMGET', k, 'rs', 'rh', 'rb', 'br')
 local same_flag = 0
