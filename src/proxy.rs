@@ -340,7 +340,10 @@ impl Proxy {
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
             Err(unkeyed) => return Box::pin(self.forward.read(unkeyed.parts, unkeyed.body, &peer)).await,
         };
-        if let Some(answer) = replay::from_cache(&self.cache, &taken.claim, &taken.route, &self.metrics) {
+        let call_id = taken.call_id.as_ref();
+        if let Some(answer) =
+            replay::from_cache(&self.cache, &taken.claim, &taken.route, call_id, &self.metrics)
+        {
             return answer;
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.

@@ -263,7 +263,7 @@ impl Claims {
                 attempt,
             })),
             Ok(Decision::Replay(stored, expires_in)) => {
-                let replay = replay::response(&stored).map(|mut response| {
+                let replay = replay::response(&stored, keyed.request.call_id.as_ref()).map(|mut response| {
                     let expires_at = expiry::after(sent, expires_in);
                     expiry::stamp(response.headers_mut(), policy, Some(expires_at));
                     (response, Outcome::Replayed)
@@ -317,6 +317,7 @@ impl Claims {
             parts,
             claim,
             body,
+            ..
         } = request;
         let waited = won.started.elapsed();
         if waited > claim.lease / 2 {

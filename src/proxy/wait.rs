@@ -150,9 +150,14 @@ impl Waits {
                 return Ended::Answered(result);
             }
             let request = &in_flight.keyed.request;
-            if let Some(answer) =
-                replay::from_cache(&self.cache, &request.claim, &request.route, &self.metrics)
-            {
+            let call_id = request.call_id.as_ref();
+            if let Some(answer) = replay::from_cache(
+                &self.cache,
+                &request.claim,
+                &request.route,
+                call_id,
+                &self.metrics,
+            ) {
                 let result = if answer.is_ok() {
                     WaitResult::Replayed
                 } else {
