@@ -6,8 +6,11 @@
 //! a notification runs once; a batch with a keyed call is refused; hostile bodies get problems.
 //! `jsonrpc_mcp_sdk_*` drive the official MCP Python SDK, client and server, through the proxy.
 
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -16,6 +19,7 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use rstest::rstest;
 use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
 
 use crate::support::http::client;
@@ -361,4 +365,128 @@ async fn jsonrpc_hostile_bodies_get_problems_and_never_reach_the_server() {
         .await
         .assert_problem(400, "invalid-key");
     assert_eq!(server.executions(), 0);
+}
+
+/// The MCP Python SDK the `jsonrpc_mcp_sdk_*` tests run, from PyPI.
+const MCP_SDK: &str = "mcp==2.3.0";
+
+/// The Python programs those tests run: the SDK's server with a counting tool, and its client.
+const MCP_PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/mcp_sdk");
+
+/// A Python with [`MCP_SDK`] installed: a virtual environment in `target/test-tools/mcp`, made and
+/// filled from PyPI on first use (a minute), then reused. Installed by the test itself, so CI runs it
+/// on a clean clone rather than skipping it.
+fn mcp_python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-tools/mcp");
+            let python = dir.join("bin/python");
+            let installed = dir.join(format!("installed-{MCP_SDK}"));
+            if installed.exists() {
+                return python;
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            let run = |command: &mut std::process::Command| {
+                let status = command
+                    .status()
+                    .expect("python3 runs (python3 and its venv module)");
+                assert!(status.success(), "{command:?}: {status}");
+            };
+            run(std::process::Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(&dir));
+            run(std::process::Command::new(&python).args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                MCP_SDK,
+            ]));
+            std::fs::write(&installed, MCP_SDK).unwrap();
+            python
+        })
+        .clone()
+}
+
+/// `server.py` serving, answering JSON (`answer = "json"`) or, once its tool reports progress, an event
+/// stream; killed when dropped. Its port, read from its first line.
+async fn mcp_server(python: &Path, answer: &str) -> (tokio::process::Child, u16) {
+    let mut server = tokio::process::Command::new(python)
+        .arg(format!("{MCP_PROGRAMS}/server.py"))
+        .arg(answer)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the MCP server starts");
+    let mut lines = BufReader::new(server.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("the MCP server says its port within a minute")
+        .unwrap()
+        .unwrap_or_default();
+    let port = first
+        .strip_prefix("PORT ")
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("the MCP server's first line is its port: {first:?}"));
+    (server, port)
+}
+
+#[rstest]
+#[tokio::test]
+async fn jsonrpc_mcp_sdk_tools_call_through_the_proxy_twice_with_one_key_executes_once(
+    #[values("json", "sse")] answer: &str,
+    #[values("auto", "legacy")] mode: &str,
+) {
+    let python = tokio::task::spawn_blocking(mcp_python).await.unwrap();
+    let (_server, port) = mcp_server(&python, answer).await;
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = ProxyConfig::new(&env.store.url(), &format!("http://127.0.0.1:{port}"))
+        .with_toml(&env.store.store_toml())
+        .with_toml(ROUTES);
+    let proxy = InProcessProxy::start(&config).await;
+
+    let client = tokio::process::Command::new(&python)
+        .arg(format!("{MCP_PROGRAMS}/client.py"))
+        .arg(format!("{}/mcp", proxy.url))
+        .arg(mode)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(120), client)
+        .await
+        .expect("the MCP client finishes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "the MCP client failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|_| panic!("{stdout}"));
+    assert_eq!(
+        report["results"],
+        json!([
+            "charged 5: execution 1",
+            "charged 5: execution 1",
+            "charged 5: execution 2"
+        ]),
+        "the retry under one key got the first execution's answer; a new key executed"
+    );
+    let media = if answer == "json" {
+        "application/json"
+    } else {
+        "text/event-stream"
+    };
+    let answers = report["answers"].as_array().unwrap();
+    let seen: Vec<(bool, Option<&str>)> = answers
+        .iter()
+        .map(|a| (a[0].as_str().unwrap().starts_with(media), a[1].as_str()))
+        .collect();
+    assert_eq!(
+        seen,
+        [(true, None), (true, Some("true")), (true, None)],
+        "{media} each time, the second a replay: {answers:?}"
+    );
 }
