@@ -362,6 +362,27 @@ mod tests {
     }
 
     #[test]
+    fn the_jsonrpc_example_in_the_docs_loads_and_keys_by_jsonrpc() {
+        const ROUTES: &str = include_str!("../../docs/routes.md");
+        let start = ROUTES
+            .find("\n## JSON-RPC and MCP\n")
+            .expect("docs/routes.md has a JSON-RPC and MCP section");
+        let section = &ROUTES[start + 1..];
+        let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+        let example = section
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|block| block.split("```").next())
+            .expect("a TOML example");
+        let config = crate::config::Config::from_toml_str(example)
+            .unwrap_or_else(|e| panic!("docs/routes.md example does not load: {e}\n{example}"));
+        assert_eq!(
+            config.routes.routes[0].policy.key,
+            KeySource::JsonRpc(JSONRPC_KEY.into())
+        );
+    }
+
+    #[test]
     fn pointers_follow_rfc_6901() {
         assert!(parse_pointer("k", "").is_ok());
         assert!(parse_pointer("k", "/a~0b/c~1d/0").is_ok());

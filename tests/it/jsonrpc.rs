@@ -4,7 +4,8 @@
 //! an event stream (MCP's Streamable HTTP). A retry sends a new `id` (and a new progress token) and gets
 //! the stored answer carrying its own `id`, of the type it sent; another call under the key is refused;
 //! a notification runs once; a batch with a keyed call is refused; hostile bodies get problems.
-//! `jsonrpc_mcp_sdk_*` drive the official MCP Python SDK, client and server, through the proxy.
+//! `jsonrpc_mcp_sdk_*` drive the official MCP Python SDK, client and server, through the proxy configured
+//! with the README's MCP route as written.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -434,6 +435,22 @@ async fn mcp_server(python: &Path, answer: &str) -> (tokio::process::Child, u16)
     (server, port)
 }
 
+/// The README's MCP route, as written (the TOML block of its "gRPC services and MCP servers" section
+/// that keys by `jsonrpc`).
+fn readme_mcp_route() -> String {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = &readme[readme
+        .find("## gRPC services and MCP servers")
+        .expect("the README's MCP section")..];
+    section
+        .split("```toml\n")
+        .skip(1)
+        .map(|block| block.split("```").next().unwrap_or_default())
+        .find(|block| block.contains("key = \"jsonrpc\""))
+        .expect("the README's MCP route")
+        .to_owned()
+}
+
 #[rstest]
 #[tokio::test]
 async fn jsonrpc_mcp_sdk_tools_call_through_the_proxy_twice_with_one_key_executes_once(
@@ -445,7 +462,7 @@ async fn jsonrpc_mcp_sdk_tools_call_through_the_proxy_twice_with_one_key_execute
     let env = TestEnv::on(Backend::Sqlite).await;
     let config = ProxyConfig::new(&env.store.url(), &format!("http://127.0.0.1:{port}"))
         .with_toml(&env.store.store_toml())
-        .with_toml(ROUTES);
+        .with_toml(&readme_mcp_route());
     let proxy = InProcessProxy::start(&config).await;
 
     let client = tokio::process::Command::new(&python)
