@@ -22,9 +22,10 @@ use rstest::rstest;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 
 use crate::support::http::client;
-use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv};
+use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, metric_reaches};
 
 /// The routes the tests run under.
 const ROUTES: &str = r#"
@@ -43,6 +44,13 @@ required = true
 max_request_body = "64KiB"
 
 [[routes]]
+name = "waiting"
+path = "/wait"
+methods = ["POST"]
+key = "jsonrpc"
+on_in_flight = "wait"
+
+[[routes]]
 name = "named"
 path = "/named"
 methods = ["POST"]
@@ -52,10 +60,19 @@ key = "jsonrpc:/params/idempotency_key"
 /// A JSON-RPC server on 127.0.0.1:0 that executes every call and notification it gets (counting
 /// them) and answers a call `{"execution": n}` under the call's own `id`: as JSON, or, on a path ending
 /// in `/sse`, as an event stream holding a progress notification and then the response, as MCP's
-/// Streamable HTTP does. A notification gets `202` and no body; a batch, an array of the answers.
+/// Streamable HTTP does. A notification gets `202` and no body; a batch, an array of the answers. A call
+/// of the method `slow` says it has `arrived`, and is answered once the test opens `gate`.
 struct RpcServer {
     url: String,
     executions: Arc<AtomicUsize>,
+    gate: Gate,
+}
+
+/// A slow call's signal that it has arrived, and the test's that it may be answered.
+#[derive(Clone, Default)]
+struct Gate {
+    arrived: Arc<Notify>,
+    open: Arc<Notify>,
 }
 
 impl RpcServer {
@@ -63,18 +80,23 @@ impl RpcServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let executions = Arc::new(AtomicUsize::new(0));
-        let counter = executions.clone();
+        let gate = Gate::default();
+        let (counter, opens) = (executions.clone(), gate.clone());
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
-                let counter = counter.clone();
-                let service = service_fn(move |request| answer(request, counter.clone()));
+                let (counter, opens) = (counter.clone(), opens.clone());
+                let service = service_fn(move |request| answer(request, counter.clone(), opens.clone()));
                 tokio::spawn(
                     hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(socket), service),
                 );
             }
         });
-        RpcServer { url, executions }
+        RpcServer {
+            url,
+            executions,
+            gate,
+        }
     }
 
     fn executions(&self) -> usize {
@@ -85,6 +107,7 @@ impl RpcServer {
 async fn answer(
     request: Request<hyper::body::Incoming>,
     executions: Arc<AtomicUsize>,
+    gate: Gate,
 ) -> Result<Response<Full<Bytes>>, hyper::Error> {
     let sse = request.uri().path().ends_with("/sse");
     let body = request.into_body().collect().await?.to_bytes();
@@ -96,6 +119,13 @@ async fn answer(
         let id = call.get("id")?;
         Some(json!({"jsonrpc": "2.0", "id": id, "result": {"execution": n}}))
     };
+    if message["method"] == "slow" {
+        executions.fetch_add(1, Ordering::SeqCst);
+        gate.arrived.notify_one();
+        gate.open.notified().await;
+        let response = json!({"jsonrpc": "2.0", "id": message["id"], "result": {"slow": true}});
+        return Ok(reply(200, "application/json", response.to_string()));
+    }
     Ok(match &message {
         Value::Array(calls) => {
             let answers: Vec<Value> = calls.iter().filter_map(&mut execute).collect();
@@ -126,11 +156,19 @@ fn reply(status: u16, content_type: &str, body: String) -> Response<Full<Bytes>>
 
 /// The proxy, on `backend`, in front of a fresh [`RpcServer`].
 async fn start(backend: Backend) -> (TestEnv, RpcServer, InProcessProxy) {
+    start_cached(backend, true).await
+}
+
+/// [`start`], with the replay cache on (a retry answered from memory) or off (from the store).
+async fn start_cached(backend: Backend, cached: bool) -> (TestEnv, RpcServer, InProcessProxy) {
     let env = TestEnv::on(backend).await;
     let server = RpcServer::start().await;
-    let config = ProxyConfig::new(&env.store.url(), &server.url)
+    let mut config = ProxyConfig::new(&env.store.url(), &server.url)
         .with_toml(&env.store.store_toml())
         .with_toml(ROUTES);
+    if !cached {
+        config = config.set("replay_cache.max_size", "0");
+    }
     let proxy = InProcessProxy::start(&config).await;
     (env, server, proxy)
 }
@@ -163,8 +201,9 @@ fn tool_call(id: Value, key: &str, token: u64, amount: u64) -> String {
 #[tokio::test]
 async fn jsonrpc_a_retry_with_a_new_id_is_replayed_with_its_own_id_and_runs_once(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(true, false)] replay_cache: bool,
 ) {
-    let (_env, server, proxy) = start(backend).await;
+    let (_env, server, proxy) = start_cached(backend, replay_cache).await;
     let first = Reply::of(send(&proxy, "/mcp", tool_call(json!(1), "charge-1", 1, 5))).await;
     assert_eq!(first.status, 200, "{}", first.text());
     assert!(!first.is_replay());
@@ -186,6 +225,25 @@ async fn jsonrpc_a_retry_with_a_new_id_is_replayed_with_its_own_id_and_runs_once
     assert!(!another.is_replay());
     assert_eq!(another.json()["result"]["execution"], 2);
     assert_eq!(server.executions(), 2);
+}
+
+#[tokio::test]
+async fn jsonrpc_a_duplicate_that_waits_for_the_original_gets_its_answer_under_its_own_id() {
+    let (_env, server, proxy) = start(Backend::Sqlite).await;
+    let slow = |id: Value| tool_call(id, "waited", 1, 5).replace("tools/call", "slow");
+    let first = tokio::spawn(Reply::of(send(&proxy, "/wait", slow(json!(1)))));
+    server.gate.arrived.notified().await;
+    let duplicate = tokio::spawn(Reply::of(send(&proxy, "/wait", slow(json!("dup")))));
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    server.gate.open.notify_one();
+    let (first, duplicate) = (first.await.unwrap(), duplicate.await.unwrap());
+    assert_eq!(first.json()["id"], 1);
+    assert!(duplicate.is_replay(), "{}", duplicate.text());
+    assert_eq!(
+        duplicate.json(),
+        json!({"jsonrpc": "2.0", "id": "dup", "result": {"slow": true}})
+    );
+    assert_eq!(server.executions(), 1);
 }
 
 #[tokio::test]
