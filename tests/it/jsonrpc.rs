@@ -426,23 +426,23 @@ async fn jsonrpc_hostile_bodies_get_problems_and_never_reach_the_server() {
     assert_eq!(server.executions(), 0);
 }
 
-/// The MCP Python SDK the `jsonrpc_mcp_sdk_*` tests run, from PyPI.
-const MCP_SDK: &str = "mcp==2.3.0";
-
-/// The Python programs those tests run: the SDK's server with a counting tool, and its client.
+/// The Python programs the `jsonrpc_mcp_sdk_*` tests run: the SDK's server with a counting tool, its
+/// client, and `requirements.txt`, the SDK (`mcp`, from PyPI) and what it installs with, pinned.
 const MCP_PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/mcp_sdk");
 
-/// A Python with [`MCP_SDK`] installed: a virtual environment in `target/test-tools/mcp`, made and
-/// filled from PyPI on first use (a minute), then reused. Installed by the test itself, so CI runs it
-/// on a clean clone rather than skipping it.
+/// A Python with the MCP SDK installed: a virtual environment in `target/test-tools/mcp`, made and filled
+/// from PyPI on first use (a minute), then reused until `requirements.txt` changes. Installed by the test
+/// itself, so CI runs it on a clean clone rather than skipping it.
 fn mcp_python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
         .get_or_init(|| {
             let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-tools/mcp");
             let python = dir.join("bin/python");
-            let installed = dir.join(format!("installed-{MCP_SDK}"));
-            if installed.exists() {
+            let requirements = format!("{MCP_PROGRAMS}/requirements.txt");
+            let wanted = std::fs::read_to_string(&requirements).unwrap();
+            let installed = dir.join("installed-requirements.txt");
+            if std::fs::read_to_string(&installed).is_ok_and(|text| text == wanted) {
                 return python;
             }
             let _ = std::fs::remove_dir_all(&dir);
@@ -455,15 +455,17 @@ fn mcp_python() -> PathBuf {
             run(std::process::Command::new("python3")
                 .args(["-m", "venv"])
                 .arg(&dir));
-            run(std::process::Command::new(&python).args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                MCP_SDK,
-            ]));
-            std::fs::write(&installed, MCP_SDK).unwrap();
+            run(std::process::Command::new(&python)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "-r",
+                ])
+                .arg(&requirements));
+            std::fs::write(&installed, wanted).unwrap();
             python
         })
         .clone()
