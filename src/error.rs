@@ -55,6 +55,10 @@ pub enum ProxyError {
     /// one request carries many events, so it has no one key.
     #[error("a CloudEvents batch cannot be deduplicated as one request")]
     CloudEventsBatch,
+    /// A JSON-RPC batch (a JSON array of calls) on a route keyed by `jsonrpc`, where a call carries a
+    /// key or keys are required: one request, many calls, no one key.
+    #[error("a JSON-RPC batch cannot be deduplicated as one request")]
+    JsonRpcBatch,
     /// A keyed request carries none of its route's scope headers (nor its scope cookie) while
     /// `unscoped = "reject"`; the text names the setting and what it lists.
     #[error("keyed request without any of the scope headers {0}")]
@@ -131,6 +135,7 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
+            | ProxyError::JsonRpcBatch
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_) => StatusCode::BAD_REQUEST,
@@ -158,6 +163,7 @@ impl ProxyError {
             ProxyError::MissingKey(_) => "missing-key",
             ProxyError::InvalidKey(_) => "invalid-key",
             ProxyError::CloudEventsBatch => "cloudevents-batch",
+            ProxyError::JsonRpcBatch => "jsonrpc-batch",
             ProxyError::MissingScope(_) => "missing-scope",
             ProxyError::SignatureInvalid(_) => "signature-invalid",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
@@ -183,6 +189,7 @@ impl ProxyError {
             ProxyError::MissingKey(_) => "Idempotency key missing",
             ProxyError::InvalidKey(_) => "Idempotency key invalid",
             ProxyError::CloudEventsBatch => "CloudEvents batch not accepted",
+            ProxyError::JsonRpcBatch => "JSON-RPC batch not accepted",
             ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::SignatureInvalid(_) => "Webhook signature not verified",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
@@ -213,6 +220,12 @@ impl ProxyError {
                 "This route deduplicates CloudEvents one event per request; a batch \
                  (application/cloudevents-batch+json) holds many events and has no one key. Send each \
                  event on its own, in binary or structured mode."
+                    .into()
+            }
+            ProxyError::JsonRpcBatch => {
+                "This route deduplicates JSON-RPC calls one call per request; a batch (a JSON array of \
+                 calls) has no one key, and none of its calls was executed. Send each keyed call on its \
+                 own."
                     .into()
             }
             ProxyError::MissingScope(headers) => format!(
@@ -282,6 +295,7 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
+            | ProxyError::JsonRpcBatch
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
@@ -320,6 +334,7 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
+            | ProxyError::JsonRpcBatch
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_)
@@ -357,6 +372,7 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
+            | ProxyError::JsonRpcBatch
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
@@ -386,6 +402,7 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
+            | ProxyError::JsonRpcBatch
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
@@ -595,6 +612,7 @@ mod tests {
             ProxyError::RequestTimeout(Duration::from_secs(10)),
             ProxyError::RecordUnreadable,
             ProxyError::Busy(Busy::KeyedInFlight),
+            ProxyError::JsonRpcBatch,
         ]
     }
 
@@ -622,6 +640,7 @@ mod tests {
             ProxyError::RequestTimeout(_) => 18,
             ProxyError::RecordUnreadable => 19,
             ProxyError::Busy(_) => 20,
+            ProxyError::JsonRpcBatch => 21,
         }
     }
 

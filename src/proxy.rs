@@ -350,6 +350,7 @@ impl Proxy {
             &taken.claim,
             &taken.route,
             &taken.parts.headers,
+            taken.call_id.as_ref(),
             &self.metrics,
         );
         if let Some(answer) = cached {

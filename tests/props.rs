@@ -334,6 +334,7 @@ fn source_key(
     }
     let (parts, ()) = request.body(()).expect("a valid request").into_parts();
     idemproxy::proxy::key::source::from_body(&policy, &parts, body, &mut Scratch::unbounded())
+        .map(|found| found.key)
 }
 
 fn assert_a_key_or_a_400(result: Result<Option<String>, ProxyError>) -> Result<(), TestCaseError> {

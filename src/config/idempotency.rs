@@ -156,6 +156,11 @@ impl Default for RawIdempotency {
     }
 }
 
+/// What the fingerprint of a route keyed by `jsonrpc` always leaves out: the request `id` (a retry sends a
+/// new one) and `params._meta` (metadata an SDK may make anew per attempt: MCP's `progressToken`, trace
+/// context), never the call itself (`method`, the rest of `params`).
+pub const JSONRPC_UNFINGERPRINTED: [&str; 2] = ["/id", "/params/_meta"];
+
 /// How a keyed request's body counts in its fingerprint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -360,8 +365,10 @@ impl RawIdempotency {
             ));
         }
         let header = parse_header(&key("header"), &self.header)?;
+        let source = self.key_source(&key("key"), &header)?;
+        let (fingerprint_body, fingerprint_exclude) = self.fingerprint_body(prefix, &source)?;
         Ok(Policy {
-            key: self.key_source(&key("key"), &header)?,
+            key: source,
             header,
             methods: self.methods(&key("methods"))?,
             required: self.required,
@@ -392,8 +399,8 @@ impl RawIdempotency {
             },
             on_unknown_outcome: self.on_unknown_outcome,
             never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
-            fingerprint_body: self.fingerprint_body,
-            fingerprint_exclude: self.fingerprint_exclude(prefix)?,
+            fingerprint_body,
+            fingerprint_exclude,
             on_in_flight: self.on_in_flight,
             wait_timeout: positive(&key("wait_timeout"), self.wait_timeout)?,
             scope_cookie: self.scope_cookie(&key("scope_cookie"))?,
@@ -412,9 +419,35 @@ impl RawIdempotency {
         }
     }
 
-    fn fingerprint_exclude(&self, prefix: &str) -> Result<Vec<String>, ConfigError> {
+    /// How the body counts in the fingerprint, and what it leaves out. A `jsonrpc` key counts the body
+    /// by its JSON meaning without the request `id` and `params._meta` ([`JSONRPC_UNFINGERPRINTED`]):
+    /// a client's retry of one call sends a new `id`, and its SDK may put a new progress token or trace
+    /// context in `_meta`.
+    fn fingerprint_body(
+        &self,
+        prefix: &str,
+        source: &KeySource,
+    ) -> Result<(FingerprintBody, Vec<String>), ConfigError> {
+        let jsonrpc = matches!(source, KeySource::JsonRpc(_));
+        let body = if jsonrpc {
+            FingerprintBody::Json
+        } else {
+            self.fingerprint_body
+        };
+        let mut exclude = self.fingerprint_exclude(prefix, body)?;
+        if jsonrpc {
+            for pointer in JSONRPC_UNFINGERPRINTED {
+                if !exclude.iter().any(|p| p == pointer) {
+                    exclude.push(pointer.to_owned());
+                }
+            }
+        }
+        Ok((body, exclude))
+    }
+
+    fn fingerprint_exclude(&self, prefix: &str, body: FingerprintBody) -> Result<Vec<String>, ConfigError> {
         let key = format!("{prefix}.fingerprint_exclude");
-        if !self.fingerprint_exclude.is_empty() && self.fingerprint_body != FingerprintBody::Json {
+        if !self.fingerprint_exclude.is_empty() && body != FingerprintBody::Json {
             return Err(ConfigError::new(
                 &key,
                 format!("names JSON fields, so it needs {prefix}.fingerprint_body = \"json\""),
@@ -538,6 +571,27 @@ mod tests {
         .unwrap();
         assert_eq!(config.routes.default.policy.ttl, Duration::from_secs(7200));
         assert_eq!(config.routes.default.policy.max_stored_response, 1024 * 1024);
+    }
+
+    #[test]
+    fn a_jsonrpc_route_counts_the_body_as_json_and_adds_its_own_exclusions() {
+        let config = Config::from_toml_str(
+            "[[routes]]\nname = \"mcp\"\npath = \"/mcp\"\nkey = \"jsonrpc\"\n\
+             fingerprint_exclude = [\"/params/arguments/sent_at\", \"/id\"]\n",
+        )
+        .unwrap();
+        let policy = &config.routes.routes[0].policy;
+        assert_eq!(policy.fingerprint_body, super::FingerprintBody::Json);
+        assert_eq!(
+            policy.fingerprint_exclude,
+            ["/params/arguments/sent_at", "/id", "/params/_meta"]
+        );
+        let plain = Config::from_toml_str("[idempotency]\nkey = \"json:/id\"\n").unwrap();
+        assert_eq!(
+            plain.routes.default.policy.fingerprint_body,
+            super::FingerprintBody::Bytes,
+            "only jsonrpc routes"
+        );
     }
 
     #[test]

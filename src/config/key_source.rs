@@ -22,7 +22,14 @@ pub enum KeySource {
     Json(String),
     /// `template:…`: literal text and `{…}` parts, joined; missing if any part is missing.
     Template(Vec<KeyPart>),
+    /// `jsonrpc` or `jsonrpc:/pointer`: a JSON-RPC 2.0 request's key, at `params._meta.idempotencyKey`
+    /// (MCP's proposed field, [`JSONRPC_KEY`]) or at the pointer named. The request `id` and
+    /// `params._meta` are left out of the fingerprint, and a replay answers with the retry's own `id`.
+    JsonRpc(String),
 }
+
+/// Where `key = "jsonrpc"` reads the key: `params._meta.idempotencyKey`.
+pub const JSONRPC_KEY: &str = "/params/_meta/idempotencyKey";
 
 /// One part of a key template.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,6 +55,12 @@ impl KeySource {
         if text == "cloudevents" {
             return Ok(KeySource::CloudEvents);
         }
+        if text == "jsonrpc" {
+            return Ok(KeySource::JsonRpc(JSONRPC_KEY.to_owned()));
+        }
+        if let Some(pointer) = text.strip_prefix("jsonrpc:") {
+            return parse_jsonrpc_pointer(key, pointer).map(KeySource::JsonRpc);
+        }
         if let Some(name) = text.strip_prefix("header:") {
             return Ok(KeySource::Header(parse_header(key, name.trim())?));
         }
@@ -60,8 +73,8 @@ impl KeySource {
         Err(ConfigError::new(
             key,
             format!(
-                "{text:?} is not a key source; use \"header:NAME\", \"cloudevents\", \"json:/pointer\" \
-                 or \"template:…\" with {{header:NAME}}, {{json:/pointer}}, {{cloudevents}}, {{method}}, \
+                "{text:?} is not a key source; use \"header:NAME\", \"cloudevents\", \"json:/pointer\", \
+                 \"jsonrpc\", \"jsonrpc:/pointer\" or \"template:…\" with {{header:NAME}}, {{json:/pointer}}, {{cloudevents}}, {{method}}, \
                  {{path}} parts"
             ),
         ))
@@ -71,7 +84,7 @@ impl KeySource {
     pub fn needs_body(&self) -> bool {
         match self {
             KeySource::Header(_) => false,
-            KeySource::CloudEvents | KeySource::Json(_) => true,
+            KeySource::CloudEvents | KeySource::Json(_) | KeySource::JsonRpc(_) => true,
             KeySource::Template(parts) => parts
                 .iter()
                 .any(|p| matches!(p, KeyPart::Json(_) | KeyPart::CloudEvents)),
@@ -85,6 +98,8 @@ impl fmt::Display for KeySource {
             KeySource::Header(name) => write!(f, "header:{name}"),
             KeySource::CloudEvents => f.write_str("cloudevents"),
             KeySource::Json(pointer) => write!(f, "json:{pointer}"),
+            KeySource::JsonRpc(pointer) if pointer == JSONRPC_KEY => f.write_str("jsonrpc"),
+            KeySource::JsonRpc(pointer) => write!(f, "jsonrpc:{pointer}"),
             KeySource::Template(parts) => {
                 f.write_str("template:")?;
                 parts.iter().try_for_each(|part| write!(f, "{part}"))
@@ -125,6 +140,22 @@ pub fn parse_pointer(key: &str, pointer: &str) -> Result<String, ConfigError> {
         }
     }
     Ok(pointer.to_owned())
+}
+
+/// A `jsonrpc:` pointer: an RFC 6901 pointer into the request object, never at or under its `id` (which a
+/// retry changes) nor the whole body.
+fn parse_jsonrpc_pointer(key: &str, pointer: &str) -> Result<String, ConfigError> {
+    let pointer = parse_pointer(key, pointer)?;
+    if pointer.is_empty() || pointer == "/id" || pointer.starts_with("/id/") {
+        return Err(ConfigError::new(
+            key,
+            format!(
+                "{pointer:?}: a jsonrpc key is a field of the request other than its id (a retry sends a \
+                 new id), like \"jsonrpc:/params/idempotency_key\""
+            ),
+        ));
+    }
+    Ok(pointer)
 }
 
 fn parse_template(key: &str, template: &str) -> Result<Vec<KeyPart>, ConfigError> {
@@ -200,12 +231,25 @@ mod tests {
             "header:x-github-delivery",
             "cloudevents",
             "json:/data/id",
+            "jsonrpc",
+            "jsonrpc:/params/idempotency_key",
             "template:{header:x-github-hook-id}/{header:x-github-delivery}",
             "template:{method}:{path}:{json:/id}",
         ] {
             let source = KeySource::parse("routes[0].key", text).unwrap();
             assert_eq!(source.to_string(), text);
         }
+        assert_eq!(
+            KeySource::parse("k", "jsonrpc").unwrap(),
+            KeySource::JsonRpc("/params/_meta/idempotencyKey".into())
+        );
+        assert_eq!(
+            KeySource::parse("k", "jsonrpc:/params/_meta/idempotencyKey")
+                .unwrap()
+                .to_string(),
+            "jsonrpc",
+            "the default pointer prints as the bare source"
+        );
         assert_eq!(
             KeySource::parse("k", "header:X-Shopify-Event-Id").unwrap(),
             KeySource::Header(HeaderName::from_static("x-shopify-event-id"))
@@ -219,6 +263,7 @@ mod tests {
         assert!(!needs("template:{method}{header:webhook-id}"));
         assert!(needs("cloudevents"));
         assert!(needs("json:/id"));
+        assert!(needs("jsonrpc"));
         assert!(needs("template:{header:a}{json:/id}"));
     }
 
@@ -233,6 +278,10 @@ mod tests {
             "template:{header:a",
             "template:{body}",
             "template:{header:a} b",
+            "jsonrpc:",
+            "jsonrpc:params/key",
+            "jsonrpc:/id",
+            "jsonrpc:/id/0",
         ] {
             let err = KeySource::parse("routes[1].key", text).unwrap_err();
             assert_eq!(err.key, "routes[1].key", "{text}");
@@ -310,6 +359,27 @@ mod tests {
                 "no example in docs/routes.md named {name}: {names:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_jsonrpc_example_in_the_docs_loads_and_keys_by_jsonrpc() {
+        const ROUTES: &str = include_str!("../../docs/routes.md");
+        let start = ROUTES
+            .find("\n## JSON-RPC and MCP\n")
+            .expect("docs/routes.md has a JSON-RPC and MCP section");
+        let section = &ROUTES[start + 1..];
+        let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+        let example = section
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|block| block.split("```").next())
+            .expect("a TOML example");
+        let config = crate::config::Config::from_toml_str(example)
+            .unwrap_or_else(|e| panic!("docs/routes.md example does not load: {e}\n{example}"));
+        assert_eq!(
+            config.routes.routes[0].policy.key,
+            KeySource::JsonRpc(JSONRPC_KEY.into())
+        );
     }
 
     #[test]

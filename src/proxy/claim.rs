@@ -265,11 +265,14 @@ impl Claims {
                 attempt,
             })),
             Ok(Decision::Replay(stored, expires_in)) => {
-                let replay = replay::response(&stored, &keyed.request.parts.headers).map(|mut response| {
-                    let expires_at = expiry::after(sent, expires_in);
-                    expiry::stamp(response.headers_mut(), policy, Some(expires_at));
-                    (response, Outcome::Replayed)
-                });
+                let request = &keyed.request;
+                let replay = replay::response(&stored, &request.parts.headers, request.call_id.as_ref()).map(
+                    |mut response| {
+                        let expires_at = expiry::after(sent, expires_in);
+                        expiry::stamp(response.headers_mut(), policy, Some(expires_at));
+                        (response, Outcome::Replayed)
+                    },
+                );
                 keyed.head.send(replay);
                 Round::Replayed
             }
@@ -319,6 +322,7 @@ impl Claims {
             parts,
             claim,
             body,
+            ..
         } = request;
         let waited = won.started.elapsed();
         if waited > claim.lease / 2 {

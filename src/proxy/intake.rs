@@ -20,6 +20,7 @@ use self::examine::Examiners;
 use super::budget::{BodyBudget, ReservedBody};
 use super::client_body::{self, GuardedBody};
 use super::downstream::Downstream;
+use super::key::jsonrpc::CallId;
 use super::{key, signature};
 use crate::access;
 use crate::config::{Config, DEFAULT_ROUTE, Policy, Route, Unscoped};
@@ -48,6 +49,8 @@ pub(crate) struct TakenIn {
     pub(crate) claim: ClaimRequest,
     /// The body, read whole.
     pub(crate) body: ReservedBody,
+    /// On a route keyed by `jsonrpc`, the call's `id`: a replay answers with it.
+    pub(crate) call_id: Option<CallId>,
 }
 
 /// A request whose key comes from its body, which holds none, on a route where keys are optional: it is
@@ -88,7 +91,7 @@ impl Intake {
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
         signature::check(&route.policy, &parts.headers, &body.bytes, &self.metrics).await?;
         let examined = examine::examine(&self.examiners, route.clone(), parts, body, key).await?;
-        let (parts, body) = (examined.parts, examined.body);
+        let (parts, body, call_id) = (examined.parts, examined.body, examined.call_id);
         let Some((key, fingerprint)) = examined.keyed else {
             if route.policy.required {
                 return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
@@ -102,6 +105,7 @@ impl Intake {
             parts,
             claim,
             body,
+            call_id,
         }))
     }
 

@@ -1,5 +1,5 @@
 //! Runs first for a protected request, before any store work: reads the idempotency key (from the
-//! route's key source, `key/source.rs`, `key/cloudevents.rs`), derives the scope from the route's scope
+//! route's key source, `key/source.rs`, `key/cloudevents.rs`, `key/jsonrpc.rs`), derives the scope from the route's scope
 //! name and the client's credentials (scope headers and the scope cookie, `key/cookie.rs`), and
 //! fingerprints the request under the route's policy (a JSON body by its meaning with
 //! `fingerprint_body = "json"`, `key/canonical.rs`). A body is read as JSON by streaming
@@ -10,6 +10,7 @@ pub mod canonical;
 pub mod cloudevents;
 pub mod cookie;
 pub mod json;
+pub mod jsonrpc;
 pub mod pointer;
 pub mod source;
 
@@ -464,6 +465,34 @@ mod tests {
             json_fingerprint(&bytes, r#"{"b":2,"a":1}"#),
             "bytes mode counts the bytes"
         );
+    }
+
+    #[test]
+    fn a_jsonrpc_route_fingerprints_the_call_without_its_id_and_meta() {
+        let policy = crate::config::RawIdempotency {
+            key: Some("jsonrpc".into()),
+            ..crate::config::RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        assert_eq!(policy.fingerprint_body, FingerprintBody::Json);
+        assert_eq!(policy.fingerprint_exclude, ["/id", "/params/_meta"]);
+        let call = |id: &str, token: &str, amount: u32| {
+            json_fingerprint(
+                &policy,
+                &format!(
+                    r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"charge",
+                    "arguments":{{"amount":{amount}}},"_meta":{{"idempotencyKey":"k","progressToken":{token}}}}}}}"#
+                ),
+            )
+        };
+        let first = call("1", "1", 5);
+        assert_eq!(
+            first,
+            call("\"retry-7\"", "\"p-9\"", 5),
+            "a new id and progress token"
+        );
+        assert_ne!(first, call("1", "1", 6), "other arguments");
     }
 
     #[test]

@@ -1,10 +1,15 @@
 //! Runs when the claim found a completed record with the same fingerprint, or the replay cache holds
-//! one: rebuilds the original response from the store, byte for byte, without touching the upstream.
+//! one: rebuilds the original response from the store, byte for byte, without touching the upstream;
+//! on a route keyed by `jsonrpc`, with the retry's own call `id` in its JSON-RPC response
+//! (`replay/jsonrpc.rs`).
+
+pub mod jsonrpc;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use super::answer::Handled;
 use super::cache::{Lookup, ReplayCache};
+use super::key::jsonrpc::CallId;
 use super::{expiry, sse};
 use crate::body::{self, ProxyBody};
 use crate::config::Route;
@@ -14,16 +19,18 @@ use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimRequest, StoredResponse, TRAILER_PREFIX};
 
 /// A retry of a record this process has seen completed, answered from `cache` without the store: the
-/// replay, or the refusal of a key reused with another payload; `None` when the cache does not know.
+/// replay (answering `call_id`, the retry's JSON-RPC call, where it has one), or the refusal of a key
+/// reused with another payload; `None` when the cache does not know.
 pub(crate) fn from_cache(
     cache: &ReplayCache,
     claim: &ClaimRequest,
     route: &Route,
     request: &HeaderMap,
+    call_id: Option<&CallId>,
     metrics: &Metrics,
 ) -> Option<Handled> {
     let answer = match cache.lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint) {
-        Lookup::Replay(stored, expires_at) => response(&stored, request).map(|mut response| {
+        Lookup::Replay(stored, expires_at) => response(&stored, request, call_id).map(|mut response| {
             expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
             (response, Outcome::Replayed)
         }),
@@ -35,15 +42,25 @@ pub(crate) fn from_cache(
 }
 
 /// The stored response as the client first saw it (status, headers, body, then trailers), plus
-/// `Idempotent-Replayed: true`. A record kept without its body (over `max_stored_response`) answers 410:
-/// the operation happened and must not run again. An event stream replayed to a `request` that carries
-/// `Last-Event-ID` resumes after that event (`sse.rs`).
-pub fn response(stored: &StoredResponse, request: &HeaderMap) -> Result<Response<ProxyBody>, ProxyError> {
+/// `Idempotent-Replayed: true`; with a `call_id` (a retry of a JSON-RPC call), a JSON-RPC response in
+/// its body answers that `id` instead of the original's. A record kept without its body (over
+/// `max_stored_response`) answers 410: the operation happened and must not run again. An event stream
+/// replayed to a `request` that carries `Last-Event-ID` resumes after that event (`sse.rs`).
+pub fn response(
+    stored: &StoredResponse,
+    request: &HeaderMap,
+    call_id: Option<&CallId>,
+) -> Result<Response<ProxyBody>, ProxyError> {
     let Some(mut body) = stored.body.clone() else {
         return Err(ProxyError::ResponseNotRetained {
             status: stored.status,
         });
     };
+    if let Some(id) = call_id
+        && let Some(answered) = jsonrpc::answer_as(&body, content_type(stored), id)
+    {
+        body = answered;
+    }
     let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
     let mut trailers = HeaderMap::new();
     for (name, value) in &stored.headers {
@@ -80,6 +97,15 @@ pub fn response(stored: &StoredResponse, request: &HeaderMap) -> Result<Response
     Ok(response)
 }
 
+/// The stored `content-type`, where it has one.
+fn content_type(stored: &StoredResponse) -> Option<&[u8]> {
+    stored
+        .headers
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        .map(|(_, value)| value.as_slice())
+}
+
 #[cfg(test)]
 mod tests {
     use bytes::Bytes;
@@ -98,7 +124,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"{\"id\":7}")),
         };
-        let response = response(&stored, &HeaderMap::new()).unwrap();
+        let response = response(&stored, &HeaderMap::new(), None).unwrap();
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()["content-type"], "application/json");
         assert_eq!(response.headers().get_all("set-cookie").iter().count(), 2);
@@ -118,7 +144,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"\0\0\0\0\x02hi")),
         };
-        let response = response(&stored, &HeaderMap::new()).unwrap();
+        let response = response(&stored, &HeaderMap::new(), None).unwrap();
         assert_eq!(response.headers().len(), 2, "{:?}", response.headers());
         assert!(response.headers().get("grpc-status").is_none());
         let collected = response.into_body().collect().await.unwrap();
@@ -136,7 +162,7 @@ mod tests {
             body: None,
         };
         assert!(matches!(
-            response(&stored, &HeaderMap::new()),
+            response(&stored, &HeaderMap::new(), None),
             Err(ProxyError::ResponseNotRetained { status: 200 })
         ));
     }

@@ -154,6 +154,7 @@ pub(crate) async fn taken_in(stages: &Stages) -> TakenIn {
         parts,
         claim,
         body: ReservedBody::new(bytes, reservation),
+        call_id: None,
     }
 }
 

@@ -159,7 +159,9 @@ impl Waits {
     /// waiting for its record.
     async fn wait_rounds(&self, mut in_flight: Box<InFlight>, waiting: &mut Waiting<'_>) -> Ended {
         let deadline = Instant::now() + in_flight.keyed.request.route.policy.wait_timeout;
-        let attaches = in_flight.keyed.request.route.policy.on_in_flight == OnInFlight::Attach;
+        // A JSON-RPC call's answer must carry its own id, which only a replay writes: it waits instead.
+        let attaches = in_flight.keyed.request.route.policy.on_in_flight == OnInFlight::Attach
+            && in_flight.keyed.request.call_id.is_none();
         loop {
             let claim = &in_flight.keyed.request.claim;
             let joined = attaches
@@ -183,11 +185,13 @@ impl Waits {
                 return Ended::Answered(result);
             }
             let request = &in_flight.keyed.request;
+            let call_id = request.call_id.as_ref();
             if let Some(answer) = replay::from_cache(
                 &self.cache,
                 &request.claim,
                 &request.route,
                 &request.parts.headers,
+                call_id,
                 &self.metrics,
             ) {
                 let result = if answer.is_ok() {

@@ -17,6 +17,7 @@ mod harness;
 mod health_cli;
 mod history;
 mod hostile;
+mod jsonrpc;
 mod key_header;
 mod keys_cli;
 mod keys_oncall;

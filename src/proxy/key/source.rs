@@ -1,7 +1,7 @@
 //! Reads a request's idempotency key from its route's key source: a header (the `Idempotency-Key`
 //! form: an sf-string or a bare token), a CloudEvent's source and id (`key/cloudevents.rs`), a JSON
-//! pointer into the body (`key/pointer.rs`), or a template joining such parts, each part taken from the
-//! request written as its length, `:` and itself. [`from_head`] serves the sources found in the head,
+//! pointer into the body (`key/pointer.rs`), a JSON-RPC call's key and `id` (`key/jsonrpc.rs`), or a
+//! template joining such parts, each part taken from the request written as its length, `:` and itself. [`from_head`] serves the sources found in the head,
 //! before the body is read; [`from_body`] the rest, once it has been. Every key, whatever its source, is
 //! 1 to `max_key_length` visible ASCII characters or a 400 `invalid-key`. Pure functions of the request;
 //! the body is read as JSON at most once, by streaming, and only when a source asks for it.
@@ -10,6 +10,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Uri};
 
 use super::json::Scratch;
+use super::jsonrpc::{self, CallId};
 use super::pointer::{self, Findings, Found};
 use super::{check_key, cloudevents, parse_key};
 use crate::config::{KeyPart, KeySource, Policy};
@@ -33,28 +34,55 @@ pub fn from_head(
     .key(policy)
 }
 
+/// What a body holds for its route's key source: the key, and on a route keyed by `jsonrpc`, the `id`
+/// of the call, which a replay answers with.
+#[derive(Debug, Default)]
+pub struct BodyKey {
+    /// The key; `None` when the body holds none.
+    pub key: Option<String>,
+    /// The JSON-RPC call's `id`; `None` on other routes, for a notification, or a body that is not one
+    /// call.
+    pub call_id: Option<CallId>,
+}
+
 /// The key of a request whose source needs its body, read within `scratch` (503 `busy` when the budget
-/// cannot supply it). `Ok(None)` when the request carries none: the body is not JSON, or holds nothing
-/// at the pointer, or no CloudEvent.
+/// cannot supply it). No key when the request carries none: the body is not JSON, or holds nothing at
+/// the pointer, or no CloudEvent. On a `jsonrpc` route, a batch is refused (400 `jsonrpc-batch`) when
+/// one of its calls carries a key or keys are required, and otherwise holds no key.
 pub fn from_body(
     policy: &Policy,
     parts: &Parts,
     body: &[u8],
     scratch: &mut Scratch<'_>,
-) -> Result<Option<String>, ProxyError> {
+) -> Result<BodyKey, ProxyError> {
+    if let KeySource::JsonRpc(pointer) = &policy.key
+        && jsonrpc::is_batch(body)
+    {
+        let keyed =
+            jsonrpc::batch_keyed(body, pointer, scratch).map_err(|_| ProxyError::Busy(Busy::Parsing))?;
+        if keyed || policy.required {
+            return Err(ProxyError::JsonRpcBatch);
+        }
+        return Ok(BodyKey::default());
+    }
     let pointers = pointers(&policy.key, &parts.headers);
     let json = if pointers.is_empty() {
         None
     } else {
         pointer::find(body, pointers, scratch).map_err(|_| ProxyError::Busy(Busy::Parsing))?
     };
-    Request {
+    let key = Request {
         method: &parts.method,
         uri: &parts.uri,
         headers: &parts.headers,
         json: json.as_ref(),
     }
-    .key(policy)
+    .key(policy)?;
+    let call_id = match (&policy.key, &json) {
+        (KeySource::JsonRpc(_), Some(json)) => CallId::from_found(json.get(jsonrpc::ID)),
+        _ => None,
+    };
+    Ok(BodyKey { key, call_id })
 }
 
 /// The pointers a source reads the body at: its `json:` pointers, and a structured CloudEvent's.
@@ -71,6 +99,10 @@ fn pointers(source: &KeySource, headers: &HeaderMap) -> Vec<String> {
         KeySource::Header(_) => {}
         KeySource::CloudEvents => add(&KeyPart::CloudEvents),
         KeySource::Json(pointer) => add(&KeyPart::Json(pointer.clone())),
+        KeySource::JsonRpc(pointer) => {
+            add(&KeyPart::Json(pointer.clone()));
+            pointers.push(jsonrpc::ID.to_owned());
+        }
         KeySource::Template(parts) => parts.iter().for_each(add),
     }
     pointers
@@ -81,7 +113,7 @@ pub fn describe(source: &KeySource) -> String {
     match source {
         KeySource::Header(name) => describe_header(name),
         KeySource::CloudEvents => describe_part(&KeyPart::CloudEvents).unwrap_or_default(),
-        KeySource::Json(pointer) => describe_json(pointer),
+        KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => describe_json(pointer),
         KeySource::Template(parts) => {
             let needed: Vec<String> = parts.iter().filter_map(describe_part).collect();
             format!("{} (key = \"{source}\")", join_and(&needed))
@@ -142,7 +174,7 @@ impl Request<'_> {
         let key = match &policy.key {
             KeySource::Header(name) => return parse_key(self.headers.get_all(name), max_len),
             KeySource::CloudEvents => self.cloudevent()?,
-            KeySource::Json(pointer) => self.json_field(pointer)?,
+            KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => self.json_field(pointer)?,
             KeySource::Template(parts) => self.template(parts, max_len)?,
         };
         let Some(key) = key else {
@@ -238,8 +270,12 @@ mod tests {
     }
 
     fn key(source: &str, headers: &[(&str, &str)], body: &str) -> Result<Option<String>, ProxyError> {
+        read(&policy(source), headers, body).map(|found| found.key)
+    }
+
+    fn read(policy: &Policy, headers: &[(&str, &str)], body: &str) -> Result<BodyKey, ProxyError> {
         from_body(
-            &policy(source),
+            policy,
             &parts("/hooks/pay?x=1", headers),
             body.as_bytes(),
             &mut Scratch::unbounded(),
@@ -432,12 +468,86 @@ mod tests {
         assert_eq!(key.as_deref(), Some("4:POST2:/p-5:msg_1"));
     }
 
+    fn call_id(found: &BodyKey) -> Option<&str> {
+        found.call_id.as_ref().map(CallId::as_json)
+    }
+
+    #[test]
+    fn a_jsonrpc_source_reads_the_key_from_meta_and_the_call_id() {
+        let rpc = policy("jsonrpc");
+        let call =
+            r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"_meta":{"idempotencyKey":"k-1"}}}"#;
+        let found = read(&rpc, &[], call).unwrap();
+        assert_eq!(found.key.as_deref(), Some("k-1"));
+        assert_eq!(call_id(&found), Some("7"));
+        let string_id = call.replace("\"id\":7", "\"id\":\"7\"");
+        assert_eq!(call_id(&read(&rpc, &[], &string_id).unwrap()), Some("\"7\""));
+        let notification =
+            r#"{"jsonrpc":"2.0","method":"notify","params":{"_meta":{"idempotencyKey":"k-2"}}}"#;
+        let found = read(&rpc, &[], notification).unwrap();
+        assert_eq!(found.key.as_deref(), Some("k-2"));
+        assert_eq!(call_id(&found), None, "a notification has no id");
+        let named = policy("jsonrpc:/params/idempotency_key");
+        let found = read(&named, &[], r#"{"id":1,"params":{"idempotency_key":"k-3"}}"#).unwrap();
+        assert_eq!(found.key.as_deref(), Some("k-3"));
+        assert_eq!(call_id(&found), Some("1"));
+        let json = read(&policy("json:/params/_meta/idempotencyKey"), &[], call).unwrap();
+        assert_eq!(call_id(&json), None, "only a jsonrpc route knows the call's id");
+    }
+
+    #[test]
+    fn a_jsonrpc_key_obeys_the_key_rules_and_a_body_without_one_has_none() {
+        let policy = policy("jsonrpc");
+        let with = |key: &str| format!(r#"{{"id":1,"params":{{"_meta":{{"idempotencyKey":{key}}}}}}}"#);
+        assert!(invalid(read(&policy, &[], &with(r#""""#)).map(|f| f.key)).contains("empty"));
+        assert!(invalid(read(&policy, &[], &with(r#"{"a":1}"#)).map(|f| f.key)).contains("an object"));
+        for body in [
+            "",
+            "not json",
+            "{\"id\":1}",
+            "\"k\"",
+            "{\"params\":{\"_meta\":1}}",
+        ] {
+            let found = read(&policy, &[], body).unwrap();
+            assert_eq!(found.key, None, "{body:?}");
+        }
+    }
+
+    #[test]
+    fn a_jsonrpc_batch_is_refused_when_a_call_carries_a_key_or_keys_are_required() {
+        let keyed =
+            r#"[{"id":1,"method":"a"},{"id":2,"method":"b","params":{"_meta":{"idempotencyKey":"k"}}}]"#;
+        let plain = r#"[{"id":1,"method":"a"},{"id":2,"method":"b"}]"#;
+        let optional = policy("jsonrpc");
+        assert!(matches!(
+            read(&optional, &[], keyed),
+            Err(ProxyError::JsonRpcBatch)
+        ));
+        let found = read(&optional, &[], plain).unwrap();
+        assert_eq!((found.key, found.call_id), (None, None));
+        let required = RawIdempotency {
+            key: Some("jsonrpc".into()),
+            required: true,
+            ..RawIdempotency::default()
+        }
+        .validate()
+        .unwrap();
+        assert!(matches!(
+            read(&required, &[], plain),
+            Err(ProxyError::JsonRpcBatch)
+        ));
+    }
+
     #[test]
     fn each_source_says_what_a_request_must_carry() {
         let describe = |text: &str| describe(&KeySource::parse("k", text).unwrap());
         assert_eq!(describe("header:Idempotency-Key"), "an idempotency-key header");
         assert_eq!(describe("header:webhook-id"), "a webhook-id header");
         assert_eq!(describe("json:/id"), "the JSON field /id in the body");
+        assert_eq!(
+            describe("jsonrpc"),
+            "the JSON field /params/_meta/idempotencyKey in the body"
+        );
         assert_eq!(
             describe("cloudevents"),
             "a CloudEvent id and source (ce-id and ce-source headers, or an application/cloudevents+json \
