@@ -397,3 +397,36 @@ async fn on_another_replica_a_duplicate_waits_for_the_stored_response() {
     );
     assert_eq!(upstream.executions.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test]
+async fn a_stream_too_long_to_keep_is_followed_by_those_already_there_and_is_gone_for_later_ones() {
+    const EVENTS: usize = 6;
+    const SIZE: usize = 32 * 1024;
+    let upstream = Events::start(EVENTS, SIZE).await;
+    let (_store, proxy) = proxy(&upstream.url, "[idempotency]\nmax_stored_response = \"64KiB\"\n").await;
+
+    let original = tokio::spawn(post(proxy.url.clone(), "chat-5", None, None));
+    let early = tokio::spawn(post(proxy.url.clone(), "chat-5", None, None));
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    upstream.open(4);
+    let progress = Arc::new(AtomicUsize::new(0));
+    let original = tokio::spawn(read_counting(original.await.unwrap(), progress.clone()));
+    let early = tokio::spawn(read(early.await.unwrap()));
+    // Three events (96 KiB) are past the 64 KiB the proxy keeps, and once the original has the fourth,
+    // the third has been offered to the capture: a later duplicate cannot have the beginning, so it
+    // waits for the record, and that record has no body.
+    let four: usize = (0..4).map(|i| event(i, SIZE).len()).sum();
+    poll_until("the original has four events", || async {
+        (progress.load(Ordering::SeqCst) >= four).then_some(())
+    })
+    .await;
+    let late = tokio::spawn(post(proxy.url.clone(), "chat-5", None, None));
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    upstream.open(EVENTS + 1);
+    let original = original.await.unwrap().unwrap();
+    let early = early.await.unwrap().expect("the early follower's whole response");
+    assert!(early.body == original.body, "the early follower got it all");
+    let late = late.await.unwrap();
+    assert_eq!(late.status(), 410, "response-not-retained");
+    assert_eq!(upstream.executions.load(Ordering::SeqCst), 1);
+}
