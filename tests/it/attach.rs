@@ -90,6 +90,14 @@ impl Events {
         }
     }
 
+    /// Returns once `n` requests have reached the upstream: the first of them holds its key.
+    async fn arrived(&self, n: usize) {
+        poll_until("the original reached the upstream", || async {
+            (self.executions.load(Ordering::SeqCst) >= n).then_some(())
+        })
+        .await;
+    }
+
     /// Lets the head and the events before `n - 1` go (`open(1)`: the head and event 0).
     fn open(&self, n: usize) {
         self.gate.send_replace(n);
@@ -221,6 +229,7 @@ async fn ten_duplicates_follow_one_slow_stream_byte_for_byte_and_one_that_stops_
     let sent = |n: usize| lengths[..n.min(EVENTS)].iter().sum::<usize>();
 
     let original = tokio::spawn(post(proxy.url.clone(), "chat-1", None, None));
+    upstream.arrived(1).await;
     // Five duplicates come before the head, and wait for it.
     let early: Vec<_> = (0..5)
         .map(|_| tokio::spawn(post(proxy.url.clone(), "chat-1", None, None)))
@@ -406,6 +415,7 @@ async fn a_stream_too_long_to_keep_is_followed_by_those_already_there_and_is_gon
     let (_store, proxy) = proxy(&upstream.url, "[idempotency]\nmax_stored_response = \"64KiB\"\n").await;
 
     let original = tokio::spawn(post(proxy.url.clone(), "chat-5", None, None));
+    upstream.arrived(1).await;
     let early = tokio::spawn(post(proxy.url.clone(), "chat-5", None, None));
     metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
     upstream.open(4);
