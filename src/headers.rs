@@ -9,6 +9,9 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 /// after a released attempt, `N;takeover` after one whose lease ran out (an RFC 8941 integer with a
 /// boolean parameter). Set by the proxy only: a client's own is never forwarded.
 pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("idempotency-attempt");
+/// Sent by an event-stream client that reconnects: the id of the last event it received
+/// (`proxy/sse.rs` resumes a replayed or followed stream after it).
+pub const LAST_EVENT_ID_HEADER: HeaderName = HeaderName::from_static("last-event-id");
 
 /// The `grpc-status` in a gRPC answer's head (trailers-only) or trailers, if it holds a number.
 pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {

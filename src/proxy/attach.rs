@@ -21,7 +21,7 @@ use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, Frame};
 use tokio::sync::watch;
 
 use super::sse::Resume;
@@ -432,10 +432,6 @@ impl<G: Unpin> Body for Followed<G> {
     fn is_end_stream(&self) -> bool {
         let queue = self.follower.lock();
         queue.pieces.is_empty() && queue.end == Some(Ok(()))
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
     }
 }
 

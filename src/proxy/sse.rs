@@ -8,13 +8,12 @@
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, header};
 
-/// The header an event-stream client sends when it reconnects.
-pub const LAST_EVENT_ID: &str = "last-event-id";
+use crate::headers::LAST_EVENT_ID_HEADER;
 
 /// The id a request resumes after, if it names one (an empty one resumes nothing).
 pub fn last_event_id(headers: &HeaderMap) -> Option<&HeaderValue> {
     headers
-        .get(LAST_EVENT_ID)
+        .get(LAST_EVENT_ID_HEADER)
         .filter(|value| !value.as_bytes().is_empty())
 }
 
@@ -109,11 +108,6 @@ impl Resume {
         if !value.contains(&0) {
             self.sets_target = !long && value == self.target.as_slice();
         }
-    }
-
-    /// Whether the target's event has ended.
-    pub fn found(&self) -> bool {
-        self.found
     }
 }
 

@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -56,7 +57,7 @@ pub(crate) struct Waits {
 }
 
 /// How following an execution ended, short of the record's fate.
-enum Followed {
+enum Following {
     /// The request got the head, and follows the body.
     Attached,
     /// The execution ended without a response to follow: the request goes back to waiting.
@@ -172,13 +173,13 @@ impl Waits {
                 .flatten();
             if let Some(joined) = joined {
                 in_flight = match self.follow(in_flight, joined, deadline, waiting).await {
-                    Followed::Attached => return Ended::Answered(WaitResult::Attached),
-                    Followed::Stop(in_flight, result) => {
+                    Following::Attached => return Ended::Answered(WaitResult::Attached),
+                    Following::Stop(in_flight, result) => {
                         conflict(in_flight);
                         return Ended::Answered(result);
                     }
                     // The execution is over: its record has settled, or soon will.
-                    Followed::Back(in_flight) => in_flight,
+                    Following::Back(in_flight) => in_flight,
                 };
             } else if let Woken::Stop(result) = self.until_woken(&mut in_flight, deadline).await {
                 conflict(in_flight);
@@ -221,16 +222,16 @@ impl Waits {
         mut joined: Joined,
         deadline: Instant,
         waiting: &mut Waiting<'_>,
-    ) -> Followed {
+    ) -> Following {
         let head = tokio::select! {
             biased;
-            _ = self.shutdown.cancelled() => return Followed::Stop(in_flight, WaitResult::Shutdown),
-            _ = in_flight.keyed.head.closed() => return Followed::Stop(in_flight, WaitResult::ClientGone),
-            _ = sleep_until(deadline) => return Followed::Stop(in_flight, WaitResult::Timeout),
+            _ = self.shutdown.cancelled() => return Following::Stop(in_flight, WaitResult::Shutdown),
+            _ = in_flight.keyed.head.closed() => return Following::Stop(in_flight, WaitResult::ClientGone),
+            _ = sleep_until(deadline) => return Following::Stop(in_flight, WaitResult::Timeout),
             head = joined.head() => head,
         };
         let Some(head) = head else {
-            return Followed::Back(in_flight);
+            return Following::Back(in_flight);
         };
         let place = Attached::enter(&self.metrics, waiting.permit.take());
         let request = &in_flight.keyed.request.parts.headers;
@@ -239,7 +240,7 @@ impl Waits {
             .map(Resume::after);
         let response = followed(&head, joined, place, resume);
         in_flight.keyed.head.send(Ok((response, Outcome::Replayed)));
-        Followed::Attached
+        Following::Attached
     }
 
     /// Sleeps until the next reason to re-check or to stop. Shutdown and a gone client come first, then
@@ -324,7 +325,6 @@ fn followed(
     place: Attached,
     resume: Option<Resume>,
 ) -> http::Response<ProxyBody> {
-    use http_body_util::BodyExt;
     let resumed = resume.is_some();
     let mut response = http::Response::new(joined.body(place, resume).boxed());
     *response.status_mut() = head.status;

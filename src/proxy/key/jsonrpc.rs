@@ -14,15 +14,15 @@ pub const ID: &str = "/id";
 /// a string (re-encoded, so its escapes may differ, never its value), a number (its exact text) or
 /// `null`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CallId(String);
+pub struct CallId(Box<str>);
 
 impl CallId {
     /// The `id` found in a request; `None` for a notification (no `id`), or an `id` of a type JSON-RPC
     /// does not allow (an object, an array, a boolean) or named twice.
     pub fn from_found(found: &Found) -> Option<CallId> {
         match found {
-            Found::String(text) => serde_json::to_string(text).ok().map(CallId),
-            Found::Number(text) => Some(CallId(text.clone())),
+            Found::String(text) => serde_json::to_string(text).ok().map(|json| CallId(json.into())),
+            Found::Number(text) => Some(CallId(text.as_str().into())),
             Found::Other("null") => Some(CallId("null".into())),
             Found::Other(_) | Found::Absent | Found::Repeated => None,
         }
