@@ -1,6 +1,6 @@
 //! The request path, for every request on the proxy listener. [`Proxy::handle`] never fails: it counts,
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
-//! order: the path in its one spelling (`proxy/path.rs`) → route by path and method → key → body (and
+//! order: the method and the path in their one spelling (`proxy/method.rs`, `proxy/path.rs`) → route by path and method → key → body (and
 //! its signature) → scope and fingerprint → claim → decision → replay or execute, or, on a route with
 //! `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide again.
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
@@ -18,6 +18,7 @@ pub mod expiry;
 pub mod grpc;
 pub mod intake;
 pub mod key;
+pub mod method;
 pub mod passthrough;
 pub mod path;
 pub mod replay;
@@ -26,6 +27,7 @@ pub mod signature;
 pub mod slot;
 pub mod sse;
 pub mod trace_context;
+pub mod trailers;
 pub mod upstream;
 pub mod wait;
 
@@ -49,6 +51,7 @@ use self::intake::Intake;
 use self::passthrough::Forward;
 use self::settle::Settle;
 use self::slot::KeyedSlots;
+use self::trailers::TrailerRules;
 use self::upstream::Upstream;
 use self::wait::Waits;
 use crate::access::{self, Line};
@@ -112,7 +115,8 @@ impl Proxy {
         ));
         let slots = KeyedSlots::new(server.max_keyed_in_flight);
         let settle = Settle::new(waiters.clone(), store.clone(), serving.capabilities.shared);
-        let forward = Forward::new(config, upstream.clone(), metrics.clone());
+        let trailers = TrailerRules::new(config);
+        let forward = Forward::new(config, upstream.clone(), metrics.clone(), trailers.clone());
         let attachments = Attachments::new(server.attach_buffer, waiters.clone(), metrics.clone());
         let executor = Executor::new(
             config,
@@ -159,7 +163,7 @@ impl Proxy {
             access_log: config.log.access,
             traced: otlp::traced(&config.traces),
             problem_base: server.problem_type_base.as_str().into(),
-            intake: Intake::new(config, metrics.clone()),
+            intake: Intake::new(config, metrics.clone(), trailers),
             forward,
             metrics,
         }
@@ -197,7 +201,8 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, Infallible> {
         let arrived = Instant::now();
         let _in_flight = InFlight::enter(&self.metrics);
-        // Before anything reads the path: the access line records the path that is routed.
+        // Before anything reads the method or the path: the access line records what is routed.
+        method::normalise(&mut request);
         let normal = path::normalise(&mut request, &self.paths);
         let span = tracing::info_span!(
             "request",
@@ -305,8 +310,15 @@ impl Proxy {
         tracing::Span::current().record("route", route.name.as_str());
         access::route(&route.name);
         path::respell(&mut request, &route)?;
-        let method = request.method();
-        if route.passthrough || !route.policy.methods.contains(method) || grpc::is_infrastructure(&request) {
+        if route.passthrough || grpc::is_infrastructure(&request) {
+            return self.forward.passthrough(request, &peer).await;
+        }
+        if !route.policy.methods.contains(request.method()) {
+            if route.policy.signature.is_some() {
+                // Verified like the rest: a signed route's handler sees no request of any method
+                // that has not passed.
+                return Box::pin(self.verified(request, route, peer)).await;
+            }
             return self.forward.passthrough(request, &peer).await;
         }
         let key = if route.policy.key.needs_body() {
@@ -329,6 +341,13 @@ impl Proxy {
         // A keyed request's state is many times a passthrough's; on the heap it stays out of the future
         // every request carries and moves.
         Box::pin(self.protected(request, route, key, peer)).await
+    }
+
+    /// A request of a method the route does not protect, on a route with a signature: its body is read
+    /// and its signature verified, then it is forwarded unkeyed.
+    async fn verified(&self, request: Request<Incoming>, route: Arc<Route>, peer: Downstream) -> Handled {
+        let unkeyed = self.intake.verify(request, &route, &peer).await?;
+        self.forward.read(unkeyed.parts, unkeyed.body, &peer).await
     }
 
     /// A request with a key: intake (scope, body, fingerprint), then the replay cache, or the claim on a

@@ -69,6 +69,10 @@ pub enum NotNormal {
          with unreserved characters unescaped and escapes in upper case"
     )]
     Spelling,
+    /// The asterisk-form target (`*`) of a method other than OPTIONS, which has no path to route by
+    /// and which no service means to be asked (RFC 9112 §3.2.4).
+    #[error("the target '*' is only for OPTIONS")]
+    Asterisk,
     /// The normal form is longer than a request target may be.
     #[error("the path's normal form is too long")]
     TooLong,

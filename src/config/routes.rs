@@ -208,13 +208,24 @@ impl RawRoute {
                  what is below them",
             ));
         }
+        let policy = self.policy(prefix, base, secrets)?;
+        // A signed route takes every spelling of its path a service might route to its handler, and
+        // every method, so that none reaches the handler unverified (`proxy.rs`).
+        let signed = policy.signature.is_some();
+        if signed && !self.match_methods.is_empty() {
+            return Err(ConfigError::new(
+                &key("match_methods"),
+                "a route with a signature verifies requests of every method; drop match_methods",
+            ));
+        }
+        let exact = !matches!(path, PathMatch::Prefix(_));
         Ok(Route {
             path: Some(path),
-            ignore_case: self.ignore_case,
-            ignore_trailing_slash: self.ignore_trailing_slash,
+            ignore_case: self.ignore_case || signed,
+            ignore_trailing_slash: self.ignore_trailing_slash || (signed && exact),
             methods: self.match_methods(&key("match_methods"))?,
             passthrough: self.passthrough,
-            policy: self.policy(prefix, base, secrets)?,
+            policy,
             name,
             scope,
         })
@@ -497,7 +508,8 @@ impl Route {
             },
             match &policy.signature {
                 Some(signature) => format!(
-                    ", signature {} ({} secret{})",
+                    ", signature {} ({} secret{}; every method and every case and trailing slash of \
+                     the path verified)",
                     signature.scheme.name().as_str(),
                     signature.secrets.len(),
                     if signature.secrets.len() == 1 { "" } else { "s" }

@@ -146,6 +146,20 @@ pub struct SignatureConfig {
     pub tolerance: Duration,
 }
 
+impl SignatureConfig {
+    /// The request headers a delivery's signature is read from.
+    pub fn signed_headers(&self) -> Vec<HeaderName> {
+        let names: &[&'static str] = match &self.scheme {
+            Scheme::StandardWebhooks => &["webhook-id", "webhook-timestamp", "webhook-signature"],
+            Scheme::Stripe => &["stripe-signature"],
+            Scheme::Github => &["x-hub-signature-256"],
+            Scheme::Shopify => &["x-shopify-hmac-sha256"],
+            Scheme::Hmac(generic) => return vec![generic.header.clone()],
+        };
+        names.iter().map(|name| HeaderName::from_static(name)).collect()
+    }
+}
+
 /// How deliveries are signed, with what a generic HMAC needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scheme {
@@ -658,6 +672,35 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_signed_route_takes_every_case_and_trailing_slash_of_its_path_and_every_method() {
+        let vars = Vars::of(&[("STRIPE_SECRET", "whsec_x")]);
+        let config = load("scheme = \"stripe\", secrets_env = \"STRIPE_SECRET\"", &vars).unwrap();
+        for path in ["/hook", "/HOOK", "/Hook/", "/hook/"] {
+            for method in [
+                http::Method::POST,
+                http::Method::PUT,
+                http::Method::GET,
+                http::Method::DELETE,
+            ] {
+                assert_eq!(
+                    config.routes.select(&method, path).name,
+                    "hook",
+                    "{method} {path}"
+                );
+            }
+        }
+        assert_eq!(
+            config.routes.select(&http::Method::POST, "/hooks").name,
+            "default"
+        );
+        let toml = "[[routes]]\nname = \"hook\"\npath = \"/hook\"\nunscoped = \"shared\"\n\
+                    scope_headers = []\nmatch_methods = [\"POST\"]\n\
+                    signature = { scheme = \"stripe\", secrets_env = \"STRIPE_SECRET\" }\n";
+        let err = Config::from_toml_str_with(toml, &vars).unwrap_err();
+        assert_eq!(err.key, "routes[0].match_methods", "{err}");
+    }
+
+    #[test]
     fn secrets_never_appear_in_debug_or_check_config() {
         let vars = Vars::of(&[("STRIPE_SECRET", "whsec_do_not_print")]);
         let config = load("scheme = \"stripe\", secrets_env = \"STRIPE_SECRET\"", &vars).unwrap();
@@ -665,7 +708,10 @@ pub(crate) mod tests {
         let printed = config.to_masked_toml();
         assert!(!printed.contains("do_not_print"), "{printed}");
         assert!(printed.contains("STRIPE_SECRET"), "{printed}");
-        assert!(printed.contains("signature stripe (1 secret)"), "{printed}");
+        assert!(
+            printed.contains("signature stripe (1 secret; every method"),
+            "{printed}"
+        );
         let again: toml::Table = printed.parse().expect("check-config prints valid TOML");
         assert!(again.contains_key("routes"));
     }

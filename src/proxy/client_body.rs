@@ -5,7 +5,8 @@
 //! stream the client reset before `END_STREAM` ends cleanly in hyper, but it is an abandoned request,
 //! never a shorter complete one. And tells the client's connection ([`BodyWatch`], `server/slots.rs`)
 //! when the body waits for its client and when it makes progress, so that at the connection cap a
-//! connection whose requests all wait on stalled or trickled bodies is closed like an idle one.
+//! connection whose requests all wait on stalled or trickled bodies is closed like an idle one. Its
+//! trailers are cleaned on the way (`trailers.rs`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -14,11 +15,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::Version;
+use http::{HeaderMap, HeaderName, Version};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
+use super::trailers::{TrailerRules, connection_named};
 use crate::body::BoxError;
 use crate::error::{Busy, ProxyError};
 
@@ -161,10 +163,44 @@ const EVICTED: &str = "the connection was closed to make room while its request'
 pub struct GuardedBody {
     inner: Incoming,
     version: Version,
+    /// How its trailers are cleaned before they go on.
+    trailers: Trailers,
     idle: Option<Idle>,
     client: ClientSide,
     /// Bytes since the body last reported progress.
     unreported: usize,
+}
+
+/// The rules a body's trailers are cleaned by (`trailers.rs`), and the fields its head's `Connection`
+/// names.
+pub(crate) struct Trailers {
+    rules: Arc<TrailerRules>,
+    named: Vec<HeaderName>,
+}
+
+impl Trailers {
+    /// The rules for a request with `head`.
+    pub(crate) fn of(rules: &Arc<TrailerRules>, head: &HeaderMap) -> Trailers {
+        let named = if head.contains_key(http::header::CONNECTION) {
+            connection_named(head)
+        } else {
+            Vec::new()
+        };
+        Trailers {
+            rules: rules.clone(),
+            named,
+        }
+    }
+
+    fn clean(&self, frame: Frame<Bytes>) -> Frame<Bytes> {
+        match frame.into_trailers() {
+            Ok(mut trailers) => {
+                self.rules.clean(&mut trailers, &self.named);
+                Frame::trailers(trailers)
+            }
+            Err(frame) => frame,
+        }
+    }
 }
 
 /// The bound on the silence between two frames.
@@ -176,13 +212,13 @@ struct Idle {
 impl GuardedBody {
     /// Wraps `inner`, the body of a request of `version` streamed as it arrives; a gap of more than
     /// `idle` between two frames ends the body with an error. Its waits are reported to `watch`.
-    pub fn new(
+    pub(crate) fn new(
         inner: Incoming,
-        version: Version,
+        (version, trailers): (Version, Trailers),
         idle: Duration,
         watch: Option<Arc<dyn BodyWatch>>,
     ) -> (GuardedBody, ClientSide) {
-        let mut guarded = GuardedBody::whole(inner, version, watch);
+        let mut guarded = GuardedBody::whole(inner, (version, trailers), watch);
         guarded.idle = Some(Idle {
             after: idle,
             deadline: Box::pin(tokio::time::sleep(idle)),
@@ -192,10 +228,15 @@ impl GuardedBody {
     }
 
     /// Wraps `inner`, a body read whole under a bound of the caller's; its waits are reported to `watch`.
-    pub fn whole(inner: Incoming, version: Version, watch: Option<Arc<dyn BodyWatch>>) -> GuardedBody {
+    pub(crate) fn whole(
+        inner: Incoming,
+        (version, trailers): (Version, Trailers),
+        watch: Option<Arc<dyn BodyWatch>>,
+    ) -> GuardedBody {
         GuardedBody {
             inner,
             version,
+            trailers,
             idle: None,
             client: ClientSide::new(watch),
             unreported: 0,
@@ -261,7 +302,7 @@ impl Body for GuardedBody {
             return Poll::Ready(Some(Err(evicted)));
         }
         Poll::Ready(match polled {
-            Some(Ok(frame)) => Some(Ok(frame)),
+            Some(Ok(frame)) => Some(Ok(this.trailers.clean(frame))),
             Some(Err(error)) => {
                 this.client.set(Failure::Broken(error.to_string()));
                 Some(Err(error.into()))

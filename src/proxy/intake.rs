@@ -18,9 +18,10 @@ use uuid::Uuid;
 
 use self::examine::Examiners;
 use super::budget::{BodyBudget, ReservedBody};
-use super::client_body::{self, GuardedBody};
+use super::client_body::{self, GuardedBody, Trailers};
 use super::downstream::Downstream;
 use super::key::jsonrpc::CallId;
+use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
 use crate::config::{Config, DEFAULT_ROUTE, Policy, Route, Unscoped};
@@ -35,6 +36,8 @@ pub(crate) struct Intake {
     body_read_timeout: Duration,
     /// Examinations of large keyed bodies (JSON keys and fingerprints) off the workers, one per CPU.
     examiners: Examiners,
+    /// How a body's trailers are cleaned.
+    trailers: Arc<TrailerRules>,
     metrics: Metrics,
 }
 
@@ -61,11 +64,12 @@ pub(crate) struct Unkeyed {
 }
 
 impl Intake {
-    pub(crate) fn new(config: &Config, metrics: Metrics) -> Intake {
+    pub(crate) fn new(config: &Config, metrics: Metrics, trailers: Arc<TrailerRules>) -> Intake {
         Intake {
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             body_read_timeout: config.server.body_read_timeout,
             examiners: Examiners::per_cpu(),
+            trailers,
             metrics,
         }
     }
@@ -109,6 +113,20 @@ impl Intake {
         }))
     }
 
+    /// Takes in a request its route does not protect but whose signature it checks: its body, read whole
+    /// as a keyed one is, then the signature. Nothing is keyed or claimed.
+    pub(crate) async fn verify(
+        &self,
+        request: Request<Incoming>,
+        route: &Route,
+        peer: &Downstream,
+    ) -> Result<Unkeyed, ProxyError> {
+        let (parts, body) = request.into_parts();
+        let body = self.read_body(&route.policy, &parts, body, peer).await?;
+        signature::check(&route.policy, &parts.headers, &body.bytes, &self.metrics).await?;
+        Ok(Unkeyed { parts, body })
+    }
+
     /// Reads a keyed request's body whole (its fingerprint must be known before the claim), refusing
     /// anything over `max_request_body` as early as its declared length allows, or as soon as the bytes
     /// received pass it, and anything that takes longer than `server.body_read_timeout` to arrive. Room
@@ -137,7 +155,8 @@ impl Intake {
         let Some(mut reservation) = self.budget.reserve(need, self.body_read_timeout).await else {
             return Err(ProxyError::Busy(Busy::Bodies));
         };
-        let mut body = GuardedBody::whole(body, parts.version, peer.body_watch());
+        let trailers = Trailers::of(&self.trailers, &parts.headers);
+        let mut body = GuardedBody::whole(body, (parts.version, trailers), peer.body_watch());
         let reading = tokio::time::timeout(self.body_read_timeout, Limited::new(&mut body, limit).collect());
         let (bytes, trailers) = match reading.await {
             Ok(Ok(collected)) => {

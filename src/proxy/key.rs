@@ -1,6 +1,7 @@
 //! Runs first for a protected request, before any store work: reads the idempotency key (from the
 //! route's key source, `key/source.rs`, `key/cloudevents.rs`, `key/jsonrpc.rs`), derives the scope from the route's scope
-//! name and the client's credentials (scope headers and the scope cookie, `key/cookie.rs`), and
+//! name and the client's credentials (scope headers, an auth scheme read without case (`key/credential.rs`),
+//! and the scope cookie, `key/cookie.rs`), and
 //! fingerprints the request under the route's policy (a JSON body by its meaning with
 //! `fingerprint_body = "json"`, `key/canonical.rs`). A body is read as JSON by streaming
 //! (`key/json.rs`, `key/pointer.rs`), its working memory taken from an allowance the caller charges to
@@ -9,6 +10,7 @@
 pub mod canonical;
 pub mod cloudevents;
 pub mod cookie;
+pub mod credential;
 pub mod json;
 pub mod jsonrpc;
 pub mod pointer;
@@ -132,11 +134,17 @@ fn hash_cookie(hash: &mut Sha256, name: &str, headers: &HeaderMap) {
 
 /// A header's name, the number of its values, then each value, in the order sent: the count frames
 /// them, so no value can pass from one header (or one count of values) to another.
+/// A credential header's values are hashed in their one spelling (`key/credential.rs`).
 fn hash_header(hash: &mut Sha256, name: &HeaderName, headers: &HeaderMap) {
     hash_field(hash, name.as_str().as_bytes());
     hash_count(hash, headers.get_all(name).iter().count());
+    let spelled = credential::is_credential(name);
     for value in headers.get_all(name) {
-        hash_field(hash, value.as_bytes());
+        if spelled {
+            hash_field(hash, &credential::canonical(value.as_bytes()));
+        } else {
+            hash_field(hash, value.as_bytes());
+        }
     }
 }
 
@@ -277,6 +285,13 @@ mod tests {
         assert_ne!(scope("r", &policy, &a), scope("s", &policy, &a));
         assert!(scope("r", &policy, &a).starts_with("r:"));
         assert!(!scope("r", &policy, &a).contains("alice"));
+        let mut shouted = HeaderMap::new();
+        shouted.insert("authorization", HeaderValue::from_static("BEARER   alice"));
+        assert_eq!(
+            scope("r", &policy, &a),
+            scope("r", &policy, &shouted),
+            "one credential, one scope"
+        );
     }
 
     fn cookie_policy() -> Policy {

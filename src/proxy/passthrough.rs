@@ -3,6 +3,7 @@
 //! `store.on_error = "fail_open"`: forwards it upstream as it is and streams the answer back, with no
 //! store work. A passthrough body streams to the upstream under `client_body.rs`'s bounds.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response, request};
@@ -12,8 +13,9 @@ use hyper::body::Incoming;
 
 use super::answer::Handled;
 use super::budget::ReservedBody;
-use super::client_body::{ClientSide, GuardedBody};
+use super::client_body::{ClientSide, GuardedBody, Trailers};
 use super::downstream::Downstream;
+use super::trailers::TrailerRules;
 use super::upstream::pool::PooledBody;
 use super::upstream::{Upstream, UpstreamFailure, stream_response};
 use crate::body::{self, ProxyBody};
@@ -28,15 +30,23 @@ pub(crate) struct Forward {
     upstream: Upstream,
     on_store_error: OnStoreError,
     body_read_timeout: Duration,
+    /// How a streamed body's trailers are cleaned.
+    trailers: Arc<TrailerRules>,
     metrics: Metrics,
 }
 
 impl Forward {
-    pub(crate) fn new(config: &Config, upstream: Upstream, metrics: Metrics) -> Forward {
+    pub(crate) fn new(
+        config: &Config,
+        upstream: Upstream,
+        metrics: Metrics,
+        trailers: Arc<TrailerRules>,
+    ) -> Forward {
         Forward {
             upstream,
             on_store_error: config.store.on_error,
             body_read_timeout: config.server.body_read_timeout,
+            trailers,
             metrics,
         }
     }
@@ -61,8 +71,13 @@ impl Forward {
         let (body, client) = if body.is_end_stream() {
             (body::empty(), None)
         } else {
-            let (body, client) =
-                GuardedBody::new(body, parts.version, self.body_read_timeout, peer.body_watch());
+            let trailers = Trailers::of(&self.trailers, &parts.headers);
+            let (body, client) = GuardedBody::new(
+                body,
+                (parts.version, trailers),
+                self.body_read_timeout,
+                peer.body_watch(),
+            );
             (body.boxed(), Some(client))
         };
         let request = self.upstream.request(parts, body, peer);

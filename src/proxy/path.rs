@@ -7,14 +7,18 @@
 
 use std::borrow::Cow;
 
-use http::Request;
 use http::uri::{PathAndQuery, Uri};
+use http::{Method, Request};
 
 use crate::config::{NotNormal, PathRules, Route, normal};
 use crate::error::ProxyError;
 
 /// Brings the request's path to normal form, or refuses it; a path already normal is left as it is.
+/// The asterisk-form target is refused but for OPTIONS.
 pub(crate) fn normalise<B>(request: &mut Request<B>, rules: &PathRules) -> Result<(), ProxyError> {
+    if request.uri().path() == "*" && request.method() != Method::OPTIONS {
+        return Err(ProxyError::NonNormalPath(NotNormal::Asterisk));
+    }
     let spelled = match normal(request.uri().path(), rules) {
         Ok(Cow::Borrowed(_)) => return Ok(()),
         Ok(Cow::Owned(spelled)) => spelled,
@@ -63,9 +67,23 @@ mod tests {
         assert_eq!(absolute.uri().to_string(), "http://example.com/v1/payments?x=1");
         for target in ["*", "example.com:443"] {
             let mut pathless = request(target);
+            *pathless.method_mut() = Method::OPTIONS;
             normalise(&mut pathless, &PathRules::default()).unwrap();
             assert_eq!(pathless.uri(), target, "a target without a path is left alone");
         }
+    }
+
+    #[test]
+    fn the_asterisk_form_is_only_for_options() {
+        for method in [Method::POST, Method::GET, Method::PATCH] {
+            let mut asterisk = request("*");
+            *asterisk.method_mut() = method.clone();
+            let error = normalise(&mut asterisk, &PathRules::default()).unwrap_err();
+            assert_eq!(error.slug(), "non-normal-path", "{method}");
+        }
+        let mut options = request("*");
+        *options.method_mut() = Method::OPTIONS;
+        normalise(&mut options, &PathRules::default()).unwrap();
     }
 
     #[test]

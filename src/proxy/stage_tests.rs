@@ -98,7 +98,12 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
             waiters: waiters.clone(),
             metrics: metrics.clone(),
             executor: executor.clone(),
-            forward: Forward::new(&config, upstream, metrics.clone()),
+            forward: Forward::new(
+                &config,
+                upstream,
+                metrics.clone(),
+                super::trailers::TrailerRules::new(&config),
+            ),
             settle,
         },
     );

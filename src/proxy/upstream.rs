@@ -127,7 +127,7 @@ impl Upstream {
     }
 
     /// Builds the upstream request: same method, path and query; hop-by-hop headers removed;
-    /// `X-Forwarded-*` set; the client's `Host` kept; the body's own length as `Content-Length`.
+    /// `X-Forwarded-*` set; the host the client named kept (the target's authority before `Host`); the body's own length as `Content-Length`.
     pub fn request(&self, parts: request::Parts, body: ProxyBody, peer: &Downstream) -> Request<ProxyBody> {
         let request::Parts {
             method,
@@ -147,18 +147,25 @@ impl Upstream {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
         set_length(&mut headers, &body);
-        let host = match headers.get(header::HOST) {
-            Some(host) => Some(host.clone()),
+        // HTTP/2 (`:authority`) and absolute-form requests name the host in the target, and that names
+        // it over any `Host` header (RFC 9112 §3.2.2, RFC 9113 §8.3.1); otherwise the `Host` header; with
+        // neither, the upstream's own authority.
+        let named = uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
+        let host = match named {
+            Some(named) => {
+                headers.insert(header::HOST, named.clone());
+                Some(named)
+            }
             None => {
-                // HTTP/2 and absolute-form requests name the host in the target; with neither, the
-                // upstream's own authority.
-                let named = uri
-                    .authority()
-                    .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
-                if let Some(upstream_host) = named.clone().or_else(|| self.base_host()) {
+                let sent = headers.get(header::HOST).cloned();
+                if sent.is_none()
+                    && let Some(upstream_host) = self.base_host()
+                {
                     headers.insert(header::HOST, upstream_host);
                 }
-                named
+                sent
             }
         };
         peer.set_forwarded(&mut headers, host);
@@ -423,6 +430,18 @@ mod tests {
         assert_eq!(headers[header::CONTENT_TYPE], "application/json");
         assert!(headers.get(header::EXPECT).is_none());
         assert!(headers.get(header::TRANSFER_ENCODING).is_none());
+    }
+
+    #[test]
+    fn an_absolute_form_target_names_the_host_over_the_host_header() {
+        let client =
+            parts(Request::post("http://other.example:8443/pay?x=1").header(header::HOST, "api.example"));
+        let peer = Downstream::new(Peer::Tcp("10.1.2.3:5000".parse().unwrap()), false, 1, None);
+        let request = upstream("http://127.0.0.1:9").request(client, crate::body::empty(), &peer);
+        assert_eq!(request.uri(), "/pay?x=1", "sent in origin form");
+        assert_eq!(request.headers()[header::HOST], "other.example:8443");
+        assert_eq!(request.headers()[&X_FORWARDED_HOST], "other.example:8443");
+        assert_eq!(request.headers().get_all(header::HOST).iter().count(), 1);
     }
 
     #[test]

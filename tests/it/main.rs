@@ -30,6 +30,7 @@ mod readme_clients;
 mod replay_cache;
 mod roles;
 mod routes;
+mod seams;
 mod socket;
 mod store;
 mod storm;

@@ -565,5 +565,10 @@ async fn a_missing_or_malformed_secret_stops_the_start_with_one_line_naming_the_
         printed.contains("secrets_env = \"HOOK_SIGNING_SECRET\""),
         "{printed}"
     );
-    assert!(printed.contains("signature stripe (1 secret)"), "{printed}");
+    assert!(
+        printed.contains(
+            "signature stripe (1 secret; every method and every case and trailing slash of the path verified)"
+        ),
+        "check-config says what the route verifies: {printed}"
+    );
 }
