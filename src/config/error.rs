@@ -42,6 +42,7 @@ impl ConfigError {
                 unknown_variable(&path, expected, std::env::vars_os())
                     .unwrap_or_else(|| format!("{}{from}", unknown_key(field, expected)))
             }
+            figment::error::Kind::Message(message) => format!("{}{from}", without_source_text(message)),
             kind => format!("{kind}{from}"),
         };
         let key = if path.is_empty() {
@@ -51,6 +52,25 @@ impl ConfigError {
         };
         ConfigError::new(&key, message)
     }
+}
+
+/// A parse error's message without the lines of the file it quotes (`  |`, `2 | keys = …`, the
+/// caret): the line and column stay, the text never, since it may hold a secret (`encryption.keys`) and
+/// the message goes to stderr and, on a reload, to the logs.
+fn without_source_text(message: &str) -> String {
+    let quoted = |line: &str| {
+        let trimmed = line.trim_start();
+        trimmed.starts_with('|')
+            || trimmed.split_once('|').is_some_and(|(number, _)| {
+                !number.trim().is_empty() && number.trim().bytes().all(|b| b.is_ascii_digit())
+            })
+    };
+    message
+        .lines()
+        .filter(|line| !quoted(line) && !line.trim().is_empty())
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 /// Least Jaro similarity for a known key to be offered as the one meant, as clap offers subcommands.

@@ -234,3 +234,26 @@ async fn check_config_warns_about_risky_settings_and_fails_on_them_only_when_ask
         String::from_utf8_lossy(&links.stdout)
     );
 }
+
+#[tokio::test]
+async fn a_syntax_error_names_its_line_and_column_but_never_echoes_the_line() {
+    let secret = "k1-never-echoed-0123456789";
+    for text in [
+        format!("[encryption]\nkeys = {{ k1 = \"{secret}\n"),
+        format!("[encryption]\nkeys = {{ k1 = \"{secret}\" \nactive_key = = \"k1\"\n"),
+        format!("[store]\nurl = \"postgres://u:{secret}@db/x\" x\n"),
+    ] {
+        let file = config_file(&text);
+        let path = file.path().to_str().unwrap();
+        for command in ["check-config", "serve"] {
+            let output = idemproxy(&[command, "--config", path], &[]).await;
+            assert_one_line_naming(&output, &["config", "line ", "column "]);
+            let line = stderr(&output);
+            assert!(
+                !line.contains(secret),
+                "{command}: the line is never echoed: {line}"
+            );
+            assert!(!line.contains(" | "), "{command}: no quoted source: {line}");
+        }
+    }
+}
