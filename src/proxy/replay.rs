@@ -82,7 +82,7 @@ pub fn response(
     }
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     if let Some(id) = sse::last_event_id(request)
-        && sse::is_event_stream(&headers)
+        && sse::resumable(&headers)
     {
         body = sse::resumed(&body, id);
     }

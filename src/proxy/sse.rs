@@ -1,8 +1,9 @@
 //! Resuming a server-sent event stream (`text/event-stream`) where a client left it: a retry that
 //! carries `Last-Event-ID` gets, of the stream replayed or followed under its key, only what comes after
 //! the event that set that id (the WHATWG HTML event-stream format: lines end with CRLF, LF or CR; an
-//! `id` field sets the event's id; a blank line ends the event). A stream with no such event gives the
-//! retry nothing. Runs on the replay's body (`replay.rs`) and on a followed body (`attach.rs`), as
+//! `id` field sets the last event id, which every event after carries until another changes it; a blank
+//! line ends the event; a leading byte-order mark is ignored). A stream with no such event gives the
+//! retry nothing; a stream sent with a content coding is not read, and replayed whole. Runs on the replay's body (`replay.rs`) and on a followed body (`attach.rs`), as
 //! bytes pass; keeps no more than the start of one line.
 
 use bytes::Bytes;
@@ -17,6 +18,16 @@ pub fn last_event_id(headers: &HeaderMap) -> Option<&HeaderValue> {
         .filter(|value| !value.as_bytes().is_empty())
 }
 
+/// Whether a response with these headers is an event stream that can be resumed: one sent without a
+/// content coding, whose bytes are the events themselves (a gzip stream is replayed whole).
+pub fn resumable(headers: &HeaderMap) -> bool {
+    is_event_stream(headers)
+        && headers
+            .get_all(header::CONTENT_ENCODING)
+            .iter()
+            .all(|coding| coding.as_bytes().eq_ignore_ascii_case(b"identity"))
+}
+
 /// Whether a response with these headers is an event stream.
 pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
@@ -26,7 +37,21 @@ pub fn is_event_stream(headers: &HeaderMap) -> bool {
         .is_some_and(|media| media.trim().eq_ignore_ascii_case("text/event-stream"))
 }
 
-/// Skips a stream's bytes up to the end of the event whose id is the one resumed after.
+/// Bytes of one event held back while it may still be one the client had (see [`Resume`]); an event
+/// longer than this is passed on rather than held, so a resumed client may get it again but never
+/// loses it.
+const HOLD_MAX: usize = 64 * 1024;
+
+/// The byte-order mark one stream may open with, which the format ignores.
+const BOM: [u8; 3] = [0xEF, 0xBB, 0xBF];
+
+/// Skips a stream's bytes up to where a client whose last event id is the target left it, tracking the
+/// last event id as the WHATWG algorithm does: an `id` field sets it, and every event dispatched after
+/// carries it until another `id` changes it. So what passes begins with the first event whose id is
+/// not the target after an event whose id was: an event without an `id` after the target's is one the
+/// client already had (its last event id was still the target), and is skipped. Since whether an event
+/// sets another id is known only once its `id` line (or its end) has come, the event after the
+/// target's is held until then, at most [`HOLD_MAX`] bytes.
 #[derive(Debug)]
 pub struct Resume {
     target: Vec<u8>,
@@ -36,10 +61,33 @@ pub struct Resume {
     long: bool,
     /// The last byte was a CR, so an LF right after it ends no further line.
     after_cr: bool,
-    /// The event being read set its id to the target.
-    sets_target: bool,
-    /// The target's event has ended: everything from here passes.
-    found: bool,
+    /// How many bytes of a leading byte-order mark have been read, until the stream's first other byte.
+    bom: Option<u8>,
+    /// The last event id buffer is the target.
+    id_is_target: bool,
+    phase: Phase,
+    /// The bytes of the event being held, from its first byte.
+    held: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// No event with the target's id has been dispatched yet: nothing passes.
+    Seeking,
+    /// The last event dispatched had the target's id: the next one is held until it sets another id
+    /// (it passes) or ends without one (it is skipped).
+    Holding,
+    /// Everything passes.
+    Passing,
+}
+
+/// What the end of a line did.
+enum LineEnd {
+    /// A blank line: the event ended, carrying the last event id.
+    Dispatch,
+    /// An `id` field set the last event id to something other than the target.
+    OtherId,
+    Other,
 }
 
 impl Resume {
@@ -50,63 +98,106 @@ impl Resume {
             line: Vec::new(),
             long: false,
             after_cr: false,
-            sets_target: false,
-            found: false,
+            bom: Some(0),
+            id_is_target: false,
+            phase: Phase::Seeking,
+            held: Vec::new(),
         }
     }
 
-    /// What of `chunk` passes: nothing while the target's event has not ended, then the rest.
+    /// What of `chunk` passes: nothing until the client's resume point, then the rest.
     pub fn feed(&mut self, chunk: &Bytes) -> Option<Bytes> {
-        let mut start = 0;
-        if !self.found {
-            start = chunk.len();
-            for (at, &byte) in chunk.iter().enumerate() {
-                if std::mem::take(&mut self.after_cr) && byte == b'\n' {
-                    continue;
+        if self.phase == Phase::Passing {
+            return (!chunk.is_empty()).then(|| chunk.clone());
+        }
+        // Where in this chunk the event being held began.
+        let mut held_from = 0;
+        for (at, &byte) in chunk.iter().enumerate() {
+            if self.phase == Phase::Holding && self.held.len() + (at - held_from) > HOLD_MAX {
+                return Some(self.pass(&chunk[held_from..]));
+            }
+            if self.skips_bom(byte) {
+                continue;
+            }
+            if std::mem::take(&mut self.after_cr) && byte == b'\n' {
+                if held_from == at {
+                    held_from = at + 1;
                 }
-                if byte == b'\r' || byte == b'\n' {
-                    self.after_cr = byte == b'\r';
-                    self.end_line();
-                    if self.found {
-                        start = at + 1;
-                        break;
-                    }
-                } else if self.line.len() < self.target.len() + 4 {
+                continue;
+            }
+            if byte != b'\r' && byte != b'\n' {
+                if self.line.len() < self.target.len() + 4 {
                     self.line.push(byte);
                 } else {
                     self.long = true;
                 }
+                continue;
+            }
+            self.after_cr = byte == b'\r';
+            match self.end_line() {
+                LineEnd::Dispatch if self.id_is_target => {
+                    self.phase = Phase::Holding;
+                    self.held.clear();
+                    held_from = at + 1;
+                }
+                LineEnd::OtherId if self.phase == Phase::Holding => {
+                    return Some(self.pass(&chunk[held_from..]));
+                }
+                LineEnd::Dispatch | LineEnd::OtherId | LineEnd::Other => {}
             }
         }
-        // A CR that ended the target's event may have its LF in the next byte, even the next chunk's.
-        if self.found && self.after_cr && start < chunk.len() {
-            self.after_cr = false;
-            if chunk[start] == b'\n' {
-                start += 1;
-            }
+        if self.phase == Phase::Holding {
+            self.held.extend_from_slice(&chunk[held_from.min(chunk.len())..]);
         }
-        (start < chunk.len()).then(|| chunk.slice(start..))
+        None
     }
 
-    fn end_line(&mut self) {
+    /// From here on everything passes: what was held, then `rest`.
+    fn pass(&mut self, rest: &[u8]) -> Bytes {
+        self.phase = Phase::Passing;
+        let mut passed = std::mem::take(&mut self.held);
+        passed.extend_from_slice(rest);
+        Bytes::from(passed)
+    }
+
+    /// Whether `byte` belongs to the byte-order mark the stream opens with, which is not parsed.
+    fn skips_bom(&mut self, byte: u8) -> bool {
+        let Some(read) = self.bom else {
+            return false;
+        };
+        if BOM.get(usize::from(read)) == Some(&byte) {
+            self.bom = (read < 2).then_some(read + 1);
+            return true;
+        }
+        // Not a mark after all: what looked like its start is the first line's.
+        self.bom = None;
+        self.line.extend_from_slice(&BOM[..usize::from(read)]);
+        false
+    }
+
+    fn end_line(&mut self) -> LineEnd {
         let line = std::mem::take(&mut self.line);
         let long = std::mem::take(&mut self.long);
         if line.is_empty() && !long {
-            self.found = self.sets_target;
-            self.sets_target = false;
-            return;
+            return LineEnd::Dispatch;
         }
         let (field, value) = match line.iter().position(|&b| b == b':') {
             Some(colon) => (&line[..colon], &line[colon + 1..]),
             None => (&line[..], &[][..]),
         };
         if field != b"id" {
-            return;
+            return LineEnd::Other;
         }
         let value = value.strip_prefix(b" ").unwrap_or(value);
         // An id with a NUL in it is ignored by the format; a line too long to hold is not the target's.
-        if !value.contains(&0) {
-            self.sets_target = !long && value == self.target.as_slice();
+        if value.contains(&0) {
+            return LineEnd::Other;
+        }
+        self.id_is_target = !long && value == self.target.as_slice();
+        if self.id_is_target {
+            LineEnd::Other
+        } else {
+            LineEnd::OtherId
         }
     }
 }
@@ -148,10 +239,13 @@ mod tests {
 
     #[test]
     fn every_line_ending_counts_and_a_crlf_is_not_split() {
-        let stream = "id:7\r\ndata: a\r\n\r\ndata: b\r\n\r\n";
-        assert_eq!(after("7", stream), "data: b\r\n\r\n");
-        assert_eq!(after_bytewise("7", stream), "data: b\r\n\r\n");
-        assert_eq!(after("7", "id: 7\rdata: a\r\rdata: b\r\r"), "data: b\r\r");
+        let stream = "id:7\r\ndata: a\r\n\r\nid:8\r\ndata: b\r\n\r\n";
+        assert_eq!(after("7", stream), "id:8\r\ndata: b\r\n\r\n");
+        assert_eq!(after_bytewise("7", stream), "id:8\r\ndata: b\r\n\r\n");
+        assert_eq!(
+            after("7", "id: 7\rdata: a\r\rid: 8\rdata: b\r\r"),
+            "id: 8\rdata: b\r\r"
+        );
     }
 
     #[test]
@@ -164,8 +258,8 @@ mod tests {
     #[test]
     fn a_long_line_is_read_through_without_being_kept() {
         let long = "x".repeat(100_000);
-        let stream = format!("id: {long}\ndata: {long}\n\nid: 2\ndata: a\n\ndata: b\n\n");
-        assert_eq!(after("2", &stream), "data: b\n\n");
+        let stream = format!("id: {long}\ndata: {long}\n\nid: 2\ndata: a\n\nid: 3\ndata: b\n\n");
+        assert_eq!(after("2", &stream), "id: 3\ndata: b\n\n");
         let mut resume = Resume::after(&HeaderValue::from_static("2"));
         resume.feed(&Bytes::from(stream));
         assert!(resume.line.capacity() < 64, "kept {}", resume.line.capacity());
@@ -174,7 +268,70 @@ mod tests {
     #[test]
     fn a_later_id_in_the_same_event_wins() {
         assert_eq!(after("1", "id: 1\nid: 2\n\ndata: a\n\n"), "");
-        assert_eq!(after("2", "id: 1\nid: 2\n\ndata: a\n\n"), "data: a\n\n");
+        assert_eq!(
+            after("2", "id: 1\nid: 2\n\nid: 3\ndata: a\n\n"),
+            "id: 3\ndata: a\n\n"
+        );
+    }
+
+    #[test]
+    fn events_without_an_id_after_the_target_s_carry_its_id_and_were_had() {
+        // A client that read `b` has 1 as its last event id too (WHATWG): it resumes after `b`.
+        let stream = "id: 1\ndata: a\n\ndata: b\n\n: comment\n\ndata: c\nid: 2\n\ndata: d\n\n";
+        assert_eq!(after("1", stream), "data: c\nid: 2\n\ndata: d\n\n");
+        assert_eq!(after_bytewise("1", stream), "data: c\nid: 2\n\ndata: d\n\n");
+        // An event that sets the target's id again is the client's too.
+        assert_eq!(after("1", "id: 1\n\nid: 1\ndata: a\n\nid: 2\n\n"), "id: 2\n\n");
+        // The id set to nothing is another id.
+        assert_eq!(after("1", "id: 1\n\nid\ndata: a\n\n"), "id\ndata: a\n\n");
+    }
+
+    #[test]
+    fn a_long_event_after_the_target_s_is_passed_on_rather_than_held() {
+        let long = "x".repeat(HOLD_MAX + 10);
+        let stream = format!("id: 1\n\ndata: {long}\n\nid: 2\n\n");
+        let passed = after("1", &stream);
+        assert!(
+            passed == format!("data: {long}\n\nid: 2\n\n"),
+            "sent again, never lost"
+        );
+        let mut resume = Resume::after(&HeaderValue::from_static("1"));
+        for chunk in stream.as_bytes().chunks(1000) {
+            resume.feed(&Bytes::copy_from_slice(chunk));
+            assert!(resume.held.len() <= HOLD_MAX + 1000, "held {}", resume.held.len());
+        }
+    }
+
+    #[test]
+    fn a_leading_byte_order_mark_is_ignored_once() {
+        let stream = "\u{feff}id: 1\ndata: a\n\nid: 2\ndata: b\n\n";
+        assert_eq!(after("1", stream), "id: 2\ndata: b\n\n");
+        assert_eq!(after_bytewise("1", stream), "id: 2\ndata: b\n\n");
+        let twice = "\u{feff}\u{feff}id: 1\n\nid: 2\n\n";
+        assert_eq!(
+            after("1", twice),
+            "",
+            "a second mark is part of the first field's name"
+        );
+        assert_eq!(
+            after("1", "\u{fe}id: 1\n\nid: 2\n\n"),
+            "",
+            "no mark: the bytes are the line's"
+        );
+    }
+
+    #[test]
+    fn only_a_stream_without_a_content_coding_is_resumable() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        assert!(resumable(&headers));
+        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("identity"));
+        assert!(resumable(&headers));
+        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        assert!(!resumable(&headers));
     }
 
     #[test]

@@ -236,7 +236,7 @@ impl Waits {
         let place = Attached::enter(&self.metrics, waiting.permit.take());
         let request = &in_flight.keyed.request.parts.headers;
         let resume = sse::last_event_id(request)
-            .filter(|_| sse::is_event_stream(&head.headers))
+            .filter(|_| sse::resumable(&head.headers))
             .map(Resume::after);
         let response = followed(&head, joined, place, resume);
         in_flight.keyed.head.send(Ok((response, Outcome::Replayed)));
