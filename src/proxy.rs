@@ -377,13 +377,23 @@ impl Proxy {
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
         let slot = self.slots.take(&peer).map_err(ProxyError::Busy)?;
+        // A gRPC client is answered at its own deadline; the execution runs on under upstream.timeout and
+        // stores its result for the retry, as for an HTTP client that left.
+        let deadline = grpc::client_deadline(&taken.parts.headers);
         let (head, response) = Answer::new(self.route_series.get(&taken.route.name).clone());
         // On the heap from the start: the task's future is many kilobytes, and each wrapper below and the
         // spawn would otherwise copy it whole, as would the task's cell when it finishes.
         let keyed = Box::pin(self.keyed.clone().run(taken, peer, head, slot));
         let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
-        response.await.unwrap_or_else(|_| {
+        let answered = match deadline {
+            None => response.await,
+            Some(deadline) => match tokio::time::timeout(deadline, response).await {
+                Ok(answered) => answered,
+                Err(_) => return Err(ProxyError::UpstreamTimeout(deadline)),
+            },
+        };
+        answered.unwrap_or_else(|_| {
             Err(ProxyError::UpstreamBroken(
                 "the request's task ended without a response".into(),
             ))

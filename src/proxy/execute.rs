@@ -151,10 +151,11 @@ impl Executor {
     /// The request `parts` and `body`, read whole, as they go upstream from `peer`.
     pub(crate) fn request(
         &self,
-        parts: request::Parts,
+        mut parts: request::Parts,
         body: ReservedBody,
         peer: &Downstream,
     ) -> Request<ProxyBody> {
+        grpc::set_deadline(&mut parts.headers, self.upstream.timeout());
         self.upstream.request_whole(parts, body, peer)
     }
 

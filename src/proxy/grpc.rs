@@ -19,7 +19,12 @@ const STATUS: &str = "grpc-status";
 /// Whether `request` is gRPC (`application/grpc`, `+proto`, `+json`, any other `+` suffix), which only
 /// HTTP/2 carries. gRPC-Web (`application/grpc-web…`) is made for HTTP/1.1 and is not.
 pub(crate) fn is_grpc<B>(request: &Request<B>) -> bool {
-    let Some(content_type) = request.headers().get(header::CONTENT_TYPE) else {
+    is_grpc_headers(request.headers())
+}
+
+/// [`is_grpc`], from the request's headers.
+fn is_grpc_headers(headers: &HeaderMap) -> bool {
+    let Some(content_type) = headers.get(header::CONTENT_TYPE) else {
         return false;
     };
     let bytes = content_type.as_bytes();
@@ -68,6 +73,30 @@ pub(crate) fn timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
         "n" => Duration::from_nanos(amount),
         _ => return None,
     })
+}
+
+/// A gRPC call's own deadline (`grpc-timeout`), when the request is a gRPC call that names one.
+pub(crate) fn client_deadline(headers: &HeaderMap) -> Option<std::time::Duration> {
+    is_grpc_headers(headers).then(|| timeout(headers)).flatten()
+}
+
+/// Puts the proxy's deadline on a keyed call as it goes upstream, in place of the client's: the
+/// service enforces `grpc-timeout` itself, and the execution of a key runs to its end (and is stored)
+/// whenever its client gives up, under `upstream.timeout`.
+pub(crate) fn set_deadline(headers: &mut HeaderMap, deadline: std::time::Duration) {
+    if !headers.contains_key("grpc-timeout") {
+        return;
+    }
+    // A TimeoutValue has at most 8 digits: milliseconds up to a day and more, else seconds.
+    let millis = deadline.as_millis();
+    let value = if millis < 100_000_000 {
+        format!("{millis}m")
+    } else {
+        format!("{}S", deadline.as_secs().min(99_999_999))
+    };
+    if let Ok(value) = http::HeaderValue::from_str(&value) {
+        headers.insert("grpc-timeout", value);
+    }
 }
 
 /// The status code of a response as it is to be stored: in its headers (trailers-only) or its trailers.
@@ -211,5 +240,21 @@ mod tests {
             stored_status(&[head, ("x-grpc-status".into(), b"5".to_vec())]),
             None
         );
+    }
+
+    #[test]
+    fn a_keyed_call_goes_upstream_under_the_proxy_s_deadline() {
+        let mut headers = HeaderMap::new();
+        set_deadline(&mut headers, std::time::Duration::from_secs(60));
+        assert!(
+            headers.get("grpc-timeout").is_none(),
+            "a call without a deadline is sent without one"
+        );
+        headers.insert("grpc-timeout", http::HeaderValue::from_static("300m"));
+        set_deadline(&mut headers, std::time::Duration::from_secs(60));
+        assert_eq!(headers["grpc-timeout"], "60000m");
+        assert_eq!(timeout(&headers), Some(std::time::Duration::from_secs(60)));
+        set_deadline(&mut headers, std::time::Duration::from_secs(200_000));
+        assert_eq!(headers["grpc-timeout"], "200000S");
     }
 }

@@ -214,12 +214,10 @@ impl Upstream {
     ) -> Result<Response<PooledBody>, UpstreamFailure> {
         let span = otlp::upstream(self.traced, &mut request);
         let started = std::time::Instant::now();
-        // A gRPC client's own deadline bounds the call too, when it is the shorter (gRPC needs HTTP/2,
-        // so over HTTP/1.1 only there is none to look for).
-        let deadline = (self.pool.may_use_h2() && crate::proxy::grpc::is_grpc(&request))
-            .then(|| crate::proxy::grpc::timeout(request.headers()))
-            .flatten();
-        let timeout = deadline.map_or(self.timeout, |deadline| deadline.min(self.timeout));
+        // A gRPC client's own deadline is the service's to enforce (it gets `grpc-timeout`) and the
+        // client's to keep: a passthrough call ends when its client gives up, and a keyed one goes on
+        // to be stored (`proxy.rs`).
+        let timeout = self.timeout;
         let sending = tokio::time::timeout(timeout, self.pool.send(request));
         let result = if span.is_none() {
             sending.await

@@ -704,7 +704,7 @@ async fn the_proxys_own_refusals_are_grpc_statuses_the_client_reads() {
 }
 
 #[tokio::test]
-async fn the_clients_grpc_timeout_bounds_the_upstream_call() {
+async fn a_client_past_its_grpc_timeout_is_answered_and_the_call_goes_on_to_be_stored() {
     let (env, payments, upstream) = service().await;
     let proxy = proxy(&env, &upstream, "h2c").await;
 
@@ -712,6 +712,7 @@ async fn the_clients_grpc_timeout_bounds_the_upstream_call() {
         customer: "c_1".into(),
         amount: GATED,
     };
+    let entered = payments.entered.notified();
     let (grpc, mut request) = client(&proxy.url, Some("deadline-1"), message).await;
     request.set_timeout(std::time::Duration::from_millis(300));
     let failed = send_create(grpc, request).await.expect_err("past its deadline");
@@ -720,11 +721,22 @@ async fn the_clients_grpc_timeout_bounds_the_upstream_call() {
         matches!(failed.code(), Code::DeadlineExceeded | Code::Cancelled),
         "{failed:?}"
     );
-    // The proxy gave up on the upstream call at the client's deadline (upstream.timeout is 60 s), so
-    // the service saw its stream reset.
-    tokio::time::timeout(std::time::Duration::from_secs(10), payments.abandoned.notified())
-        .await
-        .expect("the upstream call was cancelled at the deadline");
+    entered.await;
+    // The service runs the call under the proxy's deadline (upstream.timeout), not the client's: it
+    // completes once released, and its result is stored for the retry.
+    payments.release.open(1);
+    crate::support::poll_until("the call was stored", || async {
+        let replay = create(&proxy.url, Some("deadline-1"), GATED).await;
+        replay
+            .ok()
+            .filter(|(_, metadata)| metadata.get("idempotent-replayed").is_some())
+    })
+    .await;
+    assert_eq!(payments.executions(), 1, "executed once, never run again");
+    assert!(
+        futures_util::FutureExt::now_or_never(payments.abandoned.notified()).is_none(),
+        "the service's call was never cancelled"
+    );
 }
 
 #[tokio::test]
