@@ -8,11 +8,10 @@
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream;
-use hmac::{Hmac, KeyInit, Mac};
 use http::{HeaderMap, HeaderValue, Method, Request, Response};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -138,11 +137,9 @@ signature = {{ scheme = "stripe", secrets_file = "{}" }}
     }
 }
 
+/// `Stripe-Signature` for `body` signed with `secret` now, as Stripe writes it.
 fn stripe_signature(secret: &str, body: &str) -> String {
-    let t = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    let mut mac = Hmac::<sha2_11::Sha256>::new_from_slice(secret.as_bytes()).unwrap();
-    mac.update(format!("{t}.{body}").as_bytes());
-    format!("t={t},v1={}", hex::encode(mac.finalize().into_bytes()))
+    crate::webhooks::stripe_signature(secret, crate::webhooks::now(), body)
 }
 
 /// A raw HTTP/1.1 request with a body of `body`.
@@ -460,7 +457,9 @@ async fn a_flood_of_trailer_poisoned_requests_leaves_keyed_slots_for_other_clien
         ],
     )
     .await;
-    // Each is sent and its connection dropped at once, as the attacker did; more than the slots.
+    // More than the slots, each on a connection of its own, held open while the victim tries (a
+    // connection closed before the proxy read its request would cancel it).
+    let mut flood = Vec::new();
     for at in 0..64 {
         let authority = world.proxy.url.trim_start_matches("http://").to_owned();
         let bytes = format!(
@@ -472,7 +471,7 @@ async fn a_flood_of_trailer_poisoned_requests_leaves_keyed_slots_for_other_clien
         tokio::io::AsyncWriteExt::write_all(&mut stream, bytes.as_bytes())
             .await
             .unwrap();
-        drop(stream);
+        flood.push(stream);
     }
     // Served once the flood's own requests have run (each is answered at once now); a flood that held
     // its slots until upstream.timeout kept answering 503 busy here.
@@ -492,6 +491,7 @@ async fn a_flood_of_trailer_poisoned_requests_leaves_keyed_slots_for_other_clien
     .await
     .expect("another client's keyed request is served within a minute");
     assert_eq!(victim.status, Some(201), "{victim:?}");
+    drop(flood);
 }
 
 /// A keyed `POST /pay` whose body the upstream sends back as an event stream (`x-echo-events: coding`),

@@ -127,7 +127,7 @@ scope_headers = []
     }
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("after 1970")
@@ -151,7 +151,7 @@ fn sw_signature(secret: &str, id: &str, timestamp: u64, body: &str) -> String {
 }
 
 /// `Stripe-Signature` as Stripe writes it: `t=` and `v1=` the hex HMAC of `t.body` under the whole secret.
-fn stripe_signature(secret: &str, t: u64, body: &str) -> String {
+pub(crate) fn stripe_signature(secret: &str, t: u64, body: &str) -> String {
     let mac = hmac_sha256(secret.as_bytes(), &[format!("{t}.").as_bytes(), body.as_bytes()]);
     format!("t={t},v1={}", hex::encode(mac))
 }
