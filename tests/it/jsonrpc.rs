@@ -9,8 +9,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -442,45 +442,9 @@ async fn jsonrpc_hostile_bodies_get_problems_and_never_reach_the_server() {
 /// client, and `requirements.txt`, the SDK (`mcp`, from PyPI) and what it installs with, pinned.
 const MCP_PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/mcp_sdk");
 
-/// A Python with the MCP SDK installed: a virtual environment in `target/test-tools/mcp`, made and filled
-/// from PyPI on first use (a minute), then reused until `requirements.txt` changes. Installed by the test
-/// itself, so CI runs it on a clean clone rather than skipping it.
+/// A Python with the MCP SDK installed, in `target/test-tools/mcp` (a minute on first use).
 fn mcp_python() -> PathBuf {
-    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
-    PYTHON
-        .get_or_init(|| {
-            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-tools/mcp");
-            let python = dir.join("bin/python");
-            let requirements = format!("{MCP_PROGRAMS}/requirements.txt");
-            let wanted = std::fs::read_to_string(&requirements).unwrap();
-            let installed = dir.join("installed-requirements.txt");
-            if std::fs::read_to_string(&installed).is_ok_and(|text| text == wanted) {
-                return python;
-            }
-            let _ = std::fs::remove_dir_all(&dir);
-            let run = |command: &mut std::process::Command| {
-                let status = command
-                    .status()
-                    .expect("python3 runs (python3 and its venv module)");
-                assert!(status.success(), "{command:?}: {status}");
-            };
-            run(std::process::Command::new("python3")
-                .args(["-m", "venv"])
-                .arg(&dir));
-            run(std::process::Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    "-r",
-                ])
-                .arg(&requirements));
-            std::fs::write(&installed, wanted).unwrap();
-            python
-        })
-        .clone()
+    crate::support::tools::python_venv("mcp", Path::new(&format!("{MCP_PROGRAMS}/requirements.txt")))
 }
 
 /// `server.py` serving, answering JSON (`answer = "json"`) or, once its tool reports progress, an event

@@ -10,6 +10,7 @@ mod cli;
 mod concurrency;
 mod config_errors;
 mod demo_upstream;
+mod differential;
 mod encryption;
 mod grpc;
 mod guarantees;

@@ -13,6 +13,7 @@ pub mod recorder;
 pub mod redis;
 pub mod relay;
 pub mod store;
+pub mod tools;
 pub mod upstream;
 
 pub use http::{Reply, keyed_post, metric, settled};

@@ -23,7 +23,7 @@ const SW_OLD: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const SW_NEW: &str = "whsec_aWRlbXByb3h5IHJvdGF0aW9uIHRlc3Qgc2VjcmV0LCAzMkI=";
 /// A secret the routes do not have: what a forger signs with.
 const SW_FORGED: &str = "whsec_Zm9yZ2VyJ3Mgb3duIHNlY3JldCwgMjQgYnl0ZXM=";
-const STRIPE_SECRET: &str = "whsec_test_secret";
+pub(crate) const STRIPE_SECRET: &str = "whsec_test_secret";
 const GITHUB_SECRET: &str = "It's a Secret to Everybody";
 const SHOPIFY_SECRET: &str = "shpss_test_client_secret";
 const GENERIC_SECRET: &str = "generic secret";

@@ -1,0 +1,45 @@
+//! Programs the tests install for themselves under `target/test-tools/`: Python virtual environments
+//! filled from PyPI, pinned by a requirements file.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+/// The Python of a virtual environment in `target/test-tools/<name>`, made and filled from PyPI with
+/// `requirements` on first use, then reused until that file changes. Installed by the tests themselves,
+/// so CI runs them on a clean clone rather than skipping them. Blocking; one install at a time.
+pub fn python_venv(name: &str, requirements: &Path) -> PathBuf {
+    static INSTALLING: Mutex<()> = Mutex::new(());
+    let _one = INSTALLING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/test-tools")
+        .join(name);
+    let python = dir.join("bin/python");
+    let wanted = std::fs::read_to_string(requirements)
+        .unwrap_or_else(|e| panic!("read {}: {e}", requirements.display()));
+    let installed = dir.join("installed-requirements.txt");
+    if std::fs::read_to_string(&installed).is_ok_and(|text| text == wanted) {
+        return python;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    run(Command::new("python3").args(["-m", "venv"]).arg(&dir));
+    run(Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+        ])
+        .arg(requirements));
+    std::fs::write(&installed, wanted).unwrap();
+    python
+}
+
+fn run(command: &mut Command) {
+    let status = command
+        .status()
+        .unwrap_or_else(|e| panic!("{command:?} does not start: {e}"));
+    assert!(status.success(), "{command:?}: {status}");
+}
