@@ -313,7 +313,16 @@ impl Proxy {
         if route.passthrough || grpc::is_infrastructure(&request) {
             return self.forward.passthrough(request, &peer).await;
         }
-        if !route.policy.methods.contains(request.method()) {
+        let protects = route.policy.methods.contains(request.method());
+        if (protects || route.policy.signature.is_some())
+            && let Some(name) = trailers::names_decisive(&route.policy, request.headers())
+        {
+            return Err(ProxyError::InvalidKey(format!(
+                "the Connection header names {name}, which this route reads its key, scope or \
+                 signature from; the service would not get it"
+            )));
+        }
+        if !protects {
             if route.policy.signature.is_some() {
                 // Verified like the rest: a signed route's handler sees no request of any method
                 // that has not passed.

@@ -7,7 +7,10 @@
 //! modifiers, authentication, content metadata); the fields only the proxy may write
 //! (`Idempotency-Attempt`, `X-Forwarded-*`, `Forwarded`, trace context); and every field the config
 //! reads a key, a scope, a fingerprint or a signature from, so that what the proxy did not see in the
-//! head never reaches the service behind the request it decided on. Touches nothing else.
+//! head never reaches the service behind the request it decided on. By the same rule a request whose
+//! head's `Connection` names one of its route's decisive headers (`Connection: Idempotency-Key`) is
+//! refused ([`names_decisive`]): the proxy would key it by a header the service never gets. Touches
+//! nothing else.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -105,6 +108,16 @@ pub(crate) fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
+/// The first header `policy` decides by that the request's `Connection` names, which would be kept
+/// from the service as this hop's only.
+pub(crate) fn names_decisive(policy: &Policy, headers: &HeaderMap) -> Option<HeaderName> {
+    if !headers.contains_key(header::CONNECTION) {
+        return None;
+    }
+    let named = connection_named(headers);
+    decisive(policy).into_iter().find(|name| named.contains(name))
+}
+
 /// The header names `policy` reads anything from.
 fn decisive(policy: &Policy) -> Vec<HeaderName> {
     let mut names = vec![policy.header.clone()];
@@ -182,6 +195,26 @@ mod tests {
             sent.keys().map(HeaderName::as_str).collect::<Vec<_>>(),
             ["x-other"]
         );
+    }
+
+    #[test]
+    fn a_connection_that_names_a_decisive_header_is_found() {
+        let config = Config::from_toml_str("").unwrap();
+        let policy = &config.routes.default.policy;
+        let mut head = HeaderMap::new();
+        assert_eq!(names_decisive(policy, &head), None);
+        head.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, te"));
+        assert_eq!(names_decisive(policy, &head), None);
+        head.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, Idempotency-Key"),
+        );
+        assert_eq!(
+            names_decisive(policy, &head),
+            Some(HeaderName::from_static("idempotency-key"))
+        );
+        head.insert(header::CONNECTION, HeaderValue::from_static("authorization"));
+        assert_eq!(names_decisive(policy, &head), Some(header::AUTHORIZATION));
     }
 
     #[test]

@@ -540,3 +540,40 @@ async fn a_stored_event_stream_resumes_as_a_browser_tracks_its_last_event_id() {
     assert_eq!(replayed.as_deref(), Some("true"));
     assert_eq!(whole, coded, "a coded stream is replayed whole, never cut");
 }
+
+#[tokio::test]
+async fn a_connection_header_naming_the_key_or_the_credential_is_refused_before_the_claim() {
+    let world = world(Backend::Postgres, "http1", &[]).await;
+    for connection in ["connection: Idempotency-Key", "connection: close, authorization"] {
+        let refused = exchange(
+            &world.proxy.url,
+            &raw_request("POST /pay", &["idempotency-key: conn-1", connection], "{}"),
+        )
+        .await;
+        refused.assert_problem(400, "invalid-key");
+    }
+    // A GET passes through whatever its Connection names: nothing is decided by those headers there.
+    let get = exchange(
+        &world.proxy.url,
+        head("GET /pay", "api.example", &["connection: authorization"]).as_bytes(),
+    )
+    .await;
+    assert_eq!(get.status, Some(201), "{get:?}");
+    let keyed = exchange(
+        &world.proxy.url,
+        &raw_request("POST /pay", &["idempotency-key: conn-1"], "{}"),
+    )
+    .await;
+    assert_eq!(
+        keyed.status,
+        Some(201),
+        "the refused ones claimed nothing: {keyed:?}"
+    );
+    assert!(keyed.header("idempotent-replayed").is_none());
+    let seen = world.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[1].headers["idempotency-key"], "conn-1",
+        "the service gets the key it was executed by"
+    );
+}
