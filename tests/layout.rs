@@ -377,3 +377,194 @@ fn the_check_sees_a_cycle_and_the_uses_it_is_given() {
     );
     assert_eq!(found.len(), 6, "myself:: is not self::: {found:?}");
 }
+
+/// The types whose values hold bytes, a permit or a budget's share for as long as they live: a struct
+/// with a field of one of them holds that per request (or is process-wide, and says so below).
+const HOLDING_TYPES: [&str; 5] = [
+    "OwnedSemaphorePermit",
+    "SemaphorePermit",
+    // The body budget's and the capture budget's shares (`proxy/budget.rs`, `proxy/execute/capture.rs`).
+    "Reservation",
+    "ReservedBody",
+    "BytesMut",
+];
+
+/// Structs that hold one of [`HOLDING_TYPES`] but nothing per request, each with why. Empty today: the
+/// process-wide budgets (`BodyBudget`, `CaptureBudget`) hold a semaphore or a ledger, not a share.
+const NOT_PER_REQUEST: &[(&str, &str, &str)] = &[];
+
+/// Whether `file` is on the request path, where a `Vec<u8>` or a `VecDeque` field is bytes or a queue
+/// kept per request.
+fn on_the_request_path(file: &str) -> bool {
+    ["src/proxy", "src/server", "src/body.rs", "src/headers.rs"]
+        .iter()
+        .any(|root| file.starts_with(root))
+}
+
+/// The structs `text` defines, by name, with the text between their braces or parentheses.
+fn structs(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for (at, _) in text.match_indices("struct ") {
+        let before = text[..at].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &text[at + "struct ".len()..];
+        let name_end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        let name = &rest[..name_end];
+        let Some(open) = rest[name_end..].find(['{', '(', ';']).map(|i| i + name_end) else {
+            continue;
+        };
+        if name.is_empty() || rest[open..].starts_with(';') {
+            continue;
+        }
+        let (opening, closing) = if rest[open..].starts_with('{') {
+            ('{', '}')
+        } else {
+            ('(', ')')
+        };
+        let mut depth = 0usize;
+        let mut end = rest.len();
+        for (i, c) in rest[open..].char_indices() {
+            if c == opening {
+                depth += 1;
+            } else if c == closing {
+                depth -= 1;
+                if depth == 0 {
+                    end = open + i;
+                    break;
+                }
+            }
+        }
+        let fields = rest[open + 1..end]
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        found.push((name.to_owned(), fields));
+    }
+    found
+}
+
+/// What in `fields` (a struct's fields, in `file`) holds bytes or a permit, if anything.
+fn holding(file: &str, fields: &str) -> Option<String> {
+    let words: BTreeSet<&str> = fields
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .collect();
+    if let Some(held) = HOLDING_TYPES.iter().find(|t| words.contains(*t)) {
+        return Some((*held).to_owned());
+    }
+    let squeezed: String = fields.chars().filter(|c| !c.is_whitespace()).collect();
+    if squeezed.contains("Vec<Bytes>") {
+        return Some("Vec<Bytes>".to_owned());
+    }
+    if let Some(at) = squeezed.find("VecDeque<")
+        && squeezed[at..]
+            .split(['>', ';'])
+            .next()
+            .is_some_and(|inner| inner.contains("Bytes"))
+    {
+        return Some("VecDeque<…Bytes…>".to_owned());
+    }
+    if !on_the_request_path(file) {
+        return None;
+    }
+    if squeezed.contains("Vec<u8>") {
+        return Some("Vec<u8>".to_owned());
+    }
+    if squeezed.contains("VecDeque<") {
+        return Some("VecDeque<…>".to_owned());
+    }
+    None
+}
+
+/// Every struct under `src/` that holds bytes or a permit, as (file, struct, what it holds).
+fn holders() -> Vec<(String, String, String)> {
+    let mut found = Vec::new();
+    for (file, text) in modules().into_values() {
+        for (name, fields) in structs(&text) {
+            if let Some(held) = holding(&file, &fields) {
+                found.push((file.clone(), name, held));
+            }
+        }
+    }
+    found
+}
+
+/// The section of docs/security.md that lists every holder.
+fn holders_table() -> String {
+    let text = fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/security.md")).unwrap();
+    let start = text
+        .find("## What each request may hold")
+        .expect("docs/security.md has a section \"## What each request may hold\"");
+    let section = &text[start + 3..];
+    section[..section.find("\n## ").unwrap_or(section.len())].to_owned()
+}
+
+#[test]
+fn every_holder_has_a_row_in_the_holders_table() {
+    let table = holders_table();
+    let found = holders();
+    assert!(found.len() > 5, "only {found:?} found");
+    let mut missing = Vec::new();
+    for (file, name, held) in &found {
+        let excepted = NOT_PER_REQUEST.iter().any(|(f, n, _)| f == file && n == name);
+        if !excepted && !table.contains(&format!("`{name}`")) {
+            missing.push(format!(
+                "{file}: struct `{name}` holds `{held}`. Add a row naming `{name}` ({file}) to the table under \
+                 \"## What each request may hold\" in docs/security.md (what it holds, its budget: config key \
+                 and default, memory per attacker byte, the longest it is held: config key) and measure it \
+                 in tests/it/guarantees/holders.rs; or, if it holds nothing per request, add (\"{file}\", \
+                 \"{name}\", \"why\") to NOT_PER_REQUEST in tests/layout.rs."
+            ));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "holders without a row:\n{}",
+        missing.join("\n")
+    );
+    for (file, name, _) in NOT_PER_REQUEST {
+        assert!(
+            found.iter().any(|(f, n, _)| f == file && n == name),
+            "NOT_PER_REQUEST names {name} in {file}, which holds nothing any more: remove it"
+        );
+    }
+}
+
+#[test]
+fn the_holder_scan_sees_permits_reservations_and_buffers() {
+    let text = "pub(crate) struct Slot {\n    _permit: OwnedSemaphorePermit,\n}\nstruct Tuple(Arc<Mutex<Vec<u8>>>);\n\
+                struct Plain { n: usize }\nstruct Queue { frames: VecDeque<(u64, Bytes)>, }\nstruct Marker;\n\
+                struct Nested { body: Option<ReservedBody>, reservations: Vec<Reservation> }\n\
+                struct NotMine { held: BodyReservationLike }";
+    let found: Vec<(String, Option<String>)> = structs(text)
+        .into_iter()
+        .map(|(name, fields)| (name, holding("src/proxy/x.rs", &fields)))
+        .collect();
+    let names = |held: bool| -> Vec<&str> {
+        found
+            .iter()
+            .filter(|(_, h)| h.is_some() == held)
+            .map(|(n, _)| n.as_str())
+            .collect()
+    };
+    assert_eq!(names(true), ["Slot", "Tuple", "Queue", "Nested"], "{found:?}");
+    assert_eq!(names(false), ["Plain", "NotMine"], "{found:?}");
+    assert_eq!(
+        holding("src/store/x.rs", "key: Vec<u8>"),
+        None,
+        "Vec<u8> counts on the request path only"
+    );
+    assert_eq!(
+        holding("src/store/x.rs", "q: VecDeque<Reply>"),
+        None,
+        "so does any VecDeque"
+    );
+    assert!(
+        holding("src/store/x.rs", "q: VecDeque<Bytes>").is_some(),
+        "but one of Bytes anywhere"
+    );
+}

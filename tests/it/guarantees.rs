@@ -2,7 +2,7 @@
 //! matters: a retry sent the moment a response is read gets the replay, no two clients share a scope by
 //! accident, secrets are not stored, a running key is never new, a client that stops reading does not hold
 //! its key, detached work is bounded, unknown outcomes can be held, floods do not lock clients out, HTTP
-//! edge cases are refused, stored responses are sealed per record, and logs never hold a key. One file
+//! edge cases are refused, every holder is bounded per attacker byte and in time, stored responses are sealed per record, and logs never hold a key. One file
 //! per promise.
 
 mod bounds;
@@ -10,6 +10,7 @@ mod encryption;
 mod file_modes;
 mod flood;
 mod full_response;
+mod holders;
 mod http_edges;
 mod log_keys;
 mod readiness;
