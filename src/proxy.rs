@@ -218,11 +218,11 @@ impl Proxy {
         // A gRPC client reads the proxy's own answers only as gRPC statuses.
         let grpc = grpc::is_grpc(&request);
         // A refused path is counted under the default route, as a path no route matches is.
-        let route = match normal {
-            Ok(()) => self.routes.select(request.method(), request.uri().path()),
-            Err(_) => &self.routes.default,
-        }
-        .clone();
+        let (normal, route) = match normal {
+            Ok(()) => self.route(&request),
+            Err(refused) => (Err(refused), &self.routes.default),
+        };
+        let route = route.clone();
         otlp::adopt(&span, self.traced, &request, &route.name);
         let series = self.route_series.get(&route.name);
         let statuses = route.policy.statuses;
@@ -274,6 +274,19 @@ impl Proxy {
             Some(line) => line.answered(outcome, response),
             None => response,
         })
+    }
+
+    /// The route `request` (its path in normal form) takes; refused when it spells another route's path
+    /// in another case or with another trailing slash (`RouteTable::misspelt`), counted under the
+    /// default route.
+    fn route(&self, request: &Request<Incoming>) -> (Result<(), ProxyError>, &Arc<Route>) {
+        let (method, path) = (request.method(), request.uri().path());
+        let route = self.routes.select(method, path);
+        if self.routes.misspelt(method, path, route) {
+            let refused = ProxyError::NonNormalPath(crate::config::NotNormal::RouteSpelling);
+            return (Err(refused), &self.routes.default);
+        }
+        (Ok(()), route)
     }
 
     /// Puts the caller's trace context on the request's span, and opens its access line while the access

@@ -43,6 +43,18 @@ impl ConfigError {
                     .unwrap_or_else(|| format!("{}{from}", unknown_key(field, expected)))
             }
             figment::error::Kind::Message(message) => format!("{}{from}", without_source_text(message)),
+            figment::error::Kind::InvalidType(actual, expected) => {
+                format!(
+                    "invalid type: found {}, expected {expected}{from}",
+                    kind_of(actual)
+                )
+            }
+            figment::error::Kind::InvalidValue(actual, expected) => {
+                format!(
+                    "invalid value: found {}, expected {expected}{from}",
+                    kind_of(actual)
+                )
+            }
             kind => format!("{kind}{from}"),
         };
         let key = if path.is_empty() {
@@ -51,6 +63,22 @@ impl ConfigError {
             path.join(".")
         };
         ConfigError::new(&key, message)
+    }
+}
+
+/// What a value is, never the value itself: a string set where a table is expected may be a secret
+/// (`encryption.keys = "…"`, `traces.headers = "authorization=…"`), and the message goes to stderr and,
+/// on a reload, to the logs.
+fn kind_of(actual: &figment::error::Actual) -> String {
+    use figment::error::Actual;
+    match actual {
+        Actual::Str(text) => format!("a string of {} characters", text.chars().count()),
+        Actual::Bytes(bytes) => format!("{} bytes", bytes.len()),
+        Actual::Char(_) => "a character".to_owned(),
+        Actual::Bool(_) => "a boolean".to_owned(),
+        Actual::Unsigned(_) | Actual::Signed(_) | Actual::Float(_) => "a number".to_owned(),
+        Actual::Other(_) => "another value".to_owned(),
+        other => other.to_string(),
     }
 }
 

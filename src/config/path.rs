@@ -69,6 +69,12 @@ pub enum NotNormal {
          with unreserved characters unescaped and escapes in upper case"
     )]
     Spelling,
+    /// Another case or trailing slash of a route's path, which that route does not take.
+    #[error(
+        "the path is another spelling (case, trailing slash) of a route's path; send it as the route \
+         writes it"
+    )]
+    RouteSpelling,
     /// The asterisk-form target (`*`) of a method other than OPTIONS, which has no path to route by
     /// and which no service means to be asked (RFC 9112 §3.2.4).
     #[error("the target '*' is only for OPTIONS")]

@@ -98,6 +98,9 @@ pub struct RouteTable {
     pub routes: Vec<Arc<Route>>,
     /// `[idempotency]`, for requests no route matches.
     pub default: Arc<Route>,
+    /// Each route that forwards nothing unprotected, beside itself as it would match without case and
+    /// trailing slash (`misspelt`).
+    loose: Vec<(Arc<Route>, Route)>,
 }
 
 impl RouteTable {
@@ -143,7 +146,35 @@ impl RouteTable {
             passthrough: false,
             policy: default,
         });
-        Ok(RouteTable { routes, default })
+        let loose = routes
+            .iter()
+            .filter(|route| !route.passthrough && !(route.ignore_case && route.ignore_trailing_slash))
+            .map(|route| {
+                let twin = Route {
+                    ignore_case: true,
+                    ignore_trailing_slash: !matches!(route.path, Some(PathMatch::Prefix(_))),
+                    ..Route::clone(route)
+                };
+                (route.clone(), twin)
+            })
+            .collect();
+        Ok(RouteTable {
+            routes,
+            default,
+            loose,
+        })
+    }
+
+    /// Whether the request spells the path of a route that would protect it in another case or with
+    /// another trailing slash, while the route it takes (`selected`) is another: frameworks that route
+    /// without case or slash (Express, ASP.NET) would run that route's handler for it, unprotected, so
+    /// the proxy refuses it (`proxy.rs`). `path` is in normal form.
+    pub fn misspelt(&self, method: &Method, path: &str, selected: &Route) -> bool {
+        self.loose
+            .iter()
+            .filter(|(route, _)| route.name != selected.name)
+            .filter(|(route, _)| route.policy.methods.contains(method) || route.policy.signature.is_some())
+            .any(|(route, twin)| twin.matches(method, path) && !route.matches(method, path))
     }
 
     /// The route a request takes: the first that matches, else the default. `path` is in normal form.
@@ -617,6 +648,60 @@ mod tests {
 
     fn error(toml: &str) -> crate::config::ConfigError {
         Config::from_toml_str(toml).unwrap_err()
+    }
+
+    #[test]
+    fn another_case_or_trailing_slash_of_a_protecting_route_s_path_is_a_misspelling() {
+        let routes = table(
+            r#"
+            [[routes]]
+            name = "pay"
+            path = "/pay"
+            required = true
+            [[routes]]
+            name = "orders"
+            path = "/orders/*/refund"
+            [[routes]]
+            name = "open"
+            path = "/open"
+            passthrough = true
+            [[routes]]
+            name = "all"
+            path_prefix = "/"
+            passthrough = true
+            "#,
+        );
+        let misspelt = |method: Method, path: &str| {
+            let selected = routes.select(&method, path);
+            routes.misspelt(&method, path, selected)
+        };
+        for path in ["/PAY", "/Pay/", "/pay/", "/ORDERS/1/Refund", "/orders/1/refund/"] {
+            assert!(misspelt(Method::POST, path), "{path}");
+        }
+        for path in [
+            "/pay",
+            "/orders/1/refund",
+            "/payments",
+            "/OPEN",
+            "/open/",
+            "/other",
+        ] {
+            assert!(!misspelt(Method::POST, path), "{path}");
+        }
+        assert!(
+            !misspelt(Method::GET, "/PAY"),
+            "a method the route does not protect passes"
+        );
+        let shadowed = table(
+            "[[routes]]\nname = \"listed\"\npath_prefix = \"/status\"\nmatch_methods = [\"PATCH\"]\n\
+             [[routes]]\nname = \"open\"\npath_prefix = \"/status\"\n",
+        );
+        let selected = shadowed.select(&Method::PATCH, "/status/1");
+        assert_eq!(selected.name, "listed");
+        assert!(
+            !shadowed.misspelt(&Method::PATCH, "/status/1", selected),
+            "a later route that takes the path as it is spelt is shadowed, not misspelt"
+        );
     }
 
     #[test]

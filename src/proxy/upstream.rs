@@ -150,9 +150,11 @@ impl Upstream {
         // HTTP/2 (`:authority`) and absolute-form requests name the host in the target, and that names
         // it over any `Host` header (RFC 9112 §3.2.2, RFC 9113 §8.3.1); otherwise the `Host` header; with
         // neither, the upstream's own authority.
-        let named = uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
+        // Without its userinfo (`user:pw@`), which names no host and is never forwarded (RFC 9110 §4.2.4).
+        let named = uri.authority().and_then(|a| {
+            let host = a.as_str().rsplit('@').next().unwrap_or_default();
+            HeaderValue::from_str(host).ok()
+        });
         let host = match named {
             Some(named) => {
                 headers.insert(header::HOST, named.clone());
@@ -295,8 +297,19 @@ fn origin_form(uri: Uri) -> Uri {
     if uri.scheme().is_none() && uri.authority().is_none() {
         return uri;
     }
-    let path = uri.path_and_query().cloned();
-    Uri::from(path.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
+    // An empty path (`http://host?q`) is `/` in origin form (RFC 9112 §3.2.1).
+    let target = match (uri.path(), uri.query()) {
+        ("", None) => return Uri::from_static("/"),
+        ("", Some(query)) => format!("/?{query}"),
+        _ => {
+            return Uri::from(
+                uri.path_and_query()
+                    .cloned()
+                    .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+            );
+        }
+    };
+    Uri::try_from(target).unwrap_or_else(|_| Uri::from_static("/"))
 }
 
 /// Whether the client's `TE` lists `trailers` (RFC 9110 §10.1.4).
@@ -440,6 +453,14 @@ mod tests {
         assert_eq!(request.headers()[header::HOST], "other.example:8443");
         assert_eq!(request.headers()[&X_FORWARDED_HOST], "other.example:8443");
         assert_eq!(request.headers().get_all(header::HOST).iter().count(), 1);
+        let client = parts(Request::post("http://user:pw@other.example?z=1"));
+        let request = upstream("http://127.0.0.1:9").request(client, crate::body::empty(), &peer);
+        assert_eq!(request.uri(), "/?z=1", "an empty path is / in origin form");
+        assert_eq!(
+            request.headers()[header::HOST],
+            "other.example",
+            "userinfo is never forwarded"
+        );
     }
 
     #[test]

@@ -257,3 +257,25 @@ async fn a_syntax_error_names_its_line_and_column_but_never_echoes_the_line() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_value_of_the_wrong_type_is_named_by_its_key_and_never_echoed() {
+    let secret = "c2VjcmV0LWtleS1uZXZlci1lY2hvZWQtMDEyMzQ1Njc4OQ==";
+    let file = config_file(&format!("[encryption]\nkeys = \"{secret}\"\n"));
+    let path = file.path().to_str().unwrap();
+    let output = idemproxy(&["check-config", "--config", path], &[]).await;
+    assert_one_line_naming(&output, &["encryption.keys", "a string of"]);
+    assert!(!stderr(&output).contains(secret), "{}", stderr(&output));
+    let traces = config_file("[traces]\nheaders = \"authorization=Bearer tok-never-echoed\"\n");
+    let path = traces.path().to_str().unwrap();
+    let output = idemproxy(&["check-config", "--config", path], &[]).await;
+    assert_one_line_naming(&output, &["traces.headers"]);
+    assert!(
+        !stderr(&output).contains("tok-never-echoed"),
+        "{}",
+        stderr(&output)
+    );
+    let output = idemproxy(&["check-config"], &[("IDEMPROXY_ENCRYPTION__KEYS", secret)]).await;
+    assert_one_line_naming(&output, &["encryption.keys"]);
+    assert!(!stderr(&output).contains(secret), "{}", stderr(&output));
+}

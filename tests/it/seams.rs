@@ -577,3 +577,20 @@ async fn a_connection_header_naming_the_key_or_the_credential_is_refused_before_
         "the service gets the key it was executed by"
     );
 }
+
+#[tokio::test]
+async fn another_case_or_trailing_slash_of_a_keyed_route_s_path_is_refused_not_passed_through() {
+    let world = world(Backend::Postgres, "http1", &[]).await;
+    // Express and ASP.NET route these to the /pay handler: passed through keyless, they ran unkeyed.
+    for line in ["POST /PAY", "POST /Pay", "POST /pay/", "post /PAY/"] {
+        let refused = exchange(&world.proxy.url, &raw_request(line, &[], "{}")).await;
+        refused.assert_problem(400, "non-normal-path");
+    }
+    assert!(world.seen().is_empty(), "nothing reached the upstream");
+    let get = exchange(&world.proxy.url, head("GET /PAY", "api.example", &[]).as_bytes()).await;
+    assert_eq!(
+        get.status,
+        Some(201),
+        "a GET is not protected on /pay, in any spelling: {get:?}"
+    );
+}
