@@ -113,7 +113,12 @@ impl Proxy {
         let slots = KeyedSlots::new(server.max_keyed_in_flight);
         let settle = Settle::new(waiters.clone(), store.clone(), serving.capabilities.shared);
         let forward = Forward::new(config, upstream.clone(), metrics.clone());
-        let attachments = Attachments::new(server.attach_buffer, waiters.clone(), metrics.clone());
+        let attachments = Attachments::new(
+            server.attach_buffer,
+            server.write_timeout,
+            waiters.clone(),
+            metrics.clone(),
+        );
         let executor = Executor::new(
             config,
             ExecutorParts {
