@@ -6,12 +6,13 @@
 //! but its own memory and the counters of followers cut off.
 //!
 //! While the capture keeps the body, every byte is kept and charged to the capture budget (and once the
-//! body is stored, the log keeps that charge until its last reader lets go), and a follower may read the
-//! beginning at its own pace: it is cut off once it falls more than `server.attach_buffer` behind the
-//! bytes published since it joined. Once the capture gives up, the beginning is let go and nobody new
-//! joins; the log keeps only what the slowest follower has yet to read, and a follower more than
-//! `attach_buffer` behind the newest byte is cut off. So the uncharged bytes of one execution are at most
-//! `attach_buffer`, a block and the frame held back, however many follow it.
+//! capture is done, the body stored or not, the log keeps that charge until its last reader lets go),
+//! and a follower may read the beginning at its own pace: it is cut off once it falls more than
+//! `server.attach_buffer` behind the bytes published since it joined. Once the capture gives up, the
+//! beginning is let go and nobody new joins; the log keeps only what the slowest follower has yet to
+//! read, and a follower more than `attach_buffer` behind the newest byte is cut off. So the uncharged
+//! bytes of one execution are at most `attach_buffer`, two blocks and the frame held back, however many
+//! follow it, and running executions are at most `server.max_keyed_in_flight`.
 //!
 //! A follower cut off (behind, or stalled: see `attach/watchdog.rs`) gives back at once what it holds
 //! (its place among those that wait) and its claim on the blocks, even if its body is never polled again;

@@ -155,7 +155,7 @@ pub(super) struct Capture {
     patience: Duration,
     /// Whether this capture has waited for room yet (counted once).
     waited: bool,
-    /// Whether the body was taken (`finish`): a capture dropped before that lets its beginning go.
+    /// Whether the body was taken (`finish`): a capture dropped before hands its share to the log itself.
     finished: bool,
 }
 
@@ -277,28 +277,32 @@ impl Capture {
     pub(super) fn finish(mut self) -> Captured {
         self.finished = true;
         let body = if self.over { None } else { self.log.whole() };
-        let reservation = Reservation {
-            budget: self.reservation.budget.clone(),
-            scope: self.reservation.scope.clone(),
-            bytes: std::mem::take(&mut self.reservation.bytes),
-        };
         Captured {
             body,
             reservation: Charge {
-                reservation: Some(reservation),
+                reservation: Some(self.hand_over()),
                 log: self.log.clone(),
             },
+        }
+    }
+
+    /// The capture's share of the budget, for whoever keeps the bytes now.
+    fn hand_over(&mut self) -> Reservation {
+        Reservation {
+            budget: self.reservation.budget.clone(),
+            scope: self.reservation.scope.clone(),
+            bytes: std::mem::take(&mut self.reservation.bytes),
         }
     }
 }
 
 impl Drop for Capture {
-    /// A capture dropped unfinished (the upstream broke off, or the answer was not one to store): its
-    /// budget goes back, so the log lets go of the beginning nobody charges for any more.
+    /// A capture dropped unfinished (the upstream broke off, or the answer was not one to store) hands
+    /// its share to the log at once: the bytes stay charged while duplicates read them.
     fn drop(&mut self) {
         if !self.finished {
-            self.log.forget();
-            self.log.written(Box::new(()));
+            let reservation = self.hand_over();
+            self.log.written(Box::new(reservation));
         }
     }
 }
@@ -450,6 +454,47 @@ mod tests {
         assert_eq!(second.finish().body, None);
         assert_eq!(metrics.capture_budget_waits.get(), 0);
         assert_eq!(metrics.capture_budget_exhausted.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn the_share_stays_charged_until_the_last_follower_has_read_the_bytes() {
+        use crate::proxy::attach::log::Bounds;
+        let (budget, metrics) = budget(100, 100, PATIENCE);
+        let log = Log::followed(Bounds {
+            buffer: 1024,
+            write_timeout: Duration::from_secs(30),
+            cutoffs: metrics.attach_cutoffs.clone(),
+            stalls: metrics.attach_write_timeouts.clone(),
+        });
+        let follower = log.join().expect("a follower");
+        let mut capture = Capture::new(100, &budget, "s", log.clone());
+        capture.push(Bytes::from_static(b"abc")).await;
+        let captured = capture.finish();
+        assert_eq!(captured.body.as_deref(), Some(&b"abc"[..]));
+        drop(captured);
+        log.unpublished();
+        assert_eq!(free(&budget), 97, "stored, but a follower still reads");
+        drop(follower);
+        assert_eq!(free(&budget), 100);
+
+        let log = Log::followed(Bounds {
+            buffer: 1024,
+            write_timeout: Duration::from_secs(30),
+            cutoffs: metrics.attach_cutoffs.clone(),
+            stalls: metrics.attach_write_timeouts.clone(),
+        });
+        let follower = log.join().expect("a follower");
+        let mut broken = Capture::new(100, &budget, "s", log.clone());
+        broken.push(Bytes::from_static(b"abcd")).await;
+        drop(broken);
+        log.unpublished();
+        assert_eq!(
+            free(&budget),
+            96,
+            "dropped unfinished: charged while the follower reads"
+        );
+        drop(follower);
+        assert_eq!(free(&budget), 100);
     }
 
     #[tokio::test]
