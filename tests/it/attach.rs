@@ -460,8 +460,8 @@ async fn thirty_followers_of_a_response_of_tiny_frames_share_one_copy_of_it() {
     const BEFORE: usize = 61_500;
     const SIZE: usize = 20;
     const FOLLOWERS: usize = 30;
-    /// What a follower may cost the proxy at most, its connection included.
-    const PER_FOLLOWER: u64 = 256 * 1024;
+    /// What a follower may cost the proxy at most while it follows, its connection included.
+    const PER_FOLLOWER: usize = 256 * 1024;
     let upstream = Events::start(EVENTS, SIZE).await;
     let (_store, config) = config(&upstream.url, "[server]\nattach_buffer = \"8MiB\"\n").await;
     let proxy = ProxyProcess::spawn(&config).await;
@@ -481,6 +481,8 @@ async fn thirty_followers_of_a_response_of_tiny_frames_share_one_copy_of_it() {
     // Then the same response with thirty followers.
     upstream.open(0);
     let (stop, sampled) = sample_rss(proxy.pid());
+    let rss = || memory_kib(proxy.pid()).map_or(0, |(_, rss)| rss) as usize * 1024;
+    let start = rss();
     let original = tokio::spawn(post(proxy.url.clone(), "tiny", None, None));
     upstream.arrived(2).await;
     upstream.open(BEFORE + 1);
@@ -506,6 +508,18 @@ async fn thirty_followers_of_a_response_of_tiny_frames_share_one_copy_of_it() {
         has(&progress, before).then_some(())
     })
     .await;
+    // Each follower copying the beginning cost several MiB.
+    let following = rss().saturating_sub(start);
+    let bound = 2 * body + FOLLOWERS * PER_FOLLOWER;
+    assert!(
+        following < bound,
+        "the proxy grew by {} KiB with {FOLLOWERS} followers of the first {} KiB of a {} KiB response, \
+         more than {} KiB",
+        following / 1024,
+        before / 1024,
+        body / 1024,
+        bound / 1024
+    );
     upstream.open(EVENTS + 1);
 
     let original = original.await.unwrap().expect("the original's whole response");
@@ -521,15 +535,19 @@ async fn thirty_followers_of_a_response_of_tiny_frames_share_one_copy_of_it() {
     let _ = stop.send(());
     let (_, peak) = sampled.await.unwrap();
     let (alone, followed) = (alone_peak - baseline, peak.saturating_sub(baseline));
-    // Each follower copying the beginning (a 4 MiB response in tiny frames) cost several MiB.
-    let bound = alone + FOLLOWERS as u64 * PER_FOLLOWER / 1024;
-    eprintln!("resident set grew by {alone} KiB alone, {followed} KiB with {FOLLOWERS} followers");
+    eprintln!(
+        "resident set grew by {alone} KiB alone; with {FOLLOWERS} followers, {} KiB while they followed, \
+         {followed} KiB in all",
+        following / 1024
+    );
+    // Over the whole run, storing included (where allocations freed on one thread are not all reused
+    // on another), a follower costs less than a quarter of a copy of the response.
+    let bound = alone + (FOLLOWERS * body / 4 / 1024) as u64;
     assert!(
         followed < bound,
         "the proxy grew by {followed} KiB with {FOLLOWERS} followers of a {} KiB response, and by \
-         {alone} KiB without: more than {} KiB a follower",
-        body / 1024,
-        PER_FOLLOWER / 1024
+         {alone} KiB without: more than {bound} KiB",
+        body / 1024
     );
     assert_eq!(
         metric(&proxy.admin_url, "idemproxy_attach_cutoffs_total", &[]).await,
