@@ -1,18 +1,21 @@
 //! The upstream and clients of bench/run's `attach` case: one keyed request starts a slow event stream,
 //! and duplicates with its key follow it through a proxy with `on_in_flight = "attach"`.
 //!
-//! `attach_bench serve ADDR [--events E] [--size S] [--interval-ms T]` serves `POST /events/RUN` on `ADDR`
-//! (`127.0.0.1:0` picks a port) and prints the address it bound on the first line of stdout. Each answer
-//! is `text/event-stream`: event 0 goes with the head, then the stream holds until `POST /release/RUN`
-//! comes, then sends events 1 to E, one every T milliseconds, and ends. Each event is `id: I`, `event:
-//! tick` and one `data:` line of S bytes. Holding the stream lets the duplicates attach while it runs
-//! however long that takes, and keeps the bytes every run relays the same. On one thread, as bench/run's
-//! other upstreams.
+//! `attach_bench serve ADDR [--events E] [--size S] [--before B] [--interval-ms T]` serves `POST
+//! /events/RUN` on `ADDR` (`127.0.0.1:0` picks a port) and prints the address it bound on the first line
+//! of stdout. Each answer is `text/event-stream`: events 0 to B - 1 (B is 1 unless given) go with the
+//! head, one frame each, then the stream holds until `POST /release/RUN` comes, then sends events B to
+//! E, one every T milliseconds, and ends. Each event is `id: I`, `event: tick` and one `data:` line of S
+//! bytes. Holding the stream lets the duplicates attach while it runs however long that takes, and keeps
+//! the bytes every run relays the same. On one thread, as bench/run's other upstreams. A large B of
+//! small events (`--events 80000 --size 22 --before 79990`: about 4 MB in 50-byte frames before the
+//! hold) measures what a duplicate that joins late costs: it reads everything relayed so far.
 //!
 //! `attach_bench drive --url PROXY --upstream UPSTREAM --run RUN --followers N [--events E] [--size S]
-//! [--pause]` sends the original `POST /events/RUN` with the idempotency key `attach-RUN` through the
-//! proxy and reads event 0; then N duplicates, one HTTP/1.1 connection each, send the same request and
-//! each reads until it has event 0 too (the head and what was relayed so far). Then it prints `attached`
+//! [--before B] [--pause]` sends the original `POST /events/RUN` with the idempotency key `attach-RUN`
+//! through the proxy and reads events 0 to B - 1; then N duplicates, one HTTP/1.1 connection each, send
+//! the same request and each reads until it has them too (the head and what was relayed so far). Then
+//! it prints `attached`
 //! on stdout; with `--pause` it waits for a line on stdin before going on (bench/run reads the proxy's
 //! memory in between). It releases the stream at the upstream, and every client reads the response to
 //! its end. The original's body must be the events the upstream sends, and every duplicate's byte for
@@ -73,6 +76,9 @@ struct Shape {
     /// Bytes of each event's data line.
     #[arg(long, default_value_t = 256)]
     size: usize,
+    /// Events sent with the head, before the stream holds.
+    #[arg(long, default_value_t = 1)]
+    before: usize,
 }
 
 #[derive(Args)]
@@ -201,7 +207,7 @@ async fn answer(
         return Ok(response);
     };
     let released = releases.of(&run).subscribe();
-    // Event 0 at once; the rest once released, one every `interval`.
+    // The events before the hold at once; the rest once released, one every `interval`.
     let frames = futures_util::stream::unfold((0, released), move |(i, mut released)| {
         let releases = releases.clone();
         let run = run.clone();
@@ -210,11 +216,11 @@ async fn answer(
                 releases.forget(&run);
                 return None;
             }
-            if i == 1 {
+            if i == shape.before {
                 // A stream nobody releases ends here, short: the driver then fails the run.
                 released.wait_for(|released| *released).await.ok()?;
             }
-            if i > 1 {
+            if i > shape.before {
                 tokio::time::sleep(interval).await;
             }
             Some((Ok(Frame::data(event(i, shape.size))), (i + 1, released)))
@@ -233,12 +239,18 @@ async fn answer(
 
 async fn drive(args: Drive) -> Result<()> {
     let expected = stream_body(args.shape);
-    let first = event(0, args.shape.size).len();
+    ensure!(
+        (1..=args.shape.events + 1).contains(&args.shape.before),
+        "--before must be from 1 to --events + 1"
+    );
+    let first: usize = (0..args.shape.before)
+        .map(|i| event(i, args.shape.size).len())
+        .sum();
     let path = format!("/events/{}", args.run);
     let key = format!("attach-{}", args.run);
     let started = Instant::now();
 
-    // The original: its head, then event 0, before any duplicate is sent.
+    // The original: its head, then the events before the hold, before any duplicate is sent.
     let (beginnings, mut begun) = mpsc::unbounded_channel();
     let response = post(&args.url, &path, &key)
         .await
@@ -247,7 +259,7 @@ async fn drive(args: Drive) -> Result<()> {
     let original = tokio::spawn(read(response, first, beginnings.clone()));
     attached_one(&mut begun, "the original").await?;
 
-    // The duplicates: each counts as attached once it has the head and event 0.
+    // The duplicates: each counts as attached once it has the head and the events before the hold.
     let connecting = Arc::new(Semaphore::new(CONNECTING));
     let followers: Vec<_> = (0..args.followers)
         .map(|_| {
@@ -328,12 +340,12 @@ async fn drive(args: Drive) -> Result<()> {
     Ok(())
 }
 
-/// Says whether one more client (`which`) has the head and event 0; an error if one failed first.
+/// Says whether one more client (`which`) has the head and the events before the hold; an error if one failed first.
 async fn attached_one(begun: &mut mpsc::UnboundedReceiver<Result<(), String>>, which: &str) -> Result<()> {
-    match within(begun.recv(), &format!("event 0 for {which}")).await? {
+    match within(begun.recv(), &format!("the events before the hold for {which}")).await? {
         Some(Ok(())) => Ok(()),
-        Some(Err(error)) => bail!("a client failed before it had event 0: {error}"),
-        None => bail!("every client ended before {which} had event 0"),
+        Some(Err(error)) => bail!("a client failed before it had the events before the hold: {error}"),
+        None => bail!("every client ended before {which} had the events before the hold"),
     }
 }
 
@@ -388,7 +400,7 @@ fn check_head(response: &Response<Incoming>, replayed: bool) -> Result<()> {
     Ok(())
 }
 
-/// Where the clients say they have event 0, or why they never will.
+/// Where the clients say they have the events before the hold, or why they never will.
 type Beginnings = mpsc::UnboundedSender<Result<(), String>>;
 
 /// Reads `response`'s body to its end, saying on `beginnings` once it has `first` bytes (or why not); an
@@ -409,11 +421,7 @@ async fn read(response: Response<Incoming>, first: usize, beginnings: Beginnings
                 let _ = beginnings.send(Ok(()));
             }
         }
-        ensure!(
-            told,
-            "the body ended after {} bytes, before event 0's end",
-            data.len()
-        );
+        ensure!(told, "the body ended after {} bytes, before the hold", data.len());
         Ok(())
     };
     if let Err(error) = reading.await {

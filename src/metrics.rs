@@ -186,6 +186,11 @@ families! {
             "Duplicates cut off because they fell behind the live response they followed by more than \
             server.attach_buffer.",
         ),
+        pub attach_write_timeouts: IntCounter = counter(
+            "idemproxy_attach_write_timeouts_total",
+            "Duplicates cut off because they took none of the live response they followed for \
+            server.write_timeout while it had bytes (or its end) ready for them.",
+        ),
         pub wait_listener_connected: IntGauge = gauge(
             "idemproxy_wait_listener_connected",
             "1 while this process listens for other replicas' completions on its PostgreSQL or Redis \

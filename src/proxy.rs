@@ -117,7 +117,12 @@ impl Proxy {
         let settle = Settle::new(waiters.clone(), store.clone(), serving.capabilities.shared);
         let trailers = TrailerRules::new(config);
         let forward = Forward::new(config, upstream.clone(), metrics.clone(), trailers.clone());
-        let attachments = Attachments::new(server.attach_buffer, waiters.clone(), metrics.clone());
+        let attachments = Attachments::new(
+            server.attach_buffer,
+            server.write_timeout,
+            waiters.clone(),
+            metrics.clone(),
+        );
         let executor = Executor::new(
             config,
             ExecutorParts {

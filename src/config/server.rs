@@ -106,8 +106,9 @@ pub struct RawServer {
     /// 409 at once. Absent means `max_connections`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_waiting: Option<usize>,
-    /// The most bytes of a live response queued for one duplicate that follows it (`on_in_flight =
-    /// "attach"`); one that falls further behind is cut off, its response ended with an error.
+    /// The most bytes a duplicate that follows a live response may fall behind it (`on_in_flight =
+    /// "attach"`); one that falls further behind is cut off, its response ended with an error. Once the
+    /// response is not kept for storage, also the most kept of it for its followers.
     pub attach_buffer: ByteSize,
     /// A request path not in normal form (repeated slashes, dot segments, escaped unreserved characters,
     /// lower-case escapes): `normalize` brings it to normal form before anything reads it and forwards
@@ -257,7 +258,7 @@ pub struct ServerConfig {
     pub problem_type_base: String,
     /// Most requests waiting for the original with their key, or following it.
     pub max_waiting: usize,
-    /// Most bytes of live frames queued for one duplicate that follows its original.
+    /// Most bytes a duplicate that follows its original may fall behind it.
     pub attach_buffer: usize,
     /// How request paths are brought to their one spelling, or refused.
     pub paths: PathRules,

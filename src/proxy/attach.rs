@@ -2,28 +2,38 @@
 //! relaying follows that response instead of waiting for it to be stored. The execution publishes it
 //! (`execute/relay.rs`): the head, then each frame as it goes to the original client, then the end once
 //! the record is stored (or the break, when the upstream broke off). A duplicate that joins (`wait.rs`)
-//! gets what was relayed so far, then the live frames: byte for byte what the original client got.
+//! reads the response from its first byte: byte for byte what the original client got.
 //!
-//! What was relayed so far is the capture's own bytes, shared rather than copied, so the capture budget
-//! counts them once; once the capture gives up (the response outgrew `max_stored_response` or found no
-//! room), the beginning is gone and a later duplicate waits instead. Each duplicate has its own queue of
-//! live frames, of at most `server.attach_buffer` bytes: one that falls further behind is cut off, its
-//! body ended with an error rather than passed off as whole, and nothing ever waits on a duplicate, so
-//! a slow one slows neither the original, nor the capture, nor the others.
+//! The body is kept once, in the response's log (`attach/log.rs`), which the capture writes and every
+//! duplicate reads through a cursor of its own, so a duplicate costs its place in the log, not a copy;
+//! while the capture keeps the body, the capture budget counts its bytes once, however many read them.
+//! Once the capture gives up (the response outgrew `max_stored_response` or found no room), the beginning
+//! is gone and a later duplicate waits instead, and the log keeps only what the slowest duplicate has yet
+//! to read. One that falls more than `server.attach_buffer` behind, or takes nothing it has ready for
+//! `server.write_timeout` (`attach/watchdog.rs`), is cut off, its body ended with an error rather than
+//! passed off as whole; nothing ever waits on a duplicate, so a slow one slows neither the original,
+//! nor the capture, nor the others.
 //!
 //! Only this process's executions can be followed: on another replica a duplicate waits for the stored
 //! response. Touches no store and no socket.
 
-use std::collections::{HashMap, VecDeque};
+mod blocks;
+pub(crate) mod log;
+mod watchdog;
+
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use http_body::{Body, Frame};
 use tokio::sync::watch;
 
+pub(crate) use self::log::End;
+use self::log::{Bounds, Log, Seat};
 use super::sse::Resume;
 use crate::body::BoxError;
 use crate::metrics::Metrics;
@@ -34,8 +44,10 @@ use crate::store::wake::{RecordTag, Waiters};
 /// every worker.
 pub(crate) struct Attachments {
     live: Mutex<HashMap<String, Arc<Live>, foldhash::fast::RandomState>>,
-    /// The most bytes of live frames queued for one duplicate (`server.attach_buffer`).
+    /// The most bytes a duplicate may fall behind (`server.attach_buffer`).
     buffer: usize,
+    /// The longest a duplicate may take nothing it has ready (`server.write_timeout`).
+    write_timeout: Duration,
     /// Woken when an execution is published, for the duplicates that found none yet.
     waiters: Arc<Waiters>,
     metrics: Metrics,
@@ -47,7 +59,8 @@ struct Live {
     fingerprint: [u8; 32],
     /// Where its head is, for the duplicates that joined before it.
     phase: watch::Sender<Phase>,
-    shared: Mutex<Shared>,
+    /// Its body, which the duplicates read.
+    log: Arc<Log>,
 }
 
 /// How far an execution's response has come, as the duplicates waiting for its head see it.
@@ -69,123 +82,17 @@ pub(crate) struct Head {
     pub(crate) headers: HeaderMap,
 }
 
-struct Shared {
-    /// Every frame relayed so far, while the capture keeps the body; `None` once it gave up.
-    log: Option<Vec<Piece>>,
-    /// Whether any frame has been relayed.
-    relayed: bool,
-    /// How the response ended, once it has.
-    end: Option<End>,
-    followers: Vec<Arc<Follower>>,
-}
-
-/// A frame as the duplicates get it.
-#[derive(Clone)]
-enum Piece {
-    Data(Bytes),
-    Trailers(HeaderMap),
-}
-
-impl Piece {
-    fn of(frame: &Frame<Bytes>) -> Option<Piece> {
-        if let Some(data) = frame.data_ref() {
-            return Some(Piece::Data(data.clone()));
-        }
-        frame.trailers_ref().cloned().map(Piece::Trailers)
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Piece::Data(data) => data.len(),
-            Piece::Trailers(trailers) => trailers
-                .iter()
-                .map(|(name, value)| name.as_str().len() + value.len())
-                .sum(),
-        }
-    }
-
-    fn frame(self) -> Frame<Bytes> {
-        match self {
-            Piece::Data(data) => Frame::data(data),
-            Piece::Trailers(trailers) => Frame::trailers(trailers),
-        }
-    }
-}
-
-/// How a followed response ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum End {
-    /// Whole, and stored (or given up on storing) as the original client was told.
-    Whole,
-    /// The upstream broke off, or the execution ended without its end: no duplicate may take it for whole.
-    Broken,
-}
-
-/// One duplicate's queue.
-struct Follower {
-    queue: Mutex<Queue>,
-}
-
-struct Queue {
-    /// The pieces not read yet, each with whether it counts in `live`.
-    pieces: VecDeque<(Piece, bool)>,
-    /// Bytes of live frames queued, which `Attachments::buffer` bounds (not the beginning it joined
-    /// with, which is the capture's).
-    live: usize,
-    /// How the body ends once the queue is empty; `Err` ends it with that error.
-    end: Option<Result<(), &'static str>>,
-    waker: Option<Waker>,
-}
-
-impl Follower {
-    fn lock(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Queues a live piece; `false` when that leaves the duplicate more than `buffer` behind, and it is
-    /// cut off.
-    fn push(&self, piece: &Piece, buffer: usize) -> bool {
-        let mut queue = self.lock();
-        if queue.end.is_some() {
-            return true;
-        }
-        let len = piece.len();
-        let kept = queue.live.saturating_add(len) <= buffer;
-        if kept {
-            queue.live += len;
-            queue.pieces.push_back((piece.clone(), true));
-        } else {
-            queue.pieces.clear();
-            queue.live = 0;
-            queue.end = Some(Err(
-                "fell behind the response it follows by more than server.attach_buffer",
-            ));
-        }
-        if let Some(waker) = queue.waker.take() {
-            waker.wake();
-        }
-        kept
-    }
-
-    fn end(&self, end: End) {
-        let mut queue = self.lock();
-        if queue.end.is_none() {
-            queue.end = Some(match end {
-                End::Whole => Ok(()),
-                End::Broken => Err("the response it follows broke off"),
-            });
-        }
-        if let Some(waker) = queue.waker.take() {
-            waker.wake();
-        }
-    }
-}
-
 impl Attachments {
-    pub(crate) fn new(buffer: usize, waiters: Arc<Waiters>, metrics: Metrics) -> Arc<Attachments> {
+    pub(crate) fn new(
+        buffer: usize,
+        write_timeout: Duration,
+        waiters: Arc<Waiters>,
+        metrics: Metrics,
+    ) -> Arc<Attachments> {
         Arc::new(Attachments {
             live: Mutex::new(HashMap::default()),
             buffer,
+            write_timeout,
             waiters,
             metrics,
         })
@@ -199,15 +106,16 @@ impl Attachments {
     /// dropped, and wakes the duplicates of this process that wait for the record, so that those that
     /// found nothing to follow yet join.
     pub(crate) fn publish(self: &Arc<Self>, id: &RecordId, fingerprint: [u8; 32]) -> Publisher {
+        let log = Log::followed(Bounds {
+            buffer: self.buffer as u64,
+            write_timeout: self.write_timeout,
+            cutoffs: self.metrics.attach_cutoffs.clone(),
+            stalls: self.metrics.attach_write_timeouts.clone(),
+        });
         let live = Arc::new(Live {
             fingerprint,
             phase: watch::channel(Phase::Starting).0,
-            shared: Mutex::new(Shared {
-                log: Some(Vec::new()),
-                relayed: false,
-                end: None,
-                followers: Vec::new(),
-            }),
+            log,
         });
         let name = name(&id.scope, &id.key);
         self.lock().insert(name.clone(), live.clone());
@@ -231,40 +139,14 @@ impl Attachments {
         if matches!(*phase.borrow(), Phase::Gone) {
             return None;
         }
-        let follower = {
-            let mut shared = live.shared_lock();
-            let beginning = match (&shared.log, shared.relayed) {
-                (Some(log), _) => log.iter().map(|piece| (piece.clone(), false)).collect(),
-                (None, false) => VecDeque::new(),
-                (None, true) => return None,
-            };
-            let follower = Arc::new(Follower {
-                queue: Mutex::new(Queue {
-                    pieces: beginning,
-                    live: 0,
-                    end: None,
-                    waker: None,
-                }),
-            });
-            match shared.end {
-                Some(end) => follower.end(end),
-                None => shared.followers.push(follower.clone()),
-            }
-            follower
-        };
-        Some(Joined { phase, follower })
+        let seat = live.log.join()?;
+        Some(Joined { phase, seat })
     }
 
     /// How many executions may be followed now.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
-    }
-}
-
-impl Live {
-    fn shared_lock(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -288,56 +170,29 @@ impl Publisher {
         self.live.phase.send_replace(Phase::Head(Arc::new(head)));
     }
 
-    /// A frame that went to the original client (or would have, had it stayed).
-    pub(crate) fn frame(&self, frame: &Frame<Bytes>) {
-        let Some(piece) = Piece::of(frame) else {
-            return;
-        };
-        let buffer = self.attachments.buffer;
-        let mut shared = self.live.shared_lock();
-        shared.relayed = true;
-        if let Some(log) = &mut shared.log {
-            log.push(piece.clone());
-        }
-        let metrics = &self.attachments.metrics;
-        shared.followers.retain(|follower| {
-            // A follower only the list holds has been dropped: its duplicate went away.
-            if Arc::strong_count(follower) == 1 {
-                return false;
-            }
-            let kept = follower.push(&piece, buffer);
-            if !kept {
-                metrics.attach_cutoffs.inc();
-            }
-            kept
-        });
+    /// The log the response's body is written to, which the duplicates read.
+    pub(crate) fn log(&self) -> &Arc<Log> {
+        &self.live.log
     }
 
-    /// The capture gave the body up: the beginning is no longer kept, and later duplicates wait.
-    pub(crate) fn forget(&self) {
-        self.live.shared_lock().log = None;
+    /// A frame that went to the original client (or would have, had it stayed).
+    pub(crate) fn frame(&self, frame: &Frame<Bytes>) {
+        self.live.log.publish(frame);
     }
 
     /// The response ended as `end`; every duplicate's body ends so once it has the frames before.
     pub(crate) fn end(mut self, end: End) {
-        self.finish(end);
-    }
-
-    fn finish(&mut self, end: End) {
         self.ended = true;
-        let mut shared = self.live.shared_lock();
-        shared.end = Some(end);
-        for follower in shared.followers.drain(..) {
-            follower.end(end);
-        }
+        self.live.log.end(end);
     }
 }
 
 impl Drop for Publisher {
     fn drop(&mut self) {
         if !self.ended {
-            self.finish(End::Broken);
+            self.live.log.end(End::Broken);
         }
+        self.live.log.unpublished();
         // Those still waiting for a head will get none.
         self.live.phase.send_if_modified(|phase| match phase {
             Phase::Starting => {
@@ -359,7 +214,7 @@ impl Drop for Publisher {
 /// A duplicate that joined an execution, before its head.
 pub(crate) struct Joined {
     phase: watch::Receiver<Phase>,
-    follower: Arc<Follower>,
+    seat: Seat,
 }
 
 impl Joined {
@@ -378,25 +233,24 @@ impl Joined {
     }
 
     /// The response body the duplicate reads, from the start or after the event `resume` names; it
-    /// holds `guard` (whatever bounds the duplicates) until it ends or is dropped.
-    pub(crate) fn body<G: Send + Sync + 'static>(self, guard: G, resume: Option<Resume>) -> Followed<G> {
+    /// holds `guard` (whatever bounds the duplicates) until it ends or is cut off.
+    pub(crate) fn body<G: Send + Sync + 'static>(self, guard: G, resume: Option<Resume>) -> Followed {
+        self.seat.hold(Box::new(guard));
         Followed {
-            follower: self.follower,
+            seat: self.seat,
             resume,
-            _guard: guard,
         }
     }
 }
 
 /// A duplicate's response body: the frames of the response it follows, then its end.
-pub(crate) struct Followed<G> {
-    follower: Arc<Follower>,
+pub(crate) struct Followed {
+    seat: Seat,
     /// An event stream resumed after an event (`Last-Event-ID`): what comes before is skipped.
     resume: Option<Resume>,
-    _guard: G,
 }
 
-impl<G: Unpin> Body for Followed<G> {
+impl Body for Followed {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -405,33 +259,28 @@ impl<G: Unpin> Body for Followed<G> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        let mut queue = this.follower.lock();
-        while let Some((piece, counted)) = queue.pieces.pop_front() {
-            if counted {
-                queue.live -= piece.len();
-            }
-            let piece = match (piece, &mut this.resume) {
-                (Piece::Data(data), Some(resume)) => match resume.feed(&data) {
-                    Some(passed) => Piece::Data(passed),
-                    None => continue,
-                },
-                (piece, _) => piece,
+        loop {
+            let frame = match ready!(this.seat.poll_read(cx)) {
+                None => return Poll::Ready(None),
+                Some(Err(cutoff)) => return Poll::Ready(Some(Err(cutoff.into()))),
+                Some(Ok(frame)) => frame,
             };
-            return Poll::Ready(Some(Ok(piece.frame())));
-        }
-        match queue.end {
-            Some(Ok(())) => Poll::Ready(None),
-            Some(Err(why)) => Poll::Ready(Some(Err(why.into()))),
-            None => {
-                queue.waker = Some(cx.waker().clone());
-                Poll::Pending
+            let Some(resume) = &mut this.resume else {
+                return Poll::Ready(Some(Ok(frame)));
+            };
+            match frame.into_data() {
+                Ok(data) => {
+                    if let Some(passed) = resume.feed(&data) {
+                        return Poll::Ready(Some(Ok(Frame::data(passed))));
+                    }
+                }
+                Err(frame) => return Poll::Ready(Some(Ok(frame))),
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        let queue = self.follower.lock();
-        queue.pieces.is_empty() && queue.end == Some(Ok(()))
+        self.seat.is_end_stream()
     }
 }
 
@@ -442,7 +291,7 @@ mod tests {
     use super::*;
 
     fn attachments(buffer: usize) -> Arc<Attachments> {
-        Attachments::new(buffer, Waiters::new(), Metrics::new())
+        Attachments::new(buffer, Duration::from_secs(30), Waiters::new(), Metrics::new())
     }
 
     fn id(key: &str) -> RecordId {
@@ -460,8 +309,11 @@ mod tests {
         }
     }
 
-    fn data(text: &'static str) -> Frame<Bytes> {
-        Frame::data(Bytes::from_static(text.as_bytes()))
+    /// Relays `text` as the relay does: written to the log, then published as it goes to the client.
+    fn relay(publisher: &Publisher, text: &'static str) {
+        let data = Bytes::from_static(text.as_bytes());
+        publisher.log().write(&data);
+        publisher.frame(&Frame::data(data));
     }
 
     async fn read(joined: Joined) -> Result<Bytes, BoxError> {
@@ -476,12 +328,17 @@ mod tests {
             .join(&id("k"), &[1; 32])
             .expect("joined before the head");
         publisher.head(head());
-        publisher.frame(&data("ab"));
+        relay(&publisher, "ab");
         let mut late = attachments.join(&id("k"), &[1; 32]).expect("joined mid-stream");
         assert_eq!(late.head().await.expect("a head").status, StatusCode::OK);
-        publisher.frame(&data("cd"));
+        relay(&publisher, "cd");
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-done", http::HeaderValue::from_static("1"));
+        publisher.frame(&Frame::trailers(trailers.clone()));
         publisher.end(End::Whole);
-        assert_eq!(read(early).await.unwrap(), "abcd");
+        let collected = early.body((), None).collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers), "trailers after the data");
+        assert_eq!(collected.to_bytes(), "abcd");
         assert_eq!(read(late).await.unwrap(), "abcd");
         assert_eq!(attachments.len(), 0, "not followable once it has ended");
     }
@@ -502,7 +359,7 @@ mod tests {
         let mut quick = attachments.join(&id("k"), &[1; 32]).unwrap().body((), None);
         publisher.head(head());
         for chunk in ["abc", "def", "ghi"] {
-            publisher.frame(&data(chunk));
+            relay(&publisher, chunk);
             let frame = quick.frame().await.unwrap().unwrap();
             assert_eq!(frame.into_data().unwrap(), chunk);
         }
@@ -519,8 +376,8 @@ mod tests {
         let publisher = attachments.publish(&id("k"), [1; 32]);
         let joined = attachments.join(&id("k"), &[1; 32]).unwrap();
         publisher.head(head());
-        publisher.frame(&data("ab"));
-        publisher.forget();
+        relay(&publisher, "ab");
+        publisher.log().forget();
         assert!(attachments.join(&id("k"), &[1; 32]).is_none());
         drop(publisher);
         assert!(
@@ -538,5 +395,29 @@ mod tests {
         drop(publisher);
         assert!(joined.head().await.is_none());
         assert!(attachments.join(&id("k"), &[1; 32]).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_follower_resumed_after_an_event_gets_what_follows_it_on_any_frame_boundaries() {
+        let attachments = attachments(1024);
+        let publisher = attachments.publish(&id("k"), [1; 32]);
+        let joined = attachments.join(&id("k"), &[1; 32]).unwrap();
+        publisher.head(head());
+        let resume = Resume::after(&http::HeaderValue::from_static("1"));
+        let mut body = joined.body((), Some(resume));
+        // The event that sets id 1 ends with a CR whose LF comes in the next frame.
+        for frame in [
+            "id: 0\ndata: a\n\nid",
+            ": 1\r\ndata: b\r\n\r",
+            "\ndata: c\r\n\r\n",
+        ] {
+            relay(&publisher, frame);
+        }
+        publisher.end(End::Whole);
+        let mut got = Vec::new();
+        while let Some(frame) = body.frame().await {
+            got.extend_from_slice(&frame.unwrap().into_data().unwrap());
+        }
+        assert_eq!(got, b"data: c\r\n\r\n");
     }
 }

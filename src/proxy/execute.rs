@@ -346,6 +346,7 @@ impl Executor {
             Err(_) => storing.await,
         };
         heartbeat.stop();
+        // The log keeps the charge while duplicates still read the bytes.
         drop(captured.reservation);
         if completed {
             self.settle.settled(&claim.route, id).await;

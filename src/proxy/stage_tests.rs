@@ -76,7 +76,12 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
     let waiters = Waiters::new();
     let settle = Settle::new(waiters.clone(), handle.clone(), false);
     let upstream = Upstream::new(&config.upstream, metrics.clone());
-    let attachments = Attachments::new(config.server.attach_buffer, waiters.clone(), metrics.clone());
+    let attachments = Attachments::new(
+        config.server.attach_buffer,
+        config.server.write_timeout,
+        waiters.clone(),
+        metrics.clone(),
+    );
     let executor = Executor::new(
         &config,
         ExecutorParts {

@@ -295,7 +295,8 @@ impl Drop for Waiting<'_> {
 }
 
 /// A request following an execution, counted in `idemproxy_attached_requests` and holding its
-/// `server.max_waiting` permit until its response ends or its client goes.
+/// `server.max_waiting` permit until its response ends, its client goes, or it is cut off (the log it
+/// follows holds it, so a body nothing polls any more gives it back too).
 struct Attached {
     metrics: Metrics,
     _permit: Option<OwnedSemaphorePermit>,

@@ -2,9 +2,11 @@
 //! whose response is being streamed follow it live and get byte for byte what the original client got
 //! (status, headers, body, trailers), with one execution; a duplicate that stops reading is cut off
 //! without slowing the others; a retry carrying `Last-Event-ID` gets only the events after that id,
-//! while the stream runs and after it is stored. The clients are hyper's HTTP/1.1 client over real
-//! sockets; the upstream is a hyper server sending server-sent events one at a time, as the test lets
-//! it.
+//! while the stream runs and after it is stored. Followers share one copy of the response, so thirty of
+//! a response of tiny frames cost the proxy a fraction of thirty copies; HTTP/2 followers that never
+//! open their window are let go after `server.write_timeout`. The clients are hyper's HTTP/1.1 client
+//! and a raw HTTP/2 client over real sockets; the upstream is a hyper server sending server-sent events
+//! one at a time, as the test lets it.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,8 +22,11 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::watch;
 
+use crate::support::history::memory_kib;
 use crate::support::http::TEST_CREDENTIAL;
-use crate::support::{Backend, InProcessProxy, ProxyConfig, TestStore, metric, metric_reaches, poll_until};
+use crate::support::{
+    Backend, InProcessProxy, ProxyConfig, ProxyProcess, TestStore, metric, metric_reaches, poll_until, raw_h2,
+};
 
 /// Bound on anything a test awaits.
 const BOUND: Duration = Duration::from_secs(60);
@@ -98,13 +103,15 @@ impl Events {
         .await;
     }
 
-    /// Lets the head and the events before `n - 1` go (`open(1)`: the head and event 0).
+    /// Lets the head and the events before `n - 1` go (`open(1)`: the head and event 0); `open(0)` holds
+    /// the streams requested from then on again.
     fn open(&self, n: usize) {
         self.gate.send_replace(n);
     }
 }
 
-async fn proxy(upstream: &str, toml: &str) -> (TestStore, InProcessProxy) {
+/// A proxy config on a new PostgreSQL store whose routes attach, with `toml` over it.
+async fn config(upstream: &str, toml: &str) -> (TestStore, ProxyConfig) {
     let store = TestStore::create(Backend::Postgres).await;
     let config = ProxyConfig::new(&store.url(), upstream)
         .with_toml(&store.store_toml())
@@ -114,6 +121,11 @@ async fn proxy(upstream: &str, toml: &str) -> (TestStore, InProcessProxy) {
         .set("idempotency.max_stored_response", "32MiB")
         .set("server.max_buffered_responses", "256MiB")
         .with_toml(toml);
+    (store, config)
+}
+
+async fn proxy(upstream: &str, toml: &str) -> (TestStore, InProcessProxy) {
+    let (store, config) = config(upstream, toml).await;
     let proxy = InProcessProxy::start(&config).await;
     (store, proxy)
 }
@@ -439,4 +451,185 @@ async fn a_stream_too_long_to_keep_is_followed_by_those_already_there_and_is_gon
     let late = late.await.unwrap();
     assert_eq!(late.status(), 410, "response-not-retained");
     assert_eq!(upstream.executions.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn thirty_followers_of_a_response_of_tiny_frames_share_one_copy_of_it() {
+    // About 4 MiB in 51-byte frames; three quarters of it has gone when the followers join.
+    const EVENTS: usize = 82_000;
+    const BEFORE: usize = 61_500;
+    const SIZE: usize = 20;
+    const FOLLOWERS: usize = 30;
+    /// What a follower may cost the proxy at most while it follows, its connection included.
+    const PER_FOLLOWER: usize = 256 * 1024;
+    let upstream = Events::start(EVENTS, SIZE).await;
+    let (_store, config) = config(&upstream.url, "[server]\nattach_buffer = \"8MiB\"\n").await;
+    let proxy = ProxyProcess::spawn(&config).await;
+    let body: usize = (0..EVENTS).map(|i| event(i, SIZE).len()).sum();
+    let before: usize = (0..BEFORE).map(|i| event(i, SIZE).len()).sum();
+
+    // The response alone first, without followers: what relaying, capturing and storing it costs.
+    let (stop, sampled) = sample_rss(proxy.pid());
+    let alone = tokio::spawn(post(proxy.url.clone(), "alone", None, None));
+    upstream.arrived(1).await;
+    upstream.open(EVENTS + 1);
+    let alone = read(alone.await.unwrap()).await.expect("the whole response");
+    assert_eq!(alone.body.len(), body);
+    let _ = stop.send(());
+    let (baseline, alone_peak) = sampled.await.unwrap();
+
+    // Then the same response with thirty followers.
+    upstream.open(0);
+    let (stop, sampled) = sample_rss(proxy.pid());
+    let rss = || memory_kib(proxy.pid()).map_or(0, |(_, rss)| rss) as usize * 1024;
+    let start = rss();
+    let original = tokio::spawn(post(proxy.url.clone(), "tiny", None, None));
+    upstream.arrived(2).await;
+    upstream.open(BEFORE + 1);
+    let mut progress = vec![Arc::new(AtomicUsize::new(0))];
+    let original = tokio::spawn(read_counting(original.await.unwrap(), progress[0].clone()));
+    let has = |progress: &[Arc<AtomicUsize>], bytes: usize| {
+        progress.iter().all(|read| read.load(Ordering::SeqCst) >= bytes)
+    };
+    poll_until("the original has the first three quarters", || async {
+        has(&progress, before).then_some(())
+    })
+    .await;
+    let responses: Vec<_> = (0..FOLLOWERS)
+        .map(|_| tokio::spawn(post(proxy.url.clone(), "tiny", None, None)))
+        .collect();
+    let mut followers = Vec::new();
+    for response in responses {
+        let counter = Arc::new(AtomicUsize::new(0));
+        progress.push(counter.clone());
+        followers.push(tokio::spawn(read_counting(response.await.unwrap(), counter)));
+    }
+    poll_until("every follower has read the beginning", || async {
+        has(&progress, before).then_some(())
+    })
+    .await;
+    // Each follower copying the beginning cost several MiB.
+    let following = rss().saturating_sub(start);
+    let bound = 2 * body + FOLLOWERS * PER_FOLLOWER;
+    assert!(
+        following < bound,
+        "the proxy grew by {} KiB with {FOLLOWERS} followers of the first {} KiB of a {} KiB response, \
+         more than {} KiB",
+        following / 1024,
+        before / 1024,
+        body / 1024,
+        bound / 1024
+    );
+    upstream.open(EVENTS + 1);
+
+    let original = original.await.unwrap().expect("the original's whole response");
+    assert!(original.body == alone.body);
+    for follower in followers {
+        let follower = follower.await.unwrap().expect("a follower's whole response");
+        assert!(
+            follower.body == original.body,
+            "a follower's body differs from the original's"
+        );
+        assert_eq!(follower.trailers, original.trailers);
+    }
+    let _ = stop.send(());
+    let (_, peak) = sampled.await.unwrap();
+    let (alone, followed) = (alone_peak - baseline, peak.saturating_sub(baseline));
+    eprintln!(
+        "resident set grew by {alone} KiB alone; with {FOLLOWERS} followers, {} KiB while they followed, \
+         {followed} KiB in all",
+        following / 1024
+    );
+    // Over the whole run, storing included (where allocations freed on one thread are not all reused
+    // on another), a follower costs less than a quarter of a copy of the response.
+    let bound = alone + (FOLLOWERS * body / 4 / 1024) as u64;
+    assert!(
+        followed < bound,
+        "the proxy grew by {followed} KiB with {FOLLOWERS} followers of a {} KiB response, and by \
+         {alone} KiB without: more than {bound} KiB",
+        body / 1024
+    );
+    assert_eq!(
+        metric(&proxy.admin_url, "idemproxy_attach_cutoffs_total", &[]).await,
+        0.0
+    );
+}
+
+/// Samples the process's resident set every 20 ms until `stop`: the first sample, and the largest.
+fn sample_rss(
+    pid: u32,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<(u64, u64)>,
+) {
+    let (stop, mut stopped) = tokio::sync::oneshot::channel();
+    let rss = move || memory_kib(pid).map_or(0, |(_, rss)| rss);
+    let baseline = rss();
+    let sampler = tokio::spawn(async move {
+        let mut peak = baseline;
+        let mut every = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            tokio::select! {
+                _ = &mut stopped => return (baseline, peak.max(rss())),
+                _ = every.tick() => peak = peak.max(rss()),
+            }
+        }
+    });
+    (stop, sampler)
+}
+
+#[tokio::test]
+async fn http2_followers_that_never_open_their_window_are_let_go_after_the_write_timeout() {
+    const EVENTS: usize = 4;
+    const FOLLOWERS: usize = 3;
+    let upstream = Events::start(EVENTS, 64).await;
+    let (_store, proxy) = proxy(&upstream.url, "[server]\nwrite_timeout = \"1s\"\n").await;
+
+    let original = tokio::spawn(post(proxy.url.clone(), "no-window", None, None));
+    upstream.arrived(1).await;
+    upstream.open(2);
+    let original = tokio::spawn(read(original.await.unwrap()));
+    // Each on a connection that grants its streams no window: they get the head, and no body byte.
+    let mut held = Vec::new();
+    for _ in 0..FOLLOWERS {
+        let mut client = raw_h2::connect_without_window(&proxy.url).await;
+        let (response, mut request) =
+            raw_h2::open_post(&mut client, &proxy.url, "/chat", Some("no-window"), &[]).await;
+        request
+            .send_data(Bytes::from_static(b"{\"prompt\":\"hi\"}"), true)
+            .expect("send the body");
+        let response = tokio::time::timeout(BOUND, response)
+            .await
+            .expect("a head in time")
+            .expect("a head");
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["idempotent-replayed"], "true");
+        held.push((client, response));
+    }
+    assert_eq!(attached(&proxy).await, FOLLOWERS as f64);
+    upstream.open(EVENTS + 1);
+    let original = original.await.unwrap().expect("the original's whole response");
+    assert_eq!(original.trailers.as_ref().expect("trailers")["x-events"], "4");
+
+    // A second on, each has had its body ready and taken none of it for server.write_timeout: cut off,
+    // its place among those that wait given back, though nothing ever polls its body again.
+    poll_until("no request follows any more", || async {
+        (attached(&proxy).await == 0.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        metric(&proxy.admin_url, "idemproxy_attach_write_timeouts_total", &[]).await,
+        FOLLOWERS as f64
+    );
+    assert_eq!(
+        metric(&proxy.admin_url, "idemproxy_attach_cutoffs_total", &[]).await,
+        0.0
+    );
+    // A retry now is the stored response's replay.
+    let replay = read(post(proxy.url.clone(), "no-window", None, None).await)
+        .await
+        .unwrap();
+    assert!(replay.replayed);
+    assert!(replay.body == original.body);
+    drop(held);
 }

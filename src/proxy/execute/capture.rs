@@ -1,21 +1,24 @@
-//! Runs inside the relay of a won claim, once per upstream body frame, after the frame has gone to the
-//! client: keeps a copy of the body for storage while it stays under `idempotency.max_stored_response`
-//! and there is room for it both in the process's capture budget (`server.max_buffered_responses`) and in
-//! its scope's share of that budget (`server.max_buffered_responses_per_scope`), so that one client's large
-//! or slow responses cannot leave every other client's response unretained. A capture that finds no room
+//! Runs inside the relay of a won claim, once per upstream body frame: keeps the body for storage while
+//! it stays under `idempotency.max_stored_response` and there is room for it both in the process's
+//! capture budget (`server.max_buffered_responses`) and in its scope's share of that budget
+//! (`server.max_buffered_responses_per_scope`), so that one client's large or slow responses cannot leave
+//! every other client's response unretained. The bytes are kept in the response's log
+//! (`attach/log.rs`), in coalesced blocks, once for the store and for any duplicates that follow the
+//! response; they are charged here, after the frame has gone to the client. A capture that finds no room
 //! waits for some, for at most `server.capture_wait` over the whole response, then stops capturing —
-//! never forwarding. Touches only the budget.
+//! never forwarding. Touches only the budget and the log.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
+use crate::proxy::attach::log::Log;
 
 /// The bytes of keyed responses being captured, shared by every relay in the process: what is free, and
 /// what each scope holds. Room given back wakes every capture waiting for some.
@@ -141,31 +144,52 @@ impl Drop for Reservation {
 /// The body as it will be stored, while it stays under the cap and the budget has room for it.
 pub(super) struct Capture {
     limit: u64,
-    chunks: Vec<Bytes>,
+    /// Where the bytes are kept, shared with the duplicates that follow the response, if any.
+    log: Arc<Log>,
     len: u64,
+    /// Bytes written to the log and not charged to the budget yet.
+    uncharged: usize,
     over: bool,
     reservation: Reservation,
     /// What is left of `server.capture_wait` for this response.
     patience: Duration,
     /// Whether this capture has waited for room yet (counted once).
     waited: bool,
+    /// Whether the body was taken (`finish`): a capture dropped before hands its share to the log itself.
+    finished: bool,
 }
 
 /// What a capture kept.
 pub(super) struct Captured {
     /// The whole body, or `None` when it went over the cap or found no room in the budget.
     pub(super) body: Option<Bytes>,
-    /// The share of the budget the body holds until it is stored.
-    pub(super) reservation: Reservation,
+    /// The share of the budget the body holds until it is stored, and then for as long as duplicates
+    /// read its bytes from the log.
+    pub(super) reservation: Charge,
+}
+
+/// A capture's share of the budget, handed to its log when dropped.
+pub(super) struct Charge {
+    reservation: Option<Reservation>,
+    log: Arc<Log>,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        if let Some(reservation) = self.reservation.take() {
+            self.log.written(Box::new(reservation));
+        }
+    }
 }
 
 impl Capture {
-    /// A capture of at most `limit` bytes, charged to `scope` in `budget`.
-    pub(super) fn new(limit: u64, budget: &Arc<CaptureBudget>, scope: &str) -> Capture {
+    /// A capture of at most `limit` bytes into `log`, charged to `scope` in `budget`.
+    pub(super) fn new(limit: u64, budget: &Arc<CaptureBudget>, scope: &str, log: Arc<Log>) -> Capture {
         Capture {
             limit,
-            chunks: Vec::new(),
+            log,
             len: 0,
+            uncharged: 0,
             over: false,
             patience: budget.patience,
             reservation: Reservation {
@@ -174,12 +198,14 @@ impl Capture {
                 bytes: 0,
             },
             waited: false,
+            finished: false,
         }
     }
 
-    /// Keeps `data`, waiting for room in the budget if there is none (for what is left of the
-    /// response's patience); over the cap, or still without room, the capture gives up.
-    pub(super) async fn push(&mut self, data: Bytes) {
+    /// Writes `data` to the log, once for the store and the followers, as it is read; over the cap, the
+    /// capture gives up. It is charged later ([`Capture::charge`]).
+    pub(super) fn write(&mut self, data: &Bytes) {
+        self.log.write(data);
         if self.over || data.is_empty() {
             return;
         }
@@ -187,11 +213,29 @@ impl Capture {
         if self.len > self.limit {
             return self.give_up();
         }
-        if let Err(short) = self.room(data.len()).await {
-            self.reservation.budget.count_give_up(short);
-            return self.give_up();
+        self.uncharged += data.len();
+    }
+
+    /// Charges what was written since the last charge to the budget, waiting for room if there is
+    /// none (for what is left of the response's patience); still without room, the capture gives up.
+    pub(super) async fn charge(&mut self) {
+        if self.over || self.uncharged == 0 {
+            return;
         }
-        self.chunks.push(data);
+        match self.room(self.uncharged).await {
+            Ok(()) => self.uncharged = 0,
+            Err(short) => {
+                self.reservation.budget.count_give_up(short);
+                self.give_up();
+            }
+        }
+    }
+
+    /// [`Capture::write`] and [`Capture::charge`] at once.
+    #[cfg(test)]
+    async fn push(&mut self, data: Bytes) {
+        self.write(&data);
+        self.charge().await;
     }
 
     /// Takes `bytes` of the budget for the capture's scope, waiting while there is patience left.
@@ -221,33 +265,44 @@ impl Capture {
         }
     }
 
-    /// Stops capturing: the body will not be retained, and its share of the budget goes back.
+    /// Stops capturing: the body will not be retained, its share of the budget goes back, and the log
+    /// lets its beginning go.
     fn give_up(&mut self) {
         self.over = true;
-        self.chunks = Vec::new();
+        self.uncharged = 0;
         self.reservation.release();
+        self.log.forget();
     }
 
-    /// Whether the body is still kept whole so far.
-    pub(super) fn keeps(&self) -> bool {
-        !self.over
-    }
-
-    pub(super) fn finish(self) -> Captured {
-        let body = if self.over {
-            None
-        } else if self.chunks.len() == 1 {
-            self.chunks.into_iter().next()
-        } else {
-            let mut body = BytesMut::with_capacity(self.len as usize);
-            for chunk in self.chunks {
-                body.extend_from_slice(&chunk);
-            }
-            Some(body.freeze())
-        };
+    pub(super) fn finish(mut self) -> Captured {
+        self.finished = true;
+        let body = if self.over { None } else { self.log.whole() };
         Captured {
             body,
-            reservation: self.reservation,
+            reservation: Charge {
+                reservation: Some(self.hand_over()),
+                log: self.log.clone(),
+            },
+        }
+    }
+
+    /// The capture's share of the budget, for whoever keeps the bytes now.
+    fn hand_over(&mut self) -> Reservation {
+        Reservation {
+            budget: self.reservation.budget.clone(),
+            scope: self.reservation.scope.clone(),
+            bytes: std::mem::take(&mut self.reservation.bytes),
+        }
+    }
+}
+
+impl Drop for Capture {
+    /// A capture dropped unfinished (the upstream broke off, or the answer was not one to store) hands
+    /// its share to the log at once: the bytes stay charged while duplicates read them.
+    fn drop(&mut self) {
+        if !self.finished {
+            let reservation = self.hand_over();
+            self.log.written(Box::new(reservation));
         }
     }
 }
@@ -271,7 +326,7 @@ mod tests {
     #[tokio::test]
     async fn capture_keeps_the_body_under_the_cap() {
         let (budget, _) = budget(100, 100, PATIENCE);
-        let mut capture = Capture::new(6, &budget, "s");
+        let mut capture = Capture::new(6, &budget, "s", Log::unfollowed());
         capture.push(Bytes::from_static(b"abc")).await;
         capture.push(Bytes::from_static(b"def")).await;
         assert_eq!(capture.finish().body.as_deref(), Some(&b"abcdef"[..]));
@@ -280,7 +335,7 @@ mod tests {
     #[tokio::test]
     async fn capture_drops_the_body_over_the_cap_and_gives_its_budget_back() {
         let (budget, metrics) = budget(100, 100, PATIENCE);
-        let mut capture = Capture::new(5, &budget, "s");
+        let mut capture = Capture::new(5, &budget, "s", Log::unfollowed());
         capture.push(Bytes::from_static(b"abc")).await;
         assert_eq!(free(&budget), 97);
         capture.push(Bytes::from_static(b"def")).await;
@@ -303,9 +358,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_capture_without_room_waits_its_patience_then_is_not_retained() {
         let (budget, metrics) = budget(4, 4, PATIENCE);
-        let mut first = Capture::new(100, &budget, "a");
+        let mut first = Capture::new(100, &budget, "a", Log::unfollowed());
         first.push(Bytes::from_static(b"abc")).await;
-        let mut second = Capture::new(100, &budget, "b");
+        let mut second = Capture::new(100, &budget, "b", Log::unfollowed());
         let started = Instant::now();
         second.push(Bytes::from_static(b"de")).await;
         assert_eq!(started.elapsed(), PATIENCE, "waited, and no longer");
@@ -326,12 +381,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_capture_that_waits_gets_the_room_another_gives_back() {
         let (budget, metrics) = budget(4, 4, PATIENCE);
-        let mut first = Capture::new(100, &budget, "a");
+        let mut first = Capture::new(100, &budget, "a", Log::unfollowed());
         first.push(Bytes::from_static(b"abc")).await;
         let waiting = tokio::spawn({
             let budget = budget.clone();
             async move {
-                let mut second = Capture::new(100, &budget, "b");
+                let mut second = Capture::new(100, &budget, "b", Log::unfollowed());
                 second.push(Bytes::from_static(b"de")).await;
                 second.finish().body
             }
@@ -347,14 +402,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn one_scope_holds_no_more_than_its_share_and_leaves_room_for_others() {
         let (budget, metrics) = budget(100, 40, PATIENCE);
-        let mut hog = Capture::new(100, &budget, "hog");
+        let mut hog = Capture::new(100, &budget, "hog", Log::unfollowed());
         hog.push(Bytes::from(vec![0; 30])).await;
-        let mut more = Capture::new(100, &budget, "hog");
+        let mut more = Capture::new(100, &budget, "hog", Log::unfollowed());
         more.push(Bytes::from(vec![0; 20])).await;
         assert_eq!(more.finish().body, None, "over the hog's share of 40");
         assert_eq!(metrics.capture_scope_share_exhausted.get(), 1);
         assert_eq!(metrics.capture_budget_exhausted.get(), 0);
-        let mut other = Capture::new(100, &budget, "other");
+        let mut other = Capture::new(100, &budget, "other", Log::unfollowed());
         other.push(Bytes::from(vec![1; 40])).await;
         assert_eq!(other.finish().body.map(|b| b.len()), Some(40));
     }
@@ -362,9 +417,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_patience_is_for_the_whole_response_not_each_frame() {
         let (budget, metrics) = budget(10, 10, PATIENCE);
-        let mut holder = Capture::new(100, &budget, "a");
+        let mut holder = Capture::new(100, &budget, "a", Log::unfollowed());
         holder.push(Bytes::from(vec![0; 9])).await;
-        let mut slow = Capture::new(100, &budget, "b");
+        let mut slow = Capture::new(100, &budget, "b", Log::unfollowed());
         let started = Instant::now();
         slow.push(Bytes::from_static(b"x")).await;
         let hand_back = tokio::spawn(async move {
@@ -392,9 +447,9 @@ mod tests {
     #[tokio::test]
     async fn with_no_patience_a_capture_gives_up_at_once() {
         let (budget, metrics) = budget(1, 1, Duration::ZERO);
-        let mut first = Capture::new(100, &budget, "a");
+        let mut first = Capture::new(100, &budget, "a", Log::unfollowed());
         first.push(Bytes::from_static(b"a")).await;
-        let mut second = Capture::new(100, &budget, "b");
+        let mut second = Capture::new(100, &budget, "b", Log::unfollowed());
         second.push(Bytes::from_static(b"b")).await;
         assert_eq!(second.finish().body, None);
         assert_eq!(metrics.capture_budget_waits.get(), 0);
@@ -402,9 +457,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_share_stays_charged_until_the_last_follower_has_read_the_bytes() {
+        use crate::proxy::attach::log::Bounds;
+        let (budget, metrics) = budget(100, 100, PATIENCE);
+        let log = Log::followed(Bounds {
+            buffer: 1024,
+            write_timeout: Duration::from_secs(30),
+            cutoffs: metrics.attach_cutoffs.clone(),
+            stalls: metrics.attach_write_timeouts.clone(),
+        });
+        let follower = log.join().expect("a follower");
+        let mut capture = Capture::new(100, &budget, "s", log.clone());
+        capture.push(Bytes::from_static(b"abc")).await;
+        let captured = capture.finish();
+        assert_eq!(captured.body.as_deref(), Some(&b"abc"[..]));
+        drop(captured);
+        log.unpublished();
+        assert_eq!(free(&budget), 97, "stored, but a follower still reads");
+        drop(follower);
+        assert_eq!(free(&budget), 100);
+
+        let log = Log::followed(Bounds {
+            buffer: 1024,
+            write_timeout: Duration::from_secs(30),
+            cutoffs: metrics.attach_cutoffs.clone(),
+            stalls: metrics.attach_write_timeouts.clone(),
+        });
+        let follower = log.join().expect("a follower");
+        let mut broken = Capture::new(100, &budget, "s", log.clone());
+        broken.push(Bytes::from_static(b"abcd")).await;
+        drop(broken);
+        log.unpublished();
+        assert_eq!(
+            free(&budget),
+            96,
+            "dropped unfinished: charged while the follower reads"
+        );
+        drop(follower);
+        assert_eq!(free(&budget), 100);
+    }
+
+    #[tokio::test]
     async fn empty_body_is_retained_as_empty() {
         let (budget, _) = budget(0, 0, PATIENCE);
-        let captured = Capture::new(0, &budget, "s").finish();
+        let captured = Capture::new(0, &budget, "s", Log::unfollowed()).finish();
         assert_eq!(captured.body.as_deref(), Some(&b""[..]));
     }
 }

@@ -1,5 +1,6 @@
-//! Runs once a won claim's upstream answered with a response to keep: relays each frame to the client
-//! first (over `execute/channel.rs`) and into the capture second (`execute/capture.rs`), and holds back
+//! Runs once a won claim's upstream answered with a response to keep: writes each frame's bytes to the
+//! response's log (`attach/log.rs`), relays the frame to the client (over `execute/channel.rs`) and to
+//! the duplicates that follow it, then charges it to the capture (`execute/capture.rs`), and holds back
 //! whatever completes the response, handing it to `execute.rs` with the record to store. Owns the
 //! upstream body until its end; a client that leaves or stops reading is let go while the relay reads on.
 //! A capture waiting for room in the capture budget holds up the next upstream read, never a frame
@@ -23,6 +24,7 @@ use crate::error::ProxyError;
 use crate::headers::REPLAYED_HEADER;
 use crate::metrics::{Metrics, Outcome};
 use crate::proxy::answer::Answer;
+use crate::proxy::attach::log::Log;
 use crate::proxy::attach::{End, Head, Publisher};
 use crate::proxy::upstream::pool::PooledBody;
 use crate::proxy::upstream::{is_hop_by_hop, strip_hop_by_hop};
@@ -194,10 +196,14 @@ impl Relay {
     ) -> Relayed {
         let (mut parts, mut upstream) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        let log = match &followers {
+            Some(followers) => followers.log().clone(),
+            None => Log::unfollowed(),
+        };
         let record = ToStore {
             status: parts.status.as_u16(),
             headers: storable_headers(&parts.headers, &policy.never_store_headers),
-            capture: Capture::new(policy.max_stored_response, &self.captures, &id.scope),
+            capture: Capture::new(policy.max_stored_response, &self.captures, &id.scope, log),
         };
         if let Some(followers) = &followers {
             followers.head(followed_head(&parts, &policy.never_store_headers, &stamp));
@@ -257,8 +263,12 @@ impl Relay {
                     };
                 }
             };
-            let data = frame.data_ref().cloned();
-            received += data.as_ref().map_or(0, |data| data.len() as u64);
+            let data = frame.data_ref();
+            received += data.map_or(0, |data| data.len() as u64);
+            // Kept once, before anyone gets the frame: the followers read it from the log.
+            if let Some(data) = data {
+                capture.write(data);
+            }
             if let Some(trailers) = frame.trailers_ref() {
                 headers.extend(storable_trailers(trailers, &policy.never_store_headers));
             }
@@ -271,16 +281,9 @@ impl Relay {
             } else {
                 client.deliver(frame, &self.metrics, id).await;
             }
-            // Captured once the client has the frame (or it is held as the last one): a capture that
+            // Charged once the client has the frame (or it is held as the last one): a capture that
             // waits for room in the budget delays the next read, not this frame.
-            if let Some(data) = data {
-                capture.push(data).await;
-                if !capture.keeps()
-                    && let Some(followers) = &client.followers
-                {
-                    followers.forget();
-                }
-            }
+            capture.charge().await;
         }
         let record = ToStore {
             status,

@@ -1,6 +1,6 @@
 //! Raw HTTP/2 with prior knowledge, through the `h2` library, for what a client library never sends: a
 //! body ended by `RST_STREAM` instead of `END_STREAM`, streams abandoned by the dozen on one connection,
-//! a body longer than its `content-length`.
+//! a body longer than its `content-length`, a client that grants no flow-control window.
 
 use bytes::{Bytes, BytesMut};
 use h2::client::{ResponseFuture, SendRequest};
@@ -13,8 +13,18 @@ use super::raw;
 
 /// An HTTP/2 connection to the proxy at `base`, driven on its own task.
 pub async fn connect(base: &str) -> SendRequest<Bytes> {
+    connect_with(base, &h2::client::Builder::new()).await
+}
+
+/// An HTTP/2 connection whose streams grant no flow-control window (`SETTINGS_INITIAL_WINDOW_SIZE`
+/// 0): the proxy may send response heads on it, never a byte of a body.
+pub async fn connect_without_window(base: &str) -> SendRequest<Bytes> {
+    connect_with(base, h2::client::Builder::new().initial_window_size(0)).await
+}
+
+async fn connect_with(base: &str, builder: &h2::client::Builder) -> SendRequest<Bytes> {
     let socket = raw::connect(base).await;
-    let (client, connection) = h2::client::handshake(socket).await.expect("h2 handshake");
+    let (client, connection) = builder.handshake(socket).await.expect("h2 handshake");
     tokio::spawn(async move {
         let _ = connection.await;
     });
