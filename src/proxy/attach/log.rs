@@ -297,10 +297,18 @@ impl Log {
         })
     }
 
+    /// Bytes of memory the kept blocks take.
+    #[cfg(test)]
+    pub(crate) fn footprint(&self) -> usize {
+        self.lock().blocks.footprint()
+    }
+}
+
+impl watchdog::Watched for Log {
     /// The watchdog's look at the followers: one that had something ready at the last tick and has
     /// read nothing since has stalled a tick more, and after [`TICKS`] of them it is cut off. `false`
     /// once no follower is left to watch (the watchdog then ends).
-    pub(super) fn tick(&self) -> bool {
+    fn tick(&self) -> bool {
         let Some(bounds) = &self.bounds else {
             return false;
         };
@@ -332,12 +340,6 @@ impl Log {
         let watching = state.live > 0;
         state.watched = watching;
         watching
-    }
-
-    /// Bytes of memory the kept blocks take.
-    #[cfg(test)]
-    pub(crate) fn footprint(&self) -> usize {
-        self.lock().blocks.footprint()
     }
 }
 
