@@ -148,7 +148,7 @@ impl RouteTable {
         });
         let loose = routes
             .iter()
-            .filter(|route| !route.passthrough && !(route.ignore_case && route.ignore_trailing_slash))
+            .filter(|route| !(route.passthrough || route.ignore_case && route.ignore_trailing_slash))
             .map(|route| {
                 let twin = Route {
                     ignore_case: true,

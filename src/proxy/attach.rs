@@ -409,7 +409,7 @@ mod tests {
         for frame in [
             "id: 0\ndata: a\n\nid",
             ": 1\r\ndata: b\r\n\r",
-            "\ndata: c\r\n\r\n",
+            "\nid: 2\r\ndata: c\r\n\r\n",
         ] {
             relay(&publisher, frame);
         }
@@ -418,6 +418,6 @@ mod tests {
         while let Some(frame) = body.frame().await {
             got.extend_from_slice(&frame.unwrap().into_data().unwrap());
         }
-        assert_eq!(got, b"data: c\r\n\r\n");
+        assert_eq!(got, b"id: 2\r\ndata: c\r\n\r\n");
     }
 }

@@ -456,16 +456,20 @@ mod tests {
         assert_eq!(metrics.capture_budget_exhausted.get(), 1);
     }
 
-    #[tokio::test]
-    async fn the_share_stays_charged_until_the_last_follower_has_read_the_bytes() {
-        use crate::proxy::attach::log::Bounds;
-        let (budget, metrics) = budget(100, 100, PATIENCE);
-        let log = Log::followed(Bounds {
+    /// A log that duplicates may follow, counted in `metrics`.
+    fn followed(metrics: &Metrics) -> Arc<Log> {
+        Log::followed(crate::proxy::attach::log::Bounds {
             buffer: 1024,
             write_timeout: Duration::from_secs(30),
             cutoffs: metrics.attach_cutoffs.clone(),
             stalls: metrics.attach_write_timeouts.clone(),
-        });
+        })
+    }
+
+    #[tokio::test]
+    async fn the_share_stays_charged_until_the_last_follower_has_read_the_bytes() {
+        let (budget, metrics) = budget(100, 100, PATIENCE);
+        let log = followed(&metrics);
         let follower = log.join().expect("a follower");
         let mut capture = Capture::new(100, &budget, "s", log.clone());
         capture.push(Bytes::from_static(b"abc")).await;
@@ -477,12 +481,7 @@ mod tests {
         drop(follower);
         assert_eq!(free(&budget), 100);
 
-        let log = Log::followed(Bounds {
-            buffer: 1024,
-            write_timeout: Duration::from_secs(30),
-            cutoffs: metrics.attach_cutoffs.clone(),
-            stalls: metrics.attach_write_timeouts.clone(),
-        });
+        let log = followed(&metrics);
         let follower = log.join().expect("a follower");
         let mut broken = Capture::new(100, &budget, "s", log.clone());
         broken.push(Bytes::from_static(b"abcd")).await;
