@@ -189,7 +189,8 @@ families! {
         pub attach_write_timeouts: IntCounter = counter(
             "idemproxy_attach_write_timeouts_total",
             "Duplicates cut off because they took none of the live response they followed for \
-            server.write_timeout while it had bytes (or its end) ready for them.",
+            server.write_timeout while it had bytes (or its end) ready for them, or were still reading it \
+            server.write_timeout after it ended.",
         ),
         pub wait_listener_connected: IntGauge = gauge(
             "idemproxy_wait_listener_connected",

@@ -57,6 +57,10 @@ pub(crate) enum Cutoff {
     Stalled,
     #[error("the response it follows broke off")]
     Broken,
+    /// Still reading `server.write_timeout` after the response ended: what it has not read is in the
+    /// store, for a retry (`Last-Event-ID` resumes an event stream), and the log may not be held for it.
+    #[error("did not finish reading the response it follows within server.write_timeout of its end")]
+    Late,
 }
 
 /// What bounds the followers of a log.
@@ -102,6 +106,10 @@ struct State {
     paid: Option<Paid>,
     /// Whether a watchdog runs for the followers.
     watched: bool,
+    /// Watchdog ticks since the response ended: after [`TICKS`] of them the followers still reading are
+    /// cut off, so that a follower reading a little before each tick cannot keep the log, and the
+    /// capture budget it is charged to, for as long as it likes.
+    ticks_since_end: u32,
 }
 
 /// One follower's place in the log.
@@ -174,6 +182,7 @@ impl Log {
                 waiting: Vec::new(),
                 paid: None,
                 watched: false,
+                ticks_since_end: 0,
             }),
             bounds,
         })
@@ -306,7 +315,8 @@ impl Log {
 
 impl watchdog::Watched for Log {
     /// The watchdog's look at the followers: one that had something ready at the last tick and has
-    /// read nothing since has stalled a tick more, and after [`TICKS`] of them it is cut off. `false`
+    /// read nothing since has stalled a tick more, and after [`TICKS`] of them it is cut off; once the
+    /// response has ended, every follower is cut off after [`TICKS`] more, however it reads. `false`
     /// once no follower is left to watch (the watchdog then ends).
     fn tick(&self) -> bool {
         let Some(bounds) = &self.bounds else {
@@ -320,8 +330,13 @@ impl watchdog::Watched for Log {
             trailers,
             end,
             live,
+            ticks_since_end,
             ..
         } = &mut *state;
+        if end.is_some() {
+            *ticks_since_end += 1;
+        }
+        let late = *ticks_since_end > TICKS;
         for follower in followers.values_mut().filter(|f| f.cut.is_none()) {
             if follower.was_ready && follower.reads == follower.seen_reads {
                 follower.stalled_ticks += 1;
@@ -330,11 +345,14 @@ impl watchdog::Watched for Log {
             }
             follower.was_ready = follower.has_ready(*visible, trailers.is_some(), end.is_some());
             follower.seen_reads = follower.reads;
-            if follower.stalled_ticks >= TICKS {
-                follower.cut(Cutoff::Stalled, &mut released);
-                bounds.stalls.inc();
-                *live -= 1;
-            }
+            let cut = match (follower.stalled_ticks >= TICKS, late) {
+                (true, _) => Cutoff::Stalled,
+                (false, true) => Cutoff::Late,
+                (false, false) => continue,
+            };
+            follower.cut(cut, &mut released);
+            bounds.stalls.inc();
+            *live -= 1;
         }
         state.release_if_done(&mut released);
         let watching = state.live > 0;
@@ -521,6 +539,11 @@ mod tests {
             text.push_str(std::str::from_utf8(&data).unwrap());
         }
         (text, frames)
+    }
+
+    /// Reads one frame, if one is ready.
+    fn read_one(seat: &Seat) {
+        let _ = poll_now(seat);
     }
 
     /// Why the follower was cut off, if it was, without reading anything.
@@ -776,5 +799,25 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(6)).await;
         assert_eq!(Arc::strong_count(&guard), 1);
         assert_eq!(cutoff(&seat), Some(Cutoff::Stalled));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_still_reading_write_timeout_after_the_end_is_cut_off_however_it_reads() {
+        let log = log(1024, 8);
+        let slow = log.join().unwrap();
+        let guard = guard(&slow);
+        for _ in 0..64 {
+            relay(&log, "abcdefgh");
+        }
+        log.end(End::Whole);
+        // It reads a little before every tick, so it never stalls, but it never catches up.
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            read_one(&slow);
+            assert_eq!(cutoff(&slow), None, "within write_timeout of the end");
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(cutoff(&slow), Some(Cutoff::Late));
+        assert_eq!(Arc::strong_count(&guard), 1, "its place and its hold on the log are given back");
     }
 }
