@@ -818,6 +818,10 @@ mod tests {
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(cutoff(&slow), Some(Cutoff::Late));
-        assert_eq!(Arc::strong_count(&guard), 1, "its place and its hold on the log are given back");
+        assert_eq!(
+            Arc::strong_count(&guard),
+            1,
+            "its place and its hold on the log are given back"
+        );
     }
 }
