@@ -48,8 +48,8 @@ pub use encryption::{
 pub use error::ConfigError;
 pub use grpc::{GrpcOutcome, GrpcOutcomes, code_name as grpc_code_name};
 pub use idempotency::{
-    FingerprintBody, OnInFlight, OnUnknownOutcome, Policy, ProblemStatuses, RawIdempotency, ReleasePolicy,
-    Unscoped,
+    ClaimRules, FingerprintBody, KeyRules, OnInFlight, OnUnknownOutcome, Policy, ProblemStatuses,
+    RawIdempotency, ReleasePolicy, StoreRules, Unscoped,
 };
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};
@@ -269,7 +269,7 @@ fn record_lifetimes(routes: &RouteTable, store: &StoreConfig) -> RecordLifetimes
     let all = routes.routes.iter().chain(std::iter::once(&routes.default));
     RecordLifetimes::new(all.filter(|route| !route.passthrough).map(|route| {
         let policy = &route.policy;
-        let life = policy.ttl.saturating_add(policy.lock_timeout);
+        let life = policy.claim.ttl.saturating_add(policy.claim.lock_timeout);
         (route.scope.as_str(), life.saturating_add(store.timeout))
     }))
 }
@@ -285,15 +285,15 @@ impl RawConfig {
         };
         let all = routes.routes.iter().chain(std::iter::once(&routes.default));
         for route in all {
-            if self.server.max_buffered_bodies.as_u64() < route.policy.max_request_body {
+            if self.server.max_buffered_bodies.as_u64() < route.policy.key.max_request_body {
                 let msg = format!("must be at least {}", named(route, "max_request_body"));
                 return Err(ConfigError::new("server.max_buffered_bodies", msg));
             }
-            if self.server.max_buffered_responses.as_u64() < route.policy.max_stored_response {
+            if self.server.max_buffered_responses.as_u64() < route.policy.store.max_stored_response {
                 let msg = format!("must be at least {}", named(route, "max_stored_response"));
                 return Err(ConfigError::new("server.max_buffered_responses", msg));
             }
-            let largest = usize::try_from(route.policy.max_stored_response).unwrap_or(usize::MAX);
+            let largest = usize::try_from(route.policy.store.max_stored_response).unwrap_or(usize::MAX);
             if server.max_buffered_responses_per_scope < largest {
                 if self.server.max_buffered_responses_per_scope.is_some() {
                     let msg = format!("must be at least {}", named(route, "max_stored_response"));
@@ -317,10 +317,16 @@ mod tests {
     #[test]
     fn defaults_validate() {
         let config = Config::from_toml_str("").expect("defaults are valid");
-        assert_eq!(config.routes.default.policy.lock_timeout, Duration::from_secs(30));
-        assert_eq!(config.routes.default.policy.max_request_body, 10 * 1024 * 1024);
         assert_eq!(
-            config.routes.default.policy.methods,
+            config.routes.default.policy.claim.lock_timeout,
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            config.routes.default.policy.key.max_request_body,
+            10 * 1024 * 1024
+        );
+        assert_eq!(
+            config.routes.default.policy.key.methods,
             vec![Method::POST, Method::PATCH]
         );
     }

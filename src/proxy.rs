@@ -331,7 +331,7 @@ impl Proxy {
         if route.passthrough || grpc::is_infrastructure(&request) {
             return self.forward.passthrough(request, &peer).await;
         }
-        let protects = route.policy.methods.contains(request.method());
+        let protects = route.policy.key.methods.contains(request.method());
         if (protects || route.policy.signature.is_some())
             && let Some(name) = trailers::names_decisive(&route.policy, request.headers())
         {
@@ -348,14 +348,16 @@ impl Proxy {
             }
             return self.forward.passthrough(request, &peer).await;
         }
-        let key = if route.policy.key.needs_body() {
+        let key = if route.policy.key.source.needs_body() {
             None
         } else {
             let Some(key) =
                 key::source::from_head(&route.policy, request.method(), request.uri(), request.headers())?
             else {
-                if route.policy.required {
-                    return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
+                if route.policy.key.required {
+                    return Err(ProxyError::MissingKey(key::source::describe(
+                        &route.policy.key.source,
+                    )));
                 }
                 if route.policy.signature.is_some() {
                     // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.

@@ -42,8 +42,15 @@ fn fp(method: &Method, target: &str, content_type: &[u8], body: &[u8]) -> [u8; 3
         HeaderValue::from_bytes(content_type).expect("valid header value"),
     );
     let uri: Uri = target.parse().expect("valid target");
-    fingerprint(&policy(), method, &uri, &headers, body, &mut Scratch::unbounded())
-        .expect("no budget to run out of")
+    fingerprint(
+        &policy().key,
+        method,
+        &uri,
+        &headers,
+        body,
+        &mut Scratch::unbounded(),
+    )
+    .expect("no budget to run out of")
 }
 
 fn auth(value: &[u8]) -> HeaderMap {
@@ -143,10 +150,10 @@ proptest! {
         b in prop::collection::vec(32u8..=255, 1..60).prop_filter("not DEL", |v| !v.contains(&127)),
     ) {
         let policy = policy();
-        let scope_a = scope("default", &policy, &auth(&a));
-        prop_assert_eq!(&scope_a, &scope("default", &policy, &auth(&a)));
+        let scope_a = scope("default", &policy.key, &auth(&a));
+        prop_assert_eq!(&scope_a, &scope("default", &policy.key, &auth(&a)));
         if a != b {
-            prop_assert_ne!(&scope_a, &scope("default", &policy, &auth(&b)));
+            prop_assert_ne!(&scope_a, &scope("default", &policy.key, &auth(&b)));
         }
         let hex = scope_a.strip_prefix("default:").expect("route scope prefix");
         prop_assert!(hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()), "{scope_a}");
@@ -304,7 +311,7 @@ fn json_fp(body: &str) -> [u8; 32] {
     .expect("a JSON fingerprint policy is valid");
     let uri: Uri = "/pay".parse().expect("valid target");
     fingerprint(
-        &policy,
+        &policy.key,
         &Method::POST,
         &uri,
         &HeaderMap::new(),

@@ -215,59 +215,81 @@ pub enum OnUnknownOutcome {
 }
 
 /// A route's idempotency policy, validated: `[idempotency]` for the default route, and a `[[routes]]`
-/// entry's own settings over it for that route.
+/// entry's own settings over it for that route. The TOML is flat; here the settings are split by the
+/// stage that reads them, so each stage names only its own.
 #[derive(Debug, Clone)]
 pub struct Policy {
+    /// What intake reads: where the key is, who the client is, what the fingerprint covers.
+    pub key: KeyRules,
+    /// What the claim and the wait read: the lease, the lifetime, what a duplicate in flight gets.
+    pub claim: ClaimRules,
+    /// What the execution reads: what is stored, released or held, and what a response carries.
+    pub store: StoreRules,
+    /// The webhook signature checked before the claim, if any.
+    pub signature: Option<Arc<SignatureConfig>>,
+    /// The statuses of the refusals a route may set its own for.
+    pub statuses: ProblemStatuses,
+}
+
+/// The rules intake (and the spine, choosing what to protect) reads.
+#[derive(Debug, Clone)]
+pub struct KeyRules {
+    /// Where the key comes from.
+    pub source: KeySource,
     /// Key header name.
     pub header: HeaderName,
     /// Protected methods.
     pub methods: Vec<Method>,
     /// Whether protected methods must carry a key.
     pub required: bool,
-    /// Key lifetime.
-    pub ttl: Duration,
-    /// Claim lease.
-    pub lock_timeout: Duration,
     /// Longest key.
     pub max_key_length: usize,
     /// Largest keyed request body, bytes.
     pub max_request_body: u64,
-    /// Largest stored response body, bytes.
-    pub max_stored_response: u64,
     /// Scope headers, lower-case.
     pub scope_headers: Vec<HeaderName>,
-    /// Fingerprint headers, lower-case.
-    pub fingerprint_headers: Vec<HeaderName>,
-    /// Statuses that release the claim.
-    pub release: ReleasePolicy,
-    /// What a gRPC call's status means for its key.
-    pub grpc: GrpcOutcomes,
+    /// A cookie that also separates clients.
+    pub scope_cookie: Option<String>,
     /// Keyed requests without a scope header: refused or shared.
     pub unscoped: Unscoped,
-    /// `Retry-After` of a 409 for a key in flight.
-    pub in_flight_retry_after: Duration,
-    /// The statuses of the refusals a route may set its own for.
-    pub statuses: ProblemStatuses,
-    /// Unknown outcomes: retried after the lease, or held.
-    pub on_unknown_outcome: OnUnknownOutcome,
-    /// Response headers never stored, lower-case.
-    pub never_store_headers: Vec<HeaderName>,
-    /// Where the key comes from.
-    pub key: KeySource,
+    /// Fingerprint headers, lower-case.
+    pub fingerprint_headers: Vec<HeaderName>,
     /// How the body counts in the fingerprint.
     pub fingerprint_body: FingerprintBody,
     /// JSON pointers left out of the fingerprint (only with [`FingerprintBody::Json`]).
     pub fingerprint_exclude: Vec<String>,
-    /// 409 at once, or wait for the original.
+}
+
+/// The rules the claim and the wait read.
+#[derive(Debug, Clone)]
+pub struct ClaimRules {
+    /// Key lifetime.
+    pub ttl: Duration,
+    /// Claim lease.
+    pub lock_timeout: Duration,
+    /// 409 at once, wait for the original, or attach to it.
     pub on_in_flight: OnInFlight,
     /// Longest wait for the original.
     pub wait_timeout: Duration,
-    /// A cookie that also separates clients.
-    pub scope_cookie: Option<String>,
+    /// `Retry-After` of a 409 for a key in flight.
+    pub in_flight_retry_after: Duration,
+}
+
+/// The rules the execution reads.
+#[derive(Debug, Clone)]
+pub struct StoreRules {
+    /// Largest stored response body, bytes.
+    pub max_stored_response: u64,
+    /// Statuses that release the claim.
+    pub release: ReleasePolicy,
+    /// What a gRPC call's status means for its key.
+    pub grpc: GrpcOutcomes,
+    /// Unknown outcomes: retried after the lease, or held.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Response headers never stored, lower-case.
+    pub never_store_headers: Vec<HeaderName>,
     /// The response header advertising the key's expiry, if any.
     pub expires_header: Option<HeaderName>,
-    /// The webhook signature checked before the claim, if any.
-    pub signature: Option<Arc<SignatureConfig>>,
 }
 
 /// The HTTP statuses of the refusals whose status an API may need to be its own (IETF httpapi
@@ -368,47 +390,53 @@ impl RawIdempotency {
         let source = self.key_source(&key("key"), &header)?;
         let (fingerprint_body, fingerprint_exclude) = self.fingerprint_body(prefix, &source)?;
         Ok(Policy {
-            key: source,
-            header,
-            methods: self.methods(&key("methods"))?,
-            required: self.required,
-            ttl: self.ttl,
-            lock_timeout: self.lock_timeout,
-            max_key_length: self.max_key_length,
-            max_request_body: self.max_request_body.as_u64(),
-            max_stored_response: self.max_stored_response.as_u64(),
-            scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
-            fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
-            release: self.release(&key("release_statuses"))?,
-            grpc: GrpcOutcomes::parse(
-                self.grpc_release_codes.as_deref(),
-                self.grpc_unknown_codes.as_deref(),
-                &key("grpc_release_codes"),
-                &key("grpc_unknown_codes"),
-            )?,
+            key: KeyRules {
+                source,
+                header,
+                methods: self.methods(&key("methods"))?,
+                required: self.required,
+                max_key_length: self.max_key_length,
+                max_request_body: self.max_request_body.as_u64(),
+                scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
+                scope_cookie: self.scope_cookie(&key("scope_cookie"))?,
+                unscoped: self.unscoped,
+                fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
+                fingerprint_body,
+                fingerprint_exclude,
+            },
+            claim: ClaimRules {
+                ttl: self.ttl,
+                lock_timeout: self.lock_timeout,
+                on_in_flight: self.on_in_flight,
+                wait_timeout: positive(&key("wait_timeout"), self.wait_timeout)?,
+                in_flight_retry_after: self.in_flight_retry_after(prefix)?,
+            },
+            store: StoreRules {
+                max_stored_response: self.max_stored_response.as_u64(),
+                release: self.release(&key("release_statuses"))?,
+                grpc: GrpcOutcomes::parse(
+                    self.grpc_release_codes.as_deref(),
+                    self.grpc_unknown_codes.as_deref(),
+                    &key("grpc_release_codes"),
+                    &key("grpc_unknown_codes"),
+                )?,
+                on_unknown_outcome: self.on_unknown_outcome,
+                never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
+                expires_header: self
+                    .expires_header
+                    .as_deref()
+                    .map(|name| parse_header(&key("expires_header"), name))
+                    .transpose()?,
+            },
             signature: self
                 .signature
                 .as_ref()
                 .map(|raw| raw.validate(&key("signature"), secrets).map(Arc::new))
                 .transpose()?,
-            unscoped: self.unscoped,
-            in_flight_retry_after: self.in_flight_retry_after(prefix)?,
             statuses: ProblemStatuses {
                 in_flight: one_of(&key("in_flight_status"), self.in_flight_status, &[409, 429, 503])?,
                 mismatch: one_of(&key("mismatch_status"), self.mismatch_status, &[400, 409, 422])?,
             },
-            on_unknown_outcome: self.on_unknown_outcome,
-            never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
-            fingerprint_body,
-            fingerprint_exclude,
-            on_in_flight: self.on_in_flight,
-            wait_timeout: positive(&key("wait_timeout"), self.wait_timeout)?,
-            scope_cookie: self.scope_cookie(&key("scope_cookie"))?,
-            expires_header: self
-                .expires_header
-                .as_deref()
-                .map(|name| parse_header(&key("expires_header"), name))
-                .transpose()?,
         })
     }
 
@@ -569,8 +597,11 @@ mod tests {
             "[idempotency]\nttl = \"2h\"\nlock_timeout = \"5s\"\nmax_stored_response = \"1MiB\"\n",
         )
         .unwrap();
-        assert_eq!(config.routes.default.policy.ttl, Duration::from_secs(7200));
-        assert_eq!(config.routes.default.policy.max_stored_response, 1024 * 1024);
+        assert_eq!(config.routes.default.policy.claim.ttl, Duration::from_secs(7200));
+        assert_eq!(
+            config.routes.default.policy.store.max_stored_response,
+            1024 * 1024
+        );
     }
 
     #[test]
@@ -581,14 +612,14 @@ mod tests {
         )
         .unwrap();
         let policy = &config.routes.routes[0].policy;
-        assert_eq!(policy.fingerprint_body, super::FingerprintBody::Json);
+        assert_eq!(policy.key.fingerprint_body, super::FingerprintBody::Json);
         assert_eq!(
-            policy.fingerprint_exclude,
+            policy.key.fingerprint_exclude,
             ["/params/arguments/sent_at", "/id", "/params/_meta"]
         );
         let plain = Config::from_toml_str("[idempotency]\nkey = \"json:/id\"\n").unwrap();
         assert_eq!(
-            plain.routes.default.policy.fingerprint_body,
+            plain.routes.default.policy.key.fingerprint_body,
             super::FingerprintBody::Bytes,
             "only jsonrpc routes"
         );
@@ -609,7 +640,7 @@ mod tests {
     #[test]
     fn release_policy_parses_classes_and_codes() {
         let config = Config::from_toml_str("[idempotency]\nrelease_statuses = [\"5xx\", \"409\"]\n").unwrap();
-        let policy = &config.routes.default.policy.release;
+        let policy = &config.routes.default.policy.store.release;
         assert!(policy.releases(http::StatusCode::BAD_GATEWAY));
         assert!(policy.releases(http::StatusCode::CONFLICT));
         assert!(!policy.releases(http::StatusCode::TOO_MANY_REQUESTS));
@@ -629,10 +660,10 @@ mod tests {
         let (shared, listed) = (&config.routes.routes[0].policy, &config.routes.routes[1].policy);
         let private = &config.routes.default.policy;
         for status in [StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN] {
-            assert!(shared.release.releases(status), "{status}");
-            assert!(!private.release.releases(status), "{status}");
+            assert!(shared.store.release.releases(status), "{status}");
+            assert!(!private.store.release.releases(status), "{status}");
             assert!(
-                !listed.release.releases(status),
+                !listed.store.release.releases(status),
                 "an explicit list wins: {status}"
             );
         }
@@ -642,17 +673,17 @@ mod tests {
             StatusCode::TOO_MANY_REQUESTS,
         ] {
             assert!(
-                shared.release.releases(status) && private.release.releases(status),
+                shared.store.release.releases(status) && private.store.release.releases(status),
                 "{status}"
             );
         }
-        assert!(!shared.release.releases(StatusCode::UNPROCESSABLE_ENTITY));
+        assert!(!shared.store.release.releases(StatusCode::UNPROCESSABLE_ENTITY));
         let section = Config::from_toml_str(
             "[idempotency]\nrelease_statuses = [\"5xx\", \"408\"]\n\
              [[routes]]\nname = \"hook\"\npath = \"/hook\"\nunscoped = \"shared\"\n",
         )
         .unwrap();
-        let inherited = &section.routes.routes[0].policy.release;
+        let inherited = &section.routes.routes[0].policy.store.release;
         assert!(
             !inherited.releases(StatusCode::UNAUTHORIZED),
             "the section's list is explicit too"
@@ -676,10 +707,10 @@ mod tests {
             Config::from_toml_str("[idempotency]\nheader = \"X-Key\"\nmethods = [\"post\", \"PuT\"]\n")
                 .unwrap();
         assert_eq!(
-            config.routes.default.policy.methods,
+            config.routes.default.policy.key.methods,
             vec![Method::POST, Method::PUT]
         );
-        assert_eq!(config.routes.default.policy.header.as_str(), "x-key");
+        assert_eq!(config.routes.default.policy.key.header.as_str(), "x-key");
         for (text, key) in [
             ("methods = [\"PO ST\"]", "idempotency.methods"),
             ("header = \"a b\"", "idempotency.header"),
@@ -703,9 +734,15 @@ mod tests {
         assert!(err.to_string().contains("unscoped"), "{err}");
         let shared =
             Config::from_toml_str("[idempotency]\nscope_headers = []\nunscoped = \"shared\"\n").unwrap();
-        assert_eq!(shared.routes.default.policy.unscoped, Unscoped::Shared);
+        assert_eq!(shared.routes.default.policy.key.unscoped, Unscoped::Shared);
         assert_eq!(
-            Config::from_toml_str("").unwrap().routes.default.policy.unscoped,
+            Config::from_toml_str("")
+                .unwrap()
+                .routes
+                .default
+                .policy
+                .key
+                .unscoped,
             Unscoped::Reject
         );
     }
@@ -714,15 +751,15 @@ mod tests {
     fn guarantee_settings_have_safe_defaults_and_named_errors() {
         let config = Config::from_toml_str("").unwrap();
         assert_eq!(
-            config.routes.default.policy.in_flight_retry_after,
+            config.routes.default.policy.claim.in_flight_retry_after,
             Duration::from_secs(1)
         );
         assert_eq!(
-            config.routes.default.policy.on_unknown_outcome,
+            config.routes.default.policy.store.on_unknown_outcome,
             OnUnknownOutcome::Retry
         );
         assert_eq!(
-            config.routes.default.policy.never_store_headers,
+            config.routes.default.policy.store.never_store_headers,
             vec![http::header::SET_COOKIE]
         );
         for (text, key) in [
@@ -766,6 +803,9 @@ mod tests {
         assert!(err.message.contains("routes[2].unscoped = \"shared\""), "{err}");
         let section = RawIdempotency::default().validate().unwrap();
         let route = RawIdempotency::default().validate_at("routes[0]").unwrap();
-        assert_eq!((section.ttl, section.methods), (route.ttl, route.methods));
+        assert_eq!(
+            (section.claim.ttl, section.key.methods),
+            (route.claim.ttl, route.key.methods)
+        );
     }
 }

@@ -377,7 +377,7 @@ mod tests {
         let config = crate::config::Config::from_toml_str(example)
             .unwrap_or_else(|e| panic!("docs/routes.md example does not load: {e}\n{example}"));
         assert_eq!(
-            config.routes.routes[0].policy.key,
+            config.routes.routes[0].policy.key.source,
             KeySource::JsonRpc(JSONRPC_KEY.into())
         );
     }

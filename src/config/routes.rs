@@ -173,7 +173,9 @@ impl RouteTable {
         self.loose
             .iter()
             .filter(|(route, _)| route.name != selected.name)
-            .filter(|(route, _)| route.policy.methods.contains(method) || route.policy.signature.is_some())
+            .filter(|(route, _)| {
+                route.policy.key.methods.contains(method) || route.policy.signature.is_some()
+            })
             .any(|(route, twin)| twin.matches(method, path) && !route.matches(method, path))
     }
 
@@ -519,23 +521,23 @@ impl Route {
         if self.passthrough {
             return format!("{:?} {methods} {path}: passthrough", self.name);
         }
-        let protected: Vec<&str> = policy.methods.iter().map(Method::as_str).collect();
+        let protected: Vec<&str> = policy.key.methods.iter().map(Method::as_str).collect();
         format!(
             "{:?} {methods} {path}: scope {:?}, key {}, protects {}{}, ttl {}, lock_timeout {}, \
              on_in_flight {}{}",
             self.name,
             self.scope,
-            policy.key,
+            policy.key.source,
             protected.join(","),
-            if policy.required { " (required)" } else { "" },
-            humantime::format_duration(policy.ttl),
-            humantime::format_duration(policy.lock_timeout),
-            match policy.on_in_flight {
+            if policy.key.required { " (required)" } else { "" },
+            humantime::format_duration(policy.claim.ttl),
+            humantime::format_duration(policy.claim.lock_timeout),
+            match policy.claim.on_in_flight {
                 super::OnInFlight::Reject => "reject".to_owned(),
                 super::OnInFlight::Wait =>
-                    format!("wait {}", humantime::format_duration(policy.wait_timeout)),
+                    format!("wait {}", humantime::format_duration(policy.claim.wait_timeout)),
                 super::OnInFlight::Attach =>
-                    format!("attach {}", humantime::format_duration(policy.wait_timeout)),
+                    format!("attach {}", humantime::format_duration(policy.claim.wait_timeout)),
             },
             match &policy.signature {
                 Some(signature) => format!(
@@ -750,16 +752,16 @@ mod tests {
         );
         let payments = &routes.routes[0];
         assert_eq!(payments.scope, "payments");
-        assert!(payments.policy.required);
-        assert_eq!(payments.policy.ttl, Duration::from_secs(12 * 3600));
-        assert_eq!(payments.policy.lock_timeout, Duration::from_secs(5));
-        assert_eq!(payments.policy.max_request_body, 1_000_001);
-        assert_eq!(payments.policy.on_in_flight, OnInFlight::Wait);
-        assert_eq!(payments.policy.wait_timeout, Duration::from_secs(3));
-        assert_eq!(payments.policy.key.to_string(), "header:x-request-key");
-        assert!(!routes.default.policy.required);
+        assert!(payments.policy.key.required);
+        assert_eq!(payments.policy.claim.ttl, Duration::from_secs(12 * 3600));
+        assert_eq!(payments.policy.claim.lock_timeout, Duration::from_secs(5));
+        assert_eq!(payments.policy.key.max_request_body, 1_000_001);
+        assert_eq!(payments.policy.claim.on_in_flight, OnInFlight::Wait);
+        assert_eq!(payments.policy.claim.wait_timeout, Duration::from_secs(3));
+        assert_eq!(payments.policy.key.source.to_string(), "header:x-request-key");
+        assert!(!routes.default.policy.key.required);
         assert_eq!(
-            routes.default.policy.key,
+            routes.default.policy.key.source,
             KeySource::Header(http::HeaderName::from_static("idempotency-key"))
         );
     }

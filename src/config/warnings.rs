@@ -170,9 +170,9 @@ fn shared_scopes(all: &[&Route], found: &mut Vec<Warning>) {
 
 /// The settings two routes sharing a scope must agree on, where they do not.
 fn differences(a: &Route, b: &Route) -> Vec<&'static str> {
-    let (a, b) = (&a.policy, &b.policy);
+    let (a, b) = (&a.policy.key, &b.policy.key);
     let checks = [
-        ("key", a.key != b.key),
+        ("key", a.source != b.source),
         ("header", a.header != b.header),
         ("scope_headers", a.scope_headers != b.scope_headers),
         ("scope_cookie", a.scope_cookie != b.scope_cookie),
@@ -198,7 +198,7 @@ fn differences(a: &Route, b: &Route) -> Vec<&'static str> {
 /// another's key gets the other's stored response.
 fn unscoped_without_signature(index: usize, route: &Route, found: &mut Vec<Warning>) {
     let policy = &route.policy;
-    if route.passthrough || policy.unscoped != Unscoped::Shared || policy.signature.is_some() {
+    if route.passthrough || policy.key.unscoped != Unscoped::Shared || policy.signature.is_some() {
         return;
     }
     warn(

@@ -211,6 +211,7 @@ impl Claims {
     fn wait_for(&self, route: &Route, id: &RecordId) -> Option<Waiter> {
         route
             .policy
+            .claim
             .on_in_flight
             .waits()
             .then(|| self.waiters.wait_for(RecordTag::of(&id.scope, &id.key)))
@@ -255,7 +256,7 @@ impl Claims {
         let fill = self.cache.remember(&keyed.request.claim, &result, started);
         let policy = &keyed.request.route.policy;
         let id = &keyed.request.claim.id;
-        match decide(result, id, policy.in_flight_retry_after, &self.metrics) {
+        match decide(result, id, policy.claim.in_flight_retry_after, &self.metrics) {
             Ok(Decision::Execute(attempt, expires_in)) => Round::Won(Box::new(Won {
                 keyed,
                 started,

@@ -180,7 +180,7 @@ impl Executor {
     ) {
         let grpc = grpc::is_grpc(&request);
         // Followable from before it is sent, so that a duplicate that comes meanwhile gets its head.
-        let publisher = (claim.route.policy.on_in_flight == OnInFlight::Attach)
+        let publisher = (claim.route.policy.claim.on_in_flight == OnInFlight::Attach)
             .then(|| self.attachments.publish(&claim.id, claim.fingerprint));
         let response = match self.upstream.send(request).await {
             Ok(response) => response,
@@ -204,7 +204,7 @@ impl Executor {
             let why = error.to_string();
             return self.unknown_outcome(claim, head, Err(error), &why).await;
         }
-        if claim.route.policy.release.releases(response.status()) {
+        if claim.route.policy.store.release.releases(response.status()) {
             heartbeat.stop();
             let answer = Ok((stream_response(response), Outcome::Executed));
             return self.release_then_answer(claim, head, answer).await;
@@ -215,7 +215,7 @@ impl Executor {
             .then(|| crate::headers::grpc_status(response.headers()))
             .flatten();
         if let Some(code) = head_status {
-            let outcome = claim.route.policy.grpc.of(code);
+            let outcome = claim.route.policy.store.grpc.of(code);
             if outcome != GrpcOutcome::Store {
                 heartbeat.stop();
                 let answer = Ok((stream_response(response), Outcome::Executed));
@@ -236,7 +236,7 @@ impl Executor {
             Relayed::Whole(record, held) if grpc && record.status == 200 => {
                 // The status came after the messages, in the trailers; none at all is a broken call.
                 match grpc::stored_status(&record.headers)
-                    .map(|code| (code, claim.route.policy.grpc.of(code)))
+                    .map(|code| (code, claim.route.policy.store.grpc.of(code)))
                 {
                     Some((_, GrpcOutcome::Store)) => self.finish(claim, record, held, heartbeat).await,
                     Some((code, GrpcOutcome::Release)) => {
@@ -292,7 +292,7 @@ impl Executor {
     fn holds_unknown(&self, claim: &Claimed, why: &str) -> bool {
         self.metrics.unknown_outcomes.inc();
         let key_hash = claim.id.key_hash();
-        if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Retry {
+        if claim.route.policy.store.on_unknown_outcome == OnUnknownOutcome::Retry {
             tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
             return false;
         }
@@ -402,7 +402,7 @@ impl Executor {
         self.metrics.unknown_outcomes.inc();
         tracing::warn!(key_hash = %claim.id.key_hash(), %error, "upstream body broke off; outcome unknown");
         client.fail(error, failure);
-        if claim.route.policy.on_unknown_outcome == OnUnknownOutcome::Hold && self.hold(claim).await {
+        if claim.route.policy.store.on_unknown_outcome == OnUnknownOutcome::Hold && self.hold(claim).await {
             self.settle.settled(&claim.route, &claim.id).await;
         }
     }

@@ -15,7 +15,7 @@ use crate::config::Policy;
 /// Sets the policy's expiry header on `headers` to `expires_at`, when the policy names one and the
 /// expiry is known.
 pub fn stamp(headers: &mut HeaderMap, policy: &Policy, expires_at: Option<SystemTime>) {
-    let (Some(name), Some(at)) = (&policy.expires_header, expires_at) else {
+    let (Some(name), Some(at)) = (&policy.store.expires_header, expires_at) else {
         return;
     };
     let at = round_down(at);

@@ -88,7 +88,7 @@ impl Intake {
         peer: &Downstream,
     ) -> Result<Result<TakenIn, Unkeyed>, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
-        if key.is_some() || route.policy.key.needs_body() {
+        if key.is_some() || route.policy.key.source.needs_body() {
             check_scope(&route, request.headers())?;
         }
         let (parts, body) = request.into_parts();
@@ -97,8 +97,10 @@ impl Intake {
         let examined = examine::examine(&self.examiners, route.clone(), parts, body, key).await?;
         let (parts, body, call_id) = (examined.parts, examined.body, examined.call_id);
         let Some((key, fingerprint)) = examined.keyed else {
-            if route.policy.required {
-                return Err(ProxyError::MissingKey(key::source::describe(&route.policy.key)));
+            if route.policy.key.required {
+                return Err(ProxyError::MissingKey(key::source::describe(
+                    &route.policy.key.source,
+                )));
             }
             return Ok(Err(Unkeyed { parts, body }));
         };
@@ -140,7 +142,7 @@ impl Intake {
         body: Incoming,
         peer: &Downstream,
     ) -> Result<ReservedBody, ProxyError> {
-        let limit = policy.max_request_body;
+        let limit = policy.key.max_request_body;
         let too_large = ProxyError::RequestTooLarge { limit };
         let declared = parts
             .headers
@@ -178,7 +180,7 @@ impl Intake {
 /// answer another's.
 fn check_scope(route: &Route, headers: &HeaderMap) -> Result<(), ProxyError> {
     let policy = &route.policy;
-    if policy.unscoped == Unscoped::Shared || key::has_scope(policy, headers) {
+    if policy.key.unscoped == Unscoped::Shared || key::has_scope(&policy.key, headers) {
         return Ok(());
     }
     Err(ProxyError::MissingScope(scope_setting(route, policy)))
@@ -187,12 +189,13 @@ fn check_scope(route: &Route, headers: &HeaderMap) -> Result<(), ProxyError> {
 /// The scope setting a refused request did not satisfy, as the `missing-scope` detail names it.
 fn scope_setting(route: &Route, policy: &Policy) -> String {
     let mut names: Vec<String> = policy
+        .key
         .scope_headers
         .iter()
         .map(HeaderName::as_str)
         .map(str::to_owned)
         .collect();
-    if let Some(cookie) = &policy.scope_cookie {
+    if let Some(cookie) = &policy.key.scope_cookie {
         names.push(format!("cookie {cookie}"));
     }
     let names = names.join(", ");
@@ -206,12 +209,12 @@ fn claim_request(route: &Route, parts: &request::Parts, key: String, fingerprint
     let policy = &route.policy;
     ClaimRequest {
         id: RecordId {
-            scope: key::scope(&route.scope, policy, &parts.headers),
+            scope: key::scope(&route.scope, &policy.key, &parts.headers),
             key,
             token: Uuid::new_v4(),
         },
         fingerprint,
-        lease: policy.lock_timeout,
-        ttl: policy.ttl,
+        lease: policy.claim.lock_timeout,
+        ttl: policy.claim.ttl,
     }
 }

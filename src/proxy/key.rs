@@ -21,7 +21,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
 use self::json::Scratch;
-use crate::config::{FingerprintBody, Policy};
+use crate::config::{FingerprintBody, KeyRules};
 use crate::error::{Busy, ProxyError};
 
 /// Reads the key from its header. `Ok(None)` when the header is absent.
@@ -85,13 +85,13 @@ fn invalid(why: &str) -> ProxyError {
 
 /// Whether the request names its client in at least one of the policy's scope headers, or in the scope
 /// cookie (an empty value names no one).
-pub fn has_scope(policy: &Policy, headers: &HeaderMap) -> bool {
-    let by_header = policy
+pub fn has_scope(rules: &KeyRules, headers: &HeaderMap) -> bool {
+    let by_header = rules
         .scope_headers
         .iter()
         .any(|name| headers.get_all(name).iter().any(|value| !value.is_empty()));
     by_header
-        || policy
+        || rules
             .scope_cookie
             .as_deref()
             .is_some_and(|name| cookie::values(headers, name).iter().any(|v| !v.is_empty()))
@@ -100,12 +100,12 @@ pub fn has_scope(policy: &Policy, headers: &HeaderMap) -> bool {
 /// The scope a key is unique within: the route's scope name plus a SHA-256 of the scope headers' values
 /// and the scope cookie's, so clients with different credentials never share keys and credentials are
 /// never stored.
-pub fn scope(scope_name: &str, policy: &Policy, headers: &HeaderMap) -> String {
+pub fn scope(scope_name: &str, rules: &KeyRules, headers: &HeaderMap) -> String {
     let mut hash = Sha256::new();
-    for name in &policy.scope_headers {
+    for name in &rules.scope_headers {
         hash_header(&mut hash, name, headers);
     }
-    if let Some(name) = &policy.scope_cookie {
+    if let Some(name) = &rules.scope_cookie {
         hash_cookie(&mut hash, name, headers);
     }
     // Written in place: every keyed request has a scope, and `format!` with `hex::encode` builds it
@@ -153,17 +153,17 @@ fn hash_header(hash: &mut Sha256, name: &HeaderName, headers: &HeaderMap) {
 /// `fingerprint_body = "json"`) by its JSON meaning, read within `scratch` (503 `busy` when the budget
 /// cannot supply what the body's objects need).
 pub fn fingerprint(
-    policy: &Policy,
+    rules: &KeyRules,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
     body: &[u8],
     scratch: &mut Scratch<'_>,
 ) -> Result<[u8; 32], ProxyError> {
-    let mut hash = head_hash(method, uri, headers, &policy.fingerprint_headers);
-    match policy.fingerprint_body {
+    let mut hash = head_hash(method, uri, headers, &rules.fingerprint_headers);
+    match rules.fingerprint_body {
         FingerprintBody::Bytes => hash_field(&mut hash, body),
-        FingerprintBody::Json => hash_json_body(&mut hash, body, &policy.fingerprint_exclude, scratch)?,
+        FingerprintBody::Json => hash_json_body(&mut hash, body, &rules.fingerprint_exclude, scratch)?,
     }
     Ok(hash.finalize().into())
 }
@@ -275,7 +275,7 @@ mod tests {
 
     #[test]
     fn scope_separates_credentials_and_hides_them() {
-        let policy = crate::config::RawIdempotency::default().validate().unwrap();
+        let policy = crate::config::RawIdempotency::default().validate().unwrap().key;
         let mut a = HeaderMap::new();
         a.insert("authorization", HeaderValue::from_static("Bearer alice"));
         let mut b = HeaderMap::new();
@@ -294,13 +294,14 @@ mod tests {
         );
     }
 
-    fn cookie_policy() -> Policy {
+    fn cookie_policy() -> KeyRules {
         crate::config::RawIdempotency {
             scope_cookie: Some("session".into()),
             ..crate::config::RawIdempotency::default()
         }
         .validate()
         .unwrap()
+        .key
     }
 
     fn with_cookie(line: &'static str) -> HeaderMap {
@@ -325,7 +326,7 @@ mod tests {
 
     #[test]
     fn a_scope_hashes_each_scope_header_with_its_count_of_values() {
-        let plain = crate::config::RawIdempotency::default().validate().unwrap();
+        let plain = crate::config::RawIdempotency::default().validate().unwrap().key;
         let headers = with_cookie("session=s");
         assert_ne!(
             scope("r", &plain, &headers),
@@ -364,7 +365,8 @@ mod tests {
             ..crate::config::RawIdempotency::default()
         }
         .validate()
-        .unwrap();
+        .unwrap()
+        .key;
         assert_ne!(scope("r", &policy, &one), scope("r", &policy, &other));
         let uri: Uri = "/pay".parse().unwrap();
         let mut scratch = Scratch::unbounded();
@@ -407,7 +409,8 @@ mod tests {
             ..crate::config::RawIdempotency::default()
         }
         .validate()
-        .unwrap();
+        .unwrap()
+        .key;
         let mut in_header = HeaderMap::new();
         in_header.insert("x-tenant", HeaderValue::from_static("s1"));
         let mut in_cookie = HeaderMap::new();
@@ -423,21 +426,22 @@ mod tests {
             ..crate::config::RawIdempotency::default()
         }
         .validate()
-        .unwrap();
+        .unwrap()
+        .key;
         let mut headers = HeaderMap::new();
         assert!(!has_scope(&policy, &headers));
         headers.insert("cookie", HeaderValue::from_static("theme=dark; session="));
         assert!(!has_scope(&policy, &headers), "an empty cookie names no one");
         headers.insert("cookie", HeaderValue::from_static("theme=dark; session=s1"));
         assert!(has_scope(&policy, &headers));
-        let plain = crate::config::RawIdempotency::default().validate().unwrap();
+        let plain = crate::config::RawIdempotency::default().validate().unwrap().key;
         assert!(
             !has_scope(&plain, &headers),
             "cookies count only when the policy names one"
         );
     }
 
-    fn json_policy(exclude: &[&str]) -> Policy {
+    fn json_policy(exclude: &[&str]) -> KeyRules {
         crate::config::RawIdempotency {
             fingerprint_body: FingerprintBody::Json,
             fingerprint_exclude: exclude.iter().map(|p| (*p).to_owned()).collect(),
@@ -445,9 +449,10 @@ mod tests {
         }
         .validate()
         .unwrap()
+        .key
     }
 
-    fn json_fingerprint(policy: &Policy, body: &str) -> [u8; 32] {
+    fn json_fingerprint(policy: &KeyRules, body: &str) -> [u8; 32] {
         let uri: Uri = "/pay".parse().unwrap();
         let mut scratch = Scratch::unbounded();
         fingerprint(
@@ -474,7 +479,7 @@ mod tests {
             base,
             json_fingerprint(&policy, r#"{"amount":999,"currency":"eur","sent_at":1}"#)
         );
-        let bytes = crate::config::RawIdempotency::default().validate().unwrap();
+        let bytes = crate::config::RawIdempotency::default().validate().unwrap().key;
         assert_ne!(
             json_fingerprint(&bytes, r#"{"a":1,"b":2}"#),
             json_fingerprint(&bytes, r#"{"b":2,"a":1}"#),
@@ -490,11 +495,11 @@ mod tests {
         }
         .validate()
         .unwrap();
-        assert_eq!(policy.fingerprint_body, FingerprintBody::Json);
-        assert_eq!(policy.fingerprint_exclude, ["/id", "/params/_meta"]);
+        assert_eq!(policy.key.fingerprint_body, FingerprintBody::Json);
+        assert_eq!(policy.key.fingerprint_exclude, ["/id", "/params/_meta"]);
         let call = |id: &str, token: &str, amount: u32| {
             json_fingerprint(
-                &policy,
+                &policy.key,
                 &format!(
                     r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"charge",
                     "arguments":{{"amount":{amount}}},"_meta":{{"idempotencyKey":"k","progressToken":{token}}}}}}}"#
@@ -526,7 +531,7 @@ mod tests {
 
     #[test]
     fn the_bytes_fingerprint_frames_every_field() {
-        let policy = crate::config::RawIdempotency::default().validate().unwrap();
+        let policy = crate::config::RawIdempotency::default().validate().unwrap().key;
         let uri: Uri = "/pay?x=1".parse().unwrap();
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));

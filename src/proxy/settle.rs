@@ -36,7 +36,7 @@ impl Settle {
     /// fails is logged and left: a waiter elsewhere then re-checks when the lease it saw runs out, or
     /// gets 409 at its `wait_timeout`.
     pub(crate) async fn settled(&self, route: &Route, id: &RecordId) {
-        if !route.policy.on_in_flight.waits() {
+        if !route.policy.claim.on_in_flight.waits() {
             return;
         }
         let tag = RecordTag::of(&id.scope, &id.key);

@@ -156,8 +156,8 @@ pub(crate) async fn taken_in(stages: &Stages) -> TakenIn {
             token: Uuid::new_v4(),
         },
         fingerprint: [7; 32],
-        lease: route.policy.lock_timeout,
-        ttl: route.policy.ttl,
+        lease: route.policy.claim.lock_timeout,
+        ttl: route.policy.claim.ttl,
     };
     TakenIn {
         route,

@@ -120,10 +120,10 @@ pub(crate) fn names_decisive(policy: &Policy, headers: &HeaderMap) -> Option<Hea
 
 /// The header names `policy` reads anything from.
 fn decisive(policy: &Policy) -> Vec<HeaderName> {
-    let mut names = vec![policy.header.clone()];
-    names.extend(policy.scope_headers.iter().cloned());
-    names.extend(policy.fingerprint_headers.iter().cloned());
-    match &policy.key {
+    let mut names = vec![policy.key.header.clone()];
+    names.extend(policy.key.scope_headers.iter().cloned());
+    names.extend(policy.key.fingerprint_headers.iter().cloned());
+    match &policy.key.source {
         KeySource::Header(name) => names.push(name.clone()),
         KeySource::CloudEvents => names.extend(["ce-id", "ce-source"].map(HeaderName::from_static)),
         KeySource::Template(parts) => names.extend(parts.iter().filter_map(|part| match part {

@@ -159,9 +159,9 @@ impl Waits {
     /// that attaches, the request follows the execution whenever this process runs it, rather than
     /// waiting for its record.
     async fn wait_rounds(&self, mut in_flight: Box<InFlight>, waiting: &mut Waiting<'_>) -> Ended {
-        let deadline = Instant::now() + in_flight.keyed.request.route.policy.wait_timeout;
+        let deadline = Instant::now() + in_flight.keyed.request.route.policy.claim.wait_timeout;
         // A JSON-RPC call's answer must carry its own id, which only a replay writes: it waits instead.
-        let attaches = in_flight.keyed.request.route.policy.on_in_flight == OnInFlight::Attach
+        let attaches = in_flight.keyed.request.route.policy.claim.on_in_flight == OnInFlight::Attach
             && in_flight.keyed.request.call_id.is_none();
         loop {
             let claim = &in_flight.keyed.request.claim;
@@ -263,7 +263,7 @@ impl Waits {
 /// last saw. A client that has gone has it counted all the same.
 fn conflict(in_flight: Box<InFlight>) {
     let left = in_flight.lease_end.saturating_duration_since(Instant::now());
-    let hint = in_flight.keyed.request.route.policy.in_flight_retry_after;
+    let hint = in_flight.keyed.request.route.policy.claim.in_flight_retry_after;
     let retry_after = in_flight_retry_after(left, hint);
     in_flight
         .keyed

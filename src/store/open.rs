@@ -325,7 +325,10 @@ fn wait_listener(
     metrics: &Metrics,
     shutdown: &CancellationToken,
 ) -> Option<Task> {
-    let waits = config.routes.policies().any(|policy| policy.on_in_flight.waits());
+    let waits = config
+        .routes
+        .policies()
+        .any(|policy| policy.claim.on_in_flight.waits());
     let listener = capabilities.listener.clone().filter(|_| waits)?;
     Some(Box::pin(listener.run(
         config.store.clone(),

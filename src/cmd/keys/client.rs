@@ -63,7 +63,7 @@ impl Client {
         let headers = headers(args)?;
         Ok(Client::Credential {
             route: route.name.clone(),
-            scope: key::scope(&route.scope, &route.policy, &headers),
+            scope: key::scope(&route.scope, &route.policy.key, &headers),
             refused: refused(route, &headers),
         })
     }
@@ -152,11 +152,11 @@ fn headers(args: &ClientArgs) -> Result<HeaderMap, KeysError> {
 /// Why the proxy would refuse a keyed request with these headers on `route` for naming no client.
 fn refused(route: &Route, headers: &HeaderMap) -> Option<String> {
     let policy = &route.policy;
-    if policy.unscoped == Unscoped::Shared || key::has_scope(policy, headers) {
+    if policy.key.unscoped == Unscoped::Shared || key::has_scope(&policy.key, headers) {
         return None;
     }
-    let mut names: Vec<String> = policy.scope_headers.iter().map(|h| h.to_string()).collect();
-    names.extend(policy.scope_cookie.iter().map(|c| format!("cookie {c}")));
+    let mut names: Vec<String> = policy.key.scope_headers.iter().map(|h| h.to_string()).collect();
+    names.extend(policy.key.scope_cookie.iter().map(|c| format!("cookie {c}")));
     Some(format!(
         "these headers name no client on route {:?} (it reads {}): the proxy refuses such keyed \
          requests (400 missing-scope), so no record can have this scope",
@@ -210,7 +210,7 @@ mod tests {
         let route = &config.routes.routes[0];
         let mut sent = HeaderMap::new();
         sent.insert("x-api-key", HeaderValue::from_static("alice"));
-        let proxy_scope = key::scope(&route.scope, &route.policy, &sent);
+        let proxy_scope = key::scope(&route.scope, &route.policy.key, &sent);
 
         for by in [
             args(Some("payments"), None, &["X-Api-Key:  alice "]),

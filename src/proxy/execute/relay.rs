@@ -202,11 +202,11 @@ impl Relay {
         };
         let record = ToStore {
             status: parts.status.as_u16(),
-            headers: storable_headers(&parts.headers, &policy.never_store_headers),
-            capture: Capture::new(policy.max_stored_response, &self.captures, &id.scope, log),
+            headers: storable_headers(&parts.headers, &policy.store.never_store_headers),
+            capture: Capture::new(policy.store.max_stored_response, &self.captures, &id.scope, log),
         };
         if let Some(followers) = &followers {
-            followers.head(followed_head(&parts, &policy.never_store_headers, &stamp));
+            followers.head(followed_head(&parts, &policy.store.never_store_headers, &stamp));
         }
         // What the proxy adds for this client only, after the stored headers are taken.
         stamp(&mut parts.headers);
@@ -270,7 +270,7 @@ impl Relay {
                 capture.write(data);
             }
             if let Some(trailers) = frame.trailers_ref() {
-                headers.extend(storable_trailers(trailers, &policy.never_store_headers));
+                headers.extend(storable_trailers(trailers, &policy.store.never_store_headers));
             }
             // A frame held as the last one was not, since another follows.
             if let Some(earlier) = last.take() {

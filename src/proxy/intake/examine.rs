@@ -98,7 +98,7 @@ impl Examined {
                 }
             };
             let fingerprint = key::fingerprint(
-                policy,
+                &policy.key,
                 &parts.method,
                 &parts.uri,
                 &parts.headers,

@@ -24,7 +24,11 @@ pub fn from_head(
     uri: &Uri,
     headers: &HeaderMap,
 ) -> Result<Option<String>, ProxyError> {
-    debug_assert!(!policy.key.needs_body(), "{} needs the body", policy.key);
+    debug_assert!(
+        !policy.key.source.needs_body(),
+        "{} needs the body",
+        policy.key.source
+    );
     Request {
         method,
         uri,
@@ -55,17 +59,17 @@ pub fn from_body(
     body: &[u8],
     scratch: &mut Scratch<'_>,
 ) -> Result<BodyKey, ProxyError> {
-    if let KeySource::JsonRpc(pointer) = &policy.key
+    if let KeySource::JsonRpc(pointer) = &policy.key.source
         && jsonrpc::is_batch(body)
     {
         let keyed =
             jsonrpc::batch_keyed(body, pointer, scratch).map_err(|_| ProxyError::Busy(Busy::Parsing))?;
-        if keyed || policy.required {
+        if keyed || policy.key.required {
             return Err(ProxyError::JsonRpcBatch);
         }
         return Ok(BodyKey::default());
     }
-    let pointers = pointers(&policy.key, &parts.headers);
+    let pointers = pointers(&policy.key.source, &parts.headers);
     let json = if pointers.is_empty() {
         None
     } else {
@@ -78,7 +82,7 @@ pub fn from_body(
         json: json.as_ref(),
     }
     .key(policy)?;
-    let call_id = match (&policy.key, &json) {
+    let call_id = match (&policy.key.source, &json) {
         (KeySource::JsonRpc(_), Some(json)) => CallId::from_found(json.get(jsonrpc::ID)),
         _ => None,
     };
@@ -170,8 +174,8 @@ struct Request<'a> {
 
 impl Request<'_> {
     fn key(&self, policy: &Policy) -> Result<Option<String>, ProxyError> {
-        let max_len = policy.max_key_length;
-        let key = match &policy.key {
+        let max_len = policy.key.max_key_length;
+        let key = match &policy.key.source {
             KeySource::Header(name) => return parse_key(self.headers.get_all(name), max_len),
             KeySource::CloudEvents => self.cloudevent()?,
             KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => self.json_field(pointer)?,

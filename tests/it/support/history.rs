@@ -140,7 +140,7 @@ pub fn scope_of(authorization: &str) -> String {
     let policy = idemproxy::config::RawIdempotency::default()
         .validate()
         .expect("the default policy is valid");
-    idemproxy::proxy::key::scope("default", &policy, &headers)
+    idemproxy::proxy::key::scope("default", &policy.key, &headers)
 }
 
 /// The verdict: counts for the summary and every violation found.
