@@ -2,7 +2,9 @@
 //! logs and turns any [`ProxyError`] into a problem response. [`Proxy::handle_inner`] is the lifecycle in
 //! order: the method and the path in their one spelling (`proxy/method.rs`, `proxy/path.rs`) → route by path and method → key → body (and
 //! its signature) → scope and fingerprint → claim → decision → replay or execute, or, on a route with
-//! `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide again.
+//! `on_in_flight = "wait"` whose key is in flight, wait (`proxy/wait.rs`) and decide again: a keyed
+//! request's whole work from its claim on is the keyed task's (`proxy/keyed.rs`). What the request's
+//! protocol changes is asked of its dialect (`proxy/dialect.rs`), never decided here.
 //! `handle` also reads the caller's trace context onto the request's span (`proxy/trace_context.rs`) and,
 //! with `log.access` on, opens the request's access line (`access.rs`) and hands it the answer.
 
@@ -12,20 +14,20 @@ pub mod budget;
 pub mod cache;
 pub mod claim;
 pub mod client_body;
+pub mod dialect;
 pub mod downstream;
 pub mod execute;
 pub mod expiry;
-pub mod grpc;
 pub mod intake;
 pub mod key;
+pub mod keyed;
 pub mod method;
 pub mod passthrough;
 pub mod path;
+pub mod permit;
 pub mod replay;
 pub mod settle;
 pub mod signature;
-pub mod slot;
-pub mod sse;
 pub mod trace_context;
 pub mod trailers;
 pub mod upstream;
@@ -45,12 +47,14 @@ use self::answer::{Answer, Handled};
 use self::attach::Attachments;
 use self::cache::ReplayCache;
 use self::claim::{Claims, ClaimsParts};
+use self::dialect::Dialect;
 use self::downstream::Downstream;
 use self::execute::{Executor, ExecutorParts};
 use self::intake::Intake;
+use self::keyed::KeyedTask;
 use self::passthrough::Forward;
+use self::permit::KeyedPermits;
 use self::settle::Settle;
-use self::slot::KeyedSlots;
 use self::trailers::TrailerRules;
 use self::upstream::Upstream;
 use self::wait::Waits;
@@ -58,7 +62,7 @@ use crate::access::{self, Line};
 use crate::body::ProxyBody;
 use crate::config::{Config, PathRules, Route, RouteTable};
 use crate::error::ProxyError;
-use crate::metrics::{Metrics, RouteSet};
+use crate::metrics::{Metrics, Outcome, RouteSeries, RouteSet};
 use crate::otlp;
 use crate::store::Serving;
 use crate::store::wake::Waiters;
@@ -76,8 +80,8 @@ pub struct Proxy {
     /// Owns every keyed request's task, so shutdown can wait for them.
     pub(crate) tracker: TaskTracker,
     cache: Arc<ReplayCache>,
-    /// The process's keyed slots (`server.max_keyed_in_flight`), shared by every worker.
-    slots: KeyedSlots,
+    /// The process's keyed permits (`server.max_keyed_in_flight`), shared by every worker.
+    permits: KeyedPermits,
     /// How many of those one client connection may hold (`server.max_keyed_per_connection`).
     pub(crate) keyed_per_connection: usize,
     /// Whether each request writes an access line (`log.access`).
@@ -90,8 +94,8 @@ pub struct Proxy {
     intake: Intake,
     /// Forwards what is not protected, over this worker's upstream connections.
     forward: Forward,
-    /// A keyed request's task: its claim, its wait, its execution.
-    keyed: Arc<Waits>,
+    /// A keyed request's task: its claim, its wait, its execution, its settlement.
+    keyed: Arc<KeyedTask>,
 }
 
 impl Proxy {
@@ -107,46 +111,22 @@ impl Proxy {
         shutdown: CancellationToken,
     ) -> Proxy {
         let server = &config.server;
-        let store = serving.store.clone();
         let upstream = Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces));
         let cache = Arc::new(ReplayCache::new(
             config.replay_cache.max_size,
             config.replay_cache.max_age,
         ));
-        let slots = KeyedSlots::new(server.max_keyed_in_flight);
-        let settle = Settle::new(waiters.clone(), store.clone(), serving.capabilities.shared);
+        let permits = KeyedPermits::new(server.max_keyed_in_flight);
         let trailers = TrailerRules::new(config);
         let forward = Forward::new(config, upstream.clone(), metrics.clone(), trailers.clone());
-        let attachments = Attachments::new(
-            server.attach_buffer,
-            server.write_timeout,
-            waiters.clone(),
-            metrics.clone(),
-        );
-        let executor = Executor::new(
+        let stages = Stages {
             config,
-            ExecutorParts {
-                store: store.clone(),
-                upstream,
-                cache: cache.clone(),
-                metrics: metrics.clone(),
-                settle: settle.clone(),
-                attachments,
-            },
-        );
-        let claims = Claims::new(
-            config,
-            ClaimsParts {
-                store,
-                cache: cache.clone(),
-                slots: slots.clone(),
-                waiters,
-                metrics: metrics.clone(),
-                executor,
-                forward: forward.clone(),
-                settle,
-            },
-        );
+            serving,
+            metrics: &metrics,
+            cache: &cache,
+            permits: &permits,
+        };
+        let keyed = stages.keyed(upstream, forward.clone(), waiters, shutdown);
         Proxy {
             routes: Arc::new(config.routes.clone()),
             paths: server.paths,
@@ -155,15 +135,9 @@ impl Proxy {
                 &config.routes.default.name,
             )),
             tracker,
-            keyed: Arc::new(Waits::new(
-                config,
-                claims,
-                cache.clone(),
-                metrics.clone(),
-                shutdown,
-            )),
+            keyed: Arc::new(keyed),
             cache,
-            slots,
+            permits,
             keyed_per_connection: server.max_keyed_per_connection,
             access_log: config.log.access,
             traced: otlp::traced(&config.traces),
@@ -187,7 +161,7 @@ impl Proxy {
             route_series: self.route_series.clone(),
             tracker: self.tracker.clone(),
             cache: self.cache.clone(),
-            slots: self.slots.clone(),
+            permits: self.permits.clone(),
             keyed_per_connection: self.keyed_per_connection,
             access_log: self.access_log,
             traced: self.traced,
@@ -220,8 +194,8 @@ impl Proxy {
             otel.name = tracing::field::Empty,
         );
         let line = self.open_line(&request, &span);
-        // A gRPC client reads the proxy's own answers only as gRPC statuses.
-        let grpc = grpc::is_grpc(&request);
+        // The proxy's own answers are written as the request's dialect reads them.
+        let dialect = Dialect::of(request.headers());
         // A refused path is counted under the default route, as a path no route matches is.
         let (normal, route) = match normal {
             Ok(()) => self.route(&request),
@@ -229,11 +203,11 @@ impl Proxy {
         };
         let route = route.clone();
         otlp::adopt(&span, self.traced, &request, &route.name);
-        let series = self.route_series.get(&route.name);
+        let series = self.route_series.get(&route.name).clone();
         let statuses = route.policy.statuses;
         let inner = access::within(
             line.as_ref().map(Line::ledger),
-            self.handle_inner(request, peer, normal, route),
+            self.handle_inner(request, (peer, dialect.clone()), normal, route),
         );
         let result = if span.is_disabled() {
             inner.await
@@ -241,35 +215,12 @@ impl Proxy {
             inner.instrument(span.clone()).await
         };
         let _entered = span.enter();
-        let (response, outcome) = match result {
-            Ok(answered) => answered,
-            Err(error) => {
-                if error.status().is_server_error() {
-                    tracing::warn!(%error, status = error.status().as_u16(), "request failed");
-                } else {
-                    tracing::debug!(%error, "request refused");
-                }
-                if let ProxyError::Busy(what) = &error {
-                    self.metrics.busy(*what);
-                }
-                let outcome = error.outcome();
-                let response = if grpc {
-                    error.into_grpc(&self.problem_base)
-                } else {
-                    error.into_problem(&self.problem_base, &statuses)
-                };
-                (response, outcome)
-            }
-        };
+        let (response, outcome) = self.answered(result, &dialect, &statuses);
         span.record("outcome", outcome.as_str());
         otlp::answered(&span, self.traced, response.status());
         let elapsed = arrived.elapsed();
         series.answered(outcome, elapsed);
-        let response = if grpc {
-            grpc::counted(response, series.clone())
-        } else {
-            response
-        };
+        let response = dialect.counted(response, &series);
         tracing::debug!(
             status = response.status().as_u16(),
             elapsed_ms = elapsed.as_secs_f64() * 1000.0,
@@ -279,6 +230,30 @@ impl Proxy {
             Some(line) => line.answered(outcome, response),
             None => response,
         })
+    }
+
+    /// What the request is answered with: its response, or its error logged, counted and written as a
+    /// refusal in its `dialect` (with the route's `statuses`).
+    fn answered(
+        &self,
+        result: Handled,
+        dialect: &Dialect,
+        statuses: &crate::config::ProblemStatuses,
+    ) -> (Response<ProxyBody>, Outcome) {
+        let error = match result {
+            Ok(answered) => return answered,
+            Err(error) => error,
+        };
+        if error.status().is_server_error() {
+            tracing::warn!(%error, status = error.status().as_u16(), "request failed");
+        } else {
+            tracing::debug!(%error, "request refused");
+        }
+        if let ProxyError::Busy(what) = &error {
+            self.metrics.busy(*what);
+        }
+        let outcome = error.outcome();
+        (dialect.refusal(error, &self.problem_base, statuses), outcome)
     }
 
     /// The route `request` (its path in normal form) takes; refused when it spells another route's path
@@ -314,7 +289,7 @@ impl Proxy {
     async fn handle_inner(
         &self,
         mut request: Request<Incoming>,
-        peer: Downstream,
+        (peer, dialect): (Downstream, Dialect),
         normal: Result<(), ProxyError>,
         route: Arc<Route>,
     ) -> Handled {
@@ -328,7 +303,7 @@ impl Proxy {
         tracing::Span::current().record("route", route.name.as_str());
         access::route(&route.name);
         path::respell(&mut request, &route)?;
-        if route.passthrough || grpc::is_infrastructure(&request) {
+        if route.passthrough || dialect.passes_untouched(&request) {
             return self.forward.passthrough(request, &peer).await;
         }
         let protects = route.policy.key.methods.contains(request.method());
@@ -348,20 +323,31 @@ impl Proxy {
             }
             return self.forward.passthrough(request, &peer).await;
         }
-        let key = if route.policy.key.source.needs_body() {
+        self.keyed_or_not(request, route, (peer, dialect)).await
+    }
+
+    /// A request of a method its route protects: keyed (or one whose key is read from its body) goes
+    /// on to [`Proxy::protected`]; one without a key is refused where keys are required, verified where
+    /// the route is signed, and forwarded otherwise.
+    async fn keyed_or_not(
+        &self,
+        request: Request<Incoming>,
+        route: Arc<Route>,
+        (peer, dialect): (Downstream, Dialect),
+    ) -> Handled {
+        let policy = &route.policy;
+        let key = if policy.key.source.needs_body() {
             None
         } else {
             let Some(key) =
-                key::source::from_head(&route.policy, request.method(), request.uri(), request.headers())?
+                key::source::from_head(policy, request.method(), request.uri(), request.headers())?
             else {
-                if route.policy.key.required {
-                    return Err(ProxyError::MissingKey(key::source::describe(
-                        &route.policy.key.source,
-                    )));
+                if policy.key.required {
+                    return Err(ProxyError::MissingKey(key::source::describe(&policy.key.source)));
                 }
-                if route.policy.signature.is_some() {
+                if policy.signature.is_some() {
                     // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
-                    return Box::pin(self.protected(request, route, None, peer)).await;
+                    return Box::pin(self.protected(request, route, None, (peer, dialect))).await;
                 }
                 return self.forward.passthrough(request, &peer).await;
             };
@@ -369,7 +355,7 @@ impl Proxy {
         };
         // A keyed request's state is many times a passthrough's; on the heap it stays out of the future
         // every request carries and moves.
-        Box::pin(self.protected(request, route, key, peer)).await
+        Box::pin(self.protected(request, route, key, (peer, dialect))).await
     }
 
     /// A request of a method the route does not protect, on a route with a signature: its body is read
@@ -379,40 +365,35 @@ impl Proxy {
         self.forward.read(unkeyed.parts, unkeyed.body, &peer).await
     }
 
-    /// A request with a key: intake (scope, body, fingerprint), then the replay cache, or the claim on a
-    /// task of its own, which answers through its [`Answer`].
+    /// A request with a key: intake (scope, body, fingerprint), then the replay cache, or the keyed
+    /// task, which answers through its [`Answer`].
     async fn protected(
         &self,
         request: Request<Incoming>,
         route: Arc<Route>,
         key: Option<String>,
-        peer: Downstream,
+        (peer, dialect): (Downstream, Dialect),
     ) -> Handled {
-        let taken = match self.intake.take(request, route, key, &peer).await? {
-            Ok(taken) => taken,
+        let ticket = match self.intake.take(request, route, key, (&peer, dialect)).await? {
+            Ok(ticket) => ticket,
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
             Err(unkeyed) => return Box::pin(self.forward.read(unkeyed.parts, unkeyed.body, &peer)).await,
         };
-        let cached = replay::from_cache(
-            &self.cache,
-            &taken.claim,
-            &taken.route,
-            &taken.parts.headers,
-            taken.call_id.as_ref(),
-            &self.metrics,
-        );
+        let request = (&ticket.parts.headers, &ticket.dialect);
+        let cached = replay::from_cache(&self.cache, &ticket.claim, &ticket.route, request, &self.metrics);
         if let Some(answer) = cached {
             return answer;
         }
         // Keyed work outlives its client on purpose; this bounds how much of it runs at once.
-        let slot = self.slots.take(&peer).map_err(ProxyError::Busy)?;
-        // A gRPC client is answered at its own deadline; the execution runs on under upstream.timeout and
-        // stores its result for the retry, as for an HTTP client that left.
-        let deadline = grpc::client_deadline(&taken.parts.headers);
-        let (head, response) = Answer::new(self.route_series.get(&taken.route.name).clone());
+        let permit = self.permits.take(&peer).map_err(ProxyError::Busy)?;
+        // A client whose dialect gives it a deadline of its own is answered at it; the execution runs
+        // on under upstream.timeout and stores its result for the retry, as for a client that left.
+        let deadline = ticket.dialect.client_deadline(&ticket.parts.headers);
+        let series: &Arc<RouteSeries> = self.route_series.get(&ticket.route.name);
+        let (head, response) = Answer::new(series.clone());
         // On the heap from the start: the task's future is many kilobytes, and each wrapper below and the
         // spawn would otherwise copy it whole, as would the task's cell when it finishes.
-        let keyed = Box::pin(self.keyed.clone().run(taken, peer, head, slot));
+        let keyed = Box::pin(self.keyed.clone().run(ticket, head, permit));
         let keyed = access::within(access::current(), keyed);
         self.tracker.spawn(keyed.instrument(tracing::Span::current()));
         let answered = match deadline {
@@ -427,6 +408,57 @@ impl Proxy {
                 "the request's task ended without a response".into(),
             ))
         })
+    }
+}
+
+/// What the stages are built from, beside the upstream and the forward stage of a worker.
+struct Stages<'a> {
+    config: &'a Config,
+    serving: &'a Serving,
+    metrics: &'a Metrics,
+    cache: &'a Arc<ReplayCache>,
+    permits: &'a KeyedPermits,
+}
+
+impl Stages<'_> {
+    /// The keyed task and the stages it runs: claim, wait, execute and settle.
+    fn keyed(
+        &self,
+        upstream: Upstream,
+        forward: Forward,
+        waiters: Arc<Waiters>,
+        shutdown: CancellationToken,
+    ) -> KeyedTask {
+        let (config, metrics, store) = (self.config, self.metrics, self.serving.store.clone());
+        let server = &config.server;
+        let settle = Settle::new(waiters.clone(), store.clone(), self.serving.capabilities.shared);
+        let attachments = Attachments::new(
+            server.attach_buffer,
+            server.write_timeout,
+            waiters.clone(),
+            metrics.clone(),
+        );
+        let executor = Executor::new(
+            config,
+            ExecutorParts {
+                store: store.clone(),
+                upstream,
+                cache: self.cache.clone(),
+                metrics: metrics.clone(),
+                attachments: attachments.clone(),
+            },
+        );
+        let parts = ClaimsParts {
+            store,
+            cache: self.cache.clone(),
+            permits: self.permits.clone(),
+            waiters,
+            metrics: metrics.clone(),
+            executor,
+            forward,
+        };
+        let waits = Waits::new(config, self.cache.clone(), attachments, metrics.clone(), shutdown);
+        KeyedTask::new(Claims::new(config, parts), waits, settle)
     }
 }
 

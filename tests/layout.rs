@@ -4,9 +4,10 @@
 //! to the file of the longest module it names.
 //!
 //! Inside the request path (`src/proxy.rs` and `src/proxy/`) uses follow the order in which the stages
-//! call one another — the spine, then wait, then claim, then execute, forward and intake, then settle,
-//! then the leaves — so that a stage's calls into another are seen as the uses they are, and no stage
-//! reaches back into one that calls it.
+//! call one another — the spine, then the keyed task, then wait, then claim, then execute, forward and
+//! intake, then settle, then the leaves — so that a stage's calls into another are seen as the uses
+//! they are, and no stage reaches back into one that calls it. And the stages name no protocol: what a
+//! dialect changes is asked of `src/proxy/dialect.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -233,16 +234,17 @@ fn the_bottom_layers_use_nothing_above_them() {
 /// The request path's stages by their place in the call order: `src/proxy.rs` (the spine) first; a
 /// stage is its file and the files under it. Every other file under `src/proxy/` is a leaf, after all
 /// of them.
-const STAGES: [(&str, u8); 7] = [
+const STAGES: [(&str, u8); 8] = [
     ("src/proxy", 0),
-    ("src/proxy/wait", 1),
-    ("src/proxy/claim", 2),
-    ("src/proxy/execute", 3),
-    ("src/proxy/passthrough", 3),
-    ("src/proxy/intake", 3),
-    ("src/proxy/settle", 4),
+    ("src/proxy/keyed", 1),
+    ("src/proxy/wait", 2),
+    ("src/proxy/claim", 3),
+    ("src/proxy/execute", 4),
+    ("src/proxy/passthrough", 4),
+    ("src/proxy/intake", 4),
+    ("src/proxy/settle", 5),
 ];
-const LEAF: u8 = 5;
+const LEAF: u8 = 6;
 
 /// A request-path file's stage (its name in [`STAGES`], or `None` for a leaf) and place in the call
 /// order; `None` for a file outside the request path.
@@ -297,9 +299,44 @@ fn the_request_path_uses_follow_the_call_order() {
     let against = against_the_call_order(&graph);
     assert!(
         against.is_empty(),
-        "uses against the call order (spine → wait → claim → execute/passthrough/intake → settle → \
-         leaves): {against:?}"
+        "uses against the call order (spine → keyed → wait → claim → execute/passthrough/intake → \
+         settle → leaves): {against:?}"
     );
+}
+
+/// The files of the stages a keyed request goes through, which ask its dialect rather than name it.
+const DIALECT_FREE: [&str; 8] = [
+    "src/proxy.rs",
+    "src/proxy/keyed.rs",
+    "src/proxy/wait.rs",
+    "src/proxy/claim.rs",
+    "src/proxy/execute.rs",
+    "src/proxy/execute/relay.rs",
+    "src/proxy/intake.rs",
+    "src/proxy/settle.rs",
+];
+
+/// The words that name a dialect, or what only one dialect has.
+fn names_a_dialect(text: &str) -> Vec<&'static str> {
+    ["grpc", "jsonrpc", "call_id", "CallId", "Grpc", "JsonRpc"]
+        .into_iter()
+        .filter(|word| text.contains(word))
+        .collect()
+}
+
+#[test]
+fn the_stages_name_no_dialect() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for file in DIALECT_FREE {
+        let text = fs::read_to_string(root.join(file)).unwrap();
+        let named = names_a_dialect(without_tests(&text));
+        assert!(
+            named.is_empty(),
+            "{file} names {named:?}: ask the request's Dialect (src/proxy/dialect.rs) instead"
+        );
+    }
+    assert_eq!(names_a_dialect("if grpc::is_grpc(&request)"), ["grpc"]);
+    assert_eq!(names_a_dialect("call_id: Option<CallId>"), ["call_id", "CallId"]);
 }
 
 #[test]
@@ -312,12 +349,13 @@ fn the_call_order_check_refuses_a_use_back_up_and_between_stages_of_one_rank() {
         graph
     };
     let fine = graph(&[
-        ("src/proxy.rs", "src/proxy/wait.rs"),
+        ("src/proxy.rs", "src/proxy/keyed.rs"),
+        ("src/proxy/keyed.rs", "src/proxy/wait.rs"),
+        ("src/proxy/keyed.rs", "src/proxy/settle.rs"),
         ("src/proxy/wait.rs", "src/proxy/claim.rs"),
         ("src/proxy/claim.rs", "src/proxy/execute.rs"),
         ("src/proxy/execute.rs", "src/proxy/execute/relay.rs"),
         ("src/proxy/execute/relay.rs", "src/proxy/answer.rs"),
-        ("src/proxy/execute.rs", "src/proxy/settle.rs"),
         ("src/proxy/replay.rs", "src/proxy/cache.rs"),
         ("src/proxy/claim.rs", "src/store.rs"),
     ]);
@@ -325,6 +363,7 @@ fn the_call_order_check_refuses_a_use_back_up_and_between_stages_of_one_rank() {
     for (from, to) in [
         ("src/proxy/execute/relay.rs", "src/proxy.rs"),
         ("src/proxy/claim.rs", "src/proxy/wait.rs"),
+        ("src/proxy/wait.rs", "src/proxy/keyed.rs"),
         ("src/proxy/execute.rs", "src/proxy/passthrough.rs"),
         ("src/proxy/cache.rs", "src/proxy/settle.rs"),
     ] {

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 
 pub(crate) use self::log::End;
 use self::log::{Bounds, Log, Seat};
-use super::sse::Resume;
+use super::dialect::sse::Resume;
 use crate::body::BoxError;
 use crate::metrics::Metrics;
 use crate::store::RecordId;

@@ -14,14 +14,13 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::answer::Answer;
-use super::attach::Attachments;
+use super::answer::Handled;
 use super::cache::{Fill, ReplayCache};
-use super::downstream::Downstream;
+use super::execute::Fate;
 use super::execute::{Claimed, Executor};
-use super::intake::TakenIn;
+use super::intake::Ticket;
 use super::passthrough::Forward;
-use super::settle::Settle;
-use super::slot::{KeyedSlot, KeyedSlots};
+use super::permit::{KeyedPermit, KeyedPermits};
 use super::upstream::Upstream;
 use super::{expiry, replay};
 use crate::config::{Config, Route};
@@ -40,7 +39,7 @@ use crate::store::{
 pub(crate) struct Claims {
     store: StoreHandle,
     cache: Arc<ReplayCache>,
-    slots: KeyedSlots,
+    permits: KeyedPermits,
     /// Bound on one store operation, the first wait before an orphaned claim is given back.
     store_timeout: Duration,
     /// Where requests on routes that wait start waiting for their record to settle.
@@ -50,29 +49,25 @@ pub(crate) struct Claims {
     traced: bool,
     executor: Executor,
     forward: Forward,
-    settle: Settle,
 }
 
 /// What [`Claims`] is made of beside the configuration.
 pub(crate) struct ClaimsParts {
     pub(crate) store: StoreHandle,
     pub(crate) cache: Arc<ReplayCache>,
-    pub(crate) slots: KeyedSlots,
+    pub(crate) permits: KeyedPermits,
     pub(crate) waiters: Arc<Waiters>,
     pub(crate) metrics: Metrics,
     pub(crate) executor: Executor,
     pub(crate) forward: Forward,
-    pub(crate) settle: Settle,
 }
 
-/// A keyed request taken in, between its claim statements: what it needs to be executed or answered.
+/// A keyed request between its claim statements: its ticket, and where its answer goes.
 pub(crate) struct Keyed {
     /// The request and the claim it makes.
-    pub(crate) request: TakenIn,
-    /// Who sent it.
-    pub(crate) peer: Downstream,
+    pub(crate) ticket: Ticket,
     /// Where its answer goes.
-    pub(crate) head: Answer,
+    pub(crate) answer: Answer,
 }
 
 /// A request on a route that waits whose key was found in flight (processing under a live lease, for
@@ -109,10 +104,22 @@ pub(crate) struct Won {
     expires_at: SystemTime,
     /// The replay cache entry the completion may make.
     fill: Option<Fill>,
-    /// The request's keyed slot, if it holds one.
-    slot: Option<KeyedSlot>,
+    /// The request's keyed permit, if it holds one.
+    permit: Option<KeyedPermit>,
     /// Which execution of the key this is.
     attempt: Attempt,
+}
+
+/// What became of a won claim's record, for the keyed task to settle (`keyed.rs`).
+pub(crate) struct Settled {
+    /// The route, whose policy says whether anyone waits for the record.
+    pub(crate) route: Arc<Route>,
+    /// The record.
+    pub(crate) id: RecordId,
+    /// What happened to it.
+    pub(crate) fate: Fate,
+    /// Whether the request was executed (not when its claim came too late, or it found no permit).
+    pub(crate) executed: bool,
 }
 
 /// Which execution of a key a won claim is, as the upstream is told (`Idempotency-Attempt`).
@@ -143,34 +150,27 @@ impl Claims {
         let ClaimsParts {
             store,
             cache,
-            slots,
+            permits,
             waiters,
             metrics,
             executor,
             forward,
-            settle,
         } = parts;
         Claims {
             store,
             cache,
-            slots,
+            permits,
             store_timeout: config.store.timeout,
             waiters,
             metrics,
             traced: otlp::traced(&config.traces),
             executor,
             forward,
-            settle,
         }
     }
 
     /// The same stage for another worker thread: its executions and its fail_open forwards go through
-    /// `upstream` and `forward`, and its claims and their settling through the thread's store handle.
-    /// The executions of this process that duplicates may follow.
-    pub(crate) fn attachments(&self) -> &Arc<Attachments> {
-        self.executor.attachments()
-    }
-
+    /// `upstream` and `forward`, and its claims through the thread's store handle.
     pub(crate) fn for_worker(&self, upstream: Upstream, forward: Forward) -> Claims {
         let store = self.store.for_worker();
         Claims {
@@ -181,34 +181,10 @@ impl Claims {
         }
     }
 
-    /// The keyed lifecycle from the claim on. It runs on its own task: once the claim statement is sent,
-    /// a client that disconnects can no longer cancel anything, so a won claim is always executed and
-    /// completed (or released) instead of being left to its lease. The answer goes to `head`, unless the
-    /// route waits and the key is in flight: then the request comes back for the wait stage, its
-    /// keyed slot given up.
-    pub(crate) async fn claim(
-        &self,
-        request: TakenIn,
-        peer: Downstream,
-        head: Answer,
-        slot: KeyedSlot,
-    ) -> Option<Box<InFlight>> {
-        let waiter = self.wait_for(&request.route, &request.claim.id);
-        let keyed = Keyed { request, peer, head };
-        match self.claim_round(keyed, Some(slot), waiter).await {
-            Round::InFlight(in_flight) => Some(in_flight),
-            Round::Won(won) => {
-                self.execute_won(*won).await;
-                None
-            }
-            Round::Replayed | Round::Refused => None,
-        }
-    }
-
     /// On a route that waits, the request's interest in its record, taken before the first claim
     /// statement: a settlement that commits after the statement read the record wakes it, whatever
     /// the statement found. Routes that do not wait pay nothing.
-    fn wait_for(&self, route: &Route, id: &RecordId) -> Option<Waiter> {
+    pub(crate) fn waiter(&self, route: &Route, id: &RecordId) -> Option<Waiter> {
         route
             .policy
             .claim
@@ -218,13 +194,13 @@ impl Claims {
     }
 
     /// Sends the claim statement and answers what it can: a replay or a refusal. A won claim is handed
-    /// back to be executed, with `slot`, the request's keyed slot if it holds one.
+    /// back to be executed, with `permit`, the request's keyed permit if it holds one.
     /// With a `waiter` (a route that waits), every wake before the statement is marked seen first,
     /// and a key in flight is handed back rather than refused.
-    pub(crate) async fn claim_round(
+    pub(crate) async fn round(
         &self,
         keyed: Keyed,
-        slot: Option<KeyedSlot>,
+        permit: Option<KeyedPermit>,
         mut waiter: Option<Waiter>,
     ) -> Round {
         if let Some(waiter) = &mut waiter {
@@ -233,7 +209,7 @@ impl Claims {
         let started = Instant::now();
         let sent = SystemTime::now();
         let span = otlp::claim(self.traced);
-        let claiming = self.store.claim(&keyed.request.claim);
+        let claiming = self.store.claim(&keyed.ticket.claim);
         let result = match claiming.instrument(span.clone()).await {
             Ok(result) => {
                 otlp::claimed(&span, found(&result));
@@ -247,38 +223,31 @@ impl Claims {
         if let Some(waiter) = waiter
             && let Some(lease_remaining) = in_flight(&result)
         {
+            let lease_end = Instant::now() + lease_remaining;
             return Round::InFlight(Box::new(InFlight {
                 keyed,
-                lease_end: Instant::now() + lease_remaining,
+                lease_end,
                 waiter,
             }));
         }
-        let fill = self.cache.remember(&keyed.request.claim, &result, started);
-        let policy = &keyed.request.route.policy;
-        let id = &keyed.request.claim.id;
+        let fill = self.cache.remember(&keyed.ticket.claim, &result, started);
+        let (policy, id) = (&keyed.ticket.route.policy, &keyed.ticket.claim.id);
         match decide(result, id, policy.claim.in_flight_retry_after, &self.metrics) {
             Ok(Decision::Execute(attempt, expires_in)) => Round::Won(Box::new(Won {
                 keyed,
                 started,
                 expires_at: expiry::after(sent, expires_in),
                 fill,
-                slot,
+                permit,
                 attempt,
             })),
             Ok(Decision::Replay(stored, expires_in)) => {
-                let request = &keyed.request;
-                let replay = replay::response(&stored, &request.parts.headers, request.call_id.as_ref()).map(
-                    |mut response| {
-                        let expires_at = expiry::after(sent, expires_in);
-                        expiry::stamp(response.headers_mut(), policy, Some(expires_at));
-                        (response, Outcome::Replayed)
-                    },
-                );
-                keyed.head.send(replay);
+                let expires_at = expiry::after(sent, expires_in);
+                keyed.answer.send(replayed(&keyed.ticket, &stored, expires_at));
                 Round::Replayed
             }
             Err(refusal) => {
-                keyed.head.send(Err(refusal));
+                keyed.answer.send(Err(refusal));
                 Round::Refused
             }
         }
@@ -288,16 +257,12 @@ impl Claims {
     /// replayed nor forwarded; anything else is a store that did not answer: its claim may still commit
     /// (given back later by `release_orphan`), and the request goes to fail_closed or fail_open.
     async fn unanswered(&self, keyed: Keyed, error: StoreError) -> Round {
-        let Keyed {
-            request: intake,
-            peer,
-            head,
-        } = keyed;
+        let Keyed { ticket, answer } = keyed;
         if let StoreError::Undecryptable(_) = error {
-            head.send(Err(ProxyError::RecordUnreadable));
+            answer.send(Err(ProxyError::RecordUnreadable));
             return Round::Refused;
         }
-        let claim = &intake.claim;
+        let claim = &ticket.claim;
         // A store not open yet was never sent the claim: there is nothing to give back.
         if !matches!(error, StoreError::NotOpen) {
             let orphan = Orphan {
@@ -309,55 +274,67 @@ impl Claims {
         }
         // Rare, and a forward is many kilobytes of future: on the heap, it stays out of the claim task
         // that every keyed request spawns (and tokio copies as it starts and as it finishes).
-        let forward = Box::pin(self.forward.store_down(intake.parts, intake.body, &peer, error));
-        head.send(forward.await);
+        let forward = Box::pin(
+            self.forward
+                .store_down(ticket.parts, ticket.body, &ticket.peer, error),
+        );
+        answer.send(forward.await);
         Round::Refused
     }
 
-    /// Executes a won claim to the end; `true` if it was executed. Not when the claim came too late,
-    /// nor when the request holds no slot (it waited) and finds none free: then the claim is given back.
-    pub(crate) async fn execute_won(&self, won: Won) -> bool {
-        let Keyed { request, peer, head } = won.keyed;
-        let TakenIn {
+    /// Executes a won claim to the end, and says what became of its record. Not when the claim came too
+    /// late, nor when the request holds no permit (it waited) and finds none free: then the claim is
+    /// given back.
+    pub(crate) async fn execute_won(&self, won: Won) -> Settled {
+        let Keyed { ticket, answer } = won.keyed;
+        let Ticket {
             route,
-            parts,
             claim,
+            dialect,
+            peer,
+            parts,
             body,
-            ..
-        } = request;
+        } = ticket;
+        let settled = |fate, executed| Settled {
+            route: route.clone(),
+            id: claim.id.clone(),
+            fate,
+            executed,
+        };
         let waited = won.started.elapsed();
         if waited > claim.lease / 2 {
-            let late = self.claimed_too_late(&route, &claim, waited).await;
+            let (fate, late) = self.claimed_too_late(&claim, waited).await;
             let forward = Box::pin(self.forward.store_down(parts, body, &peer, late));
-            head.send(forward.await);
-            return false;
+            answer.send(forward.await);
+            return settled(fate, false);
         }
-        let slot = match won.slot {
-            Some(slot) => Ok(slot),
-            None => self.slots.take(&peer),
+        let permit = match won.permit {
+            Some(permit) => Ok(permit),
+            None => self.permits.take(&peer),
         };
-        let _slot = match slot {
-            Ok(slot) => slot,
+        let _permit = match permit {
+            Ok(permit) => permit,
             Err(busy) => {
-                self.give_back(&route, &claim.id).await;
-                head.send(Err(ProxyError::Busy(busy)));
-                return false;
+                let fate = self.give_back(&claim.id).await;
+                answer.send(Err(ProxyError::Busy(busy)));
+                return settled(fate, false);
             }
         };
-        let mut request = self.executor.request(parts, body, &peer);
+        let mut request = self.executor.request(parts, body, (&peer, &dialect));
         request
             .headers_mut()
             .insert(ATTEMPT_HEADER, won.attempt.header_value());
         let claimed = Claimed {
-            id: claim.id,
+            id: claim.id.clone(),
             lease: claim.lease,
-            route,
+            route: route.clone(),
             expires_at: won.expires_at,
             fill: won.fill,
             fingerprint: claim.fingerprint,
+            dialect,
         };
-        self.executor.execute(claimed, request, head).await;
-        true
+        let fate = self.executor.execute(claimed, request, answer).await;
+        settled(fate, true)
     }
 
     /// A won claim whose answer came after more than half its lease (the lease started no earlier than the
@@ -365,28 +342,42 @@ impl Claims {
     /// extension, a third of a lease after forwarding, might come after the lease ran out, and another
     /// proxy could take the key over while the upstream works. So the claim is given back (fenced by its
     /// token) and the request is answered as if the store had not answered in time.
-    async fn claimed_too_late(&self, route: &Route, claim: &ClaimRequest, waited: Duration) -> StoreError {
+    async fn claimed_too_late(&self, claim: &ClaimRequest, waited: Duration) -> (Fate, StoreError) {
         tracing::warn!(
             key_hash = %claim.id.key_hash(),
             waited_ms = waited.as_millis() as u64,
             lease_ms = claim.lease.as_millis() as u64,
             "claim answered after more than half its lease; not forwarded on it"
         );
-        self.give_back(route, &claim.id).await;
-        StoreError::Timeout(waited)
+        let fate = self.give_back(&claim.id).await;
+        (fate, StoreError::Timeout(waited))
     }
 
-    /// Releases a won claim that will not be executed (fenced by its token), and wakes whoever waits
-    /// for it, so that one of them can execute instead.
-    async fn give_back(&self, route: &Route, id: &RecordId) {
+    /// Releases a won claim that will not be executed (fenced by its token), so that whoever waits for
+    /// it can execute instead once the keyed task has woken them.
+    async fn give_back(&self, id: &RecordId) -> Fate {
         match self.store.release(id).await {
-            Ok(true) => self.settle.settled(route, id).await,
-            Ok(false) => {}
+            Ok(true) => Fate::Released,
+            Ok(false) => Fate::Lost,
             Err(error) => {
-                tracing::warn!(key_hash = %id.key_hash(), %error, "giving the claim back failed; it expires with its lease")
+                tracing::warn!(key_hash = %id.key_hash(), %error, "giving the claim back failed; it expires with its lease");
+                Fate::LeftToLease
             }
         }
     }
+}
+
+/// The stored response as a replay answers `ticket`, its expiry header saying `expires_at`.
+fn replayed(ticket: &Ticket, stored: &StoredResponse, expires_at: SystemTime) -> Handled {
+    let request = (&ticket.parts.headers, &ticket.dialect);
+    replay::response(stored, request.0, request.1).map(|mut response| {
+        expiry::stamp(
+            response.headers_mut(),
+            &ticket.route.policy.store,
+            Some(expires_at),
+        );
+        (response, Outcome::Replayed)
+    })
 }
 
 /// The lease left on a record the claim found processing for the same request; `None` for any other
@@ -540,18 +531,14 @@ mod tests {
         stage_tests::stages(&toml, store)
     }
 
-    /// Sends a new request with key `k` through the claim stage, holding a keyed slot, on a route that
-    /// does not wait; what its client is answered.
+    /// Sends a new request with key `k` through the keyed task, holding a keyed permit, on a route
+    /// that does not wait; what its client is answered, once the task has ended.
     async fn claim(stages: &Stages) -> Handled {
-        let taken = stage_tests::taken_in(stages).await;
-        let peer = stage_tests::peer();
-        let slot = stages.slots.take(&peer).expect("a free slot");
+        let ticket = stage_tests::ticket(stages).await;
+        let permit = stages.permits.take(&ticket.peer).expect("a free permit");
         let (head, answer) = stage_tests::answer(&stages.metrics);
-        let in_flight = stages.claims.claim(taken, peer, head, slot).await;
-        assert!(
-            in_flight.is_none(),
-            "a route that does not wait never hands a request back"
-        );
+        let keyed = stages.keyed(tokio_util::sync::CancellationToken::new());
+        keyed.run(ticket, head, permit).await;
         answer.await.expect("an answer")
     }
 

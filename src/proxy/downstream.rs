@@ -92,7 +92,7 @@ impl Downstream {
     }
 
     /// One of the connection's keyed slots, if one is free; held by the request's work to its end.
-    pub(crate) fn keyed_slot(&self) -> Option<OwnedSemaphorePermit> {
+    pub(crate) fn keyed_permit(&self) -> Option<OwnedSemaphorePermit> {
         self.0.keyed.clone().try_acquire_owned().ok()
     }
 

@@ -1,8 +1,10 @@
-//! Runs after a claim is won, on its own task so that a client who disconnects cannot cancel it: the won
-//! claim's whole task. It sends the request upstream (`upstream.rs`) under a heartbeat
-//! (`execute/heartbeat.rs`), relays the response to the client while capturing it (`execute/relay.rs`,
-//! `execute/capture.rs`), and finally completes or releases the claim. It owns the upstream body until its
-//! end; it touches the store only through fenced writes, each tried for at most the claim's lease.
+//! Runs after a claim is won, on the keyed task (`keyed.rs`), so that a client who disconnects cannot
+//! cancel it. It sends the request upstream (`upstream.rs`) under a heartbeat (`execute/heartbeat.rs`),
+//! asks the request's dialect what the answer's head and end mean for the key (`dialect.rs`: store,
+//! release, unknown), relays the response to the client while capturing it (`execute/relay.rs`,
+//! `execute/capture.rs`), and finally completes, releases or holds the record, saying which ([`Fate`])
+//! for the keyed task to settle. It owns the upstream body until its end; it touches the store only
+//! through fenced writes, each tried for at most the claim's lease.
 //!
 //! The response is not complete for the client before its record is stored: the relay holds back
 //! whatever completes it — the frame that brings the body to its declared length, the end of a chunked
@@ -10,8 +12,7 @@
 //! copy) is done, for at most `min(store.timeout, 2 s)`. So a client that has read the whole response
 //! and retries at once gets the replay, never a 409.
 //!
-//! On a route with `on_in_flight = "wait"`, a record that settled (completed, released or held) is
-//! announced to the requests waiting for it (`settle.rs`), once the store has it.
+//! Whoever waits for the record is told by the keyed task once the execution has ended (`settle.rs`).
 
 pub(crate) mod capture;
 mod channel;
@@ -21,25 +22,23 @@ mod relay;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, Request, StatusCode, request};
+use http::{HeaderMap, Request, request};
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use self::capture::CaptureBudget;
 use self::heartbeat::Heartbeat;
-use self::relay::{Held, Relay, Relayed, ToStore};
+use self::relay::{Relay, Relayed, ToStore, Withheld};
 use super::answer::{Answer, Handled};
 use super::attach::Attachments;
 use super::budget::ReservedBody;
 use super::cache::{Fill, ReplayCache};
+use super::dialect::{Dialect, OnHead, Verdict};
 use super::downstream::Downstream;
 use super::expiry;
-use super::grpc;
-use super::settle::Settle;
 use super::upstream::{Upstream, stream_response};
-use crate::body::{BoxError, ProxyBody};
-use crate::config::{Config, GrpcOutcome, OnInFlight, OnUnknownOutcome, Route};
-use crate::error::ProxyError;
+use crate::body::ProxyBody;
+use crate::config::{Config, OnInFlight, OnUnknownOutcome, Route};
 use crate::metrics::{Metrics, Outcome};
 use crate::otlp;
 use crate::store::{RecordId, StoreError, StoreHandle, StoredResponse};
@@ -65,7 +64,6 @@ pub(crate) struct Executor {
     metrics: Metrics,
     /// Whether store writes are traced (`traces.enabled`).
     traced: bool,
-    settle: Settle,
     /// The executions duplicates may follow (`on_in_flight = "attach"`), shared by every worker.
     attachments: Arc<Attachments>,
 }
@@ -76,7 +74,6 @@ pub(crate) struct ExecutorParts {
     pub(crate) upstream: Upstream,
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) metrics: Metrics,
-    pub(crate) settle: Settle,
     pub(crate) attachments: Arc<Attachments>,
 }
 
@@ -96,6 +93,64 @@ pub(crate) struct Claimed {
     pub(crate) fill: Option<Fill>,
     /// The request's fingerprint: the duplicates that may follow its response have the same.
     pub(crate) fingerprint: [u8; 32],
+    /// The protocol the request speaks, which says what its answer means for the key.
+    pub(crate) dialect: Dialect,
+}
+
+/// What became of a won claim's record once its execution ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fate {
+    /// The response is stored.
+    Completed,
+    /// The key was given back: a retry executes again.
+    Released,
+    /// The record is marked unknown (`on_unknown_outcome = "hold"`).
+    Held,
+    /// Left to its lease: an unknown outcome a retry after the lease executes again, or a write the
+    /// store did not answer in time.
+    LeftToLease,
+    /// A write refused by its fence: the claim was taken over meanwhile.
+    Lost,
+}
+
+impl Fate {
+    /// Whether the record settled, so whoever waits for it is to be told.
+    pub(crate) fn wakes(self) -> bool {
+        matches!(self, Fate::Completed | Fate::Released | Fate::Held)
+    }
+}
+
+/// How the exchange with the upstream ended, before the record is written.
+enum Ended {
+    /// A whole answer to store, and what its client gets once it is stored.
+    Whole(ToStore, Withheld),
+    /// Not processed: the key is given back, then the client gets what it is owed.
+    Released(Owed),
+    /// The upstream may have acted without a full answer coming back (why, for the log).
+    Unknown(Owed, String),
+}
+
+/// What the client is still owed when the record is written.
+enum Owed {
+    /// Its whole answer.
+    Answer(Answer, Handled),
+    /// The end of its relayed response.
+    End(Withheld),
+    /// Nothing: its stream was already failed.
+    Nothing,
+}
+
+impl Owed {
+    /// Gives the client what it is owed.
+    async fn pay(self, metrics: &Metrics, id: &RecordId) {
+        match self {
+            Owed::Answer(answer, handled) => {
+                answer.send(handled);
+            }
+            Owed::End(withheld) => withheld.hand_over(metrics, id).await,
+            Owed::Nothing => {}
+        }
+    }
 }
 
 impl Executor {
@@ -105,7 +160,6 @@ impl Executor {
             upstream,
             cache,
             metrics,
-            settle,
             attachments,
         } = parts;
         let server = &config.server;
@@ -129,14 +183,8 @@ impl Executor {
             completion_hold: config.store.timeout.min(COMPLETION_HOLD_MAX),
             metrics,
             traced: otlp::traced(&config.traces),
-            settle,
             attachments,
         }
-    }
-
-    /// The executions of this process that duplicates may follow.
-    pub(crate) fn attachments(&self) -> &Arc<Attachments> {
-        &self.attachments
     }
 
     /// The same stage for another worker thread: its pool of upstream connections and its store handle.
@@ -148,117 +196,104 @@ impl Executor {
         }
     }
 
-    /// The request `parts` and `body`, read whole, as they go upstream from `peer`.
+    /// The request `parts` and `body`, read whole, as they go upstream from `peer` in its `dialect`.
     pub(crate) fn request(
         &self,
         mut parts: request::Parts,
         body: ReservedBody,
-        peer: &Downstream,
+        (peer, dialect): (&Downstream, &Dialect),
     ) -> Request<ProxyBody> {
-        grpc::set_deadline(&mut parts.headers, self.upstream.timeout());
+        dialect.to_upstream(&mut parts.headers, self.upstream.timeout());
         self.upstream.request_whole(parts, body, peer)
     }
 
-    /// Executes a claimed request to the end, whatever happens to the client. The response head (or the
-    /// error) goes to `head`.
-    pub(crate) async fn execute(&self, claim: Claimed, request: Request<ProxyBody>, head: Answer) {
+    /// Executes a claimed request to the end, whatever happens to the client, and says what became of
+    /// its record. The response head (or the error) goes to `answer`.
+    pub(crate) async fn execute(&self, claim: Claimed, request: Request<ProxyBody>, answer: Answer) -> Fate {
         let heartbeat = Heartbeat::new(&self.store, &claim.id, claim.lease, &self.metrics);
         // The execution's future is many kilobytes: on the heap, it is written once rather than copied
-        // into each future that holds it, and the claim task that every keyed request spawns (and that
+        // into each future that holds it, and the keyed task that every keyed request spawns (and that
         // tokio copies as it starts and finishes) stays small.
-        let executed = Box::pin(self.executed(&claim, request, head, &heartbeat));
-        heartbeat.beside(executed).await;
+        let executed = Box::pin(self.executed(&claim, request, answer, &heartbeat));
+        heartbeat.beside(executed).await
     }
 
-    /// [`Executor::execute`] beside its `heartbeat`.
+    /// [`Executor::execute`] beside its `heartbeat`: the exchange, then the record's write. The
+    /// heartbeat stops before a release or a hold, and once a completion is written.
     async fn executed(
         &self,
         claim: &Claimed,
         request: Request<ProxyBody>,
-        head: Answer,
+        answer: Answer,
         heartbeat: &Heartbeat<'_>,
-    ) {
-        let grpc = grpc::is_grpc(&request);
+    ) -> Fate {
+        let ended = self.exchange(claim, request, answer).await;
+        if !matches!(ended, Ended::Whole(..)) {
+            heartbeat.stop();
+        }
+        match ended {
+            Ended::Whole(record, withheld) => self.finish(claim, record, withheld, heartbeat).await,
+            Ended::Released(owed) => self.release(claim, owed).await,
+            Ended::Unknown(owed, why) => self.unknown(claim, owed, &why).await,
+        }
+    }
+
+    /// Sends the request and relays the answer, as far as the answer decides what becomes of the key:
+    /// its head (a failure to deliver, a `101`, a status released, a gRPC status), then its end.
+    async fn exchange(&self, claim: &Claimed, request: Request<ProxyBody>, answer: Answer) -> Ended {
         // Followable from before it is sent, so that a duplicate that comes meanwhile gets its head.
         let publisher = (claim.route.policy.claim.on_in_flight == OnInFlight::Attach)
             .then(|| self.attachments.publish(&claim.id, claim.fingerprint));
         let response = match self.upstream.send(request).await {
             Ok(response) => response,
+            Err(failure) if failure.never_delivered() => {
+                return Ended::Released(Owed::Answer(answer, Err(failure.into_error())));
+            }
             Err(failure) => {
-                heartbeat.stop();
-                if failure.never_delivered() {
-                    return self
-                        .release_then_answer(claim, head, Err(failure.into_error()))
-                        .await;
-                }
                 let error = failure.into_error();
                 let why = error.to_string();
-                return self.unknown_outcome(claim, head, Err(error), &why).await;
+                return Ended::Unknown(Owed::Answer(answer, Err(error)), why);
             }
         };
-        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            // The upstream took the request and switched protocols instead of answering it: what it did is
-            // not known, and a 101 can be neither relayed (nothing asked for an upgrade) nor replayed.
-            heartbeat.stop();
-            let error = ProxyError::UpstreamInvalidResponse(response.status());
-            let why = error.to_string();
-            return self.unknown_outcome(claim, head, Err(error), &why).await;
-        }
-        if claim.route.policy.store.release.releases(response.status()) {
-            heartbeat.stop();
-            let answer = Ok((stream_response(response), Outcome::Executed));
-            return self.release_then_answer(claim, head, answer).await;
-        }
-        // A gRPC answer that is trailers only carries its status in the head: what it means for the key
-        // is known before any body.
-        let head_status = (grpc && response.status() == StatusCode::OK)
-            .then(|| crate::headers::grpc_status(response.headers()))
-            .flatten();
-        if let Some(code) = head_status {
-            let outcome = claim.route.policy.store.grpc.of(code);
-            if outcome != GrpcOutcome::Store {
-                heartbeat.stop();
-                let answer = Ok((stream_response(response), Outcome::Executed));
-                if outcome == GrpcOutcome::Release {
-                    return self.release_then_answer(claim, head, answer).await;
-                }
-                let why = format!("gRPC status {code}");
-                return self.unknown_outcome(claim, head, answer, &why).await;
+        let rules = &claim.route.policy.store;
+        let as_is =
+            |answer, response| Owed::Answer(answer, Ok((stream_response(response), Outcome::Executed)));
+        match claim
+            .dialect
+            .on_head(rules, response.status(), response.headers())
+        {
+            OnHead::Relay => {}
+            OnHead::Release => return Ended::Released(as_is(answer, response)),
+            OnHead::Unknown(why) => return Ended::Unknown(as_is(answer, response), why),
+            OnHead::Refused(error) => {
+                let why = error.to_string();
+                return Ended::Unknown(Owed::Answer(answer, Err(error)), why);
             }
         }
-        let stamp =
-            |headers: &mut HeaderMap| expiry::stamp(headers, &claim.route.policy, Some(claim.expires_at));
+        let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, rules, Some(claim.expires_at));
         match self
             .relay
-            .run(&claim.id, &claim.route.policy, response, (head, publisher), stamp)
+            .run(&claim.id, rules, response, (answer, publisher), stamp)
             .await
         {
-            Relayed::Whole(record, held) if grpc && record.status == 200 => {
-                // The status came after the messages, in the trailers; none at all is a broken call.
-                match grpc::stored_status(&record.headers)
-                    .map(|code| (code, claim.route.policy.store.grpc.of(code)))
-                {
-                    Some((_, GrpcOutcome::Store)) => self.finish(claim, record, held, heartbeat).await,
-                    Some((code, GrpcOutcome::Release)) => {
-                        self.not_stored(claim, held, heartbeat, None).await;
-                        tracing::debug!(key_hash = %claim.id.key_hash(), code, "gRPC status gave the key back");
-                    }
-                    Some((code, GrpcOutcome::Unknown)) => {
-                        let why = format!("gRPC status {code}");
-                        self.not_stored(claim, held, heartbeat, Some(&why)).await;
-                    }
-                    None => {
-                        let why = "a gRPC answer without grpc-status";
-                        self.not_stored(claim, held, heartbeat, Some(why)).await;
-                    }
+            Relayed::Whole(record, withheld) => {
+                match claim.dialect.on_end(rules, record.status, &record.headers) {
+                    Verdict::Store => Ended::Whole(record, withheld),
+                    Verdict::Release => Ended::Released(Owed::End(withheld)),
+                    Verdict::Unknown(why) => Ended::Unknown(Owed::End(withheld), why),
                 }
             }
-            Relayed::Whole(record, held) => self.finish(claim, record, held, heartbeat).await,
             Relayed::Broken {
-                client,
+                mut client,
                 error,
                 failure,
-            } => self.broken_body(claim, client, heartbeat, error, failure).await,
+            } => {
+                // The client's stream is aborted (never passed off as complete), or if it has not had
+                // the head yet it gets `failure`.
+                let why = format!("upstream body broke off: {error}");
+                client.fail(error, failure);
+                Ended::Unknown(Owed::Nothing, why)
+            }
         }
     }
 
@@ -266,24 +301,19 @@ impl Executor {
     /// `on_unknown_outcome = "retry"` the claim is left to its lease (a retry after it executes again);
     /// with `"hold"` the record is marked unknown first, so a retry sent right after this answer is
     /// refused until an operator releases the key. The client waits for the hold at most
-    /// `completion_hold`.
-    /// The client's answer is `answer`: the error, or the upstream's own answer when it said the outcome
-    /// is not known (a gRPC status such as DEADLINE_EXCEEDED); `why` says what happened, for the log.
-    async fn unknown_outcome(&self, claim: &Claimed, head: Answer, answer: Handled, why: &str) {
+    /// `completion_hold`, then gets what it is `owed`; `why` says what happened, for the log.
+    async fn unknown(&self, claim: &Claimed, owed: Owed, why: &str) -> Fate {
         if !self.holds_unknown(claim, why) {
-            head.send(answer);
-            return;
+            owed.pay(&self.metrics, &claim.id).await;
+            return Fate::LeftToLease;
         }
         let holding = self.hold(claim);
         tokio::pin!(holding);
         let in_time = tokio::time::timeout(self.completion_hold, &mut holding).await;
-        head.send(answer);
-        let held = match in_time {
-            Ok(held) => held,
+        owed.pay(&self.metrics, &claim.id).await;
+        match in_time {
+            Ok(fate) => fate,
             Err(_) => holding.await,
-        };
-        if held {
-            self.settle.settled(&claim.route, &claim.id).await;
         }
     }
 
@@ -300,27 +330,28 @@ impl Executor {
         true
     }
 
-    /// Marks the record unknown, trying for up to the lease while the store does not answer; `true` once
-    /// it is held.
-    async fn hold(&self, claim: &Claimed) -> bool {
+    /// Marks the record unknown, trying for up to the lease while the store does not answer.
+    async fn hold(&self, claim: &Claimed) -> Fate {
         let id = &claim.id;
         match until_answered(claim.lease, || self.store.hold(id)).await {
-            Ok(true) => true,
-            Ok(false) => {
-                self.lost_claim(id, "hold");
-                false
-            }
+            Ok(true) => Fate::Held,
+            Ok(false) => self.lost_claim(id, "hold"),
             Err(error) => {
                 tracing::error!(key_hash = %id.key_hash(), %error, "holding the key failed; claim left to its lease");
-                false
+                Fate::LeftToLease
             }
         }
     }
 
     /// Stores the response, then lets the client have the rest of it. The client waits for the store at most
-    /// `completion_hold`; past it the client gets the rest and the completion goes on (counted). Whoever
-    /// waits for the record is told last, off the client's path.
-    async fn finish(&self, claim: &Claimed, record: ToStore, held: Held, heartbeat: &Heartbeat<'_>) {
+    /// `completion_hold`; past it the client gets the rest and the completion goes on (counted).
+    async fn finish(
+        &self,
+        claim: &Claimed,
+        record: ToStore,
+        withheld: Withheld,
+        heartbeat: &Heartbeat<'_>,
+    ) -> Fate {
         let id = &claim.id;
         heartbeat.settling();
         let captured = record.capture.finish();
@@ -340,133 +371,89 @@ impl Executor {
             tracing::warn!(key_hash = %id.key_hash(), hold = ?self.completion_hold,
                 "record not stored within the hold; the client gets the rest of its response first");
         }
-        held.release(&self.metrics, id).await;
-        let completed = match in_time {
-            Ok(completed) => completed,
+        withheld.hand_over(&self.metrics, id).await;
+        let fate = match in_time {
+            Ok(fate) => fate,
             Err(_) => storing.await,
         };
         heartbeat.stop();
         // The log keeps the charge while duplicates still read the bytes.
         drop(captured.reservation);
-        if completed {
-            self.settle.settled(&claim.route, id).await;
-        }
+        fate
     }
 
-    /// A whole answer that is not a result to store (a gRPC status in the trailers): the key is given back
-    /// (`unknown` is `None`), or the outcome is unknown (`unknown` says why) and `on_unknown_outcome`
-    /// decides. The client gets the end of its answer after that, so a retry sent right after it finds
-    /// the key free, or held.
-    async fn not_stored(
-        &self,
-        claim: &Claimed,
-        held: Held,
-        heartbeat: &Heartbeat<'_>,
-        unknown: Option<&str>,
-    ) {
-        heartbeat.stop();
-        match unknown {
-            None => self.release(claim).await,
-            Some(why) => {
-                if self.holds_unknown(claim, why) && self.hold(claim).await {
-                    self.settle.settled(&claim.route, &claim.id).await;
-                }
-            }
-        }
-        held.release(&self.metrics, &claim.id).await;
-    }
-
-    /// Completes the record and, once it is stored, puts it in the replay cache; `true` once it is stored.
-    async fn store_and_remember(&self, claim: &Claimed, stored: StoredResponse) -> bool {
+    /// Completes the record and, once it is stored, puts it in the replay cache.
+    async fn store_and_remember(&self, claim: &Claimed, stored: StoredResponse) -> Fate {
         let id = &claim.id;
-        let completed = self.complete(claim, &stored).await;
-        if completed && let Some(fill) = &claim.fill {
+        let fate = self.complete(claim, &stored).await;
+        if fate == Fate::Completed
+            && let Some(fill) = &claim.fill
+        {
             self.cache
                 .insert(&id.scope, &id.key, fill.fingerprint, stored, fill.deadline);
         }
-        completed
+        fate
     }
 
-    /// An upstream failure mid-body: the client's stream is aborted (never passed off as complete), or if it
-    /// has not had the head yet it gets `failure`; nothing is stored, and the outcome is unknown because the
-    /// upstream may have acted.
-    async fn broken_body(
-        &self,
-        claim: &Claimed,
-        mut client: relay::Client,
-        heartbeat: &Heartbeat<'_>,
-        error: BoxError,
-        failure: ProxyError,
-    ) {
-        heartbeat.stop();
-        self.metrics.unknown_outcomes.inc();
-        tracing::warn!(key_hash = %claim.id.key_hash(), %error, "upstream body broke off; outcome unknown");
-        client.fail(error, failure);
-        if claim.route.policy.store.on_unknown_outcome == OnUnknownOutcome::Hold && self.hold(claim).await {
-            self.settle.settled(&claim.route, &claim.id).await;
-        }
-    }
     /// Stores the response under the claim's fence, retrying a store that does not answer for up to the lease
-    /// (see [`until_answered`]); `true` once it is stored.
-    async fn complete(&self, claim: &Claimed, stored: &StoredResponse) -> bool {
+    /// (see [`until_answered`]).
+    async fn complete(&self, claim: &Claimed, stored: &StoredResponse) -> Fate {
         let id = &claim.id;
         let span = otlp::settlement(self.traced, true);
         let writing = until_answered(claim.lease, || self.store.complete(id, stored));
         match writing.instrument(span.clone()).await {
-            Ok(true) => true,
+            Ok(true) => Fate::Completed,
             Ok(false) => {
                 otlp::failed(&span, "fenced");
-                self.lost_claim(id, "completion");
-                false
+                self.lost_claim(id, "completion")
             }
             Err(error) => {
                 otlp::failed(&span, "store_error");
                 tracing::error!(key_hash = %id.key_hash(), %error, "completion failed; claim left to its lease");
-                false
+                Fate::LeftToLease
             }
         }
     }
 
-    /// Releases the claim before answering, so that a retry sent right after the answer finds the key free.
-    /// When the store is away the client is not kept waiting on it: it is answered at once, and the release
-    /// is tried again afterwards (see [`until_answered`]). Whoever waits for the record is told after the
-    /// answer.
-    async fn release_then_answer(&self, claim: &Claimed, head: Answer, answer: Handled) {
+    /// Releases the claim before the client gets what it is `owed`, so that a retry sent right after
+    /// finds the key free. When the store is away the client is not kept waiting on it: it is answered
+    /// at once, and the release is tried again afterwards (see [`until_answered`]).
+    async fn release(&self, claim: &Claimed, owed: Owed) -> Fate {
         let id = &claim.id;
         let span = otlp::settlement(self.traced, false);
         match self.store.release(id).instrument(span.clone()).await {
-            Ok(true) => {
-                head.send(answer);
-                self.settle.settled(&claim.route, id).await;
-            }
-            Ok(false) => {
-                otlp::failed(&span, "fenced");
-                self.lost_claim(id, "release");
-                head.send(answer);
+            Ok(released) => {
+                let fate = match released {
+                    true => Fate::Released,
+                    false => {
+                        otlp::failed(&span, "fenced");
+                        self.lost_claim(id, "release")
+                    }
+                };
+                owed.pay(&self.metrics, id).await;
+                fate
             }
             Err(error) => {
                 otlp::failed(&span, "store_error");
                 tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; answering, then retrying");
-                head.send(answer);
-                self.release(claim).await;
+                owed.pay(&self.metrics, id).await;
+                match until_answered(claim.lease, || self.store.release(id)).await {
+                    Ok(true) => Fate::Released,
+                    Ok(false) => self.lost_claim(id, "release"),
+                    Err(error) => {
+                        tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease");
+                        Fate::LeftToLease
+                    }
+                }
             }
         }
     }
 
-    async fn release(&self, claim: &Claimed) {
-        let id = &claim.id;
-        match until_answered(claim.lease, || self.store.release(id)).await {
-            Ok(true) => self.settle.settled(&claim.route, id).await,
-            Ok(false) => self.lost_claim(id, "release"),
-            Err(error) => {
-                tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease")
-            }
-        }
-    }
-
-    fn lost_claim(&self, id: &RecordId, write: &str) {
+    /// Counts a write refused by its fence.
+    fn lost_claim(&self, id: &RecordId, write: &str) -> Fate {
         self.metrics.lost_claims.inc();
         tracing::warn!(key_hash = %id.key_hash(), write, "claim was taken over meanwhile; write refused by its fence");
+        Fate::Lost
     }
 }
 
@@ -519,7 +506,7 @@ mod tests {
     /// Executes a won claim of a new key and reads its answer to the end as a client would: its
     /// status, its body, and when its last byte came (by the tokio clock).
     async fn execute_and_read(stages: &Stages) -> (u16, Bytes, Instant) {
-        let taken = stage_tests::taken_in(stages).await;
+        let taken = stage_tests::ticket(stages).await;
         let claimed = Claimed {
             id: taken.claim.id.clone(),
             lease: taken.claim.lease,
@@ -530,10 +517,11 @@ mod tests {
                 deadline: Instant::now() + Duration::from_secs(600),
             }),
             fingerprint: taken.claim.fingerprint,
+            dialect: taken.dialect.clone(),
         };
         let request = stages
             .executor
-            .request(taken.parts, taken.body, &stage_tests::peer());
+            .request(taken.parts, taken.body, (&taken.peer, &taken.dialect));
         let (head, answer) = stage_tests::answer(&stages.metrics);
         let client = async {
             let (response, _) = answer.await.expect("an answer").expect("a response");
@@ -541,7 +529,7 @@ mod tests {
             let body = response.into_body().collect().await.expect("a whole body");
             (status, body.to_bytes(), Instant::now())
         };
-        let ((), read) = tokio::join!(stages.executor.execute(claimed, request, head), client);
+        let (_, read) = tokio::join!(stages.executor.execute(claimed, request, head), client);
         read
     }
 

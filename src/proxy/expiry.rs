@@ -10,12 +10,12 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderValue};
 
-use crate::config::Policy;
+use crate::config::StoreRules;
 
 /// Sets the policy's expiry header on `headers` to `expires_at`, when the policy names one and the
 /// expiry is known.
-pub fn stamp(headers: &mut HeaderMap, policy: &Policy, expires_at: Option<SystemTime>) {
-    let (Some(name), Some(at)) = (&policy.store.expires_header, expires_at) else {
+pub fn stamp(headers: &mut HeaderMap, rules: &StoreRules, expires_at: Option<SystemTime>) {
+    let (Some(name), Some(at)) = (&rules.expires_header, expires_at) else {
         return;
     };
     let at = round_down(at);
@@ -47,12 +47,12 @@ mod tests {
         let at = SystemTime::UNIX_EPOCH + Duration::from_millis(784_111_778_999);
         let mut headers = HeaderMap::new();
         let off = Config::from_toml_str("").unwrap();
-        stamp(&mut headers, &off.routes.default.policy, Some(at));
+        stamp(&mut headers, &off.routes.default.policy.store, Some(at));
         assert!(headers.is_empty());
         let on = Config::from_toml_str("[idempotency]\nexpires_header = \"Idempotency-Expires\"\n").unwrap();
-        stamp(&mut headers, &on.routes.default.policy, None);
+        stamp(&mut headers, &on.routes.default.policy.store, None);
         assert!(headers.is_empty());
-        stamp(&mut headers, &on.routes.default.policy, Some(at));
+        stamp(&mut headers, &on.routes.default.policy.store, Some(at));
         assert_eq!(headers["idempotency-expires"], "Sun, 06 Nov 1994 08:49:38 GMT");
     }
 }

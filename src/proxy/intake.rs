@@ -19,8 +19,8 @@ use uuid::Uuid;
 use self::examine::Examiners;
 use super::budget::{BodyBudget, ReservedBody};
 use super::client_body::{self, GuardedBody, Trailers};
+use super::dialect::Dialect;
 use super::downstream::Downstream;
-use super::key::jsonrpc::CallId;
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
@@ -41,19 +41,23 @@ pub(crate) struct Intake {
     metrics: Metrics,
 }
 
-/// A keyed request taken in: its head, the claim to send, and its body (holding its share of the budget
-/// until it has gone upstream).
-pub(crate) struct TakenIn {
+/// A keyed request taken in, as the keyed task owns it from here to its end and lends it to each stage:
+/// the route, the claim to send (scope, key, fingerprint, lease, time to live), the dialect it speaks
+/// (with what a replay must answer), who sent it, and the request itself, its body read whole (holding
+/// its share of the budget until it has gone upstream).
+pub(crate) struct Ticket {
     /// The route it took, whose policy it runs under.
     pub(crate) route: Arc<Route>,
-    /// The request line and headers.
-    pub(crate) parts: request::Parts,
     /// The claim, with the lease and time to live it is made under.
     pub(crate) claim: ClaimRequest,
+    /// The protocol it speaks.
+    pub(crate) dialect: Dialect,
+    /// Who sent it.
+    pub(crate) peer: Downstream,
+    /// The request line and headers.
+    pub(crate) parts: request::Parts,
     /// The body, read whole.
     pub(crate) body: ReservedBody,
-    /// On a route keyed by `jsonrpc`, the call's `id`: a replay answers with it.
-    pub(crate) call_id: Option<CallId>,
 }
 
 /// A request whose key comes from its body, which holds none, on a route where keys are optional: it is
@@ -79,14 +83,14 @@ impl Intake {
     /// scope is checked first: on a route that reads its key from the body, a request that names no
     /// client is refused before its body is read, whether or not the body would hold a key (keys
     /// optional or not), rather than forwarded unprotected. `peer`'s connection is told when the body
-    /// waits for its client.
+    /// waits for its client; `dialect` is what the request's head speaks.
     pub(crate) async fn take(
         &self,
         request: Request<Incoming>,
         route: Arc<Route>,
         key: Option<String>,
-        peer: &Downstream,
-    ) -> Result<Result<TakenIn, Unkeyed>, ProxyError> {
+        (peer, dialect): (&Downstream, Dialect),
+    ) -> Result<Result<Ticket, Unkeyed>, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
         if key.is_some() || route.policy.key.source.needs_body() {
             check_scope(&route, request.headers())?;
@@ -95,7 +99,8 @@ impl Intake {
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
         signature::check(&route.policy, &parts.headers, &body.bytes, &self.metrics).await?;
         let examined = examine::examine(&self.examiners, route.clone(), parts, body, key).await?;
-        let (parts, body, call_id) = (examined.parts, examined.body, examined.call_id);
+        let (parts, body) = (examined.parts, examined.body);
+        let dialect = dialect.called(examined.call);
         let Some((key, fingerprint)) = examined.keyed else {
             if route.policy.key.required {
                 return Err(ProxyError::MissingKey(key::source::describe(
@@ -106,12 +111,13 @@ impl Intake {
         };
         let claim = claim_request(&route, &parts, key, fingerprint);
         access::key(|| claim.id.key_hash());
-        Ok(Ok(TakenIn {
+        Ok(Ok(Ticket {
             route,
-            parts,
             claim,
+            dialect,
+            peer: peer.clone(),
+            parts,
             body,
-            call_id,
         }))
     }
 

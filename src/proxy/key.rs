@@ -12,7 +12,6 @@ pub mod cloudevents;
 pub mod cookie;
 pub mod credential;
 pub mod json;
-pub mod jsonrpc;
 pub mod pointer;
 pub mod source;
 

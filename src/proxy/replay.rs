@@ -1,16 +1,13 @@
 //! Runs when the claim found a completed record with the same fingerprint, or the replay cache holds
 //! one: rebuilds the original response from the store, byte for byte, without touching the upstream;
-//! on a route keyed by `jsonrpc`, with the retry's own call `id` in its JSON-RPC response
-//! (`replay/jsonrpc.rs`).
-
-pub mod jsonrpc;
+//! its body as the retry's dialect answers it (a JSON-RPC call's own `id`, `dialect.rs`).
 
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use super::answer::Handled;
 use super::cache::{Lookup, ReplayCache};
-use super::key::jsonrpc::CallId;
-use super::{expiry, sse};
+use super::dialect::{Dialect, sse};
+use super::expiry;
 use crate::body::{self, ProxyBody};
 use crate::config::Route;
 use crate::error::ProxyError;
@@ -19,19 +16,18 @@ use crate::metrics::{Metrics, Outcome};
 use crate::store::{ClaimRequest, StoredResponse, TRAILER_PREFIX};
 
 /// A retry of a record this process has seen completed, answered from `cache` without the store: the
-/// replay (answering `call_id`, the retry's JSON-RPC call, where it has one), or the refusal of a key
-/// reused with another payload; `None` when the cache does not know.
+/// replay (as the retry's `dialect` answers it), or the refusal of a key reused with another payload;
+/// `None` when the cache does not know.
 pub(crate) fn from_cache(
     cache: &ReplayCache,
     claim: &ClaimRequest,
     route: &Route,
-    request: &HeaderMap,
-    call_id: Option<&CallId>,
+    (request, dialect): (&HeaderMap, &Dialect),
     metrics: &Metrics,
 ) -> Option<Handled> {
     let answer = match cache.lookup(&claim.id.scope, &claim.id.key, &claim.fingerprint) {
-        Lookup::Replay(stored, expires_at) => response(&stored, request, call_id).map(|mut response| {
-            expiry::stamp(response.headers_mut(), &route.policy, Some(expires_at));
+        Lookup::Replay(stored, expires_at) => response(&stored, request, dialect).map(|mut response| {
+            expiry::stamp(response.headers_mut(), &route.policy.store, Some(expires_at));
             (response, Outcome::Replayed)
         }),
         Lookup::Mismatch => Err(ProxyError::KeyReused),
@@ -42,25 +38,21 @@ pub(crate) fn from_cache(
 }
 
 /// The stored response as the client first saw it (status, headers, body, then trailers), plus
-/// `Idempotent-Replayed: true`; with a `call_id` (a retry of a JSON-RPC call), a JSON-RPC response in
-/// its body answers that `id` instead of the original's. A record kept without its body (over
+/// `Idempotent-Replayed: true`; its body as the retry's `dialect` answers it (a JSON-RPC response
+/// answers the retry's `id` instead of the original's). A record kept without its body (over
 /// `max_stored_response`) answers 410: the operation happened and must not run again. An event stream
 /// replayed to a `request` that carries `Last-Event-ID` resumes after that event (`sse.rs`).
-pub fn response(
+pub(crate) fn response(
     stored: &StoredResponse,
     request: &HeaderMap,
-    call_id: Option<&CallId>,
+    dialect: &Dialect,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let Some(mut body) = stored.body.clone() else {
+    let Some(body) = stored.body.clone() else {
         return Err(ProxyError::ResponseNotRetained {
             status: stored.status,
         });
     };
-    if let Some(id) = call_id
-        && let Some(answered) = jsonrpc::answer_as(&body, content_type(stored), id)
-    {
-        body = answered;
-    }
+    let mut body = dialect.replayed(body, content_type(stored));
     let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
     let mut trailers = HeaderMap::new();
     for (name, value) in &stored.headers {
@@ -124,7 +116,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"{\"id\":7}")),
         };
-        let response = response(&stored, &HeaderMap::new(), None).unwrap();
+        let response = response(&stored, &HeaderMap::new(), &Dialect::Http).unwrap();
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()["content-type"], "application/json");
         assert_eq!(response.headers().get_all("set-cookie").iter().count(), 2);
@@ -144,7 +136,7 @@ mod tests {
             ],
             body: Some(Bytes::from_static(b"\0\0\0\0\x02hi")),
         };
-        let response = response(&stored, &HeaderMap::new(), None).unwrap();
+        let response = response(&stored, &HeaderMap::new(), &Dialect::Http).unwrap();
         assert_eq!(response.headers().len(), 2, "{:?}", response.headers());
         assert!(response.headers().get("grpc-status").is_none());
         let collected = response.into_body().collect().await.unwrap();
@@ -162,7 +154,7 @@ mod tests {
             body: None,
         };
         assert!(matches!(
-            response(&stored, &HeaderMap::new(), None),
+            response(&stored, &HeaderMap::new(), &Dialect::Http),
             Err(ProxyError::ResponseNotRetained { status: 200 })
         ));
     }

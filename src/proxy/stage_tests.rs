@@ -26,12 +26,14 @@ use super::attach::Attachments;
 use super::budget::{BodyBudget, ReservedBody};
 use super::cache::ReplayCache;
 use super::claim::{Claims, ClaimsParts};
+use super::dialect::Dialect;
 use super::downstream::{Downstream, Peer};
 use super::execute::{Executor, ExecutorParts};
-use super::intake::TakenIn;
+use super::intake::Ticket;
+use super::keyed::KeyedTask;
 use super::passthrough::Forward;
+use super::permit::KeyedPermits;
 use super::settle::Settle;
-use super::slot::KeyedSlots;
 use super::upstream::Upstream;
 use super::wait::Waits;
 use crate::config::Config;
@@ -47,22 +49,19 @@ pub(crate) struct Stages {
     pub(crate) executor: Executor,
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) metrics: Metrics,
-    pub(crate) slots: KeyedSlots,
+    pub(crate) permits: KeyedPermits,
     pub(crate) tracker: TaskTracker,
     pub(crate) waiters: Arc<Waiters>,
+    attachments: Arc<Attachments>,
+    settle: Settle,
 }
 
 impl Stages {
-    /// The wait stage over these stages' claims, until `shutdown`.
-    pub(crate) fn waits(&self, shutdown: CancellationToken) -> Arc<Waits> {
+    /// The keyed task over these stages, its waits ended by `shutdown`.
+    pub(crate) fn keyed(&self, shutdown: CancellationToken) -> Arc<KeyedTask> {
         let (cache, metrics) = (self.cache.clone(), self.metrics.clone());
-        Arc::new(Waits::new(
-            &self.config,
-            self.claims.clone(),
-            cache,
-            metrics,
-            shutdown,
-        ))
+        let waits = Waits::new(&self.config, cache, self.attachments.clone(), metrics, shutdown);
+        Arc::new(KeyedTask::new(self.claims.clone(), waits, self.settle.clone()))
     }
 }
 
@@ -89,17 +88,16 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
             upstream: upstream.clone(),
             cache: cache.clone(),
             metrics: metrics.clone(),
-            settle: settle.clone(),
-            attachments,
+            attachments: attachments.clone(),
         },
     );
-    let slots = KeyedSlots::new(4);
+    let permits = KeyedPermits::new(4);
     let claims = Claims::new(
         &config,
         ClaimsParts {
             store: handle,
             cache: cache.clone(),
-            slots: slots.clone(),
+            permits: permits.clone(),
             waiters: waiters.clone(),
             metrics: metrics.clone(),
             executor: executor.clone(),
@@ -109,7 +107,6 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
                 metrics.clone(),
                 super::trailers::TrailerRules::new(&config),
             ),
-            settle,
         },
     );
     Stages {
@@ -118,9 +115,11 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
         executor,
         cache,
         metrics,
-        slots,
+        permits,
         tracker,
         waiters,
+        attachments,
+        settle,
     }
 }
 
@@ -136,7 +135,7 @@ pub(crate) fn answer(metrics: &Metrics) -> (Answer, oneshot::Receiver<Handled>) 
 }
 
 /// A `POST /payments` with key `k` on the default route, its body read, as intake hands it on.
-pub(crate) async fn taken_in(stages: &Stages) -> TakenIn {
+pub(crate) async fn ticket(stages: &Stages) -> Ticket {
     let route = stages.config.routes.default.clone();
     let (parts, ()) = Request::post("/payments")
         .header("idempotency-key", "k")
@@ -159,12 +158,13 @@ pub(crate) async fn taken_in(stages: &Stages) -> TakenIn {
         lease: route.policy.claim.lock_timeout,
         ttl: route.policy.claim.ttl,
     };
-    TakenIn {
+    Ticket {
         route,
-        parts,
         claim,
+        dialect: Dialect::Http,
+        peer: peer(),
+        parts,
         body: ReservedBody::new(bytes, reservation),
-        call_id: None,
     }
 }
 

@@ -1,13 +1,13 @@
 //! Runs when a keyed request on a route with `on_in_flight = "wait"` finds its key in flight (processing
-//! under a live lease, for the same request), on the request's own task: instead of 409 it waits for the
-//! original, holding its body but no `server.max_keyed_in_flight` slot, at most `server.max_waiting` at
-//! once (beyond: 409 at once). Touches the store only through claim statements (`claim.rs`), one per
-//! wake-up, never by polling.
+//! under a live lease, for the same request), on the request's own task (`keyed.rs`): instead of 409 it
+//! waits for the original, holding its body but no `server.max_keyed_in_flight` permit, at most
+//! `server.max_waiting` at once (beyond: 409 at once). It only waits: the keyed task sends the claim
+//! statement of each re-check (`claim.rs`), one per wake-up, never by polling. Touches no store.
 //!
 //! A waiter re-checks its record when it is woken — the original completed, was released or held, here
 //! or on another replica (`store/wake.rs`), or the listener for other replicas lost its connection —
 //! and once when the lease it last saw runs out, since a dead original never announces anything (that
-//! re-check takes the key over). A re-check tries the replay cache, then sends one claim statement:
+//! re-check takes the key over). A re-check tries the replay cache, then the keyed task sends one claim statement:
 //! completed → the replay; released or stale → this request claims and executes it (of many waiters
 //! exactly one wins, the others wait again); held → 502; still in flight → it waits again, within the
 //! same deadline. `wait_timeout` after it began waiting it gets the 409 it would have got at once; at
@@ -26,15 +26,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
-use super::answer::Answer;
-use super::attach::{Head, Joined};
+use super::attach::{Attachments, Head, Joined};
 use super::cache::ReplayCache;
-use super::claim::{Claims, InFlight, Round, Won, in_flight_retry_after};
-use super::downstream::Downstream;
-use super::intake::TakenIn;
+use super::claim::{InFlight, in_flight_retry_after};
+use super::dialect::sse::{self, Resume};
 use super::replay;
-use super::slot::KeyedSlot;
-use super::sse::{self, Resume};
 use crate::body::ProxyBody;
 use crate::config::{Config, OnInFlight};
 use crate::error::ProxyError;
@@ -44,16 +40,25 @@ use crate::metrics::{Metrics, Outcome, WaitResult};
 /// after this, not in a loop.
 const LEASE_RECHECK_MIN: Duration = Duration::from_millis(50);
 
-/// The wait stage, and the keyed request's task: it claims, and waits while the key is in flight on a
-/// route that waits.
+/// The wait stage: waits for the record of a request whose key is in flight, or follows its execution.
+#[derive(Clone)]
 pub(crate) struct Waits {
-    claims: Claims,
     /// One permit per request waiting for a key in flight (`server.max_waiting`), shared by every worker.
     waiting: Arc<Semaphore>,
     /// Cancelled when the proxy begins shutting down; waiting requests are answered then.
     shutdown: CancellationToken,
     cache: Arc<ReplayCache>,
+    /// The executions of this process that duplicates may follow.
+    attachments: Arc<Attachments>,
     metrics: Metrics,
+}
+
+/// How one wait ended.
+pub(crate) enum Waited {
+    /// The record may have settled, or the lease seen ran out: the keyed task claims again.
+    Recheck(Box<InFlight>),
+    /// The request has been answered.
+    Answered(WaitResult),
 }
 
 /// How following an execution ended, short of the record's fate.
@@ -64,14 +69,6 @@ enum Following {
     Back(Box<InFlight>),
     /// The wait is over without an answer: 409.
     Stop(Box<InFlight>, WaitResult),
-}
-
-/// How a wait ended.
-enum Ended {
-    /// The request has been answered.
-    Answered(WaitResult),
-    /// The request won the claim and is to be executed.
-    Won(Box<Won>),
 }
 
 /// Why a waiter woke up.
@@ -85,132 +82,80 @@ enum Woken {
 impl Waits {
     pub(crate) fn new(
         config: &Config,
-        claims: Claims,
         cache: Arc<ReplayCache>,
+        attachments: Arc<Attachments>,
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> Waits {
         Waits {
-            claims,
             waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
             shutdown,
             cache,
+            attachments,
             metrics,
         }
     }
 
-    /// The claim stage it runs.
-    pub(crate) fn claims(&self) -> &Claims {
-        &self.claims
-    }
-
-    /// The same stage with its claims over another worker's pool of upstream connections.
-    pub(crate) fn with_claims(&self, claims: Claims) -> Waits {
-        Waits {
-            claims,
-            waiting: self.waiting.clone(),
-            shutdown: self.shutdown.clone(),
-            cache: self.cache.clone(),
-            metrics: self.metrics.clone(),
-        }
-    }
-
-    /// A keyed request's work from its claim on, on its own task (`Claims::claim`), and its wait where
-    /// its route waits and its key is in flight.
-    pub(crate) async fn run(
-        self: Arc<Self>,
-        request: TakenIn,
-        peer: Downstream,
-        head: Answer,
-        slot: KeyedSlot,
-    ) {
-        if let Some(in_flight) = self.claims.claim(request, peer, head, slot).await {
-            // The wait (and the execution it may lead to) is as large as the claim's own future;
-            // on the heap, only the requests that wait pay for it, and the task every keyed request
-            // spawns stays the size of the claim alone.
-            Box::pin(self.wait(in_flight)).await;
-        }
-    }
-
-    /// Waits for the original of a request whose key is in flight, then answers or executes it as the
-    /// record's fate decides; every wait is counted by how it ended. An execution starts only once the
-    /// request has stopped counting as waiting.
-    async fn wait(&self, in_flight: Box<InFlight>) {
+    /// A place among the requests that wait for `in_flight`, until its route's `wait_timeout`; `None`
+    /// when `server.max_waiting` are waiting already: then it has been answered 409 (counted).
+    pub(crate) fn enter(&self, in_flight: Box<InFlight>) -> Result<(Waiting, Box<InFlight>), ()> {
         let Ok(permit) = self.waiting.clone().try_acquire_owned() else {
-            tracing::debug!(key_hash = %in_flight.keyed.request.claim.id.key_hash(), "too many requests waiting; 409");
-            self.metrics.wait_ended(WaitResult::RejectedFull);
+            tracing::debug!(key_hash = %in_flight.keyed.ticket.claim.id.key_hash(), "too many requests waiting; 409");
+            self.ended(WaitResult::RejectedFull);
             conflict(in_flight);
-            return;
+            return Err(());
         };
-        let mut waiting = Waiting::enter(&self.metrics, permit);
-        let ended = self.wait_rounds(in_flight, &mut waiting).await;
-        drop(waiting);
-        let result = match ended {
-            Ended::Answered(result) => result,
-            Ended::Won(won) => match self.claims.execute_won(*won).await {
-                true => WaitResult::Executed,
-                false => WaitResult::Refused,
-            },
-        };
+        let deadline = Instant::now() + in_flight.keyed.ticket.route.policy.claim.wait_timeout;
+        Ok((Waiting::enter(&self.metrics, permit, deadline), in_flight))
+    }
+
+    /// Counts a wait by how it ended.
+    pub(crate) fn ended(&self, result: WaitResult) {
         self.metrics.wait_ended(result);
     }
 
-    /// Waits and re-checks until the record's fate answers the request, or the wait ends. On a route
-    /// that attaches, the request follows the execution whenever this process runs it, rather than
-    /// waiting for its record.
-    async fn wait_rounds(&self, mut in_flight: Box<InFlight>, waiting: &mut Waiting<'_>) -> Ended {
-        let deadline = Instant::now() + in_flight.keyed.request.route.policy.claim.wait_timeout;
-        // A JSON-RPC call's answer must carry its own id, which only a replay writes: it waits instead.
-        let attaches = in_flight.keyed.request.route.policy.claim.on_in_flight == OnInFlight::Attach
-            && in_flight.keyed.request.call_id.is_none();
-        loop {
-            let claim = &in_flight.keyed.request.claim;
-            let joined = attaches
-                .then(|| {
-                    let attachments = self.claims.attachments();
-                    attachments.join(&claim.id, &claim.fingerprint)
-                })
-                .flatten();
-            if let Some(joined) = joined {
-                in_flight = match self.follow(in_flight, joined, deadline, waiting).await {
-                    Following::Attached => return Ended::Answered(WaitResult::Attached),
-                    Following::Stop(in_flight, result) => {
-                        conflict(in_flight);
-                        return Ended::Answered(result);
-                    }
-                    // The execution is over: its record has settled, or soon will.
-                    Following::Back(in_flight) => in_flight,
-                };
-            } else if let Woken::Stop(result) = self.until_woken(&mut in_flight, deadline).await {
-                conflict(in_flight);
-                return Ended::Answered(result);
-            }
-            let request = &in_flight.keyed.request;
-            let call_id = request.call_id.as_ref();
-            if let Some(answer) = replay::from_cache(
-                &self.cache,
-                &request.claim,
-                &request.route,
-                &request.parts.headers,
-                call_id,
-                &self.metrics,
-            ) {
-                let result = if answer.is_ok() {
-                    WaitResult::Replayed
-                } else {
-                    WaitResult::Refused
-                };
-                in_flight.keyed.head.send(answer);
-                return Ended::Answered(result);
-            }
-            let InFlight { keyed, waiter, .. } = *in_flight;
-            in_flight = match self.claims.claim_round(keyed, None, Some(waiter)).await {
-                Round::InFlight(again) => again,
-                Round::Won(won) => return Ended::Won(won),
-                Round::Replayed => return Ended::Answered(WaitResult::Replayed),
-                Round::Refused => return Ended::Answered(WaitResult::Refused),
+    /// Waits once for the record of `in_flight` to settle: on a route that attaches, follows the
+    /// execution wherever this process runs it, else sleeps until woken, then tries the replay cache.
+    pub(crate) async fn wait(&self, mut in_flight: Box<InFlight>, waiting: &mut Waiting) -> Waited {
+        if let Some(joined) = self.joinable(&in_flight) {
+            in_flight = match self.follow(in_flight, joined, waiting).await {
+                Following::Attached => return Waited::Answered(WaitResult::Attached),
+                Following::Stop(in_flight, result) => {
+                    conflict(in_flight);
+                    return Waited::Answered(result);
+                }
+                // The execution is over: its record has settled, or soon will.
+                Following::Back(in_flight) => in_flight,
             };
+        } else if let Woken::Stop(result) = self.until_woken(&mut in_flight, waiting.deadline).await {
+            conflict(in_flight);
+            return Waited::Answered(result);
         }
+        let ticket = &in_flight.keyed.ticket;
+        let request = (&ticket.parts.headers, &ticket.dialect);
+        let Some(answer) =
+            replay::from_cache(&self.cache, &ticket.claim, &ticket.route, request, &self.metrics)
+        else {
+            return Waited::Recheck(in_flight);
+        };
+        let result = match answer.is_ok() {
+            true => WaitResult::Replayed,
+            false => WaitResult::Refused,
+        };
+        in_flight.keyed.answer.send(answer);
+        Waited::Answered(result)
+    }
+
+    /// The execution this request may follow: on a route that attaches, in a dialect that may, where
+    /// this process runs it for the same request.
+    fn joinable(&self, in_flight: &InFlight) -> Option<Joined> {
+        let ticket = &in_flight.keyed.ticket;
+        let attaches =
+            ticket.route.policy.claim.on_in_flight == OnInFlight::Attach && ticket.dialect.may_attach();
+        let claim = &ticket.claim;
+        attaches
+            .then(|| self.attachments.join(&claim.id, &claim.fingerprint))
+            .flatten()
     }
 
     /// Follows the execution the request joined: once its head comes, the request is answered with it
@@ -220,26 +165,25 @@ impl Waits {
         &self,
         mut in_flight: Box<InFlight>,
         mut joined: Joined,
-        deadline: Instant,
-        waiting: &mut Waiting<'_>,
+        waiting: &mut Waiting,
     ) -> Following {
         let head = tokio::select! {
             biased;
             _ = self.shutdown.cancelled() => return Following::Stop(in_flight, WaitResult::Shutdown),
-            _ = in_flight.keyed.head.closed() => return Following::Stop(in_flight, WaitResult::ClientGone),
-            _ = sleep_until(deadline) => return Following::Stop(in_flight, WaitResult::Timeout),
+            _ = in_flight.keyed.answer.closed() => return Following::Stop(in_flight, WaitResult::ClientGone),
+            _ = sleep_until(waiting.deadline) => return Following::Stop(in_flight, WaitResult::Timeout),
             head = joined.head() => head,
         };
         let Some(head) = head else {
             return Following::Back(in_flight);
         };
         let place = Attached::enter(&self.metrics, waiting.permit.take());
-        let request = &in_flight.keyed.request.parts.headers;
+        let request = &in_flight.keyed.ticket.parts.headers;
         let resume = sse::last_event_id(request)
             .filter(|_| sse::resumable(&head.headers))
             .map(Resume::after);
         let response = followed(&head, joined, place, resume);
-        in_flight.keyed.head.send(Ok((response, Outcome::Replayed)));
+        in_flight.keyed.answer.send(Ok((response, Outcome::Replayed)));
         Following::Attached
     }
 
@@ -251,7 +195,7 @@ impl Waits {
         tokio::select! {
             biased;
             _ = self.shutdown.cancelled() => Woken::Stop(WaitResult::Shutdown),
-            _ = keyed.head.closed() => Woken::Stop(WaitResult::ClientGone),
+            _ = keyed.answer.closed() => Woken::Stop(WaitResult::ClientGone),
             _ = sleep_until(deadline) => Woken::Stop(WaitResult::Timeout),
             _ = waiter.woken() => Woken::Recheck,
             _ = sleep_until(lease_over) => Woken::Recheck,
@@ -263,32 +207,34 @@ impl Waits {
 /// last saw. A client that has gone has it counted all the same.
 fn conflict(in_flight: Box<InFlight>) {
     let left = in_flight.lease_end.saturating_duration_since(Instant::now());
-    let hint = in_flight.keyed.request.route.policy.claim.in_flight_retry_after;
+    let hint = in_flight.keyed.ticket.route.policy.claim.in_flight_retry_after;
     let retry_after = in_flight_retry_after(left, hint);
     in_flight
         .keyed
-        .head
+        .answer
         .send(Err(ProxyError::KeyInFlight { retry_after }));
 }
 
 /// A request counted in `idemproxy_waiting_requests`, holding its `server.max_waiting` permit until it
-/// stops waiting, or hands it to the response it follows.
-struct Waiting<'a> {
-    metrics: &'a Metrics,
+/// stops waiting, or hands it to the response it follows; and when its wait ends (`wait_timeout`).
+pub(crate) struct Waiting {
+    metrics: Metrics,
     permit: Option<OwnedSemaphorePermit>,
+    deadline: Instant,
 }
 
-impl<'a> Waiting<'a> {
-    fn enter(metrics: &'a Metrics, permit: OwnedSemaphorePermit) -> Waiting<'a> {
+impl Waiting {
+    fn enter(metrics: &Metrics, permit: OwnedSemaphorePermit, deadline: Instant) -> Waiting {
         metrics.waiting.inc();
         Waiting {
-            metrics,
+            metrics: metrics.clone(),
             permit: Some(permit),
+            deadline,
         }
     }
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Waiting {
     fn drop(&mut self) {
         self.metrics.waiting.dec();
     }
@@ -344,6 +290,7 @@ mod tests {
 
     use super::*;
     use crate::proxy::answer::Handled;
+    use crate::proxy::keyed::KeyedTask;
     use crate::proxy::stage_tests::{self, Stages};
     use crate::store::stub::{Op, Reply, StubStore};
     use crate::store::wake::RecordTag;
@@ -364,13 +311,13 @@ mod tests {
         }))
     }
 
-    /// Starts a new request with key `k` on its own task, as the spine does; where its answer comes.
-    async fn start(stages: &Stages, waits: &Arc<Waits>) -> tokio::sync::oneshot::Receiver<Handled> {
-        let taken = stage_tests::taken_in(stages).await;
-        let peer = stage_tests::peer();
-        let slot = stages.slots.take(&peer).expect("a free slot");
+    /// Starts a new request with key `k` on its own keyed task, as the spine does; where its answer
+    /// comes.
+    async fn start(stages: &Stages, keyed: &Arc<KeyedTask>) -> tokio::sync::oneshot::Receiver<Handled> {
+        let ticket = stage_tests::ticket(stages).await;
+        let permit = stages.permits.take(&ticket.peer).expect("a free permit");
         let (head, answer) = stage_tests::answer(&stages.metrics);
-        tokio::spawn(waits.clone().run(taken, peer, head, slot));
+        tokio::spawn(keyed.clone().run(ticket, head, permit));
         answer
     }
 
@@ -391,8 +338,8 @@ mod tests {
             })),
         );
         let stages = stages(&store);
-        let waits = stages.waits(CancellationToken::new());
-        let answer = start(&stages, &waits).await;
+        let keyed = stages.keyed(CancellationToken::new());
+        let answer = start(&stages, &keyed).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(store.count(Op::Claim), 1, "waiting, not polling");
         stages.waiters.wake(RecordTag::of("default:s", "k"));
@@ -414,9 +361,9 @@ mod tests {
         let store = StubStore::new();
         store.always(Op::Claim, in_flight());
         let stages = stages(&store);
-        let waits = stages.waits(CancellationToken::new());
+        let keyed = stages.keyed(CancellationToken::new());
         let started = Instant::now();
-        let answer = start(&stages, &waits).await.await.unwrap();
+        let answer = start(&stages, &keyed).await.await.unwrap();
         assert!(
             matches!(answer, Err(ProxyError::KeyInFlight { .. })),
             "{answer:?}"
@@ -435,8 +382,8 @@ mod tests {
         store.always(Op::Claim, in_flight());
         let stages = stages(&store);
         let shutdown = CancellationToken::new();
-        let waits = stages.waits(shutdown.clone());
-        let answer = start(&stages, &waits).await;
+        let keyed = stages.keyed(shutdown.clone());
+        let answer = start(&stages, &keyed).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
         let started = Instant::now();
         shutdown.cancel();

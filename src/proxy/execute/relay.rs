@@ -19,7 +19,7 @@ use http_body_util::BodyExt;
 use super::capture::{Capture, CaptureBudget};
 use super::channel::{self, Sender};
 use crate::body::{self, BoxError, ProxyBody};
-use crate::config::Policy;
+use crate::config::StoreRules;
 use crate::error::ProxyError;
 use crate::headers::REPLAYED_HEADER;
 use crate::metrics::{Metrics, Outcome};
@@ -105,25 +105,25 @@ impl Client {
     }
 }
 
-/// What the relay holds back from the client until the record is stored.
-pub(super) enum Held {
+/// What the relay withholds from the client until the record is written.
+pub(super) enum Withheld {
     /// An empty body: the head is the whole response (and the duplicates following it).
     Head(Answer, Response<ProxyBody>, Option<Publisher>),
     /// The last frame, if one is held, then the end of the body.
     End(Client, Option<Frame<Bytes>>),
 }
 
-impl Held {
+impl Withheld {
     /// Lets the client have the rest of its response; the body ends once the client is dropped.
-    pub(super) async fn release(self, metrics: &Metrics, id: &RecordId) {
+    pub(super) async fn hand_over(self, metrics: &Metrics, id: &RecordId) {
         match self {
-            Held::Head(head, response, followers) => {
+            Withheld::Head(head, response, followers) => {
                 head.send(Ok((response, Outcome::Executed)));
                 if let Some(followers) = followers {
                     followers.end(End::Whole);
                 }
             }
-            Held::End(mut client, last) => {
+            Withheld::End(mut client, last) => {
                 client.send_head(id);
                 if let Some(frame) = last {
                     client.deliver(frame, metrics, id).await;
@@ -146,7 +146,7 @@ pub(super) struct ToStore {
 /// How a relay ended.
 pub(super) enum Relayed {
     /// The upstream body ended: the record to store, and what the client gets once it is stored.
-    Whole(ToStore, Held),
+    Whole(ToStore, Withheld),
     /// The upstream body broke off or stalled: nothing is stored, and the client must not take what it
     /// got for a whole response (`Client::fail`).
     Broken {
@@ -189,7 +189,7 @@ impl Relay {
     pub(super) async fn run(
         &self,
         id: &RecordId,
-        policy: &Policy,
+        rules: &StoreRules,
         response: Response<PooledBody>,
         (head, followers): (Answer, Option<Publisher>),
         stamp: impl Fn(&mut HeaderMap),
@@ -202,18 +202,18 @@ impl Relay {
         };
         let record = ToStore {
             status: parts.status.as_u16(),
-            headers: storable_headers(&parts.headers, &policy.store.never_store_headers),
-            capture: Capture::new(policy.store.max_stored_response, &self.captures, &id.scope, log),
+            headers: storable_headers(&parts.headers, &rules.never_store_headers),
+            capture: Capture::new(rules.max_stored_response, &self.captures, &id.scope, log),
         };
         if let Some(followers) = &followers {
-            followers.head(followed_head(&parts, &policy.store.never_store_headers, &stamp));
+            followers.head(followed_head(&parts, &rules.never_store_headers, &stamp));
         }
         // What the proxy adds for this client only, after the stored headers are taken.
         stamp(&mut parts.headers);
         if http_body::Body::is_end_stream(&upstream) {
             drop(upstream);
-            let held = Held::Head(head, Response::from_parts(parts, body::empty()), followers);
-            return Relayed::Whole(record, held);
+            let withheld = Withheld::Head(head, Response::from_parts(parts, body::empty()), followers);
+            return Relayed::Whole(record, withheld);
         }
         let declared = content_length(&parts.headers);
         let (sender, receiver) = channel::channel(DOWNSTREAM_FRAMES);
@@ -270,7 +270,7 @@ impl Relay {
                 capture.write(data);
             }
             if let Some(trailers) = frame.trailers_ref() {
-                headers.extend(storable_trailers(trailers, &policy.store.never_store_headers));
+                headers.extend(storable_trailers(trailers, &rules.never_store_headers));
             }
             // A frame held as the last one was not, since another follows.
             if let Some(earlier) = last.take() {
@@ -290,7 +290,7 @@ impl Relay {
             headers,
             capture,
         };
-        Relayed::Whole(record, Held::End(client, last))
+        Relayed::Whole(record, Withheld::End(client, last))
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 use crate::config::Route;
 use crate::error::{Busy, ProxyError};
 use crate::proxy::budget::ReservedBody;
-use crate::proxy::key::jsonrpc::CallId;
+use crate::proxy::dialect::jsonrpc::CallId;
 use crate::proxy::key::{self, json::Scratch};
 
 /// Bodies up to this many bytes are examined on the worker: reading them takes tens of microseconds,
@@ -31,7 +31,7 @@ pub(crate) struct Examined {
     /// Its key and fingerprint; `None` when its key comes from the body and the body holds none.
     pub(crate) keyed: Option<(String, [u8; 32])>,
     /// On a route keyed by `jsonrpc`, the call's `id`, which a replay answers with.
-    pub(crate) call_id: Option<CallId>,
+    pub(crate) call: Option<CallId>,
 }
 
 /// Examinations of large bodies running at once, in the whole process: one per CPU. A body waits for
@@ -59,7 +59,7 @@ pub(crate) async fn examine(
         parts,
         body,
         keyed: None,
-        call_id: None,
+        call: None,
     };
     if examined.body.bytes.len() <= ON_WORKER {
         examined.run(&route, key)?;
@@ -83,14 +83,14 @@ impl Examined {
     fn run(&mut self, route: &Route, key: Option<String>) -> Result<(), ProxyError> {
         let policy = &route.policy;
         let parts = &self.parts;
-        let call_id = &mut self.call_id;
+        let call = &mut self.call;
         self.keyed = self.body.working(|bytes, grow| {
             let mut scratch = Scratch::within(grow);
             let key = match key {
                 Some(key) => key,
                 None => {
                     let found = key::source::from_body(policy, parts, bytes, &mut scratch)?;
-                    *call_id = found.call_id;
+                    *call = found.call_id;
                     match found.key {
                         Some(key) => key,
                         None => return Ok(None),

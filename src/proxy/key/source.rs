@@ -10,11 +10,11 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Uri};
 
 use super::json::Scratch;
-use super::jsonrpc::{self, CallId};
 use super::pointer::{self, Findings, Found};
 use super::{check_key, cloudevents, parse_key};
 use crate::config::{KeyPart, KeySource, Policy};
 use crate::error::{Busy, ProxyError};
+use crate::proxy::dialect::jsonrpc::{self, CallId};
 
 /// The key of a request whose source is in its head (`KeySource::needs_body` is false). `Ok(None)`
 /// when the request carries none.

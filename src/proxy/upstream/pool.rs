@@ -31,7 +31,7 @@ pub use super::send_error::SendError;
 use crate::body::ProxyBody;
 use crate::config::{UpstreamAddress, UpstreamProtocol};
 use crate::error_chain::error_chain;
-use crate::proxy::grpc::is_grpc;
+use crate::proxy::dialect::grpc::is_grpc;
 
 /// Idle connections to one upstream.
 #[derive(Clone)]

@@ -9,8 +9,8 @@
 
 use bytes::Bytes;
 
+use super::CallId;
 use crate::proxy::key::json::{Reader, Scratch};
-use crate::proxy::key::jsonrpc::CallId;
 
 /// The stored `body` answering `id`; `None` when it holds no JSON-RPC response (it is replayed as it
 /// is). `content_type` says whether the body is an event stream.

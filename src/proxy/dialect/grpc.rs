@@ -1,15 +1,18 @@
-//! Reads what a gRPC call's answer says of its outcome: the `grpc-status` in the head of a trailers-only
-//! answer, or in the trailers after the messages (gRPC over HTTP/2, PROTOCOL-HTTP2.md). The route's
-//! `grpc_release_codes` and `grpc_unknown_codes` decide what the code means for the key (`execute.rs`).
+//! The gRPC dialect: tells a gRPC call by its content type, and reads what its answer says of its
+//! outcome: the `grpc-status` in the head of a trailers-only answer, or in the trailers after the
+//! messages (gRPC over HTTP/2, PROTOCOL-HTTP2.md). The route's `grpc_release_codes` and
+//! `grpc_unknown_codes` decide what the code means for the key. Also the call's own deadline
+//! (`grpc-timeout`), and its answers counted by status.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, header};
+use http::{HeaderMap, Request, Response, StatusCode, header};
 use http_body::Frame;
 
+use super::{OnHead, Verdict};
 use crate::body::{self, Inspect, ProxyBody};
-use crate::config::grpc_code_name;
+use crate::config::{GrpcOutcome, StoreRules, grpc_code_name};
 use crate::headers::{grpc_code, grpc_status};
 use crate::metrics::RouteSeries;
 use crate::store::TRAILER_PREFIX;
@@ -23,7 +26,7 @@ pub(crate) fn is_grpc<B>(request: &Request<B>) -> bool {
 }
 
 /// [`is_grpc`], from the request's headers.
-fn is_grpc_headers(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc_headers(headers: &HeaderMap) -> bool {
     let Some(content_type) = headers.get(header::CONTENT_TYPE) else {
         return false;
     };
@@ -75,11 +78,6 @@ pub(crate) fn timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
     })
 }
 
-/// A gRPC call's own deadline (`grpc-timeout`), when the request is a gRPC call that names one.
-pub(crate) fn client_deadline(headers: &HeaderMap) -> Option<std::time::Duration> {
-    is_grpc_headers(headers).then(|| timeout(headers)).flatten()
-}
-
 /// Puts the proxy's deadline on a keyed call as it goes upstream, in place of the client's: the
 /// service enforces `grpc-timeout` itself, and the execution of a key runs to its end (and is stored)
 /// whenever its client gives up, under `upstream.timeout`.
@@ -99,8 +97,38 @@ pub(crate) fn set_deadline(headers: &mut HeaderMap, deadline: std::time::Duratio
     }
 }
 
+/// What a trailers-only answer's head says for the key (an answer with messages says it in its
+/// trailers, [`on_end`]): the route's codes decide.
+pub(crate) fn on_head(rules: &StoreRules, status: StatusCode, headers: &HeaderMap) -> OnHead {
+    let Some(code) = grpc_status(headers).filter(|_| status == StatusCode::OK) else {
+        return OnHead::Relay;
+    };
+    match rules.grpc.of(code) {
+        GrpcOutcome::Store => OnHead::Relay,
+        GrpcOutcome::Release => OnHead::Release,
+        GrpcOutcome::Unknown => OnHead::Unknown(format!("gRPC status {code}")),
+    }
+}
+
+/// What a whole answer's status says for the key, in its stored headers (trailers-only) or trailers:
+/// the route's codes decide, and an answer without a status is a broken call. An HTTP status other
+/// than 200 is an HTTP answer, stored as such.
+pub(crate) fn on_end(rules: &StoreRules, status: u16, stored: &[(String, Vec<u8>)]) -> Verdict {
+    if status != 200 {
+        return Verdict::Store;
+    }
+    let Some(code) = stored_status(stored) else {
+        return Verdict::Unknown("a gRPC answer without grpc-status".into());
+    };
+    match rules.grpc.of(code) {
+        GrpcOutcome::Store => Verdict::Store,
+        GrpcOutcome::Release => Verdict::Release,
+        GrpcOutcome::Unknown => Verdict::Unknown(format!("gRPC status {code}")),
+    }
+}
+
 /// The status code of a response as it is to be stored: in its headers (trailers-only) or its trailers.
-pub(crate) fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
+fn stored_status(entries: &[(String, Vec<u8>)]) -> Option<u32> {
     entries
         .iter()
         .find(|(name, _)| name == STATUS || name.strip_prefix(TRAILER_PREFIX) == Some(STATUS))

@@ -1,11 +1,14 @@
-//! Runs for a route keyed by `jsonrpc` (`key/source.rs`), once the body has been read: tells one
-//! JSON-RPC 2.0 call from a batch (a JSON array of calls), names the `id` a replay of the call must
-//! answer with ([`CallId`]), and finds whether any call of a batch carries a key. Reads the body by
+//! The JSON-RPC dialect, for a route keyed by `jsonrpc` (`key/source.rs`), once the body has been read:
+//! tells one JSON-RPC 2.0 call from a batch (a JSON array of calls), names the `id` a replay of the call
+//! must answer with ([`CallId`]), and finds whether any call of a batch carries a key; a replay answers
+//! the retry's `id` (`jsonrpc/answer.rs`). Reads the body by
 //! streaming under the limits every JSON reader shares (`key/json.rs`): no tree is built, and a batch
 //! costs what its deepest call's path does. Pure functions of the body.
 
-use super::json::{Paths, Reader, Scratch, Stop};
-use super::pointer::Found;
+pub mod answer;
+
+use crate::proxy::key::json::{Paths, Reader, Scratch, Stop};
+use crate::proxy::key::pointer::Found;
 
 /// Where a JSON-RPC request holds its `id`.
 pub const ID: &str = "/id";
