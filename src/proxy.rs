@@ -28,6 +28,7 @@ pub mod permit;
 pub mod replay;
 pub mod settle;
 pub mod signature;
+pub mod tap;
 pub mod trace_context;
 pub mod trailers;
 pub mod upstream;

@@ -35,6 +35,7 @@ use tokio::sync::watch;
 pub(crate) use self::log::End;
 use self::log::{Bounds, Log, Seat};
 use super::dialect::sse::Resume;
+use super::tap::Tap;
 use crate::body::BoxError;
 use crate::metrics::Metrics;
 use crate::store::RecordId;
@@ -184,6 +185,20 @@ impl Publisher {
     pub(crate) fn end(mut self, end: End) {
         self.ended = true;
         self.live.log.end(end);
+    }
+}
+
+impl Tap for Publisher {
+    fn head(&mut self, status: StatusCode, headers: HeaderMap) {
+        Publisher::head(self, Head { status, headers });
+    }
+
+    fn frame(&mut self, frame: &Frame<Bytes>) {
+        Publisher::frame(self, frame);
+    }
+
+    fn end(self: Box<Self>, whole: bool) {
+        Publisher::end(*self, if whole { End::Whole } else { End::Broken });
     }
 }
 

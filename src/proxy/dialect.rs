@@ -11,6 +11,7 @@ pub mod grpc;
 pub mod http;
 pub mod jsonrpc;
 pub mod sse;
+pub mod verdict;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +20,7 @@ use ::http::{HeaderMap, Request, Response, StatusCode};
 use bytes::Bytes;
 
 use self::jsonrpc::CallId;
+pub(crate) use self::verdict::{OnHead, Verdict};
 use crate::body::ProxyBody;
 use crate::config::{ProblemStatuses, StoreRules};
 use crate::error::ProxyError;
@@ -36,33 +38,6 @@ pub(crate) enum Dialect {
     /// A JSON-RPC call with an `id`, on a route that reads its key from the call: a replay answers the
     /// retry's own `id`.
     JsonRpc(CallId),
-}
-
-/// What the upstream's answer means for the key's record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Verdict {
-    /// An answer: stored, and replayed to every retry.
-    Store,
-    /// Not processed: the key is given back, so a retry executes again.
-    Release,
-    /// The upstream may have acted without saying what came of it (why, for the log):
-    /// `on_unknown_outcome` decides.
-    Unknown(String),
-}
-
-/// What the head of the upstream's answer decides, before any of its body.
-#[derive(Debug)]
-pub(crate) enum OnHead {
-    /// Relay the body; its end decides ([`Dialect::on_end`]).
-    Relay,
-    /// Not processed: the key is given back, and the client gets the answer as it is.
-    Release,
-    /// The upstream may have acted without saying what came of it (why, for the log): the client gets
-    /// the answer as it is, and `on_unknown_outcome` decides.
-    Unknown(String),
-    /// The answer cannot be relayed (a `101` nothing asked for): the client gets this refusal, and the
-    /// outcome is unknown.
-    Refused(ProxyError),
 }
 
 impl Dialect {

@@ -26,16 +26,18 @@ use http::{HeaderMap, Request, request};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use self::capture::CaptureBudget;
+use self::capture::{Capture, CaptureBudget};
 use self::heartbeat::Heartbeat;
-use self::relay::{Relay, Relayed, ToStore, Withheld};
+use self::relay::{Relay, Relayed, Taps, ToStore, Withheld};
 use super::answer::{Answer, Handled};
-use super::attach::Attachments;
+use super::attach::log::Log;
+use super::attach::{Attachments, Publisher};
 use super::budget::ReservedBody;
 use super::cache::{Fill, ReplayCache};
 use super::dialect::{Dialect, OnHead, Verdict};
 use super::downstream::Downstream;
 use super::expiry;
+use super::tap::Tap;
 use super::upstream::{Upstream, stream_response};
 use crate::body::ProxyBody;
 use crate::config::{Config, OnInFlight, OnUnknownOutcome, Route};
@@ -59,6 +61,9 @@ pub(crate) struct Executor {
     upstream: Upstream,
     cache: Arc<ReplayCache>,
     relay: Relay,
+    /// Bytes of keyed responses being captured for storage, and each scope's share, shared by every
+    /// worker.
+    captures: Arc<CaptureBudget>,
     /// Longest a client waits for its record to be stored before it gets the end of its response.
     completion_hold: Duration,
     metrics: Metrics,
@@ -171,12 +176,8 @@ impl Executor {
             metrics.clone(),
         ));
         Executor {
-            relay: Relay::new(
-                captures,
-                config.server.write_timeout,
-                upstream.timeout(),
-                metrics.clone(),
-            ),
+            relay: Relay::new(config.server.write_timeout, upstream.timeout(), metrics.clone()),
+            captures,
             store,
             upstream,
             cache,
@@ -271,11 +272,8 @@ impl Executor {
             }
         }
         let stamp = |headers: &mut HeaderMap| expiry::stamp(headers, rules, Some(claim.expires_at));
-        match self
-            .relay
-            .run(&claim.id, rules, response, (answer, publisher), stamp)
-            .await
-        {
+        let taps = self.taps(claim, answer, publisher);
+        match self.relay.run(&claim.id, rules, response, taps, stamp).await {
             Relayed::Whole(record, withheld) => {
                 match claim.dialect.on_end(rules, record.status, &record.headers) {
                     Verdict::Store => Ended::Whole(record, withheld),
@@ -294,6 +292,21 @@ impl Executor {
                 client.fail(error, failure);
                 Ended::Unknown(Owed::Nothing, why)
             }
+        }
+    }
+
+    /// Where the relay hands the response: the client's `answer`, the capture for the record (writing to
+    /// the log the duplicates read, where the execution is followable), and the `publisher` of it.
+    fn taps(&self, claim: &Claimed, answer: Answer, publisher: Option<Publisher>) -> Taps {
+        let (log, followers) = match publisher {
+            Some(publisher) => (publisher.log().clone(), Some(Box::new(publisher) as Box<dyn Tap>)),
+            None => (Log::unfollowed(), None),
+        };
+        let limit = claim.route.policy.store.max_stored_response;
+        Taps {
+            answer,
+            capture: Capture::new(limit, &self.captures, &claim.id.scope, log),
+            followers,
         }
     }
 

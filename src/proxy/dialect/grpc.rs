@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode, header};
 use http_body::Frame;
 
-use super::{OnHead, Verdict};
+use super::verdict::{OnHead, Verdict};
 use crate::body::{self, Inspect, ProxyBody};
 use crate::config::{GrpcOutcome, StoreRules, grpc_code_name};
 use crate::headers::{grpc_code, grpc_status};

@@ -6,7 +6,7 @@
 
 use http::StatusCode;
 
-use super::OnHead;
+use super::verdict::OnHead;
 use crate::config::StoreRules;
 use crate::error::ProxyError;
 

@@ -1,13 +1,13 @@
-//! Runs once a won claim's upstream answered with a response to keep: writes each frame's bytes to the
-//! response's log (`attach/log.rs`), relays the frame to the client (over `execute/channel.rs`) and to
-//! the duplicates that follow it, then charges it to the capture (`execute/capture.rs`), and holds back
-//! whatever completes the response, handing it to `execute.rs` with the record to store. Owns the
+//! Runs once a won claim's upstream answered with a response to keep: hands each frame to an ordered set
+//! of taps — the capture first (`execute/capture.rs`, which writes its bytes to the response's log), then
+//! whoever follows the response (a [`Tap`]), then the client (over `execute/channel.rs`) — then charges it
+//! to the capture, and withholds whatever completes the response, handing it to `execute.rs` with the
+//! record to store. Owns the
 //! upstream body until its end; a client that leaves or stops reading is let go while the relay reads on.
 //! A capture waiting for room in the capture budget holds up the next upstream read, never a frame
 //! already read, and for at most `server.capture_wait` over the whole response. Touches no store.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 use http_body::{Body as _, Frame};
 use http_body_util::BodyExt;
 
-use super::capture::{Capture, CaptureBudget};
+use super::capture::Capture;
 use super::channel::{self, Sender};
 use crate::body::{self, BoxError, ProxyBody};
 use crate::config::StoreRules;
@@ -24,8 +24,7 @@ use crate::error::ProxyError;
 use crate::headers::REPLAYED_HEADER;
 use crate::metrics::{Metrics, Outcome};
 use crate::proxy::answer::Answer;
-use crate::proxy::attach::log::Log;
-use crate::proxy::attach::{End, Head, Publisher};
+use crate::proxy::tap::Tap;
 use crate::proxy::upstream::pool::PooledBody;
 use crate::proxy::upstream::{is_hop_by_hop, strip_hop_by_hop};
 use crate::store::{RecordId, TRAILER_PREFIX};
@@ -39,9 +38,9 @@ pub(super) struct Client {
     head: Option<(Answer, Response<ProxyBody>)>,
     sender: Option<Sender>,
     write_timeout: Duration,
-    /// The duplicates that follow the response (`on_in_flight = "attach"`), which get every frame the
+    /// Who follows the response (the duplicates, `on_in_flight = "attach"`), getting every frame the
     /// client gets, whether or not the client is still there.
-    followers: Option<Publisher>,
+    followers: Option<Box<dyn Tap>>,
 }
 
 impl Client {
@@ -62,7 +61,7 @@ impl Client {
     /// counted; either way the relay reads on.
     async fn deliver(&mut self, frame: Frame<Bytes>, metrics: &Metrics, id: &RecordId) {
         self.send_head(id);
-        if let Some(followers) = &self.followers {
+        if let Some(followers) = &mut self.followers {
             followers.frame(&frame);
         }
         let Some(sender) = self.sender.as_mut() else {
@@ -93,7 +92,7 @@ impl Client {
     /// that has gets its stream ended with the error, never passed off as complete.
     pub(super) fn fail(&mut self, error: BoxError, failure: ProxyError) {
         if let Some(followers) = self.followers.take() {
-            followers.end(End::Broken);
+            followers.end(false);
         }
         match self.head.take() {
             Some((answer, _)) => {
@@ -108,7 +107,7 @@ impl Client {
 /// What the relay withholds from the client until the record is written.
 pub(super) enum Withheld {
     /// An empty body: the head is the whole response (and the duplicates following it).
-    Head(Answer, Response<ProxyBody>, Option<Publisher>),
+    Head(Answer, Response<ProxyBody>, Option<Box<dyn Tap>>),
     /// The last frame, if one is held, then the end of the body.
     End(Client, Option<Frame<Bytes>>),
 }
@@ -120,7 +119,7 @@ impl Withheld {
             Withheld::Head(head, response, followers) => {
                 head.send(Ok((response, Outcome::Executed)));
                 if let Some(followers) = followers {
-                    followers.end(End::Whole);
+                    followers.end(true);
                 }
             }
             Withheld::End(mut client, last) => {
@@ -129,7 +128,7 @@ impl Withheld {
                     client.deliver(frame, metrics, id).await;
                 }
                 if let Some(followers) = client.followers.take() {
-                    followers.end(End::Whole);
+                    followers.end(true);
                 }
             }
         }
@@ -159,9 +158,6 @@ pub(super) enum Relayed {
 /// What every relay of a worker is bounded by.
 #[derive(Clone)]
 pub(super) struct Relay {
-    /// Bytes of keyed responses being captured for storage, and each scope's share, shared by every
-    /// worker.
-    captures: Arc<CaptureBudget>,
     /// Longest a client may accept no bytes of a keyed response.
     write_timeout: Duration,
     /// Longest the upstream may send nothing (`upstream.timeout`).
@@ -169,96 +165,87 @@ pub(super) struct Relay {
     metrics: Metrics,
 }
 
+/// Where a relayed response goes: its client's answer, the capture for its record, and who follows it.
+pub(super) struct Taps {
+    pub(super) answer: Answer,
+    pub(super) capture: Capture,
+    pub(super) followers: Option<Box<dyn Tap>>,
+}
+
 impl Relay {
-    pub(super) fn new(
-        captures: Arc<CaptureBudget>,
-        write_timeout: Duration,
-        idle: Duration,
-        metrics: Metrics,
-    ) -> Relay {
+    pub(super) fn new(write_timeout: Duration, idle: Duration, metrics: Metrics) -> Relay {
         Relay {
-            captures,
             write_timeout,
             idle,
             metrics,
         }
     }
 
-    /// Relays the response to the client, and to the duplicates that follow it, while capturing it,
-    /// until the upstream body ends or breaks.
+    /// Relays the response to its taps, the client last, until the upstream body ends or breaks.
     pub(super) async fn run(
         &self,
         id: &RecordId,
         rules: &StoreRules,
         response: Response<PooledBody>,
-        (head, followers): (Answer, Option<Publisher>),
+        taps: Taps,
         stamp: impl Fn(&mut HeaderMap),
     ) -> Relayed {
-        let (mut parts, mut upstream) = response.into_parts();
+        let Taps {
+            answer,
+            capture,
+            mut followers,
+        } = taps;
+        let (mut parts, upstream) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        let log = match &followers {
-            Some(followers) => followers.log().clone(),
-            None => Log::unfollowed(),
-        };
         let record = ToStore {
             status: parts.status.as_u16(),
             headers: storable_headers(&parts.headers, &rules.never_store_headers),
-            capture: Capture::new(rules.max_stored_response, &self.captures, &id.scope, log),
+            capture,
         };
-        if let Some(followers) = &followers {
-            followers.head(followed_head(&parts, &rules.never_store_headers, &stamp));
+        if let Some(followers) = &mut followers {
+            followers.head(
+                parts.status,
+                followed_head(&parts, &rules.never_store_headers, &stamp),
+            );
         }
         // What the proxy adds for this client only, after the stored headers are taken.
         stamp(&mut parts.headers);
         if http_body::Body::is_end_stream(&upstream) {
             drop(upstream);
-            let withheld = Withheld::Head(head, Response::from_parts(parts, body::empty()), followers);
+            let withheld = Withheld::Head(answer, Response::from_parts(parts, body::empty()), followers);
             return Relayed::Whole(record, withheld);
         }
         let declared = content_length(&parts.headers);
         let (sender, receiver) = channel::channel(DOWNSTREAM_FRAMES);
-        let mut client = Client {
-            head: Some((head, Response::from_parts(parts, receiver.boxed()))),
+        let client = Client {
+            head: Some((answer, Response::from_parts(parts, receiver.boxed()))),
             sender: Some(sender),
             write_timeout: self.write_timeout,
             followers,
         };
-        let ToStore {
-            status,
-            mut headers,
-            mut capture,
-        } = record;
+        self.body(id, rules, (upstream, declared), record, client).await
+    }
+
+    /// Relays the body: each frame to the capture, then the followers and the client, the frame that
+    /// completes the response withheld.
+    async fn body(
+        &self,
+        id: &RecordId,
+        rules: &StoreRules,
+        (mut upstream, declared): (PooledBody, Option<u64>),
+        mut record: ToStore,
+        mut client: Client,
+    ) -> Relayed {
         let mut last = None;
         let mut received = 0u64;
-        let idle = self.idle;
         loop {
-            let polled = match frame_now(&mut upstream) {
-                Poll::Ready(polled) => polled,
-                Poll::Pending => {
-                    // Nothing more comes with the head now: let it go before waiting on the upstream.
-                    client.send_head(id);
-                    match tokio::time::timeout(idle, upstream.frame()).await {
-                        Ok(polled) => polled,
-                        Err(_) => {
-                            let failure = ProxyError::UpstreamTimeout(idle);
-                            let error = "upstream body stalled".into();
-                            return Relayed::Broken {
-                                client,
-                                error,
-                                failure,
-                            };
-                        }
-                    }
-                }
-            };
-            let frame = match polled {
-                None => break,
-                Some(Ok(frame)) => frame,
-                Some(Err(error)) => {
-                    let failure = ProxyError::UpstreamBroken(error.to_string());
+            let frame = match self.next_frame(&mut upstream, &mut client, id).await {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err((error, failure)) => {
                     return Relayed::Broken {
                         client,
-                        error: error.into(),
+                        error,
                         failure,
                     };
                 }
@@ -267,10 +254,11 @@ impl Relay {
             received += data.map_or(0, |data| data.len() as u64);
             // Kept once, before anyone gets the frame: the followers read it from the log.
             if let Some(data) = data {
-                capture.write(data);
+                record.capture.write(data);
             }
             if let Some(trailers) = frame.trailers_ref() {
-                headers.extend(storable_trailers(trailers, &rules.never_store_headers));
+                let stored = storable_trailers(trailers, &rules.never_store_headers);
+                record.headers.extend(stored);
             }
             // A frame held as the last one was not, since another follows.
             if let Some(earlier) = last.take() {
@@ -281,16 +269,43 @@ impl Relay {
             } else {
                 client.deliver(frame, &self.metrics, id).await;
             }
-            // Charged once the client has the frame (or it is held as the last one): a capture that
+            // Charged once the client has the frame (or it is withheld as the last one): a capture that
             // waits for room in the budget delays the next read, not this frame.
-            capture.charge().await;
+            record.capture.charge().await;
         }
-        let record = ToStore {
-            status,
-            headers,
-            capture,
-        };
         Relayed::Whole(record, Withheld::End(client, last))
+    }
+
+    /// The upstream body's next frame (`None` at its end), or why it broke off: an error, or nothing
+    /// for `upstream.timeout`. Before waiting on the upstream, the client gets its head.
+    async fn next_frame(
+        &self,
+        upstream: &mut PooledBody,
+        client: &mut Client,
+        id: &RecordId,
+    ) -> Result<Option<Frame<Bytes>>, (BoxError, ProxyError)> {
+        let polled = match frame_now(upstream) {
+            Poll::Ready(polled) => polled,
+            Poll::Pending => {
+                // Nothing more comes with the head now: let it go before waiting on the upstream.
+                client.send_head(id);
+                match tokio::time::timeout(self.idle, upstream.frame()).await {
+                    Ok(polled) => polled,
+                    Err(_) => {
+                        let failure = ProxyError::UpstreamTimeout(self.idle);
+                        return Err(("upstream body stalled".into(), failure));
+                    }
+                }
+            }
+        };
+        match polled {
+            None => Ok(None),
+            Some(Ok(frame)) => Ok(Some(frame)),
+            Some(Err(error)) => {
+                let failure = ProxyError::UpstreamBroken(error.to_string());
+                Err((error.into(), failure))
+            }
+        }
     }
 }
 
@@ -307,23 +322,20 @@ fn completes(frame: &Frame<Bytes>, upstream: &PooledBody, declared: Option<u64>,
         || declared.is_some_and(|length| received >= length)
 }
 
-/// The head a duplicate that follows the response gets: the headers a replay of it would carry (the
+/// The headers a duplicate that follows the response gets: those a replay of it would carry (the
 /// length included, since the body is the same), marked replayed.
 fn followed_head(
     parts: &http::response::Parts,
     never_store: &[HeaderName],
     stamp: &impl Fn(&mut HeaderMap),
-) -> Head {
+) -> HeaderMap {
     let mut headers = parts.headers.clone();
     for name in never_store {
         headers.remove(name);
     }
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     stamp(&mut headers);
-    Head {
-        status: parts.status,
-        headers,
-    }
+    headers
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
-use http::{Request, Response, Uri, Version, header};
+use http::{HeaderMap, Method, Request, Response, Uri, Version, header};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::{self, SendRequest};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -203,23 +203,7 @@ impl Multiplexed {
         });
         let mut last_try = false;
         loop {
-            let (mut sender, mut slot) = match self.slot() {
-                Some(found) => found,
-                None => {
-                    last_try = true;
-                    self.connection(&connect).await?
-                }
-            };
-            // An error here means the connection takes no new streams, and the request has not left.
-            if sender.ready().await.is_err() {
-                last_try = true;
-                drop(slot);
-                (sender, slot) = self.connection(&connect).await?;
-                sender
-                    .ready()
-                    .await
-                    .map_err(|e| SendError::NotSent(error_chain(&e)))?;
-            }
+            let (mut sender, slot) = self.ready_stream(&connect, &mut last_try).await?;
             match sender.try_send_request(request).await {
                 Ok(response) => return Ok((response, slot)),
                 Err(mut failed) => {
@@ -242,17 +226,44 @@ impl Multiplexed {
                             if refusal == Refusal::GoingAway {
                                 self.leave(&slot);
                             }
-                            request = Request::new(body.body());
-                            *request.method_mut() = method;
-                            *request.uri_mut() = uri;
-                            *request.version_mut() = Version::HTTP_2;
-                            *request.headers_mut() = headers;
+                            request = resent((method, uri, headers), &body);
                         }
                         (None, None) => return Err(SendError::Failed(why)),
                     }
                 }
             }
         }
+    }
+
+    /// A stream ready to take the request: on the first connection with one free, else on a new
+    /// connection (`last_try` set: a request that fails there is not sent again for a closed one).
+    async fn ready_stream<C, F>(
+        &self,
+        connect: &C,
+        last_try: &mut bool,
+    ) -> Result<(SendRequest<ProxyBody>, StreamSlot), SendError>
+    where
+        C: Fn() -> F,
+        F: Future<Output = Result<Stream, SendError>>,
+    {
+        let (mut sender, mut slot) = match self.slot() {
+            Some(found) => found,
+            None => {
+                *last_try = true;
+                self.connection(connect).await?
+            }
+        };
+        // An error here means the connection takes no new streams, and the request has not left.
+        if sender.ready().await.is_err() {
+            *last_try = true;
+            drop(slot);
+            (sender, slot) = self.connection(connect).await?;
+            sender
+                .ready()
+                .await
+                .map_err(|e| SendError::NotSent(error_chain(&e)))?;
+        }
+        Ok((sender, slot))
     }
 
     /// Stops giving streams of `slot`'s connection to new requests (it is going away).
@@ -379,6 +390,16 @@ fn refused(error: &(dyn std::error::Error + 'static)) -> Option<Refusal> {
         cause = error.source();
     }
     None
+}
+
+/// The request sent once more, from its head and the copy of its body kept for that.
+fn resent((method, uri, headers): (Method, Uri, HeaderMap), body: &Resendable) -> Request<ProxyBody> {
+    let mut request = Request::new(body.body());
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.version_mut() = Version::HTTP_2;
+    *request.headers_mut() = headers;
+    request
 }
 
 #[cfg(test)]
