@@ -288,6 +288,7 @@ impl Executor {
             } => {
                 // The client's stream is aborted (never passed off as complete), or if it has not had
                 // the head yet it gets `failure`.
+                tracing::warn!(key_hash = %claim.id.key_hash(), %error, "upstream body broke off; outcome unknown");
                 let why = format!("upstream body broke off: {error}");
                 client.fail(error, failure);
                 Ended::Unknown(Owed::Nothing, why)
