@@ -12,6 +12,7 @@ pub mod raw_h2;
 pub mod recorder;
 pub mod redis;
 pub mod relay;
+mod selftest;
 pub mod store;
 pub mod tools;
 pub mod upstream;

@@ -6,7 +6,7 @@
 use rstest::rstest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::cli::idemproxy;
+use crate::operators::cli::idemproxy;
 use crate::support::http::client;
 use crate::support::{
     Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestStore, keyed_post, metric, metric_reaches,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use idemproxy::store::{ClaimKind, Store};
 use rstest::rstest;
 
-use crate::cli::idemproxy;
+use crate::operators::cli::idemproxy;
 use crate::store::suite::{DAY, LONG, request, response, won};
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, settled};
 

@@ -139,7 +139,7 @@ signature = {{ scheme = "stripe", secrets_file = "{}" }}
 
 /// `Stripe-Signature` for `body` signed with `secret` now, as Stripe writes it.
 fn stripe_signature(secret: &str, body: &str) -> String {
-    crate::webhooks::stripe_signature(secret, crate::webhooks::now(), body)
+    crate::keys::webhooks::stripe_signature(secret, crate::keys::webhooks::now(), body)
 }
 
 /// A raw HTTP/1.1 request with a body of `body`.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::cli::{config_file, idemproxy};
+use crate::operators::cli::{config_file, idemproxy};
 use crate::support::proxy::binary;
 use crate::support::{Backend, Reply, TestEnv, keyed_post};
 

@@ -52,7 +52,7 @@ pub async fn assert_taken_over(env: &TestEnv, successor: &ProxyProcess) {
     let takeovers = metric(&successor.admin_url, "idemproxy_stale_takeovers_total", &[]).await;
     assert_eq!(takeovers, 1.0);
     // The upstream was told which execution each was, and that the second took over a lapsed one.
-    assert_eq!(crate::attempts::attempts_of(env, "k"), ["1", "2;takeover"]);
+    assert_eq!(crate::replay::attempts::attempts_of(env, "k"), ["1", "2;takeover"]);
 }
 
 #[rstest]

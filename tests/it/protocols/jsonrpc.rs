@@ -440,7 +440,7 @@ async fn jsonrpc_hostile_bodies_get_problems_and_never_reach_the_server() {
 
 /// The Python programs the `jsonrpc_mcp_sdk_*` tests run: the SDK's server with a counting tool, its
 /// client, and `requirements.txt`, the SDK (`mcp`, from PyPI) and what it installs with, pinned.
-const MCP_PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/mcp_sdk");
+const MCP_PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/protocols/mcp_sdk");
 
 /// A Python with the MCP SDK installed, in `target/test-tools/mcp` (a minute on first use).
 fn mcp_python() -> PathBuf {

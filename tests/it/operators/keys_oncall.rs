@@ -7,8 +7,8 @@ use std::process::Output;
 use idemproxy::store::ClaimKind;
 use rstest::rstest;
 
-use crate::cli::config_file;
-use crate::keys_cli::{json, keys_with, stdout};
+use crate::operators::cli::config_file;
+use crate::operators::keys_cli::{json, keys_with, stdout};
 use crate::store::suite::{DAY, LONG, request, won};
 use crate::support::http::client;
 use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestStore};

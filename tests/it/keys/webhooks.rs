@@ -14,7 +14,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use hmac::{Hmac, KeyInit, Mac};
 use rstest::rstest;
 
-use crate::cli::{config_file, idemproxy};
+use crate::operators::cli::{config_file, idemproxy};
 use crate::support::http::client;
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, metric};
 

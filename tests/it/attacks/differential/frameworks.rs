@@ -62,7 +62,7 @@ pub const FRAMEWORKS: &[Framework] = &[
 ];
 
 /// The apps' sources, and the Flask app's pinned requirements.
-const APPS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/differential/apps");
+const APPS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/attacks/differential/apps");
 
 /// Bound on an app starting (a first run installs Flask from PyPI first, off this bound).
 const START_BOUND: Duration = Duration::from_secs(60);
