@@ -8,6 +8,7 @@ mod guarantees;
 mod in_flight;
 mod keys;
 mod operators;
+mod protocols;
 mod quickstart;
 mod replay;
 mod store;
