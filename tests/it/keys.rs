@@ -6,4 +6,4 @@
 mod header;
 mod routes;
 mod sources;
-pub(crate) mod webhooks;
+mod webhooks;

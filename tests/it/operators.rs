@@ -6,12 +6,12 @@
 
 mod access_log;
 mod admin;
-pub(crate) mod cli;
+mod cli;
 mod config_errors;
 mod health_cli;
-pub(crate) mod keys_cli;
+mod keys_cli;
 mod keys_oncall;
-pub(crate) mod processes;
+mod processes;
 mod roles;
 mod sweeper;
 mod telemetry;

@@ -4,9 +4,9 @@
 //! during its answer (`upstream_faults.rs`), and what a refusal tells a client (`problems.rs`). One file
 //! per concern.
 
-pub(crate) mod attempts;
+mod attempts;
 mod basics;
 mod cache;
-pub(crate) mod encryption;
+mod encryption;
 mod problems;
 mod upstream_faults;

@@ -2,7 +2,9 @@
 
 pub mod certs;
 pub mod citus;
+pub mod cli;
 pub mod cluster;
+pub mod encryption;
 pub mod history;
 pub mod http;
 pub mod pg;
@@ -13,7 +15,9 @@ pub mod recorder;
 pub mod redis;
 pub mod relay;
 mod selftest;
+pub mod signatures;
 pub mod store;
+pub mod takeover;
 pub mod tools;
 pub mod upstream;
 

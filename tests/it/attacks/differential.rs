@@ -29,8 +29,8 @@ use send::{Answer, Request};
 use verdict::Outcome;
 
 use crate::support::raw::addr_of;
+use crate::support::signatures::STRIPE_SECRET;
 use crate::support::{Backend, ProxyConfig, ProxyProcess, TestStore};
-use crate::keys::webhooks::STRIPE_SECRET;
 
 /// The proxy's routes, mirroring the apps': payments need a key, the Stripe webhook a valid signature
 /// (keyed by the event id), everything else is the default route (a key optional).

@@ -21,7 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::support::http::TEST_CREDENTIAL;
 use crate::support::raw::{self, exchange, head};
-use crate::support::{Backend, InProcessProxy, ProxyConfig, TestStore, raw_h2, unless_skipped};
+use crate::support::{Backend, InProcessProxy, ProxyConfig, TestStore, raw_h2, signatures, unless_skipped};
 
 const STRIPE_SECRET: &str = "whsec_seams_secret";
 
@@ -102,8 +102,7 @@ impl World {
 async fn world(backend: Backend, protocol: &str, extra: &[(&str, toml::Value)]) -> World {
     let (upstream, seen) = recording_upstream().await;
     let store = TestStore::create(backend).await;
-    let secrets = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(secrets.path(), format!("{STRIPE_SECRET}\n")).unwrap();
+    let secrets = signatures::secrets_file(&[STRIPE_SECRET]);
     let routes = format!(
         r#"
 [[routes]]
@@ -139,7 +138,7 @@ signature = {{ scheme = "stripe", secrets_file = "{}" }}
 
 /// `Stripe-Signature` for `body` signed with `secret` now, as Stripe writes it.
 fn stripe_signature(secret: &str, body: &str) -> String {
-    crate::keys::webhooks::stripe_signature(secret, crate::keys::webhooks::now(), body)
+    signatures::stripe_signature(secret, signatures::now(), body)
 }
 
 /// A raw HTTP/1.1 request with a body of `body`.

@@ -9,7 +9,7 @@ use std::time::SystemTime;
 
 use rstest::rstest;
 
-use crate::operators::cli::{config_file, idemproxy};
+use crate::support::cli::{config_file, idemproxy};
 use crate::support::http::{TEST_CREDENTIAL, client};
 use crate::support::raw::{self, RawReply};
 use crate::support::{Backend, ProxyProcess, Reply, TestEnv, keyed_post, poll_until, settled};

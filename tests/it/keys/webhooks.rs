@@ -6,16 +6,14 @@
 //! a shared scope, an upstream 401 or 403 is not stored. Every request is signed here as its sender signs
 //! it (the signers reproduce the senders' published vectors, checked below), at the current time.
 
-use std::io::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD as BASE64;
-use hmac::{Hmac, KeyInit, Mac};
 use rstest::rstest;
 
-use crate::operators::cli::{config_file, idemproxy};
+use crate::support::cli::{config_file, idemproxy};
 use crate::support::http::client;
+use crate::support::signatures::{
+    STRIPE_SECRET, generic_signature, github_signature, now, secrets_file, shopify_signature,
+    stripe_signature, sw_signature,
+};
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, metric};
 
 /// The Standard Webhooks spec's example secret, and a second one for rotation.
@@ -23,7 +21,6 @@ const SW_OLD: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const SW_NEW: &str = "whsec_aWRlbXByb3h5IHJvdGF0aW9uIHRlc3Qgc2VjcmV0LCAzMkI=";
 /// A secret the routes do not have: what a forger signs with.
 const SW_FORGED: &str = "whsec_Zm9yZ2VyJ3Mgb3duIHNlY3JldCwgMjQgYnl0ZXM=";
-pub(crate) const STRIPE_SECRET: &str = "whsec_test_secret";
 const GITHUB_SECRET: &str = "It's a Secret to Everybody";
 const SHOPIFY_SECRET: &str = "shpss_test_client_secret";
 const GENERIC_SECRET: &str = "generic secret";
@@ -34,14 +31,6 @@ const CHECKS: &str = "idemproxy_signature_checks_total";
 struct Hooks {
     proxy: InProcessProxy,
     _files: Vec<tempfile::NamedTempFile>,
-}
-
-fn secrets_file(lines: &[&str]) -> tempfile::NamedTempFile {
-    let mut file = tempfile::NamedTempFile::new().expect("a secrets file");
-    for line in lines {
-        writeln!(file, "{line}").expect("secrets written");
-    }
-    file
 }
 
 async fn start(env: &TestEnv) -> Hooks {
@@ -125,52 +114,6 @@ scope_headers = []
         proxy,
         _files: files.into(),
     }
-}
-
-pub(crate) fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("after 1970")
-        .as_secs()
-}
-
-fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
-    let mut mac = Hmac::<sha2_11::Sha256>::new_from_slice(key).expect("any key length");
-    parts.iter().for_each(|part| mac.update(part));
-    mac.finalize().into_bytes().to_vec()
-}
-
-/// `webhook-signature` as a Standard Webhooks sender writes it: `v1,` and the base64 HMAC of
-/// `id.timestamp.body` under the secret's base64 part.
-fn sw_signature(secret: &str, id: &str, timestamp: u64, body: &str) -> String {
-    let key = BASE64
-        .decode(secret.trim_start_matches("whsec_"))
-        .expect("a base64 secret");
-    let signed = format!("{id}.{timestamp}.{body}");
-    format!("v1,{}", BASE64.encode(hmac_sha256(&key, &[signed.as_bytes()])))
-}
-
-/// `Stripe-Signature` as Stripe writes it: `t=` and `v1=` the hex HMAC of `t.body` under the whole secret.
-pub(crate) fn stripe_signature(secret: &str, t: u64, body: &str) -> String {
-    let mac = hmac_sha256(secret.as_bytes(), &[format!("{t}.").as_bytes(), body.as_bytes()]);
-    format!("t={t},v1={}", hex::encode(mac))
-}
-
-fn github_signature(secret: &str, body: &str) -> String {
-    format!(
-        "sha256={}",
-        hex::encode(hmac_sha256(secret.as_bytes(), &[body.as_bytes()]))
-    )
-}
-
-fn shopify_signature(secret: &str, body: &str) -> String {
-    BASE64.encode(hmac_sha256(secret.as_bytes(), &[body.as_bytes()]))
-}
-
-fn generic_signature(secret: &str, body: &str) -> String {
-    let mut mac = Hmac::<sha2_11::Sha512>::new_from_slice(secret.as_bytes()).expect("any key length");
-    mac.update(body.as_bytes());
-    BASE64.encode(mac.finalize().into_bytes())
 }
 
 #[test]

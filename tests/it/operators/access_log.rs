@@ -275,7 +275,7 @@ async fn a_trace_header_in_fingerprint_headers_is_refused_at_load() {
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), config.to_toml()).unwrap();
     let path = file.path().to_str().unwrap();
-    let output = crate::operators::cli::idemproxy(&["check-config", "--config", path], &[]).await;
+    let output = crate::support::cli::idemproxy(&["check-config", "--config", path], &[]).await;
     assert_eq!(output.status.code(), Some(64));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");

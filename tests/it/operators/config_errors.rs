@@ -2,12 +2,12 @@
 //! the configuration (and a misspelt variable is still an error), an unknown key gets the one meant, a
 //! listener that cannot bind is named, and `check-config` warns about risky settings.
 
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::operators::cli::{config_file, idemproxy};
+use crate::support::cli::{assert_one_line_naming, config_file, idemproxy, stderr};
 use crate::support::proxy::binary;
 use crate::support::{Backend, Reply, TestEnv, keyed_post};
 
@@ -31,25 +31,6 @@ const SERVICE_LINKS: [(&str, &str); 13] = [
 
 const BOUND: Duration = Duration::from_secs(30);
 
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-fn assert_one_line_naming(output: &Output, wanted: &[&str]) {
-    assert_eq!(
-        output.status.code(),
-        Some(64),
-        "bad config exits 64: {}",
-        stderr(output)
-    );
-    let line = stderr(output);
-    assert_eq!(line.trim_end().lines().count(), 1, "one line: {line}");
-    for text in wanted {
-        assert!(line.contains(text), "the line says {text}: {line}");
-    }
-}
-
-/// The value of `"name":"…"` in a JSON log line.
 fn json_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
     let start = line.find(&format!("\"{name}\":\""))? + name.len() + 4;
     line[start..].split('"').next()

@@ -5,7 +5,7 @@ use std::process::Output;
 
 use tokio::net::TcpListener;
 
-use crate::operators::cli::idemproxy;
+use crate::support::cli::idemproxy;
 use crate::support::{InProcessProxy, Relay, Reply, TestEnv, http::client, poll_until};
 
 fn admin_addr(proxy: &InProcessProxy) -> String {

@@ -1,44 +1,14 @@
 //! The stuck-key runbook on the command line (`idemproxy keys`), run as the real binary against the
 //! configured store, beside a serving proxy where that matters.
 
-use std::process::Output;
 use std::time::Duration;
 
 use idemproxy::store::{ClaimKind, Store};
 use rstest::rstest;
 
-use crate::operators::cli::idemproxy;
 use crate::store::suite::{DAY, LONG, request, response, won};
+use crate::support::cli::{json, keys, stdout};
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, settled};
-
-async fn keys(store: &TestStore, args: &[&str]) -> Output {
-    keys_with(store, &["--store", &store.url()], args).await
-}
-
-/// `idemproxy keys WHERE ARGS` with the store's own variables; `WHERE` names the store (`--store URL`
-/// or `--config FILE`).
-pub(crate) async fn keys_with(store: &TestStore, at: &[&str], args: &[&str]) -> Output {
-    let mut full = vec!["keys"];
-    full.extend_from_slice(at);
-    full.extend_from_slice(args);
-    let env = store.cli_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
-    idemproxy(&full, &env).await
-}
-
-pub(crate) fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-pub(crate) fn json(output: &Output) -> serde_json::Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {}{}",
-            stdout(output),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
 
 #[rstest]
 #[tokio::test]

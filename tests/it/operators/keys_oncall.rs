@@ -7,10 +7,10 @@ use std::process::Output;
 use idemproxy::store::ClaimKind;
 use rstest::rstest;
 
-use crate::operators::cli::config_file;
-use crate::operators::keys_cli::{json, keys_with, stdout};
 use crate::store::suite::{DAY, LONG, request, won};
+use crate::support::cli::{config_file, json, keys_with, stdout};
 use crate::support::http::client;
+use crate::support::proxy::without_test_env;
 use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestStore};
 
 /// `idemproxy keys --config <config> ARGS` with the store's own variables.
@@ -291,11 +291,8 @@ async fn forget_at_a_terminal(store: &TestStore, key: &str, typed: &str) -> (Opt
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
-        .env_remove("RUST_LOG")
         .kill_on_drop(true);
-    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("IDEMPROXY_")) {
-        command.env_remove(name);
-    }
+    without_test_env(&mut command);
     let mut child = command.spawn().expect("util-linux script runs");
     let mut stdin = child.stdin.take().expect("piped");
     stdin.write_all(typed.as_bytes()).await.expect("typed");

@@ -4,7 +4,7 @@
 
 use url::Url;
 
-use crate::operators::cli::idemproxy;
+use crate::support::cli::idemproxy;
 use crate::support::pg::base_url;
 use crate::support::{ProxyConfig, ProxyProcess, Reply, TestDb, Upstream, keyed_post, settled};
 

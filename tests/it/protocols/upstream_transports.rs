@@ -4,8 +4,8 @@
 //! closed by the proxy after `upstream.idle_timeout`, before the upstream's own keep-alive timeout could
 //! close one under a request.
 
-use crate::operators::cli::{config_file, idemproxy};
 use crate::support::certs::{TestCa, toml_path};
+use crate::support::cli::{config_file, idemproxy};
 use crate::support::{
     InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, Upstream, keyed_post, poll_until,
 };

@@ -7,20 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use rstest::rstest;
 
+use crate::support::takeover::attempts_of;
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post, poll_until};
-
-/// The `Idempotency-Attempt` of each request the stub upstream executed for `key`, in order.
-pub fn attempts_of(env: &TestEnv, key: &str) -> Vec<String> {
-    env.upstream
-        .requests()
-        .iter()
-        .filter(|request| request.key.as_deref() == Some(key))
-        .map(|request| match request.headers.get("idempotency-attempt") {
-            Some(value) => value.to_str().unwrap().to_owned(),
-            None => "(none)".to_owned(),
-        })
-        .collect()
-}
 
 #[tokio::test]
 async fn each_execution_of_a_key_tells_the_upstream_its_attempt() {

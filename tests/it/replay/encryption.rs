@@ -5,27 +5,8 @@
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 
-use crate::support::{InProcessProxy, ProxyConfig, Reply, TestEnv, keyed_post, metric, settled};
-
-pub(crate) const K1: [u8; 32] = [0x11; 32];
-pub(crate) const K2: [u8; 32] = [0x22; 32];
-
-/// The test config without the replay cache, so every retry is read through the store, where the sealed
-/// values live.
-fn uncached(env: &TestEnv) -> ProxyConfig {
-    env.config().set("replay_cache.max_size", "0")
-}
-
-/// The test config with `[encryption]` set: `active` seals new records, `keys` may open old ones.
-pub(crate) fn encrypted(env: &TestEnv, active: &str, keys: &[(&str, [u8; 32])]) -> ProxyConfig {
-    let mut table = toml::Table::new();
-    for (id, key) in keys {
-        table.insert(id.to_string(), BASE64.encode(key).into());
-    }
-    uncached(env)
-        .set("encryption.active_key", active)
-        .set("encryption.keys", table)
-}
+use crate::support::encryption::{K1, K2, contains, encrypted, execute_and_settle, uncached};
+use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, metric, settled};
 
 /// `(response_body, response_header_values)` of the record for `key`.
 async fn stored(env: &TestEnv, key: &str) -> (Vec<u8>, Vec<Vec<u8>>) {
@@ -39,18 +20,6 @@ async fn stored(env: &TestEnv, key: &str) -> (Vec<u8>, Vec<Vec<u8>>) {
         .expect("the record exists");
     let header_values: Option<Vec<Vec<u8>>> = row.get(1);
     (row.get(0), header_values.unwrap_or_default())
-}
-
-pub(crate) async fn execute_and_settle(proxy: &InProcessProxy, key: &str) -> (Reply, Reply) {
-    let first = Reply::of(keyed_post(&proxy.url, "/orders", key, "{\"card\":\"4111\"}")).await;
-    assert_eq!(first.status, 201, "{}", first.text());
-    let replay = settled(|| keyed_post(&proxy.url, "/orders", key, "{\"card\":\"4111\"}")).await;
-    assert!(replay.is_replay(), "{replay:?}");
-    (first, replay)
-}
-
-pub(crate) fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 #[tokio::test]

@@ -309,6 +309,13 @@ fn command(config_path: &std::path::Path) -> Command {
 /// test gives it.
 pub fn binary() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    without_test_env(&mut command);
+    command
+}
+
+/// `command` without the test process's `RUST_LOG` and `IDEMPROXY_*` variables, for a program that runs
+/// the binary itself (`script` giving it a terminal).
+pub fn without_test_env(command: &mut Command) -> &mut Command {
     command.env_remove("RUST_LOG");
     for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("IDEMPROXY_")) {
         command.env_remove(name);

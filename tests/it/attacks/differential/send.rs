@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 
 use super::corpus::{Body, Case, Client};
 use crate::support::http::TEST_CREDENTIAL;
-use crate::keys::webhooks::{STRIPE_SECRET, stripe_signature};
+use crate::support::signatures::{STRIPE_SECRET, stripe_signature};
 
 /// Bound on one case's answer: above the proxy's `upstream.timeout` (a case that makes the proxy wait it
 /// out is caught by its 504), far above what any app takes to answer.
