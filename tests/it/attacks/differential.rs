@@ -136,8 +136,7 @@ fn unclaimed(app: &Running, outcomes: &[Vec<Outcome>]) -> Vec<String> {
 /// keyed request that the proxy must still serve.
 async fn run_lane(app: &Running, protocol: Protocol, secrets: &str) -> Vec<Outcome> {
     let store = TestStore::create(Backend::Sqlite).await;
-    let config = ProxyConfig::new(&store.url(), &app.url(protocol))
-        .with_toml(&store.store_toml())
+    let config = ProxyConfig::on(&store, &app.url(protocol))
         .set("upstream.protocol", protocol.as_str())
         .set("upstream.timeout", UPSTREAM_TIMEOUT)
         .with_toml(&ROUTES.replace("SECRETS", secrets));

@@ -121,8 +121,7 @@ signature = {{ scheme = "stripe", secrets_file = "{}" }}
 "#,
         secrets.path().display()
     );
-    let mut config = ProxyConfig::new(&store.url(), &upstream)
-        .with_toml(&store.store_toml())
+    let mut config = ProxyConfig::on(&store, &upstream)
         .with_toml(&routes)
         .set("upstream.protocol", protocol);
     for (path, value) in extra {

@@ -160,8 +160,7 @@ async fn a_101_from_the_upstream_is_never_relayed_or_stored(
     #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
-    let config = ProxyConfig::new(&env.store.url(), &switching_upstream().await)
-        .with_toml(&env.store.store_toml())
+    let config = ProxyConfig::on(&env.store, &switching_upstream().await)
         .set("idempotency.on_unknown_outcome", "hold");
     let proxy = InProcessProxy::start(&config).await;
     let first = Reply::of(keyed_post(&proxy.url, "/orders", "switch", "{}")).await;

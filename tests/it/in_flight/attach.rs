@@ -113,8 +113,7 @@ impl Events {
 /// A proxy config on a new PostgreSQL store whose routes attach, with `toml` over it.
 async fn config(upstream: &str, toml: &str) -> (TestStore, ProxyConfig) {
     let store = TestStore::create(Backend::Postgres).await;
-    let config = ProxyConfig::new(&store.url(), upstream)
-        .with_toml(&store.store_toml())
+    let config = ProxyConfig::on(&store, upstream)
         .set("idempotency.on_in_flight", "attach")
         .set("idempotency.wait_timeout", "50s")
         .set("idempotency.lock_timeout", "120s")
@@ -389,8 +388,7 @@ async fn on_another_replica_a_duplicate_waits_for_the_stored_response() {
     const EVENTS: usize = 4;
     let upstream = Events::start(EVENTS, 8).await;
     let (store, here) = proxy(&upstream.url, "").await;
-    let config = ProxyConfig::new(&store.url(), &upstream.url)
-        .with_toml(&store.store_toml())
+    let config = ProxyConfig::on(&store, &upstream.url)
         .set("idempotency.on_in_flight", "attach")
         .set("idempotency.wait_timeout", "50s")
         .set("idempotency.lock_timeout", "120s");

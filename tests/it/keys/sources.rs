@@ -96,10 +96,6 @@ required = true
 scope_headers = ["x-api-key"]
 "#;
 
-async fn start(env: &TestEnv) -> InProcessProxy {
-    InProcessProxy::start(&env.config().with_toml(ROUTES)).await
-}
-
 fn post(proxy: &InProcessProxy, path: &str) -> reqwest::RequestBuilder {
     client().post(format!("{}{path}", proxy.url))
 }
@@ -118,8 +114,7 @@ fn github_delivery(proxy: &InProcessProxy, hook: &str, delivery: &str) -> reqwes
 async fn keys_a_github_redelivery_is_replayed_and_runs_once(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let delivery = "72d3162e-cc78-11e3-81ab-4c9367dc0958";
     let first = Reply::of(github_delivery(&proxy, "4001", delivery)).await;
     assert_eq!(first.status, 201, "{}", first.text());
@@ -165,8 +160,7 @@ fn stripe_event(proxy: &InProcessProxy, body: &str) -> reqwest::RequestBuilder {
 async fn keys_a_stripe_event_is_keyed_by_its_id_and_a_reserialised_redelivery_is_replayed(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let event = r#"{"id":"evt_1NG8Du2eZvKYlo2CUI79vXWy","type":"charge.succeeded","data":{"object":{"amount":2000,"currency":"usd"}}}"#;
     let reserialised = r#"{
         "type": "charge.succeeded",
@@ -207,8 +201,7 @@ fn standard_webhook(proxy: &InProcessProxy, id: &str, attempt: u64) -> reqwest::
 async fn keys_a_standard_webhooks_retry_is_replayed_by_its_webhook_id(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let first = Reply::of(standard_webhook(&proxy, "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W", 0)).await;
     assert_eq!(first.status, 201, "{}", first.text());
     let retry = Reply::of(standard_webhook(&proxy, "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W", 1)).await;
@@ -249,8 +242,7 @@ fn structured_event(proxy: &InProcessProxy, id: &str) -> reqwest::RequestBuilder
 async fn keys_a_cloudevent_is_keyed_by_source_and_id_in_binary_and_structured_mode(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let binary = Reply::of(binary_event(&proxy, "b-1")).await;
     assert_eq!(binary.status, 201, "{}", binary.text());
     assert!(Reply::of(binary_event(&proxy, "b-1")).await.is_replay());
@@ -271,8 +263,7 @@ async fn keys_a_cloudevent_is_keyed_by_source_and_id_in_binary_and_structured_mo
 async fn keys_one_event_sent_in_both_modes_runs_once_and_the_second_mode_is_told_it_differs(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let binary = Reply::of(binary_event(&proxy, "both-1")).await;
     assert_eq!(binary.status, 201, "{}", binary.text());
     // Same source and id, so the same key; another content type and body, so another fingerprint.
@@ -286,8 +277,7 @@ async fn keys_one_event_sent_in_both_modes_runs_once_and_the_second_mode_is_told
 async fn keys_a_cloudevents_batch_is_refused_with_its_own_problem_type(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let batch = serde_json::json!([
         {"specversion": "1.0", "type": "t", "source": EVENT_SOURCE, "id": "1"},
         {"specversion": "1.0", "type": "t", "source": EVENT_SOURCE, "id": "2"},
@@ -313,8 +303,7 @@ fn hook(proxy: &InProcessProxy, hook_id: &str, delivery: &str) -> reqwest::Reque
 async fn keys_a_template_key_joins_a_header_and_a_body_field(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let first = Reply::of(hook(&proxy, "h1", "d1")).await;
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(Reply::of(hook(&proxy, "h1", "d1")).await.is_replay());
@@ -328,8 +317,7 @@ async fn keys_a_template_key_joins_a_header_and_a_body_field(
 async fn keys_a_required_key_that_is_missing_is_a_400_naming_the_source(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     for (path, body, needs) in [
         ("/webhooks/github", "{}", "an x-github-delivery header"),
         (
@@ -369,8 +357,7 @@ fn payment(proxy: &InProcessProxy, body: &str) -> reqwest::RequestBuilder {
 async fn keys_a_json_fingerprint_replays_a_reordered_retry_and_refuses_a_changed_amount(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let first = r#"{"amount":100,"currency":"eur","sent_at":"2026-01-01T10:00:00Z"}"#;
     let retry = r#"{ "sent_at": "2026-01-01T10:00:05Z", "currency": "eur", "amount": 100 }"#;
     let changed = r#"{"amount":999,"currency":"eur","sent_at":"2026-01-01T10:00:09Z"}"#;
@@ -401,8 +388,7 @@ fn checkout(proxy: &InProcessProxy, cookie: Option<&str>) -> reqwest::RequestBui
 async fn keys_a_cookie_scope_keeps_sessions_apart_and_refuses_a_request_without_one(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let alice = Reply::of(checkout(&proxy, Some("theme=dark; session=alice-7f3a"))).await;
     assert_eq!(alice.status, 201, "{}", alice.text());
     let bob = Reply::of(checkout(&proxy, Some("session=bob-91c2"))).await;
@@ -427,8 +413,7 @@ async fn keys_a_cookie_scope_keeps_sessions_apart_and_refuses_a_request_without_
 async fn keys_a_body_without_the_key_passes_through_unprotected_when_keys_are_optional(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     for body in ["", "not json", r#"{"other":1}"#] {
         for _ in 0..2 {
             let reply = Reply::of(post(&proxy, "/optional").body(body)).await;
@@ -455,8 +440,7 @@ async fn keys_a_body_without_the_key_passes_through_unprotected_when_keys_are_op
 async fn keys_two_24_digit_ids_are_two_keys_and_two_executions(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     // One f64 holds both (1.2345678901234568e23): read as a float, they were one key.
     let first = r#"{"id":123456789012345678901234,"type":"charge.succeeded"}"#;
     let second = r#"{"id":123456789012345678901235,"type":"charge.succeeded"}"#;
@@ -482,8 +466,7 @@ async fn keys_two_24_digit_ids_are_two_keys_and_two_executions(
 async fn keys_template_parts_that_would_run_together_are_two_keys(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let op = |tenant: &str, op: &str| {
         post(&proxy, "/tenant-ops")
             .header("x-tenant", tenant)
@@ -512,8 +495,7 @@ async fn keys_template_parts_that_would_run_together_are_two_keys(
 async fn keys_a_json_key_named_twice_in_its_object_is_refused_naming_the_pointer(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     // One parser reads evt_1, another evt_2: which delivery this is depends on who reads it.
     for body in [
         r#"{"id":"evt_1","type":"charge.succeeded","id":"evt_2"}"#,
@@ -534,8 +516,7 @@ async fn keys_a_json_key_named_twice_in_its_object_is_refused_naming_the_pointer
 async fn keys_a_scope_cookie_sent_twice_keeps_its_scope_in_either_order(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
-    let env = TestEnv::on(backend).await;
-    let proxy = start(&env).await;
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
     let first = Reply::of(checkout(
         &proxy,
         Some("session=app-7f3a; theme=dark; session=dom-91c2"),

@@ -258,8 +258,7 @@ async fn forget_refuses_a_claim_in_flight_without_force(
     let test_store = TestStore::create(backend).await;
     let store = test_store.open().await;
     won(&*store, &request("live", 1, LONG, DAY)).await;
-    let config =
-        ProxyConfig::new(&test_store.url(), "http://127.0.0.1:9").with_toml(&test_store.store_toml());
+    let config = ProxyConfig::on(&test_store, "http://127.0.0.1:9");
 
     let refused = keys(&test_store, &config, &["forget", "live", "--yes", "--json"]).await;
     assert_eq!(refused.status.code(), Some(1));

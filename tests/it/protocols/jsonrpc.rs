@@ -170,9 +170,7 @@ async fn start(backend: Backend) -> (TestEnv, RpcServer, InProcessProxy) {
 async fn start_cached(backend: Backend, cached: bool) -> (TestEnv, RpcServer, InProcessProxy) {
     let env = TestEnv::on(backend).await;
     let server = RpcServer::start().await;
-    let mut config = ProxyConfig::new(&env.store.url(), &server.url)
-        .with_toml(&env.store.store_toml())
-        .with_toml(ROUTES);
+    let mut config = ProxyConfig::on(&env.store, &server.url).with_toml(ROUTES);
     if !cached {
         config = config.set("replay_cache.max_size", "0");
     }
@@ -496,9 +494,8 @@ async fn jsonrpc_mcp_sdk_tools_call_through_the_proxy_twice_with_one_key_execute
     let python = tokio::task::spawn_blocking(mcp_python).await.unwrap();
     let (_server, port) = mcp_server(&python, answer).await;
     let env = TestEnv::on(Backend::Sqlite).await;
-    let config = ProxyConfig::new(&env.store.url(), &format!("http://127.0.0.1:{port}"))
-        .with_toml(&env.store.store_toml())
-        .with_toml(&readme_mcp_route());
+    let config =
+        ProxyConfig::on(&env.store, &format!("http://127.0.0.1:{port}")).with_toml(&readme_mcp_route());
     let proxy = InProcessProxy::start(&config).await;
 
     let client = tokio::process::Command::new(&python)

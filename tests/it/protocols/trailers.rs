@@ -96,7 +96,7 @@ async fn post(url: &str, key: Option<&str>) -> (u16, HeaderMap, Bytes, Option<He
 
 async fn proxy(upstream: &str) -> (TestStore, InProcessProxy) {
     let store = TestStore::create(Backend::Postgres).await;
-    let config = ProxyConfig::new(&store.url(), upstream).with_toml(&store.store_toml());
+    let config = ProxyConfig::on(&store, upstream);
     let proxy = InProcessProxy::start(&config).await;
     (store, proxy)
 }

@@ -7,11 +7,10 @@ use crate::support::{Reply, TestEnv, keyed_post};
 
 #[tokio::test]
 async fn a_route_sets_its_own_status_for_a_reused_key_and_for_a_key_in_flight() {
-    let env = TestEnv::new().await;
-    let config = env
-        .config()
-        .route("name = \"orders\"\npath = \"/slow\"\nmismatch_status = 409\nin_flight_status = 429");
-    let proxy = crate::support::InProcessProxy::start(&config).await;
+    let (env, proxy) = TestEnv::with_routes(
+        "[[routes]]\nname = \"orders\"\npath = \"/slow\"\nmismatch_status = 409\nin_flight_status = 429",
+    )
+    .await;
 
     // A key in flight: 429 on the route, with its Retry-After, and where its operation stands.
     let original = tokio::spawn(Reply::of(keyed_post(&proxy.url, "/slow", "flight-1", "{}")));

@@ -13,7 +13,7 @@ async fn unreachable_upstream_is_502_and_releases_the_key(
     let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let closed_url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
-    let config = ProxyConfig::new(&env.store.url(), &closed_url).with_toml(&env.store.store_toml());
+    let config = ProxyConfig::on(&env.store, &closed_url);
     let proxy = InProcessProxy::start(&config).await;
 
     for attempt in 1..=2 {

@@ -15,6 +15,8 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
+use super::store::TestStore;
+
 /// Bound on the proxy starting, becoming ready and exiting.
 const START_BOUND: Duration = Duration::from_secs(30);
 
@@ -40,6 +42,12 @@ impl ProxyConfig {
         .set("store.timeout", "1s")
         .set("log.format", "json")
         .set("log.filter", "info")
+    }
+
+    /// [`ProxyConfig::new`] on `store`, with the settings beyond its URL that it needs, in front of
+    /// `upstream_url`: for a test whose upstream is not the stub.
+    pub fn on(store: &TestStore, upstream_url: &str) -> ProxyConfig {
+        ProxyConfig::new(&store.url(), upstream_url).with_toml(&store.store_toml())
     }
 
     /// Sets `section.key` (e.g. `"idempotency.lock_timeout"`) to `value`.
