@@ -11,7 +11,7 @@
 //!
 //! ```text
 //! IDEMPROXY_SOAK_SECS=600 IDEMPROXY_SOAK_SEED=7 \
-//!     cargo test --locked --test it history::soak -- --ignored --nocapture
+//!     cargo test --locked --test it attacks::history::soak -- --ignored --nocapture
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,7 +5,7 @@
 //! The short storm is part of the test suite; a long one is one command, bounded by its duration:
 //!
 //! ```text
-//! IDEMPROXY_STORM_SECS=600 cargo test --locked --test it storm::soak -- --ignored --nocapture
+//! IDEMPROXY_STORM_SECS=600 cargo test --locked --test it attacks::storm::soak -- --ignored --nocapture
 //! ```
 
 use std::collections::HashMap;

@@ -4,7 +4,8 @@
 //! of the genuine one, which runs once and is replayed to its redeliveries. Rotation (two secrets), stale
 //! and future timestamps, tampered bodies, and signature headers sent twice or oversized are refused; on
 //! a shared scope, an upstream 401 or 403 is not stored. Every request is signed here as its sender signs
-//! it (the signers reproduce the senders' published vectors, checked below), at the current time.
+//! it (the signers of `support/signatures.rs` reproduce the senders' published vectors, checked below), at
+//! the current time.
 
 use rstest::rstest;
 

@@ -1,7 +1,7 @@
 //! The upstream is told which execution of a key each request is (`Idempotency-Attempt`), so a service
 //! with work in several steps can resume rather than redo: `1` for the first, `N;retry` after an
 //! attempt whose answer gave the key back, `N;takeover` after one whose lease ran out (a proxy that
-//! died: `processes.rs`). Only the proxy sets it: a client's own never reaches the upstream.
+//! died: `operators/processes.rs`). Only the proxy sets it: a client's own never reaches the upstream.
 
 use std::time::{Duration, SystemTime};
 

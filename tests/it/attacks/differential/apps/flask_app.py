@@ -1,7 +1,8 @@
-"""The differential suite's Flask app (tests/it/differential.rs): POST /payments, POST /webhooks/stripe and a
-catch-all, routed by Flask on Werkzeug's threaded server on 127.0.0.1:0. It prints its port as a first JSON
-line, then one JSON line per handler execution: the handler, the method and request target as
-Werkzeug read them, the headers it saw (WSGI keeps no request trailers, so none are reported)."""
+"""The differential suite's Flask app (tests/it/attacks/differential.rs): POST /payments, POST
+/webhooks/stripe and a catch-all, routed by Flask on Werkzeug's threaded server on 127.0.0.1:0. It prints
+its port as a first JSON line, then one JSON line per handler execution: the handler, the method and
+request target as Werkzeug read them, the headers it saw (WSGI keeps no request trailers, so none are
+reported)."""
 
 import json
 import threading

@@ -1,8 +1,8 @@
-// The differential suite's Go app (tests/it/differential.rs): net/http's ServeMux on 127.0.0.1:0, over
-// HTTP/1.1 and, on a second listener, h2c (prior knowledge, golang.org/x/net/http2/h2c). The mux picks the
-// handler by path as Go does (exact patterns, "/" for the rest); /payments and /webhooks/stripe run only
-// for the method POST, as Go 1.22's "POST /payments" patterns do, and give any other method to the
-// catch-all. It prints its ports as a first JSON line, then one JSON line per handler execution: the
+// The differential suite's Go app (tests/it/attacks/differential.rs): net/http's ServeMux on 127.0.0.1:0,
+// over HTTP/1.1 and, on a second listener, h2c (prior knowledge, golang.org/x/net/http2/h2c). The mux
+// picks the handler by path as Go does (exact patterns, "/" for the rest); /payments and /webhooks/stripe
+// run only for the method POST, as Go 1.22's "POST /payments" patterns do, and give any other method to
+// the catch-all. It prints its ports as a first JSON line, then one JSON line per handler execution: the
 // handler, the method and request target as Go read them, and the headers and trailers it saw, once the
 // body has been read to its end (or failed).
 package main

@@ -1,4 +1,4 @@
-// The differential suite's Node app (tests/it/differential.rs): Node's own `http` server and its
+// The differential suite's Node app (tests/it/attacks/differential.rs): Node's own `http` server and its
 // `http2.createServer` (h2c, prior knowledge) on 127.0.0.1:0, one handler for both. It routes as Express's
 // default router does: the method without case, the path without case and with an optional trailing
 // slash (`caseSensitive: false`, `strict: false`). It prints its ports as a first JSON line, then one JSON
