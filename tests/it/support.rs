@@ -2,7 +2,9 @@
 
 pub mod certs;
 pub mod citus;
+pub mod cli;
 pub mod cluster;
+pub mod encryption;
 pub mod history;
 pub mod http;
 pub mod pg;
@@ -12,7 +14,10 @@ pub mod raw_h2;
 pub mod recorder;
 pub mod redis;
 pub mod relay;
+mod selftest;
+pub mod signatures;
 pub mod store;
+pub mod takeover;
 pub mod tools;
 pub mod upstream;
 
@@ -59,9 +64,22 @@ impl TestEnv {
         self.store.pg()
     }
 
+    /// A world on PostgreSQL and an in-process proxy serving it, with `toml` (`[[routes]]`, `[idempotency]`
+    /// settings) laid over the test defaults: the common start of a test.
+    pub async fn with_routes(toml: &str) -> (TestEnv, InProcessProxy) {
+        TestEnv::with_routes_on(Backend::Postgres, toml).await
+    }
+
+    /// [`TestEnv::with_routes`] on the given backend.
+    pub async fn with_routes_on(backend: Backend, toml: &str) -> (TestEnv, InProcessProxy) {
+        let env = TestEnv::on(backend).await;
+        let proxy = InProcessProxy::start(&env.config().with_toml(toml)).await;
+        (env, proxy)
+    }
+
     /// Test defaults pointing at this env's store and upstream.
     pub fn config(&self) -> ProxyConfig {
-        ProxyConfig::new(&self.store.url(), &self.upstream.url()).with_toml(&self.store.store_toml())
+        ProxyConfig::on(&self.store, &self.upstream.url())
     }
 
     /// An in-process proxy with the test defaults.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use chacha20poly1305::aead::{AeadInOut, KeyInit as _};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 
-use crate::encryption::{K1, contains, encrypted, execute_and_settle};
+use crate::support::encryption::{K1, contains, encrypted, execute_and_settle};
 use crate::support::{
     Backend, InProcessProxy, Reply, TestEnv, TestStore, keyed_post, metric, poll_until, settled,
 };

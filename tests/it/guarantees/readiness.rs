@@ -5,12 +5,8 @@
 
 use futures_util::future::join_all;
 
-use crate::support::http::client;
+use crate::support::http::readyz;
 use crate::support::{Backend, InProcessProxy, Relay, Reply, TestEnv, keyed_post, metric};
-
-async fn readyz(admin_url: &str) -> Reply {
-    Reply::of(client().get(format!("{admin_url}/readyz"))).await
-}
 
 async fn pings(admin_url: &str) -> f64 {
     metric(

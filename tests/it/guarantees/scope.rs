@@ -3,7 +3,7 @@
 
 use rstest::rstest;
 
-use crate::cli::idemproxy;
+use crate::support::cli::idemproxy;
 use crate::support::http::client;
 use crate::support::{Backend, InProcessProxy, Reply, TestEnv, keyed_post};
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use rstest::rstest;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::cli::{config_file, idemproxy};
+use crate::support::cli::{config_file, idemproxy};
 use crate::support::proxy::binary;
 use crate::support::{Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, keyed_post, settled};
 

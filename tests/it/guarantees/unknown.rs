@@ -6,7 +6,7 @@
 use rstest::rstest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::cli::idemproxy;
+use crate::support::cli::keys;
 use crate::support::http::client;
 use crate::support::{
     Backend, InProcessProxy, ProxyConfig, Reply, TestEnv, TestStore, keyed_post, metric, metric_reaches,
@@ -16,15 +16,6 @@ fn holding(env: &TestEnv) -> ProxyConfig {
     env.config()
         .set("idempotency.on_unknown_outcome", "hold")
         .set("replay_cache.max_size", "0")
-}
-
-async fn keys(store: &TestStore, args: &[&str]) -> std::process::Output {
-    let url = store.url();
-    let mut full = vec!["keys", "--store", url.as_str()];
-    full.extend_from_slice(args);
-    let env = store.cli_env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
-    idemproxy(&full, &env).await
 }
 
 async fn keys_json(store: &TestStore, args: &[&str]) -> serde_json::Value {
@@ -169,8 +160,7 @@ async fn a_101_from_the_upstream_is_never_relayed_or_stored(
     #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
-    let config = ProxyConfig::new(&env.store.url(), &switching_upstream().await)
-        .with_toml(&env.store.store_toml())
+    let config = ProxyConfig::on(&env.store, &switching_upstream().await)
         .set("idempotency.on_unknown_outcome", "hold");
     let proxy = InProcessProxy::start(&config).await;
     let first = Reply::of(keyed_post(&proxy.url, "/orders", "switch", "{}")).await;

@@ -4,15 +4,12 @@
 
 use crate::support::cluster::Cluster;
 use crate::support::{
-    InProcessProxy, ProxyConfig, Relay, Reply, TestEnv, Upstream, http::client, keyed_post, metric,
-    metric_reaches, poll_until, settled,
+    InProcessProxy, ProxyConfig, Relay, Reply, TestEnv, Upstream, http, keyed_post, metric, metric_reaches,
+    poll_until, settled,
 };
 
 async fn readyz(proxy: &InProcessProxy) -> u16 {
-    Reply::of(client().get(format!("{}/readyz", proxy.admin_url)))
-        .await
-        .status
-        .as_u16()
+    http::readyz(&proxy.admin_url).await.status.as_u16()
 }
 
 async fn store_errors(proxy: &InProcessProxy, op: &str) -> f64 {

@@ -9,8 +9,8 @@ use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::processes::{assert_taken_over, kill_mid_request};
 use crate::store::suite::{DAY, LONG, request, response};
+use crate::support::takeover::{assert_taken_over, kill_mid_request};
 use crate::support::{Backend, InProcessProxy, ProxyProcess, Reply, TestEnv, TestStore, keyed_post, settled};
 
 async fn listeners() -> Listeners {
@@ -48,7 +48,8 @@ async fn the_binary_refuses_a_shared_file_and_names_the_way_out() {
     let _first = ProxyProcess::spawn(&env.config()).await;
     let mut config = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
     std::io::Write::write_all(&mut config, env.config().to_toml().as_bytes()).unwrap();
-    let output = crate::cli::idemproxy(&["serve", "--config", config.path().to_str().unwrap()], &[]).await;
+    let output =
+        crate::support::cli::idemproxy(&["serve", "--config", config.path().to_str().unwrap()], &[]).await;
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("in use by another running idemproxy"), "{stderr}");

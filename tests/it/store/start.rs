@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use url::Url;
 
-use crate::cli::idemproxy;
+use crate::support::cli::idemproxy;
 use crate::support::http::client;
 use crate::support::pg::base_url;
 use crate::support::redis::{RedisCluster, RedisServer, free_port};

@@ -172,6 +172,11 @@ async fn raw_keyed_post_with(base: &str, path: &str, key: &str, body: &str, extr
     stream
 }
 
+/// `GET {admin_url}/readyz`, read to the end.
+pub async fn readyz(admin_url: &str) -> Reply {
+    Reply::of(client().get(format!("{admin_url}/readyz"))).await
+}
+
 /// The value of the counter `name` whose labels include `labels`, summed over any other labels;
 /// 0 when no such sample is exported yet. Panics when `name` is not exported at all (a misspelling).
 pub async fn metric(admin_url: &str, name: &str, labels: &[(&str, &str)]) -> f64 {

@@ -15,6 +15,8 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
+use super::store::TestStore;
+
 /// Bound on the proxy starting, becoming ready and exiting.
 const START_BOUND: Duration = Duration::from_secs(30);
 
@@ -40,6 +42,12 @@ impl ProxyConfig {
         .set("store.timeout", "1s")
         .set("log.format", "json")
         .set("log.filter", "info")
+    }
+
+    /// [`ProxyConfig::new`] on `store`, with the settings beyond its URL that it needs, in front of
+    /// `upstream_url`: for a test whose upstream is not the stub.
+    pub fn on(store: &TestStore, upstream_url: &str) -> ProxyConfig {
+        ProxyConfig::new(&store.url(), upstream_url).with_toml(&store.store_toml())
     }
 
     /// Sets `section.key` (e.g. `"idempotency.lock_timeout"`) to `value`.
@@ -309,6 +317,13 @@ fn command(config_path: &std::path::Path) -> Command {
 /// test gives it.
 pub fn binary() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    without_test_env(&mut command);
+    command
+}
+
+/// `command` without the test process's `RUST_LOG` and `IDEMPROXY_*` variables, for a program that runs
+/// the binary itself (`script` giving it a terminal).
+pub fn without_test_env(command: &mut Command) -> &mut Command {
     command.env_remove("RUST_LOG");
     for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("IDEMPROXY_")) {
         command.env_remove(name);

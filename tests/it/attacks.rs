@@ -1,0 +1,10 @@
+//! What is thrown at the proxy from outside, and what it must survive: hostile and malformed input
+//! (`hostile.rs`), requests sent where features meet (`seams.rs`), a retry storm (`storm.rs`), odd
+//! spellings judged against real frameworks (`differential.rs`, its corpus and apps in `differential/`),
+//! and seeded histories under a fault schedule (`history.rs`). One file per kind of attack.
+
+mod differential;
+mod history;
+mod hostile;
+mod seams;
+mod storm;
