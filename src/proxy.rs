@@ -204,7 +204,7 @@ impl Proxy {
         };
         let route = route.clone();
         otlp::adopt(&span, self.traced, &request, &route.name);
-        let series = self.route_series.get(&route.name).clone();
+        let series = self.route_series.get(&route.name);
         let statuses = route.policy.statuses;
         let inner = access::within(
             line.as_ref().map(Line::ledger),
@@ -221,7 +221,7 @@ impl Proxy {
         otlp::answered(&span, self.traced, response.status());
         let elapsed = arrived.elapsed();
         series.answered(outcome, elapsed);
-        let response = dialect.counted(response, &series);
+        let response = dialect.counted(response, series);
         tracing::debug!(
             status = response.status().as_u16(),
             elapsed_ms = elapsed.as_secs_f64() * 1000.0,
@@ -324,39 +324,12 @@ impl Proxy {
             }
             return self.forward.passthrough(request, &peer).await;
         }
-        self.keyed_or_not(request, route, (peer, dialect)).await
-    }
-
-    /// A request of a method its route protects: keyed (or one whose key is read from its body) goes
-    /// on to [`Proxy::protected`]; one without a key is refused where keys are required, verified where
-    /// the route is signed, and forwarded otherwise.
-    async fn keyed_or_not(
-        &self,
-        request: Request<Incoming>,
-        route: Arc<Route>,
-        (peer, dialect): (Downstream, Dialect),
-    ) -> Handled {
-        let policy = &route.policy;
-        let key = if policy.key.source.needs_body() {
-            None
-        } else {
-            let Some(key) =
-                key::source::from_head(policy, request.method(), request.uri(), request.headers())?
-            else {
-                if policy.key.required {
-                    return Err(ProxyError::MissingKey(key::source::describe(&policy.key.source)));
-                }
-                if policy.signature.is_some() {
-                    // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
-                    return Box::pin(self.protected(request, route, None, (peer, dialect))).await;
-                }
-                return self.forward.passthrough(request, &peer).await;
-            };
-            Some(key)
-        };
-        // A keyed request's state is many times a passthrough's; on the heap it stays out of the future
-        // every request carries and moves.
-        Box::pin(self.protected(request, route, key, (peer, dialect))).await
+        match key_of(&request, &route)? {
+            // A keyed request's state is many times a passthrough's; on the heap it stays out of the
+            // future every request carries and moves.
+            Some(key) => Box::pin(self.protected(request, route, key, (peer, dialect))).await,
+            None => self.forward.passthrough(request, &peer).await,
+        }
     }
 
     /// A request of a method the route does not protect, on a route with a signature: its body is read
@@ -409,6 +382,24 @@ impl Proxy {
                 "the request's task ended without a response".into(),
             ))
         })
+    }
+}
+
+/// What becomes of a request of a method its route protects: `Some` goes on to [`Proxy::protected`]
+/// with its key, or `None` for a key read from its body (or a signed request without one, to be
+/// verified); `None` is forwarded unkeyed (no key where keys are optional); a missing key where keys
+/// are required is refused.
+fn key_of(request: &Request<Incoming>, route: &Route) -> Result<Option<Option<String>>, ProxyError> {
+    let policy = &route.policy;
+    if policy.key.source.needs_body() {
+        return Ok(Some(None));
+    }
+    match key::source::from_head(policy, request.method(), request.uri(), request.headers())? {
+        Some(key) => Ok(Some(Some(key))),
+        None if policy.key.required => Err(ProxyError::MissingKey(key::source::describe(&policy.key.source))),
+        // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
+        None if policy.signature.is_some() => Ok(Some(None)),
+        None => Ok(None),
     }
 }
 
