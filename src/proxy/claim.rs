@@ -16,8 +16,8 @@ use tracing::Instrument;
 use super::answer::Answer;
 use super::answer::Handled;
 use super::cache::{Fill, ReplayCache};
-use super::execute::Fate;
 use super::execute::{Claimed, Executor};
+use super::execute::{Fate, Rest};
 use super::intake::Ticket;
 use super::passthrough::Forward;
 use super::permit::{KeyedPermit, KeyedPermits};
@@ -120,6 +120,8 @@ pub(crate) struct Settled {
     pub(crate) fate: Fate,
     /// Whether the request was executed (not when its claim came too late, or it found no permit).
     pub(crate) executed: bool,
+    /// What its client still gets once whoever waits for the record has been told.
+    pub(crate) rest: Rest,
 }
 
 /// Which execution of a key a won claim is, as the upstream is told (`Idempotency-Attempt`).
@@ -295,18 +297,19 @@ impl Claims {
             parts,
             body,
         } = ticket;
-        let settled = |fate, executed| Settled {
+        let settled = |fate, executed, rest| Settled {
             route: route.clone(),
             id: claim.id.clone(),
             fate,
             executed,
+            rest,
         };
         let waited = won.started.elapsed();
         if waited > claim.lease / 2 {
             let (fate, late) = self.claimed_too_late(&claim, waited).await;
             let forward = Box::pin(self.forward.store_down(parts, body, &peer, late));
             answer.send(forward.await);
-            return settled(fate, false);
+            return settled(fate, false, Rest::none());
         }
         let permit = match won.permit {
             Some(permit) => Ok(permit),
@@ -317,7 +320,7 @@ impl Claims {
             Err(busy) => {
                 let fate = self.give_back(&claim.id).await;
                 answer.send(Err(ProxyError::Busy(busy)));
-                return settled(fate, false);
+                return settled(fate, false, Rest::none());
             }
         };
         let mut request = self.executor.request(parts, body, (&peer, &dialect));
@@ -333,8 +336,8 @@ impl Claims {
             fingerprint: claim.fingerprint,
             dialect,
         };
-        let fate = self.executor.execute(claimed, request, answer).await;
-        settled(fate, true)
+        let executed = self.executor.execute(claimed, request, answer).await;
+        settled(executed.fate, true, executed.rest)
     }
 
     /// A won claim whose answer came after more than half its lease (the lease started no earlier than the

@@ -49,12 +49,13 @@ impl Dialect {
         Dialect::Http
     }
 
-    /// The dialect once the body is read: an HTTP request that is a JSON-RPC call with an `id` (`id`,
-    /// read by `key/source.rs` on a route keyed by `jsonrpc`) is that call.
+    /// The dialect once the body is read: a request that is a JSON-RPC call with an `id` (`id`, read by
+    /// `key/source.rs` on a route keyed by `jsonrpc`) is that call, whatever its content type says (a
+    /// gRPC body is never a JSON-RPC call, so one that holds a call was mislabelled).
     pub(crate) fn called(self, id: Option<CallId>) -> Dialect {
-        match (self, id) {
-            (Dialect::Http, Some(id)) => Dialect::JsonRpc(id),
-            (dialect, _) => dialect,
+        match id {
+            Some(id) => Dialect::JsonRpc(id),
+            None => self,
         }
     }
 
@@ -105,11 +106,12 @@ impl Dialect {
     }
 
     /// A keyed request's headers as they go upstream, where `timeout` is the execution's
-    /// (`upstream.timeout`): a gRPC call carries it as its deadline in place of the client's.
+    /// (`upstream.timeout`): a `grpc-timeout` it carries is replaced by it, in every dialect (a gRPC-Web
+    /// call over HTTP carries one too), since a key's execution runs to its end, and is stored, however
+    /// soon its client gives up.
     pub(crate) fn to_upstream(&self, headers: &mut HeaderMap, timeout: Duration) {
         match self {
-            Dialect::Grpc => grpc::set_deadline(headers, timeout),
-            Dialect::Http | Dialect::JsonRpc(_) => {}
+            Dialect::Http | Dialect::Grpc | Dialect::JsonRpc(_) => grpc::set_deadline(headers, timeout),
         }
     }
 

@@ -125,6 +125,41 @@ impl Fate {
     }
 }
 
+/// What an execution leaves: the record's fate, and the end of the response its client is still owed
+/// once whoever waits for the record has been told (a whole answer whose status the dialect read in
+/// its trailers, released or held: the waiters go first, since the client may take its time).
+pub(crate) struct Executed {
+    pub(crate) fate: Fate,
+    pub(crate) rest: Rest,
+}
+
+/// The end of a response its client gets after the record's waiters are told; nothing for most.
+pub(crate) struct Rest(Option<(Withheld, Metrics, RecordId)>);
+
+impl Rest {
+    /// Nothing is left for the client.
+    pub(crate) fn none() -> Rest {
+        Rest(None)
+    }
+
+    /// Lets the client have the rest of its response.
+    pub(crate) async fn hand_over(self) {
+        if let Some((withheld, metrics, id)) = self.0 {
+            withheld.hand_over(&metrics, &id).await;
+        }
+    }
+}
+
+impl Fate {
+    /// The execution's end, with nothing left for the client.
+    fn alone(self) -> Executed {
+        Executed {
+            fate: self,
+            rest: Rest::none(),
+        }
+    }
+}
+
 /// How the exchange with the upstream ended, before the record is written.
 enum Ended {
     /// A whole answer to store, and what its client gets once it is stored.
@@ -209,8 +244,14 @@ impl Executor {
     }
 
     /// Executes a claimed request to the end, whatever happens to the client, and says what became of
-    /// its record. The response head (or the error) goes to `answer`.
-    pub(crate) async fn execute(&self, claim: Claimed, request: Request<ProxyBody>, answer: Answer) -> Fate {
+    /// its record (and what its client still gets once the record's waiters are told). The response
+    /// head (or the error) goes to `answer`.
+    pub(crate) async fn execute(
+        &self,
+        claim: Claimed,
+        request: Request<ProxyBody>,
+        answer: Answer,
+    ) -> Executed {
         let heartbeat = Heartbeat::new(&self.store, &claim.id, claim.lease, &self.metrics);
         // The execution's future is many kilobytes: on the heap, it is written once rather than copied
         // into each future that holds it, and the keyed task that every keyed request spawns (and that
@@ -227,16 +268,21 @@ impl Executor {
         request: Request<ProxyBody>,
         answer: Answer,
         heartbeat: &Heartbeat<'_>,
-    ) -> Fate {
+    ) -> Executed {
         let ended = self.exchange(claim, request, answer).await;
         if !matches!(ended, Ended::Whole(..)) {
             heartbeat.stop();
         }
         match ended {
-            Ended::Whole(record, withheld) => self.finish(claim, record, withheld, heartbeat).await,
+            Ended::Whole(record, withheld) => self.finish(claim, record, withheld, heartbeat).await.alone(),
             Ended::Released(owed) => self.release(claim, owed).await,
             Ended::Unknown(owed, why) => self.unknown(claim, owed, &why).await,
         }
+    }
+
+    /// The rest of a response, for its client once the record's waiters are told.
+    fn rest(&self, claim: &Claimed, withheld: Withheld) -> Rest {
+        Rest(Some((withheld, self.metrics.clone(), claim.id.clone())))
     }
 
     /// Sends the request and relays the answer, as far as the answer decides what becomes of the key:
@@ -314,12 +360,18 @@ impl Executor {
     /// The upstream may have acted on the request, but no full answer came back. With
     /// `on_unknown_outcome = "retry"` the claim is left to its lease (a retry after it executes again);
     /// with `"hold"` the record is marked unknown first, so a retry sent right after this answer is
-    /// refused until an operator releases the key. The client waits for the hold at most
-    /// `completion_hold`, then gets what it is `owed`; `why` says what happened, for the log.
-    async fn unknown(&self, claim: &Claimed, owed: Owed, why: &str) -> Fate {
+    /// refused until an operator releases the key. A client owed its answer waits for the hold at most
+    /// `completion_hold`; one owed the end of a relayed answer gets it once the key is held and its
+    /// waiters told. `why` says what happened, for the log.
+    async fn unknown(&self, claim: &Claimed, owed: Owed, why: &str) -> Executed {
         if !self.holds_unknown(claim, why) {
             owed.pay(&self.metrics, &claim.id).await;
-            return Fate::LeftToLease;
+            return Fate::LeftToLease.alone();
+        }
+        if let Owed::End(withheld) = owed {
+            let fate = self.hold(claim).await;
+            let rest = self.rest(claim, withheld);
+            return Executed { fate, rest };
         }
         let holding = self.hold(claim);
         tokio::pin!(holding);
@@ -329,6 +381,7 @@ impl Executor {
             Ok(fate) => fate,
             Err(_) => holding.await,
         }
+        .alone()
     }
 
     /// Counts and logs an unknown outcome; whether the route holds its key (`on_unknown_outcome =
@@ -430,9 +483,20 @@ impl Executor {
     }
 
     /// Releases the claim before the client gets what it is `owed`, so that a retry sent right after
-    /// finds the key free. When the store is away the client is not kept waiting on it: it is answered
-    /// at once, and the release is tried again afterwards (see [`until_answered`]).
-    async fn release(&self, claim: &Claimed, owed: Owed) -> Fate {
+    /// finds the key free. When the store is away a client owed its answer is not kept waiting on it:
+    /// it is answered at once, and the release is tried again afterwards (see [`until_answered`]). One
+    /// owed the end of a relayed answer gets it once the key is released and its waiters told.
+    async fn release(&self, claim: &Claimed, owed: Owed) -> Executed {
+        if let Owed::End(withheld) = owed {
+            let fate = self.release_until_answered(claim).await;
+            let rest = self.rest(claim, withheld);
+            return Executed { fate, rest };
+        }
+        self.release_then_pay(claim, owed).await.alone()
+    }
+
+    /// [`Executor::release`] for a client owed its answer, or nothing.
+    async fn release_then_pay(&self, claim: &Claimed, owed: Owed) -> Fate {
         let id = &claim.id;
         let span = otlp::settlement(self.traced, false);
         match self.store.release(id).instrument(span.clone()).await {
@@ -451,14 +515,20 @@ impl Executor {
                 otlp::failed(&span, "store_error");
                 tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; answering, then retrying");
                 owed.pay(&self.metrics, id).await;
-                match until_answered(claim.lease, || self.store.release(id)).await {
-                    Ok(true) => Fate::Released,
-                    Ok(false) => self.lost_claim(id, "release"),
-                    Err(error) => {
-                        tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease");
-                        Fate::LeftToLease
-                    }
-                }
+                self.release_until_answered(claim).await
+            }
+        }
+    }
+
+    /// Releases the claim, trying for up to the lease while the store does not answer.
+    async fn release_until_answered(&self, claim: &Claimed) -> Fate {
+        let id = &claim.id;
+        match until_answered(claim.lease, || self.store.release(id)).await {
+            Ok(true) => Fate::Released,
+            Ok(false) => self.lost_claim(id, "release"),
+            Err(error) => {
+                tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease");
+                Fate::LeftToLease
             }
         }
     }
@@ -543,7 +613,11 @@ mod tests {
             let body = response.into_body().collect().await.expect("a whole body");
             (status, body.to_bytes(), Instant::now())
         };
-        let (_, read) = tokio::join!(stages.executor.execute(claimed, request, head), client);
+        let executor = async {
+            let executed = stages.executor.execute(claimed, request, head).await;
+            executed.rest.hand_over().await;
+        };
+        let ((), read) = tokio::join!(executor, client);
         read
     }
 

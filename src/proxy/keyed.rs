@@ -3,7 +3,8 @@
 //! [`Ticket`] and its answer and lends them to each stage: the claim (`claim.rs`), the wait where the
 //! key is in flight on a route that waits (`wait.rs`, claiming again after each wake-up), the execution
 //! of a won claim (`execute.rs`), and last the settlement: whoever waits for a record that completed,
-//! was released or held is told here (`settle.rs`), and only here.
+//! was released or held is told here (`settle.rs`), and only here, before the client gets whatever end
+//! of its answer the execution left it.
 //!
 //! It is written for a request that makes several claims: each claim runs as [`KeyedTask::claimed`]
 //! does and comes back with what became of its record ([`Settled`]), and each settlement is told once
@@ -52,12 +53,14 @@ impl KeyedTask {
 
     /// A keyed request's work from its claim on, answering through `answer`, under `permit`.
     pub(crate) async fn run(self: Arc<Self>, ticket: Ticket, answer: Answer, permit: KeyedPermit) {
-        let settled = self.claimed(ticket, answer, permit).await;
-        if let Some(settled) = settled
-            && settled.fate.wakes()
-        {
+        let Some(settled) = self.claimed(ticket, answer, permit).await else {
+            return;
+        };
+        if settled.fate.wakes() {
             self.settle.settled(&settled.route, &settled.id).await;
         }
+        // A client that takes its time over the end of its answer keeps no waiter waiting.
+        settled.rest.hand_over().await;
     }
 
     /// One claim: its statement, then the execution of a won claim, or the wait of a key in flight on a

@@ -4,7 +4,10 @@
 //! the asterisk form is only for OPTIONS and an absolute-form target names the host; one credential in
 //! any spelling of its scheme is one client; request trailers are cleaned as headers are, so none the
 //! proxy owns or decides by reaches the upstream, and none can leave an HTTP/2 upstream's stream
-//! half-sent, holding the key and a keyed slot until `upstream.timeout`.
+//! half-sent, holding the key and a keyed slot until `upstream.timeout`. And where the dialects meet
+//! the keyed task: a release read in a gRPC answer's trailers wakes whoever waits at once, however
+//! slowly the original's client reads; a keyed request carrying `grpc-timeout` (gRPC-Web over HTTP)
+//! goes upstream under `upstream.timeout`.
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -590,5 +593,144 @@ async fn another_case_or_trailing_slash_of_a_keyed_route_s_path_is_refused_not_p
         get.status,
         Some(201),
         "a GET is not protected on /pay, in any spelling: {get:?}"
+    );
+}
+
+/// One gRPC message frame (uncompressed) holding `payload`.
+fn grpc_message(payload: &[u8]) -> Bytes {
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    framed.extend_from_slice(payload);
+    Bytes::from(framed)
+}
+
+/// An h2c gRPC upstream on 127.0.0.1:0: its first execution streams nine messages, ten milliseconds
+/// apart, then `grpc-status: 14` (UNAVAILABLE) in its trailers; each later one answers one message and
+/// status 0. Counts its executions.
+async fn streaming_grpc_upstream() -> (String, Arc<std::sync::atomic::AtomicU32>) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let executions = Arc::new(AtomicU32::new(0));
+    let counted = executions.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let counted = counted.clone();
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let execution = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    let _ = request.into_body().collect().await;
+                    let (messages, code) = if execution == 1 { (9, "14") } else { (1, "0") };
+                    let (sender, receiver) = tokio::sync::mpsc::channel::<Frame<Bytes>>(1);
+                    tokio::spawn(async move {
+                        for sent in 0..messages {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            let message = grpc_message(format!("m{sent}").as_bytes());
+                            let _ = sender.send(Frame::data(message)).await;
+                        }
+                        let mut trailers = HeaderMap::new();
+                        trailers.insert("grpc-status", HeaderValue::from_static(code));
+                        let _ = sender.send(Frame::trailers(trailers)).await;
+                    });
+                    let frames = stream::unfold(receiver, |mut receiver| async move {
+                        let frame = receiver.recv().await?;
+                        Some((Ok::<_, Infallible>(frame), receiver))
+                    });
+                    let response = Response::builder()
+                        .header("content-type", "application/grpc")
+                        .body(StreamBody::new(Box::pin(frames)))
+                        .unwrap();
+                    Ok::<_, Infallible>(response)
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(socket), service)
+                    .await;
+            });
+        }
+    });
+    (url, executions)
+}
+
+/// A keyed gRPC call `/payments.Payments/Refund` with `key`, as its head and one message.
+fn grpc_call(base: &str, key: &str) -> Request<()> {
+    Request::post(format!("{base}/payments.Payments/Refund"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("authorization", TEST_CREDENTIAL)
+        .header("idempotency-key", key)
+        .body(())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_waiter_is_woken_by_a_release_read_in_the_trailers_however_slowly_the_original_client_reads() {
+    let (upstream, executions) = streaming_grpc_upstream().await;
+    let store = TestStore::create(Backend::Postgres).await;
+    let config = ProxyConfig::on(&store, &upstream)
+        .set("upstream.protocol", "h2c")
+        .set("idempotency.on_in_flight", "wait")
+        .set("idempotency.wait_timeout", "20s")
+        .set("server.write_timeout", "60s");
+    let proxy = InProcessProxy::start(&config).await;
+    // The original's client grants its stream no window: the end of its answer waits on it.
+    let mut stalled = raw_h2::connect_without_window(&proxy.url).await;
+    let (_original, mut body) = stalled
+        .send_request(grpc_call(&proxy.url, "stalled-release"), false)
+        .expect("send the original's head");
+    body.send_data(grpc_message(b"refund"), true)
+        .expect("send its message");
+    // The duplicate waits (the route waits) until the key is released, then executes.
+    let started = async {
+        while executions.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), started)
+        .await
+        .expect("the original reaches the upstream");
+    let mut client = raw_h2::connect(&proxy.url).await;
+    let (duplicate, mut body) = client
+        .send_request(grpc_call(&proxy.url, "stalled-release"), false)
+        .expect("send the duplicate's head");
+    body.send_data(grpc_message(b"refund"), true)
+        .expect("send its message");
+    let answer = raw_h2::reply(duplicate).await.expect("the duplicate's answer");
+    assert_eq!(answer.status, 200);
+    assert!(
+        answer.headers.get("grpc-status").is_none(),
+        "the duplicate executed, not refused (ABORTED at its wait_timeout): {:?}",
+        answer.headers
+    );
+    assert_eq!(
+        executions.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the release woke the waiter, which executed the call again"
+    );
+    drop(stalled);
+}
+
+#[tokio::test]
+async fn a_keyed_grpc_web_call_goes_upstream_with_the_proxys_deadline_not_its_own() {
+    let world = world(Backend::Postgres, "http1", &[("upstream.timeout", "45s".into())]).await;
+    let reply = exchange(
+        &world.proxy.url,
+        &raw_request(
+            "POST /pay",
+            &[
+                "idempotency-key: grpc-web-1",
+                "content-type: application/grpc-web+proto",
+                "grpc-timeout: 100m",
+            ],
+            "{}",
+        ),
+    )
+    .await;
+    assert_eq!(reply.status, Some(201), "{reply:?}");
+    let seen = world.seen();
+    assert_eq!(
+        seen[0].headers["grpc-timeout"], "45000m",
+        "the execution of a key runs under upstream.timeout, whoever gives up first"
     );
 }

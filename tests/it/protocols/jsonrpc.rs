@@ -179,10 +179,20 @@ async fn start_cached(backend: Backend, cached: bool) -> (TestEnv, RpcServer, In
 }
 
 fn send(proxy: &InProcessProxy, path: &str, body: impl Into<reqwest::Body>) -> reqwest::RequestBuilder {
+    send_as(proxy, path, body, "application/json")
+}
+
+/// [`send`] with `content_type` as the request's one content type.
+fn send_as(
+    proxy: &InProcessProxy,
+    path: &str,
+    body: impl Into<reqwest::Body>,
+    content_type: &str,
+) -> reqwest::RequestBuilder {
     client()
         .post(format!("{}{path}", proxy.url))
         .header("authorization", "Bearer agent-1")
-        .header("content-type", "application/json")
+        .header("content-type", content_type)
         .header("accept", "application/json, text/event-stream")
         .body(body)
 }
@@ -233,17 +243,20 @@ async fn jsonrpc_a_retry_with_a_new_id_is_replayed_with_its_own_id_and_runs_once
 }
 
 /// With `on_in_flight = "attach"` too: a call does not follow the original's live answer, which carries
-/// the original's id, but waits for the stored one.
+/// the original's id, but waits for the stored one; so does a call its client mislabels as gRPC (a
+/// gRPC body is never a JSON-RPC call).
 #[rstest::rstest]
 #[tokio::test]
 async fn jsonrpc_a_duplicate_that_waits_for_the_original_gets_its_answer_under_its_own_id(
     #[values("/wait", "/attach")] path: &str,
+    #[values("application/json", "application/grpc")] content_type: &str,
 ) {
     let (_env, server, proxy) = start(Backend::Sqlite).await;
     let slow = |id: Value| tool_call(id, "waited", 1, 5).replace("tools/call", "slow");
-    let first = tokio::spawn(Reply::of(send(&proxy, path, slow(json!(1)))));
+    let labelled = |id: Value| send_as(&proxy, path, slow(id), content_type);
+    let first = tokio::spawn(Reply::of(labelled(json!(1))));
     server.gate.arrived.notified().await;
-    let duplicate = tokio::spawn(Reply::of(send(&proxy, path, slow(json!("dup")))));
+    let duplicate = tokio::spawn(Reply::of(labelled(json!("dup"))));
     metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
     server.gate.open.notify_one();
     let (first, duplicate) = (first.await.unwrap(), duplicate.await.unwrap());
