@@ -59,6 +59,15 @@ pub enum ProxyError {
     /// key or keys are required: one request, many calls, no one key.
     #[error("a JSON-RPC batch cannot be deduplicated as one request")]
     JsonRpcBatch,
+    /// On a route keyed by `repeatability` (OASIS Repeatable Requests): a `Repeatability-Request-ID`
+    /// without a valid `Repeatability-First-Sent` (an IMF-fixdate); the text says what was wrong.
+    #[error("repeatability headers not valid: {0}")]
+    RepeatabilityInvalid(String),
+    /// On a route keyed by `repeatability`: a `Repeatability-First-Sent` outside the route's
+    /// `repeatability_window` (too old to be tracked, or in the future beyond the clock skew allowed);
+    /// the text says which.
+    #[error("first sent outside the repeatability window: {0}")]
+    RepeatabilityExpired(String),
     /// A keyed request carries none of its route's scope headers (nor its scope cookie) while
     /// `unscoped = "reject"`; the text names the setting and what it lists.
     #[error("keyed request without any of the scope headers {0}")]
@@ -136,6 +145,7 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::JsonRpcBatch
+            | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_) => StatusCode::BAD_REQUEST,
@@ -153,6 +163,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            ProxyError::RepeatabilityExpired(_) => StatusCode::PRECONDITION_FAILED,
             ProxyError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -164,6 +175,8 @@ impl ProxyError {
             ProxyError::InvalidKey(_) => "invalid-key",
             ProxyError::CloudEventsBatch => "cloudevents-batch",
             ProxyError::JsonRpcBatch => "jsonrpc-batch",
+            ProxyError::RepeatabilityInvalid(_) => "repeatability-invalid",
+            ProxyError::RepeatabilityExpired(_) => "repeatability-expired",
             ProxyError::MissingScope(_) => "missing-scope",
             ProxyError::SignatureInvalid(_) => "signature-invalid",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
@@ -190,6 +203,8 @@ impl ProxyError {
             ProxyError::InvalidKey(_) => "Idempotency key invalid",
             ProxyError::CloudEventsBatch => "CloudEvents batch not accepted",
             ProxyError::JsonRpcBatch => "JSON-RPC batch not accepted",
+            ProxyError::RepeatabilityInvalid(_) => "Repeatability headers not valid",
+            ProxyError::RepeatabilityExpired(_) => "Request first sent outside the repeatability window",
             ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::SignatureInvalid(_) => "Webhook signature not verified",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
@@ -228,6 +243,14 @@ impl ProxyError {
                  own."
                     .into()
             }
+            ProxyError::RepeatabilityInvalid(why) => format!(
+                "A Repeatability-Request-ID needs a Repeatability-First-Sent header, the time the \
+                 request was first sent as an IMF-fixdate (Sun, 06 Nov 1994 08:49:37 GMT): {why}."
+            ),
+            ProxyError::RepeatabilityExpired(why) => format!(
+                "This request was first sent {why}: whether it ran before cannot be told, so it is not \
+                 run. Send it as a new request, with a new Repeatability-Request-ID."
+            ),
             ProxyError::MissingScope(headers) => format!(
                 "A request with an idempotency key must carry a credential in one of {headers}, so \
                  that one client's key never answers another's; or the proxy must be configured with \
@@ -296,6 +319,8 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::JsonRpcBatch
+            | ProxyError::RepeatabilityInvalid(_)
+            | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
@@ -335,10 +360,13 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::JsonRpcBatch
+            | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_)
             | ProxyError::KeyReused => INVALID_ARGUMENT,
+            // Not to be sent again as it is: only a new request (a new id, sent now) can run.
+            ProxyError::RepeatabilityExpired(_) => FAILED_PRECONDITION,
             ProxyError::SignatureInvalid(_) => UNAUTHENTICATED,
             ProxyError::RequestTooLarge { .. } => RESOURCE_EXHAUSTED,
             ProxyError::MethodNotAllowed(_) => UNIMPLEMENTED,
@@ -373,6 +401,8 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::JsonRpcBatch
+            | ProxyError::RepeatabilityInvalid(_)
+            | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
@@ -403,6 +433,8 @@ impl ProxyError {
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
             | ProxyError::JsonRpcBatch
+            | ProxyError::RepeatabilityInvalid(_)
+            | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
             | ProxyError::RequestTooLarge { .. }
@@ -486,7 +518,21 @@ impl ProxyError {
         if matches!(self, ProxyError::ResponseNotRetained { .. }) {
             headers.insert(crate::headers::REPLAYED_HEADER, HeaderValue::from_static("true"));
         }
+        self.repeatability_rejected(headers);
         response
+    }
+
+    /// OASIS Repeatable Requests: a request refused for its repeatability headers says so.
+    fn repeatability_rejected(&self, headers: &mut http::HeaderMap) {
+        if matches!(
+            self,
+            ProxyError::RepeatabilityInvalid(_) | ProxyError::RepeatabilityExpired(_)
+        ) {
+            headers.insert(
+                crate::headers::REPEATABILITY_RESULT_HEADER,
+                HeaderValue::from_static("rejected"),
+            );
+        }
     }
 }
 
@@ -519,6 +565,7 @@ impl ProxyError {
             headers.insert("idemproxy-safe-new-key", HeaderValue::from_static("true"));
         }
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        self.repeatability_rejected(headers);
         if let Some(secs) = self.retry_after() {
             headers.insert("grpc-retry-pushback-ms", HeaderValue::from(secs * 1000));
         }
@@ -613,6 +660,8 @@ mod tests {
             ProxyError::RecordUnreadable,
             ProxyError::Busy(Busy::KeyedInFlight),
             ProxyError::JsonRpcBatch,
+            ProxyError::RepeatabilityInvalid("no Repeatability-First-Sent".into()),
+            ProxyError::RepeatabilityExpired("10 minutes ago".into()),
         ]
     }
 
@@ -641,6 +690,8 @@ mod tests {
             ProxyError::RecordUnreadable => 19,
             ProxyError::Busy(_) => 20,
             ProxyError::JsonRpcBatch => 21,
+            ProxyError::RepeatabilityInvalid(_) => 22,
+            ProxyError::RepeatabilityExpired(_) => 23,
         }
     }
 

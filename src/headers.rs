@@ -13,6 +13,14 @@ pub const ATTEMPT_HEADER: HeaderName = HeaderName::from_static("idempotency-atte
 /// (`proxy/sse.rs` resumes a replayed or followed stream after it).
 pub const LAST_EVENT_ID_HEADER: HeaderName = HeaderName::from_static("last-event-id");
 
+/// OASIS Repeatable Requests (`key = "repeatability"`): the request's id, when it was first sent, and
+/// what the server did with it (`accepted`, `rejected`).
+pub const REPEATABILITY_ID_HEADER: HeaderName = HeaderName::from_static("repeatability-request-id");
+/// See [`REPEATABILITY_ID_HEADER`].
+pub const REPEATABILITY_FIRST_SENT_HEADER: HeaderName = HeaderName::from_static("repeatability-first-sent");
+/// See [`REPEATABILITY_ID_HEADER`].
+pub const REPEATABILITY_RESULT_HEADER: HeaderName = HeaderName::from_static("repeatability-result");
+
 /// The `grpc-status` in a gRPC answer's head (trailers-only) or trailers, if it holds a number.
 pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
     grpc_code(headers.get("grpc-status")?.as_bytes())

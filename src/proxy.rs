@@ -36,7 +36,7 @@ pub mod wait;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -61,7 +61,7 @@ use self::upstream::Upstream;
 use self::wait::Waits;
 use crate::access::{self, Line};
 use crate::body::ProxyBody;
-use crate::config::{Config, PathRules, Route, RouteTable};
+use crate::config::{Config, KeySource, PathRules, Route, RouteTable};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome, RouteSeries, RouteSet};
 use crate::otlp;
@@ -206,6 +206,7 @@ impl Proxy {
         otlp::adopt(&span, self.traced, &request, &route.name);
         let series = self.route_series.get(&route.name);
         let statuses = route.policy.statuses;
+        let repeatable = route.policy.key.source == KeySource::Repeatability;
         let inner = access::within(
             line.as_ref().map(Line::ledger),
             self.handle_inner(request, (peer, dialect.clone()), normal, route),
@@ -216,7 +217,7 @@ impl Proxy {
             inner.instrument(span.clone()).await
         };
         let _entered = span.enter();
-        let (response, outcome) = self.answered(result, &dialect, &statuses);
+        let (response, outcome) = self.answered(result, &dialect, (&statuses, repeatable));
         span.record("outcome", outcome.as_str());
         otlp::answered(&span, self.traced, response.status());
         let elapsed = arrived.elapsed();
@@ -234,17 +235,35 @@ impl Proxy {
     }
 
     /// What the request is answered with: its response, or its error logged, counted and written as a
-    /// refusal in its `dialect` (with the route's `statuses`).
+    /// refusal in its `dialect` (with the route's `statuses`). On a route keyed by `repeatability`, an
+    /// executed or replayed answer says `Repeatability-Result: accepted` (OASIS Repeatable Requests: it
+    /// ran once, now or before).
     fn answered(
         &self,
         result: Handled,
         dialect: &Dialect,
+        (statuses, repeatable): (&crate::config::ProblemStatuses, bool),
+    ) -> (Response<ProxyBody>, Outcome) {
+        let (mut response, outcome) = match result {
+            Ok(answered) => answered,
+            Err(error) => self.refused(error, dialect, statuses),
+        };
+        if repeatable && matches!(outcome, Outcome::Executed | Outcome::Replayed) {
+            let accepted = http::HeaderValue::from_static("accepted");
+            response
+                .headers_mut()
+                .insert(crate::headers::REPEATABILITY_RESULT_HEADER, accepted);
+        }
+        (response, outcome)
+    }
+
+    /// A refusal, logged, counted and written in the request's `dialect`.
+    fn refused(
+        &self,
+        error: ProxyError,
+        dialect: &Dialect,
         statuses: &crate::config::ProblemStatuses,
     ) -> (Response<ProxyBody>, Outcome) {
-        let error = match result {
-            Ok(answered) => return answered,
-            Err(error) => error,
-        };
         if error.status().is_server_error() {
             tracing::warn!(%error, status = error.status().as_u16(), "request failed");
         } else {
@@ -395,7 +414,13 @@ fn key_of(request: &Request<Incoming>, route: &Route) -> Result<Option<Option<St
         return Ok(Some(None));
     }
     match key::source::from_head(policy, request.method(), request.uri(), request.headers())? {
-        Some(key) => Ok(Some(Some(key))),
+        Some(key) => {
+            if policy.key.source == KeySource::Repeatability {
+                let window = policy.key.repeatability_window;
+                key::repeatability::check_first_sent(request.headers(), window, SystemTime::now())?;
+            }
+            Ok(Some(Some(key)))
+        }
         None if policy.key.required => Err(ProxyError::MissingKey(key::source::describe(&policy.key.source))),
         // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
         None if policy.signature.is_some() => Ok(Some(None)),

@@ -110,6 +110,10 @@ pub struct RawIdempotency {
     /// Longest a request waits for the original with `on_in_flight = "wait"` before it gets 409.
     #[serde(with = "humantime_serde")]
     pub wait_timeout: Duration,
+    /// With `key = "repeatability"` (OASIS Repeatable Requests): how long after a request was first
+    /// sent (`Repeatability-First-Sent`) it may still come; older ones are refused 412.
+    #[serde(with = "humantime_serde")]
+    pub repeatability_window: Duration,
     /// A cookie whose value, hashed, also separates clients (for browser-facing apps).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scope_cookie: Option<String>,
@@ -149,6 +153,7 @@ impl Default for RawIdempotency {
             fingerprint_exclude: Vec::new(),
             on_in_flight: OnInFlight::Reject,
             wait_timeout: Duration::from_secs(10),
+            repeatability_window: Duration::from_secs(5 * 60),
             scope_cookie: None,
             expires_header: None,
             signature: None,
@@ -258,6 +263,8 @@ pub struct KeyRules {
     pub fingerprint_body: FingerprintBody,
     /// JSON pointers left out of the fingerprint (only with [`FingerprintBody::Json`]).
     pub fingerprint_exclude: Vec<String>,
+    /// With [`KeySource::Repeatability`]: how long after it was first sent a request may come.
+    pub repeatability_window: Duration,
 }
 
 /// The rules the claim and the wait read.
@@ -403,6 +410,7 @@ impl RawIdempotency {
                 fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
                 fingerprint_body,
                 fingerprint_exclude,
+                repeatability_window: self.repeatability_window(prefix)?,
             },
             claim: ClaimRules {
                 ttl: self.ttl,
@@ -522,6 +530,19 @@ impl RawIdempotency {
                  per attempt, Date is the send time), so every retry would be refused as a mismatch (422)"
             ),
         ))
+    }
+
+    /// The repeatability window: more than nothing, and no longer than the records are kept (`ttl`),
+    /// or a retry inside it could find its record gone and run again.
+    fn repeatability_window(&self, prefix: &str) -> Result<Duration, ConfigError> {
+        let value = self.repeatability_window;
+        if value.is_zero() || value > self.ttl {
+            return Err(ConfigError::new(
+                &format!("{prefix}.repeatability_window"),
+                format!("must be more than 0s and at most {prefix}.ttl"),
+            ));
+        }
+        Ok(value)
     }
 
     fn in_flight_retry_after(&self, prefix: &str) -> Result<Duration, ConfigError> {

@@ -26,6 +26,10 @@ pub enum KeySource {
     /// (MCP's proposed field, [`JSONRPC_KEY`]) or at the pointer named. The request `id` and
     /// `params._meta` are left out of the fingerprint, and a replay answers with the retry's own `id`.
     JsonRpc(String),
+    /// `repeatability`: OASIS Repeatable Requests. The key is `Repeatability-Request-ID` (as a header
+    /// key is read); `Repeatability-First-Sent` must come with it, within the route's
+    /// `repeatability_window`.
+    Repeatability,
 }
 
 /// Where `key = "jsonrpc"` reads the key: `params._meta.idempotencyKey`.
@@ -58,6 +62,9 @@ impl KeySource {
         if text == "jsonrpc" {
             return Ok(KeySource::JsonRpc(JSONRPC_KEY.to_owned()));
         }
+        if text == "repeatability" {
+            return Ok(KeySource::Repeatability);
+        }
         if let Some(pointer) = text.strip_prefix("jsonrpc:") {
             return parse_jsonrpc_pointer(key, pointer).map(KeySource::JsonRpc);
         }
@@ -74,7 +81,7 @@ impl KeySource {
             key,
             format!(
                 "{text:?} is not a key source; use \"header:NAME\", \"cloudevents\", \"json:/pointer\", \
-                 \"jsonrpc\", \"jsonrpc:/pointer\" or \"template:…\" with {{header:NAME}}, {{json:/pointer}}, {{cloudevents}}, {{method}}, \
+                 \"jsonrpc\", \"jsonrpc:/pointer\", \"repeatability\" or \"template:…\" with {{header:NAME}}, {{json:/pointer}}, {{cloudevents}}, {{method}}, \
                  {{path}} parts"
             ),
         ))
@@ -83,7 +90,7 @@ impl KeySource {
     /// Whether the key can only be known once the body has been read.
     pub fn needs_body(&self) -> bool {
         match self {
-            KeySource::Header(_) => false,
+            KeySource::Header(_) | KeySource::Repeatability => false,
             KeySource::CloudEvents | KeySource::Json(_) | KeySource::JsonRpc(_) => true,
             KeySource::Template(parts) => parts
                 .iter()
@@ -100,6 +107,7 @@ impl fmt::Display for KeySource {
             KeySource::Json(pointer) => write!(f, "json:{pointer}"),
             KeySource::JsonRpc(pointer) if pointer == JSONRPC_KEY => f.write_str("jsonrpc"),
             KeySource::JsonRpc(pointer) => write!(f, "jsonrpc:{pointer}"),
+            KeySource::Repeatability => f.write_str("repeatability"),
             KeySource::Template(parts) => {
                 f.write_str("template:")?;
                 parts.iter().try_for_each(|part| write!(f, "{part}"))

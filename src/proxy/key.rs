@@ -13,6 +13,7 @@ pub mod cookie;
 pub mod credential;
 pub mod json;
 pub mod pointer;
+pub mod repeatability;
 pub mod source;
 
 use http::header::GetAll;

@@ -125,6 +125,10 @@ fn decisive(policy: &Policy) -> Vec<HeaderName> {
     names.extend(policy.key.fingerprint_headers.iter().cloned());
     match &policy.key.source {
         KeySource::Header(name) => names.push(name.clone()),
+        KeySource::Repeatability => {
+            names.push(crate::headers::REPEATABILITY_ID_HEADER);
+            names.push(crate::headers::REPEATABILITY_FIRST_SENT_HEADER);
+        }
         KeySource::CloudEvents => names.extend(["ce-id", "ce-source"].map(HeaderName::from_static)),
         KeySource::Template(parts) => names.extend(parts.iter().filter_map(|part| match part {
             KeyPart::Header(name) => Some(name.clone()),

@@ -1,9 +1,10 @@
 //! Where a key comes from and what it is unique within: the `Idempotency-Key` header (`header.rs`), keys
 //! taken from a sender's delivery id, the body or a template (`sources.rs`), signed webhooks that cannot
-//! squat an id (`webhooks.rs`), and `[[routes]]`, which decide a request's policy and scope by its path
+//! squat an id (`webhooks.rs`), OASIS Repeatable Requests (`repeatability.rs`), and `[[routes]]`, which decide a request's policy and scope by its path
 //! (`routes.rs`). One file per source of the key.
 
 mod header;
+mod repeatability;
 mod routes;
 mod sources;
 mod webhooks;

@@ -14,6 +14,7 @@ use super::pointer::{self, Findings, Found};
 use super::{check_key, cloudevents, parse_key};
 use crate::config::{KeyPart, KeySource, Policy};
 use crate::error::{Busy, ProxyError};
+use crate::headers::{REPEATABILITY_FIRST_SENT_HEADER, REPEATABILITY_ID_HEADER};
 use crate::proxy::dialect::jsonrpc::{self, CallId};
 
 /// The key of a request whose source is in its head (`KeySource::needs_body` is false). `Ok(None)`
@@ -100,7 +101,7 @@ fn pointers(source: &KeySource, headers: &HeaderMap) -> Vec<String> {
         _ => {}
     };
     match source {
-        KeySource::Header(_) => {}
+        KeySource::Header(_) | KeySource::Repeatability => {}
         KeySource::CloudEvents => add(&KeyPart::CloudEvents),
         KeySource::Json(pointer) => add(&KeyPart::Json(pointer.clone())),
         KeySource::JsonRpc(pointer) => {
@@ -116,6 +117,9 @@ fn pointers(source: &KeySource, headers: &HeaderMap) -> Vec<String> {
 pub fn describe(source: &KeySource) -> String {
     match source {
         KeySource::Header(name) => describe_header(name),
+        KeySource::Repeatability => {
+            format!("a {REPEATABILITY_ID_HEADER} header (with {REPEATABILITY_FIRST_SENT_HEADER})")
+        }
         KeySource::CloudEvents => describe_part(&KeyPart::CloudEvents).unwrap_or_default(),
         KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => describe_json(pointer),
         KeySource::Template(parts) => {
@@ -177,6 +181,9 @@ impl Request<'_> {
         let max_len = policy.key.max_key_length;
         let key = match &policy.key.source {
             KeySource::Header(name) => return parse_key(self.headers.get_all(name), max_len),
+            KeySource::Repeatability => {
+                return parse_key(self.headers.get_all(REPEATABILITY_ID_HEADER), max_len);
+            }
             KeySource::CloudEvents => self.cloudevent()?,
             KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => self.json_field(pointer)?,
             KeySource::Template(parts) => self.template(parts, max_len)?,

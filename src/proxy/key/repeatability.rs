@@ -1,0 +1,123 @@
+//! OASIS Repeatable Requests Version 1.0 (<https://docs.oasis-open.org/odata/repeatable-requests/v1.0/repeatable-requests-v1.0.html>),
+//! for a route keyed by `repeatability`: the key is `Repeatability-Request-ID` (read as a header key is,
+//! `key/source.rs`), and `Repeatability-First-Sent`, the time the client first sent the request as an
+//! IMF-fixdate, must come with it. A request first sent longer ago than the route's
+//! `repeatability_window` (or later than now, beyond the clock skew allowed) is refused 412 before any
+//! claim: whether it ran before can no longer be told. Pure functions of the request and the clock.
+
+use std::time::{Duration, SystemTime};
+
+use http::HeaderMap;
+
+use crate::error::ProxyError;
+use crate::headers::REPEATABILITY_FIRST_SENT_HEADER;
+
+/// How far ahead of this proxy's clock a client's may run: a first-sent time up to this much in the
+/// future is taken as now.
+pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
+
+/// Checks a keyed request's `Repeatability-First-Sent` against `window` at `now`: one IMF-fixdate, no
+/// older than `window` and no further in the future than [`CLOCK_SKEW`].
+pub fn check_first_sent(headers: &HeaderMap, window: Duration, now: SystemTime) -> Result<(), ProxyError> {
+    let invalid = |why: &str| Err(ProxyError::RepeatabilityInvalid(why.to_owned()));
+    let mut values = headers.get_all(REPEATABILITY_FIRST_SENT_HEADER).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return invalid("it came without one, or with more than one");
+    };
+    let Some(first_sent) = imf_fixdate(value.as_bytes()) else {
+        return invalid("the one it came with is not an IMF-fixdate");
+    };
+    if let Ok(age) = now.duration_since(first_sent)
+        && age > window
+    {
+        let window = humantime::format_duration(window);
+        return Err(ProxyError::RepeatabilityExpired(format!(
+            "longer ago than this route's window of {window}"
+        )));
+    }
+    if let Ok(ahead) = first_sent.duration_since(now)
+        && ahead > CLOCK_SKEW
+    {
+        return Err(ProxyError::RepeatabilityExpired(
+            "in the future, more than a minute ahead of this proxy's clock".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `text` as an IMF-fixdate (RFC 9110 §5.6.7, `Sun, 06 Nov 1994 08:49:37 GMT`), and only that form: the
+/// obsolete RFC 850 and asctime forms a recipient may accept are not what the specification asks for.
+fn imf_fixdate(text: &[u8]) -> Option<SystemTime> {
+    let text = std::str::from_utf8(text).ok()?;
+    let time = httpdate::parse_http_date(text).ok()?;
+    (httpdate::fmt_http_date(time) == text).then_some(time)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+
+    const WINDOW: Duration = Duration::from_secs(300);
+
+    fn at(seconds: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)
+    }
+
+    fn sent(values: &[&str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append(
+                REPEATABILITY_FIRST_SENT_HEADER,
+                HeaderValue::from_str(value).unwrap(),
+            );
+        }
+        headers
+    }
+
+    /// 784111777 is Sun, 06 Nov 1994 08:49:37 GMT.
+    const SENT: &str = "Sun, 06 Nov 1994 08:49:37 GMT";
+    const SENT_AT: u64 = 784_111_777;
+
+    #[test]
+    fn a_first_sent_within_the_window_passes_up_to_its_edge() {
+        for now in [SENT_AT, SENT_AT + 1, SENT_AT + 300] {
+            assert!(check_first_sent(&sent(&[SENT]), WINDOW, at(now)).is_ok(), "{now}");
+        }
+        assert!(
+            check_first_sent(&sent(&[SENT]), WINDOW, at(SENT_AT - 60)).is_ok(),
+            "a minute's skew"
+        );
+    }
+
+    #[test]
+    fn a_first_sent_outside_the_window_is_expired() {
+        for now in [SENT_AT + 301, SENT_AT + 86_400, SENT_AT - 61] {
+            let checked = check_first_sent(&sent(&[SENT]), WINDOW, at(now));
+            assert!(
+                matches!(checked, Err(ProxyError::RepeatabilityExpired(_))),
+                "{now}: {checked:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_missing_repeated_or_other_form_of_date_is_invalid() {
+        let cases: [&[&str]; 6] = [
+            &[],
+            &[SENT, SENT],
+            &["Sunday, 06-Nov-94 08:49:37 GMT"],
+            &["Sun Nov  6 08:49:37 1994"],
+            &["1994-11-06T08:49:37Z"],
+            &["sun, 06 nov 1994 08:49:37 gmt"],
+        ];
+        for case in cases {
+            let checked = check_first_sent(&sent(case), WINDOW, at(SENT_AT));
+            assert!(
+                matches!(checked, Err(ProxyError::RepeatabilityInvalid(_))),
+                "{case:?}: {checked:?}"
+            );
+        }
+    }
+}

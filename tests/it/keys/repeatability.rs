@@ -1,0 +1,117 @@
+//! OASIS Repeatable Requests (`key = "repeatability"`), as a client that follows the specification sends
+//! them, on every store: the key is `Repeatability-Request-ID` and `Repeatability-First-Sent` the time
+//! the client first sent the request. A fresh request executes and says `Repeatability-Result:
+//! accepted`; its retry is replayed and says so too; one first sent longer ago than the route's
+//! `repeatability_window`, or a minute or more in the future, is refused 412 `Repeatability-Result:
+//! rejected` before anything is claimed or forwarded; one without a valid first-sent time is 400. The
+//! stub upstream's execution count proves what ran.
+
+use std::time::{Duration, SystemTime};
+
+use rstest::rstest;
+
+use crate::support::http::{TEST_CREDENTIAL, client};
+use crate::support::{Backend, InProcessProxy, Reply, TestEnv, unless_skipped};
+
+const ROUTES: &str = r#"
+[[routes]]
+name = "repeatable"
+path_prefix = "/emails"
+key = "repeatability"
+required = true
+repeatability_window = "5m"
+"#;
+
+/// `POST /emails` with `id` as its Repeatability-Request-ID and `first_sent` (if any) as its
+/// Repeatability-First-Sent.
+async fn send(proxy: &InProcessProxy, id: &str, first_sent: Option<&str>) -> Reply {
+    let mut request = client()
+        .post(format!("{}/emails", proxy.url))
+        .header("authorization", TEST_CREDENTIAL)
+        .header("content-type", "application/json")
+        .header("repeatability-request-id", id)
+        .body(r#"{"to":"a@example.com"}"#);
+    if let Some(first_sent) = first_sent {
+        request = request.header("repeatability-first-sent", first_sent);
+    }
+    Reply::of(request).await
+}
+
+/// `at` as an IMF-fixdate.
+fn imf(at: SystemTime) -> String {
+    httpdate::fmt_http_date(at)
+}
+
+fn result(reply: &Reply) -> Option<&str> {
+    reply
+        .headers
+        .get("repeatability-result")
+        .and_then(|value| value.to_str().ok())
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_repeatable_request_runs_once_and_its_repeat_is_replayed_accepted(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
+    unless_skipped!(backend);
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
+    let first_sent = imf(SystemTime::now());
+    let id = "7b5b9a25-4b1e-4d1c-a0a8-0d2a6a6f1b71";
+    let first = send(&proxy, id, Some(&first_sent)).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.is_replay());
+    assert_eq!(result(&first), Some("accepted"));
+    let repeat = send(&proxy, id, Some(&first_sent)).await;
+    assert!(repeat.is_replay(), "{:?}", repeat.headers);
+    assert_eq!(repeat.body, first.body);
+    assert_eq!(result(&repeat), Some("accepted"));
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_request_first_sent_outside_the_window_is_rejected_412_and_never_runs(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
+    unless_skipped!(backend);
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
+    let now = SystemTime::now();
+    // Six minutes ago (the window is five), and five minutes ahead of the proxy's clock.
+    for first_sent in [now - Duration::from_secs(360), now + Duration::from_secs(300)] {
+        let stale = send(&proxy, "b1f0f0a0-stale", Some(&imf(first_sent))).await;
+        stale.assert_problem(412, "repeatability-expired");
+        assert_eq!(result(&stale), Some("rejected"));
+    }
+    // Nothing was claimed: the same id, first sent now, runs.
+    let fresh = send(&proxy, "b1f0f0a0-stale", Some(&imf(now))).await;
+    assert_eq!(fresh.status, 201, "{}", fresh.text());
+    assert_eq!(result(&fresh), Some("accepted"));
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+#[rstest]
+#[tokio::test]
+async fn a_request_id_without_a_valid_first_sent_time_is_rejected_400_and_never_runs(
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
+) {
+    unless_skipped!(backend);
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
+    let asctime = "Sun Nov  6 08:49:37 1994";
+    for first_sent in [None, Some("yesterday"), Some(asctime)] {
+        let refused = send(&proxy, "c2a1-no-first-sent", first_sent).await;
+        refused.assert_problem(400, "repeatability-invalid");
+        assert_eq!(result(&refused), Some("rejected"), "{first_sent:?}");
+    }
+    // Without a request id the route's keys are required: the usual 400, with no repeatability result.
+    let keyless = Reply::of(
+        client()
+            .post(format!("{}/emails", proxy.url))
+            .header("authorization", TEST_CREDENTIAL)
+            .body("{}"),
+    )
+    .await;
+    keyless.assert_problem(400, "missing-key");
+    assert_eq!(result(&keyless), None);
+    assert_eq!(env.upstream.executions(), 0);
+}
