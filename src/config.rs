@@ -49,7 +49,7 @@ pub use error::ConfigError;
 pub use grpc::{GrpcOutcome, GrpcOutcomes, code_name as grpc_code_name};
 pub use idempotency::{
     ClaimRules, FingerprintBody, KeyRules, OnInFlight, OnUnknownOutcome, Policy, ProblemStatuses,
-    RawIdempotency, ReleasePolicy, StoreRules, Unscoped,
+    REPEATABILITY_CLOCK_SKEW, RawIdempotency, ReleasePolicy, StoreRules, Unscoped,
 };
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};
@@ -244,6 +244,7 @@ impl RawConfig {
             secrets,
         )?;
         self.check_buffers(&routes, &mut server)?;
+        check_client_certs(&routes, &server)?;
         self.sweeper.validate()?;
         let encryption = self.encryption.validate()?;
         let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
@@ -262,6 +263,29 @@ impl RawConfig {
             raw: self,
         })
     }
+}
+
+/// A route that scopes by client certificate needs a listener that takes them (`server.tls.client_ca`).
+fn check_client_certs(routes: &RouteTable, server: &ServerConfig) -> Result<(), ConfigError> {
+    let takes_certs = server.tls.as_ref().is_some_and(|tls| tls.client_certs);
+    let all = routes
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(i, route)| (Some(i), route));
+    for (index, route) in all.chain(std::iter::once((None, &routes.default))) {
+        if route.policy.key.scope_client_cert && !takes_certs {
+            let key = match index {
+                Some(i) => format!("routes[{i}].scope_client_cert"),
+                None => "idempotency.scope_client_cert".to_owned(),
+            };
+            return Err(ConfigError::new(
+                &key,
+                "needs [server.tls] with client_ca: without it no client presents a certificate",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// How long a record of each route's scope can live after its completion is sealed.

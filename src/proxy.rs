@@ -206,7 +206,7 @@ impl Proxy {
         otlp::adopt(&span, self.traced, &request, &route.name);
         let series = self.route_series.get(&route.name);
         let statuses = route.policy.statuses;
-        let repeatable = route.policy.key.source == KeySource::Repeatability;
+        let repeatable = (route.policy.key.source == KeySource::Repeatability).then(|| route.clone());
         let inner = access::within(
             line.as_ref().map(Line::ledger),
             self.handle_inner(request, (peer, dialect.clone()), normal, route),
@@ -217,7 +217,7 @@ impl Proxy {
             inner.instrument(span.clone()).await
         };
         let _entered = span.enter();
-        let (response, outcome) = self.answered(result, &dialect, (&statuses, repeatable));
+        let (response, outcome) = self.answered(result, &dialect, (&statuses, repeatable.as_deref()));
         span.record("outcome", outcome.as_str());
         otlp::answered(&span, self.traced, response.status());
         let elapsed = arrived.elapsed();
@@ -235,24 +235,35 @@ impl Proxy {
     }
 
     /// What the request is answered with: its response, or its error logged, counted and written as a
-    /// refusal in its `dialect` (with the route's `statuses`). On a route keyed by `repeatability`, an
-    /// executed or replayed answer says `Repeatability-Result: accepted` (OASIS Repeatable Requests: it
-    /// ran once, now or before).
+    /// refusal in its `dialect` (with the route's `statuses`). On a route keyed by `repeatability`
+    /// (`repeatable`), an answer that is kept — replayed, or executed and stored, not released — says
+    /// `Repeatability-Result: accepted` (OASIS Repeatable Requests: it ran once, and every retry gets
+    /// this), and an id that is no key says `rejected`; the upstream's own word, where it implements the
+    /// specification itself, stands.
     fn answered(
         &self,
         result: Handled,
         dialect: &Dialect,
-        (statuses, repeatable): (&crate::config::ProblemStatuses, bool),
+        (statuses, repeatable): (&crate::config::ProblemStatuses, Option<&Route>),
     ) -> (Response<ProxyBody>, Outcome) {
+        let verdict = repeatable.and_then(|route| match &result {
+            Ok((_, Outcome::Replayed)) => Some("accepted"),
+            Ok((response, Outcome::Executed)) => {
+                (!route.policy.store.release.releases(response.status())).then_some("accepted")
+            }
+            Err(ProxyError::InvalidKey(_)) => Some("rejected"),
+            _ => None,
+        });
         let (mut response, outcome) = match result {
             Ok(answered) => answered,
             Err(error) => self.refused(error, dialect, statuses),
         };
-        if repeatable && matches!(outcome, Outcome::Executed | Outcome::Replayed) {
-            let accepted = http::HeaderValue::from_static("accepted");
-            response
-                .headers_mut()
-                .insert(crate::headers::REPEATABILITY_RESULT_HEADER, accepted);
+        if let Some(verdict) = verdict {
+            let value = http::HeaderValue::from_static(verdict);
+            let headers = response.headers_mut();
+            headers
+                .entry(crate::headers::REPEATABILITY_RESULT_HEADER)
+                .or_insert(value);
         }
         (response, outcome)
     }

@@ -42,6 +42,7 @@ use crate::config::{ListenerTls, ServerConfig};
 use crate::error::{Busy, ProxyError};
 use crate::proxy::Proxy;
 use crate::proxy::downstream::{Downstream, Peer};
+use crate::proxy::key::client_cert::ClientCert;
 
 /// Bound on a client's TLS handshake, so a silent client cannot hold a connection slot.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -517,18 +518,28 @@ impl Connection {
         H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
     {
-        let io: Box<dyn Io> = match &self.tls {
-            None => Box::new(stream),
+        let (io, client): (Box<dyn Io>, Option<ClientCert>) = match &self.tls {
+            None => (Box::new(stream), None),
             Some(acceptor) => {
                 match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => Box::new(stream),
+                    Ok(Ok(stream)) => {
+                        let client = client_cert(&stream);
+                        (Box::new(stream), client)
+                    }
                     Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
                     Err(_) => return tracing::debug!("TLS handshake timed out"),
                 }
             }
         };
         let base = self.problem_base.clone();
-        let service = service_fn(move |request| answer(&tracked, &handler, request, &base));
+        let service = service_fn(move |mut request: Request<Incoming>| {
+            // Who the connection's certificate names goes with each of its requests, out of reach of
+            // anything the client sends.
+            if let Some(client) = client {
+                request.extensions_mut().insert(client);
+            }
+            answer(&tracked, &handler, request, &base)
+        });
         let connection = self
             .builder
             .serve_connection(TokioIo::new(io), service)
@@ -541,6 +552,13 @@ impl Connection {
             tracing::debug!(%error, "connection ended with an error");
         }
     }
+}
+
+/// The certificate the client presented in `stream`'s handshake (verified against `server.tls.client_ca`),
+/// as the identity `scope_client_cert` scopes keys by.
+fn client_cert<S>(stream: &tokio_rustls::server::TlsStream<S>) -> Option<ClientCert> {
+    let leaf = stream.get_ref().1.peer_certificates()?.first()?;
+    ClientCert::of(leaf)
 }
 
 /// Answers one request with `handler`, keeping the request in progress on its connection (so it is never

@@ -117,6 +117,9 @@ pub struct RawIdempotency {
     /// A cookie whose value, hashed, also separates clients (for browser-facing apps).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scope_cookie: Option<String>,
+    /// Whether a TLS client certificate (its public key) also separates clients; needs
+    /// `server.tls.client_ca`.
+    pub scope_client_cert: bool,
     /// A response header telling the client when its key expires (an HTTP date); absent means none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expires_header: Option<String>,
@@ -155,11 +158,15 @@ impl Default for RawIdempotency {
             wait_timeout: Duration::from_secs(10),
             repeatability_window: Duration::from_secs(5 * 60),
             scope_cookie: None,
+            scope_client_cert: false,
             expires_header: None,
             signature: None,
         }
     }
 }
+
+/// How far ahead of the proxy's clock a `Repeatability-First-Sent` may be and still be taken.
+pub const REPEATABILITY_CLOCK_SKEW: Duration = Duration::from_secs(60);
 
 /// What the fingerprint of a route keyed by `jsonrpc` always leaves out: the request `id` (a retry sends a
 /// new one) and `params._meta` (metadata an SDK may make anew per attempt: MCP's `progressToken`, trace
@@ -255,6 +262,8 @@ pub struct KeyRules {
     pub scope_headers: Vec<HeaderName>,
     /// A cookie that also separates clients.
     pub scope_cookie: Option<String>,
+    /// Whether a TLS client certificate's public key also separates clients.
+    pub scope_client_cert: bool,
     /// Keyed requests without a scope header: refused or shared.
     pub unscoped: Unscoped,
     /// Fingerprint headers, lower-case.
@@ -376,7 +385,11 @@ impl RawIdempotency {
                 format!("must be longer than {}", key("lock_timeout")),
             ));
         }
-        if self.scope_headers.is_empty() && self.scope_cookie.is_none() && self.unscoped == Unscoped::Reject {
+        if self.scope_headers.is_empty()
+            && self.scope_cookie.is_none()
+            && !self.scope_client_cert
+            && self.unscoped == Unscoped::Reject
+        {
             return Err(ConfigError::new(
                 &key("scope_headers"),
                 format!(
@@ -396,6 +409,8 @@ impl RawIdempotency {
         let header = parse_header(&key("header"), &self.header)?;
         let source = self.key_source(&key("key"), &header)?;
         let (fingerprint_body, fingerprint_exclude) = self.fingerprint_body(prefix, &source)?;
+        let fingerprint_headers = self.fingerprint_headers(&key("fingerprint_headers"), &source)?;
+        let repeatability_window = self.repeatability_window(prefix, &source)?;
         Ok(Policy {
             key: KeyRules {
                 source,
@@ -406,11 +421,12 @@ impl RawIdempotency {
                 max_request_body: self.max_request_body.as_u64(),
                 scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
                 scope_cookie: self.scope_cookie(&key("scope_cookie"))?,
+                scope_client_cert: self.scope_client_cert,
                 unscoped: self.unscoped,
-                fingerprint_headers: parse_headers(&key("fingerprint_headers"), &self.fingerprint_headers)?,
+                fingerprint_headers,
                 fingerprint_body,
                 fingerprint_exclude,
-                repeatability_window: self.repeatability_window(prefix)?,
+                repeatability_window,
             },
             claim: ClaimRules {
                 ttl: self.ttl,
@@ -534,15 +550,40 @@ impl RawIdempotency {
 
     /// The repeatability window: more than nothing, and no longer than the records are kept (`ttl`),
     /// or a retry inside it could find its record gone and run again.
-    fn repeatability_window(&self, prefix: &str) -> Result<Duration, ConfigError> {
+    /// Checked only on a route keyed by `repeatability`: at least a second, in whole seconds (the
+    /// first-sent time has no finer ones), and short enough that a record outlives every retry the
+    /// window lets in, one first sent up to [`REPEATABILITY_CLOCK_SKEW`] ahead of this clock included.
+    fn repeatability_window(&self, prefix: &str, source: &KeySource) -> Result<Duration, ConfigError> {
         let value = self.repeatability_window;
-        if value.is_zero() || value > self.ttl {
+        if *source != KeySource::Repeatability {
+            return Ok(value);
+        }
+        let key = format!("{prefix}.repeatability_window");
+        if value < Duration::from_secs(1) || value.subsec_nanos() != 0 {
+            return Err(ConfigError::new(&key, "must be whole seconds, at least 1s"));
+        }
+        if value.saturating_add(REPEATABILITY_CLOCK_SKEW) > self.ttl {
             return Err(ConfigError::new(
-                &format!("{prefix}.repeatability_window"),
-                format!("must be more than 0s and at most {prefix}.ttl"),
+                &key,
+                format!(
+                    "must be at least a minute shorter than {prefix}.ttl: a request first sent up to a \
+                     minute ahead of the proxy's clock is taken, and its record must outlive its retries"
+                ),
             ));
         }
         Ok(value)
+    }
+
+    /// The fingerprint headers; on a route keyed by `repeatability`, `Repeatability-First-Sent` too: a
+    /// retry sends the time the request was first sent, and one that moves it would otherwise slip a
+    /// retry past the window.
+    fn fingerprint_headers(&self, key: &str, source: &KeySource) -> Result<Vec<HeaderName>, ConfigError> {
+        let mut names = parse_headers(key, &self.fingerprint_headers)?;
+        let first_sent = HeaderName::from_static("repeatability-first-sent");
+        if *source == KeySource::Repeatability && !names.contains(&first_sent) {
+            names.push(first_sent);
+        }
+        Ok(names)
     }
 
     fn in_flight_retry_after(&self, prefix: &str) -> Result<Duration, ConfigError> {
@@ -611,6 +652,35 @@ mod tests {
 
     use super::{OnUnknownOutcome, RawIdempotency, Unscoped};
     use crate::config::Config;
+
+    #[test]
+    fn a_repeatability_window_is_checked_on_its_routes_only_and_leaves_a_minute_to_the_ttl() {
+        let route = |toml: &str| Config::from_toml_str(toml).map(|c| c.routes.default.policy.clone());
+        let short_ttl = "[idempotency]\nttl = \"2m\"\nlock_timeout = \"10s\"\n";
+        assert!(
+            route(short_ttl).is_ok(),
+            "a short ttl is no concern of a route keyed otherwise"
+        );
+        let keyed = format!("{short_ttl}key = \"repeatability\"\n");
+        let refused = route(&keyed).unwrap_err();
+        assert_eq!(refused.key, "idempotency.repeatability_window", "{refused}");
+        let fits = route(&format!("{keyed}repeatability_window = \"60s\"\n")).unwrap();
+        assert_eq!(fits.key.repeatability_window, Duration::from_secs(60));
+        assert!(
+            fits.key
+                .fingerprint_headers
+                .iter()
+                .any(|name| name == "repeatability-first-sent"),
+            "a retry's first-sent time is part of the request"
+        );
+        for window in ["0s", "500ms", "1500ms"] {
+            let refused = route(&format!("{keyed}repeatability_window = \"{window}\"\n")).unwrap_err();
+            assert_eq!(
+                refused.key, "idempotency.repeatability_window",
+                "{window}: {refused}"
+            );
+        }
+    }
 
     #[test]
     fn durations_and_sizes_parse() {

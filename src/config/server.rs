@@ -167,6 +167,10 @@ pub struct RawServerTls {
     /// connections from then on, without a restart.
     #[serde(with = "humantime_serde", default = "default_reload_interval")]
     pub reload_interval: Duration,
+    /// PEM certificates of the authorities client certificates are verified against; with it a client
+    /// may present a certificate (routes with `scope_client_cert` scope keys by its public key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<PathBuf>,
 }
 
 fn default_reload_interval() -> Duration {
@@ -202,6 +206,8 @@ impl fmt::Display for ListenAddr {
 pub struct ListenerTls {
     /// What each connection's handshake runs with.
     pub config: Arc<rustls::ServerConfig>,
+    /// Whether clients may present certificates (`server.tls.client_ca`).
+    pub client_certs: bool,
     /// The certificate and key new handshakes get.
     pub cert: Arc<SwappableCert>,
     /// `server.tls.cert_file`.
@@ -449,9 +455,17 @@ impl RawServerTls {
         let first = tls::certified_key(&pem.0, &pem.1, &self.cert_file, &self.key_file)
             .map_err(|e| ConfigError::new("server.tls", e))?;
         let cert = Arc::new(SwappableCert::new(first));
-        let config = tls::listener(cert.clone()).map_err(|e| ConfigError::new("server.tls", e))?;
+        let client_roots = self
+            .client_ca
+            .as_deref()
+            .map(|ca| tls::roots_from(ca).map_err(|e| ConfigError::new("server.tls.client_ca", e)))
+            .transpose()?;
+        let client_certs = client_roots.is_some();
+        let config =
+            tls::listener(cert.clone(), client_roots).map_err(|e| ConfigError::new("server.tls", e))?;
         Ok(ListenerTls {
             config: Arc::new(config),
+            client_certs,
             cert,
             cert_file: self.cert_file.clone(),
             key_file: self.key_file.clone(),
@@ -481,6 +495,29 @@ mod tests {
         assert_eq!(err.key, "server.tls", "{err}");
         let err = Config::from_toml_str("[server.tls]\ncert_file = \"/etc/hostname\"\n").unwrap_err();
         assert!(err.to_string().contains("key_file"), "{err}");
+    }
+
+    #[test]
+    fn a_route_scoped_by_client_certificate_needs_a_listener_that_takes_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let (cert_file, key_file) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        let ca_file = dir.path().join("clients.pem");
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.signing_key.serialize_pem()).unwrap();
+        std::fs::write(&ca_file, cert.cert.pem()).unwrap();
+        let tls = format!("[server.tls]\ncert_file = {cert_file:?}\nkey_file = {key_file:?}\n");
+        let route = "[[routes]]\nname = \"mtls\"\npath = \"/t\"\nscope_client_cert = true\n";
+        let refused = Config::from_toml_str(&format!("{tls}{route}")).unwrap_err();
+        assert_eq!(refused.key, "routes[0].scope_client_cert", "{refused}");
+        let refused = Config::from_toml_str("[idempotency]\nscope_client_cert = true\n").unwrap_err();
+        assert_eq!(refused.key, "idempotency.scope_client_cert", "{refused}");
+        let taken = Config::from_toml_str(&format!("{tls}client_ca = {ca_file:?}\n{route}")).unwrap();
+        assert!(taken.server.tls.expect("TLS is on").client_certs);
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "").unwrap();
+        let refused = Config::from_toml_str(&format!("{tls}client_ca = {empty:?}\n")).unwrap_err();
+        assert_eq!(refused.key, "server.tls.client_ca", "{refused}");
     }
 
     #[test]

@@ -50,6 +50,20 @@ pub fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, String> {
     Ok(roots)
 }
 
+/// Only the authorities in `ca_file` (no system roots): whom the listener takes client certificates from.
+pub fn roots_from(ca_file: &Path) -> Result<RootCertStore, String> {
+    let mut roots = RootCertStore::empty();
+    for cert in certificates(ca_file)? {
+        roots
+            .add(cert)
+            .map_err(|e| format!("bad CA certificate in {}: {e}", ca_file.display()))?;
+    }
+    if roots.is_empty() {
+        return Err(format!("no CA certificate in {}", ca_file.display()));
+    }
+    Ok(roots)
+}
+
 /// A certificate chain and its private key, from the PEM files' contents, checked to belong together:
 /// what a listener presents. The paths only name the files in errors.
 pub fn certified_key(
@@ -130,12 +144,27 @@ impl ResolvesServerCert for SwappableCert {
 }
 
 /// A listener config presenting whatever `cert` holds, offering ALPN `h2` then `http/1.1`.
-pub fn listener(cert: Arc<SwappableCert>) -> Result<rustls::ServerConfig, String> {
-    let mut config = rustls::ServerConfig::builder_with_provider(provider())
+pub fn listener(
+    cert: Arc<SwappableCert>,
+    client_roots: Option<RootCertStore>,
+) -> Result<rustls::ServerConfig, String> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
-        .with_cert_resolver(cert);
+        .map_err(|e| e.to_string())?;
+    let builder = match client_roots {
+        // A client may present a certificate, which must then chain to `client_roots`; one without
+        // is served too (routes decide whether a keyed request needs one: `scope_client_cert`).
+        Some(roots) => {
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                    .allow_unauthenticated()
+                    .build()
+                    .map_err(|e| format!("server.tls.client_ca: {e}"))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(cert);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }

@@ -21,6 +21,7 @@ use super::budget::{BodyBudget, ReservedBody};
 use super::client_body::{self, GuardedBody, Trailers};
 use super::dialect::Dialect;
 use super::downstream::Downstream;
+use super::key::client_cert::ClientCert;
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
@@ -93,7 +94,10 @@ impl Intake {
     ) -> Result<Result<Ticket, Unkeyed>, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
         if key.is_some() || route.policy.key.source.needs_body() {
-            check_scope(&route, request.headers())?;
+            check_scope(
+                &route,
+                (request.headers(), request.extensions().get::<ClientCert>()),
+            )?;
         }
         let (parts, body) = request.into_parts();
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
@@ -184,9 +188,12 @@ impl Intake {
 /// Refuses a keyed request that names no client in any scope header or the scope cookie (unless scopes
 /// may be shared): without one, every such client would share one scope, and one client's key would
 /// answer another's.
-fn check_scope(route: &Route, headers: &HeaderMap) -> Result<(), ProxyError> {
+fn check_scope(
+    route: &Route,
+    (headers, client): (&HeaderMap, Option<&ClientCert>),
+) -> Result<(), ProxyError> {
     let policy = &route.policy;
-    if policy.key.unscoped == Unscoped::Shared || key::has_scope(&policy.key, headers) {
+    if policy.key.unscoped == Unscoped::Shared || key::has_scope_with(&policy.key, headers, client) {
         return Ok(());
     }
     Err(ProxyError::MissingScope(scope_setting(route, policy)))
@@ -204,6 +211,9 @@ fn scope_setting(route: &Route, policy: &Policy) -> String {
     if let Some(cookie) = &policy.key.scope_cookie {
         names.push(format!("cookie {cookie}"));
     }
+    if policy.key.scope_client_cert {
+        names.push("a TLS client certificate".to_owned());
+    }
     let names = names.join(", ");
     match route.name.as_str() {
         DEFAULT_ROUTE => format!("idempotency.scope_headers ({names})"),
@@ -215,7 +225,12 @@ fn claim_request(route: &Route, parts: &request::Parts, key: String, fingerprint
     let policy = &route.policy;
     ClaimRequest {
         id: RecordId {
-            scope: key::scope(&route.scope, &policy.key, &parts.headers),
+            scope: key::scope_with(
+                &route.scope,
+                &policy.key,
+                &parts.headers,
+                parts.extensions.get::<ClientCert>(),
+            ),
             key,
             token: Uuid::new_v4(),
         },

@@ -8,6 +8,7 @@
 //! its budget. Pure functions of the request; touches nothing else.
 
 pub mod canonical;
+pub mod client_cert;
 pub mod cloudevents;
 pub mod cookie;
 pub mod credential;
@@ -20,6 +21,7 @@ use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
+use self::client_cert::ClientCert;
 use self::json::Scratch;
 use crate::config::{FingerprintBody, KeyRules};
 use crate::error::{Busy, ProxyError};
@@ -86,6 +88,15 @@ fn invalid(why: &str) -> ProxyError {
 /// Whether the request names its client in at least one of the policy's scope headers, or in the scope
 /// cookie (an empty value names no one).
 pub fn has_scope(rules: &KeyRules, headers: &HeaderMap) -> bool {
+    has_scope_with(rules, headers, None)
+}
+
+/// [`has_scope`], where the request's connection presented `client`: on a route with
+/// `scope_client_cert`, a client certificate names its client too.
+pub fn has_scope_with(rules: &KeyRules, headers: &HeaderMap, client: Option<&ClientCert>) -> bool {
+    if rules.scope_client_cert && client.is_some() {
+        return true;
+    }
     let by_header = rules
         .scope_headers
         .iter()
@@ -101,12 +112,31 @@ pub fn has_scope(rules: &KeyRules, headers: &HeaderMap) -> bool {
 /// and the scope cookie's, so clients with different credentials never share keys and credentials are
 /// never stored.
 pub fn scope(scope_name: &str, rules: &KeyRules, headers: &HeaderMap) -> String {
+    scope_with(scope_name, rules, headers, None)
+}
+
+/// [`scope`], where the request's connection presented `client`: on a route with `scope_client_cert`,
+/// its certificate's public key is hashed after the headers and the cookie, behind a field no header
+/// can hold, so a client is the same client on every certificate renewed on its key.
+pub fn scope_with(
+    scope_name: &str,
+    rules: &KeyRules,
+    headers: &HeaderMap,
+    client: Option<&ClientCert>,
+) -> String {
     let mut hash = Sha256::new();
     for name in &rules.scope_headers {
         hash_header(&mut hash, name, headers);
     }
     if let Some(name) = &rules.scope_cookie {
         hash_cookie(&mut hash, name, headers);
+    }
+    if rules.scope_client_cert {
+        hash_field(&mut hash, b"\0client-cert");
+        match client {
+            Some(client) => hash_field(&mut hash, &client.0),
+            None => hash_count(&mut hash, 0),
+        }
     }
     // Written in place: every keyed request has a scope, and `format!` with `hex::encode` builds it
     // through a formatter and a string of its own, a character at a time.

@@ -1,8 +1,9 @@
 //! Where a key comes from and what it is unique within: the `Idempotency-Key` header (`header.rs`), keys
 //! taken from a sender's delivery id, the body or a template (`sources.rs`), signed webhooks that cannot
-//! squat an id (`webhooks.rs`), OASIS Repeatable Requests (`repeatability.rs`), and `[[routes]]`, which decide a request's policy and scope by its path
+//! squat an id (`webhooks.rs`), OASIS Repeatable Requests (`repeatability.rs`), TLS client certificates (`client_cert.rs`), and `[[routes]]`, which decide a request's policy and scope by its path
 //! (`routes.rs`). One file per source of the key.
 
+mod client_cert;
 mod header;
 mod repeatability;
 mod routes;

@@ -13,8 +13,9 @@ use crate::error::ProxyError;
 use crate::headers::REPEATABILITY_FIRST_SENT_HEADER;
 
 /// How far ahead of this proxy's clock a client's may run: a first-sent time up to this much in the
-/// future is taken as now.
-pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
+/// future is taken (the route's `ttl` is at least this longer than its window, so its record outlives
+/// every retry taken).
+pub const CLOCK_SKEW: Duration = crate::config::REPEATABILITY_CLOCK_SKEW;
 
 /// Checks a keyed request's `Repeatability-First-Sent` against `window` at `now`: one IMF-fixdate, no
 /// older than `window` and no further in the future than [`CLOCK_SKEW`].
@@ -27,6 +28,9 @@ pub fn check_first_sent(headers: &HeaderMap, window: Duration, now: SystemTime) 
     let Some(first_sent) = imf_fixdate(value.as_bytes()) else {
         return invalid("the one it came with is not an IMF-fixdate");
     };
+    // A first-sent time has whole seconds: so has the clock it is held against, or a request first
+    // sent exactly the window ago would be refused for the fraction of a second it arrived in.
+    let now = whole_seconds(now);
     if let Ok(age) = now.duration_since(first_sent)
         && age > window
     {
@@ -43,6 +47,14 @@ pub fn check_first_sent(headers: &HeaderMap, window: Duration, now: SystemTime) 
         ));
     }
     Ok(())
+}
+
+/// `time` without its fraction of a second.
+fn whole_seconds(time: SystemTime) -> SystemTime {
+    match time.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(since) => SystemTime::UNIX_EPOCH + Duration::from_secs(since.as_secs()),
+        Err(_) => time,
+    }
 }
 
 /// `text` as an IMF-fixdate (RFC 9110 §5.6.7, `Sun, 06 Nov 1994 08:49:37 GMT`), and only that form: the
@@ -85,6 +97,11 @@ mod tests {
         for now in [SENT_AT, SENT_AT + 1, SENT_AT + 300] {
             assert!(check_first_sent(&sent(&[SENT]), WINDOW, at(now)).is_ok(), "{now}");
         }
+        let edge = at(SENT_AT + 300) + Duration::from_millis(900);
+        assert!(
+            check_first_sent(&sent(&[SENT]), WINDOW, edge).is_ok(),
+            "the window's last second, whatever its fraction"
+        );
         assert!(
             check_first_sent(&sent(&[SENT]), WINDOW, at(SENT_AT - 60)).is_ok(),
             "a minute's skew"

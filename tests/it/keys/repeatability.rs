@@ -20,13 +20,24 @@ path_prefix = "/emails"
 key = "repeatability"
 required = true
 repeatability_window = "5m"
+
+[[routes]]
+name = "repeatable-statuses"
+path_prefix = "/status"
+key = "repeatability"
+required = true
 "#;
 
 /// `POST /emails` with `id` as its Repeatability-Request-ID and `first_sent` (if any) as its
 /// Repeatability-First-Sent.
 async fn send(proxy: &InProcessProxy, id: &str, first_sent: Option<&str>) -> Reply {
+    send_to(proxy, "/emails", id, first_sent).await
+}
+
+/// [`send`] to `path`.
+async fn send_to(proxy: &InProcessProxy, path: &str, id: &str, first_sent: Option<&str>) -> Reply {
     let mut request = client()
-        .post(format!("{}/emails", proxy.url))
+        .post(format!("{}{path}", proxy.url))
         .header("authorization", TEST_CREDENTIAL)
         .header("content-type", "application/json")
         .header("repeatability-request-id", id)
@@ -66,7 +77,35 @@ async fn a_repeatable_request_runs_once_and_its_repeat_is_replayed_accepted(
     assert!(repeat.is_replay(), "{:?}", repeat.headers);
     assert_eq!(repeat.body, first.body);
     assert_eq!(result(&repeat), Some("accepted"));
+    // A repeat must say when the request was first sent, as the first did: one that moves the time is
+    // another request, never a way past the window.
+    let moved = imf(httpdate::parse_http_date(&first_sent).unwrap() + Duration::from_secs(3));
+    let refreshed = send(&proxy, id, Some(&moved)).await;
+    refreshed.assert_problem(422, "key-reused");
     assert_eq!(env.upstream.executions(), 1);
+}
+
+#[rstest]
+#[tokio::test]
+async fn an_answer_that_gives_the_request_back_is_not_accepted_and_its_repeat_runs_again(
+    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+) {
+    let (env, proxy) = TestEnv::with_routes_on(backend, ROUTES).await;
+    let first_sent = imf(SystemTime::now());
+    // A 503 releases the key: the repeat runs the request again, so neither answer may promise it ran once.
+    for _ in 0..2 {
+        let unavailable = send_to(&proxy, "/status/503", "d3-released", Some(&first_sent)).await;
+        assert_eq!(unavailable.status, 503, "{}", unavailable.text());
+        assert_eq!(result(&unavailable), None, "{:?}", unavailable.headers);
+    }
+    assert_eq!(env.upstream.executions(), 2);
+    // A 409 it got from the upstream is an answer, stored and replayed: accepted.
+    let conflict = send_to(&proxy, "/status/409", "d3-stored", Some(&first_sent)).await;
+    assert_eq!((conflict.status.as_u16(), result(&conflict)), (409, Some("accepted")));
+    let replayed = send_to(&proxy, "/status/409", "d3-stored", Some(&first_sent)).await;
+    assert!(replayed.is_replay());
+    assert_eq!(result(&replayed), Some("accepted"));
+    assert_eq!(env.upstream.executions(), 3);
 }
 
 #[rstest]
@@ -103,6 +142,10 @@ async fn a_request_id_without_a_valid_first_sent_time_is_rejected_400_and_never_
         refused.assert_problem(400, "repeatability-invalid");
         assert_eq!(result(&refused), Some("rejected"), "{first_sent:?}");
     }
+    // An id that is no key (a space in it) is refused for its repeatability headers too.
+    let bad_id = send(&proxy, "not an id", Some(&imf(SystemTime::now()))).await;
+    bad_id.assert_problem(400, "invalid-key");
+    assert_eq!(result(&bad_id), Some("rejected"));
     // Without a request id the route's keys are required: the usual 400, with no repeatability result.
     let keyless = Reply::of(
         client()

@@ -44,6 +44,19 @@ impl TestCa {
         }
     }
 
+    /// A leaf for the client `subject` on the key `key_pem` (PEM): a certificate renewed on its key is
+    /// this again with the same key.
+    pub fn issue_on_key(&self, subject: &str, key_pem: &str) -> Leaf {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, subject);
+        let key = KeyPair::from_pem(key_pem).unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        Leaf {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        }
+    }
+
     /// Trust in this CA alone.
     pub fn roots(&self) -> rustls::RootCertStore {
         let mut roots = rustls::RootCertStore::empty();
