@@ -1,9 +1,11 @@
 //! Where a key comes from and what it is unique within: the `Idempotency-Key` header (`header.rs`), keys
 //! taken from a sender's delivery id, the body or a template (`sources.rs`), signed webhooks that cannot
 //! squat an id (`webhooks.rs`), and `[[routes]]`, which decide a request's policy and scope by its path
-//! (`routes.rs`). One file per source of the key.
+//! (`routes.rs`). One file per source of the key; and what makes a retry the same request when its
+//! client changes the body's form on every attempt: file uploads under a new boundary (`multipart.rs`).
 
 mod header;
+mod multipart;
 mod routes;
 mod sources;
 mod webhooks;

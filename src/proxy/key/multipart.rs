@@ -547,6 +547,25 @@ mod tests {
     }
 
     #[test]
+    fn a_form_is_read_without_working_memory() {
+        let body = body_of("b", &upload(PDF, "f.pdf", "file", "application/pdf"));
+        let uri: Uri = "/upload".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("multipart/form-data; boundary=b"),
+        );
+        let mut refuse = |_: usize| false;
+        let mut scratch = Scratch::within(&mut refuse);
+        let policy = policy(FingerprintBody::Json);
+        let read = fingerprint(&policy, &Method::POST, &uri, &headers, &body, &mut scratch);
+        assert_eq!(
+            read.unwrap(),
+            fp_with(&policy, "multipart/form-data; boundary=b", &body)
+        );
+    }
+
+    #[test]
     fn arbitrary_bytes_never_panic() {
         let seeds: [&[u8]; 6] = [
             b"--b",
