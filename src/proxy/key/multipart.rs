@@ -433,6 +433,15 @@ mod tests {
             plain,
             fp("b", &spelt(r#"Content-Disposition: form-data; name="A""#))
         );
+        let utf8 = "Content-Disposition: form-data; name=\"f\"; filename=\"résumé.pdf\"";
+        let other = "Content-Disposition: form-data; name=\"f\"; filename=\"resume.pdf\"";
+        let raw = |cd: &str| form("b", &[(&[cd], b"x")]);
+        assert!(
+            digest("b", &raw(utf8)).is_some(),
+            "a filename in UTF-8, as browsers send it"
+        );
+        assert_ne!(digest("b", &raw(utf8)), digest("b", &raw(other)));
+        assert_eq!(fp("b", &raw(utf8)), fp("c", &form("c", &[(&[utf8], b"x")])));
     }
 
     #[test]
