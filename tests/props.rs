@@ -1,5 +1,6 @@
 //! Property tests of what the proxy parses from untrusted input: the key header, the scope and the
 //! fingerprint, JSON bodies (read by streaming: never a panic, and JSON exactly when serde_json says so),
+//! `multipart/form-data` bodies (one fingerprint under any boundary, every byte of a part counting),
 //! and the configuration loader. Case counts stay modest so the suite stays fast.
 
 use http::{HeaderMap, HeaderValue, Method, Uri};
@@ -529,5 +530,98 @@ proptest! {
             serde_json::Value::Object(_) => Found::Other("an object"),
         };
         prop_assert_eq!(found.get("/a/0/b"), &expected, "{}", body);
+    }
+}
+
+/// A boundary as clients draw them (RFC 2046's characters but the space).
+fn boundary() -> impl Strategy<Value = String> {
+    "[A-Za-z0-9'()+_,./:=?-]{1,70}"
+}
+
+/// Form parts: a field name, whether it is a file, and content that holds no line break followed by
+/// `--` (where a boundary could start).
+fn form_parts() -> impl Strategy<Value = Vec<(String, bool, Vec<u8>)>> {
+    let content = prop::collection::vec(any::<u8>(), 0..60)
+        .prop_filter("no delimiter start", |c| !c.windows(4).any(|w| w == b"\r\n--"));
+    prop::collection::vec(("[a-z_]{1,10}", any::<bool>(), content), 1..6)
+}
+
+/// The parts as a client writes them under `boundary`.
+fn form_body(boundary: &str, parts: &[(String, bool, Vec<u8>)]) -> Vec<u8> {
+    form_with_contents(boundary, parts).0
+}
+
+/// [`form_body`], and where each part's content lies in it.
+fn form_with_contents(boundary: &str, parts: &[(String, bool, Vec<u8>)]) -> (Vec<u8>, Vec<usize>) {
+    let mut body = Vec::new();
+    let mut contents = Vec::new();
+    for (name, file, content) in parts {
+        body.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
+        let disposition = format!("Content-Disposition: form-data; name=\"{name}\"");
+        if *file {
+            body.extend_from_slice(format!("{disposition}; filename=\"{name}.bin\"\r\n").as_bytes());
+            body.extend_from_slice(b"Content-Type: application/octet-stream\r\n\r\n");
+        } else {
+            body.extend_from_slice(format!("{disposition}\r\n\r\n").as_bytes());
+        }
+        contents.extend(body.len()..body.len() + content.len());
+        body.extend_from_slice(content);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    (body, contents)
+}
+
+fn form_fp(boundary: &str, body: &[u8]) -> [u8; 32] {
+    let content_type = format!("multipart/form-data; boundary=\"{boundary}\"");
+    fp(&Method::POST, "/upload", content_type.as_bytes(), body)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn a_form_has_one_fingerprint_under_any_boundary(
+        parts in form_parts(),
+        one in boundary(),
+        other in boundary(),
+    ) {
+        prop_assert_eq!(
+            form_fp(&one, &form_body(&one, &parts)),
+            form_fp(&other, &form_body(&other, &parts))
+        );
+    }
+
+    #[test]
+    fn any_byte_changed_in_a_part_or_a_boundary_changes_the_fingerprint(
+        parts in form_parts(),
+        b in boundary(),
+        at in any::<prop::sample::Index>(),
+        flip in 1u8..=255,
+    ) {
+        let (body, contents) = form_with_contents(&b, &parts);
+        // Header spelling (a name's case, whitespace) is the one other change that may keep it.
+        let boundaries: Vec<usize> = (0..body.len())
+            .filter(|&i| body[i..].starts_with(b"--") && (i == 0 || body[i - 1] == b'\n'))
+            .flat_map(|i| i..(i + 2 + b.len()).min(body.len()))
+            .collect();
+        let changeable = [contents, boundaries].concat();
+        prop_assume!(!changeable.is_empty());
+        let mut changed = body.clone();
+        changed[changeable[at.index(changeable.len())]] ^= flip;
+        prop_assert_ne!(form_fp(&b, &body), form_fp(&b, &changed));
+    }
+
+    #[test]
+    fn a_cut_or_arbitrary_form_never_panics(
+        parts in form_parts(),
+        b in boundary(),
+        at in any::<prop::sample::Index>(),
+        noise in prop::collection::vec(any::<u8>(), 0..200),
+    ) {
+        let body = form_body(&b, &parts);
+        form_fp(&b, &body[..at.index(body.len())]);
+        form_fp(&b, &noise);
+        form_fp(&b, &[&body[..at.index(body.len())], &noise[..]].concat());
     }
 }

@@ -3,7 +3,8 @@
 //! name and the client's credentials (scope headers, an auth scheme read without case (`key/credential.rs`),
 //! and the scope cookie, `key/cookie.rs`), and
 //! fingerprints the request under the route's policy (a JSON body by its meaning with
-//! `fingerprint_body = "json"`, `key/canonical.rs`). A body is read as JSON by streaming
+//! `fingerprint_body = "json"`, `key/canonical.rs`; a `multipart/form-data` body by its parts, without
+//! its boundary, on every route, `key/multipart.rs`). A body is read as JSON by streaming
 //! (`key/json.rs`, `key/pointer.rs`), its working memory taken from an allowance the caller charges to
 //! its budget. Pure functions of the request; touches nothing else.
 
@@ -13,11 +14,12 @@ pub mod cloudevents;
 pub mod cookie;
 pub mod credential;
 pub mod json;
+pub mod multipart;
 pub mod pointer;
 pub mod repeatability;
 pub mod source;
 
-use http::header::GetAll;
+use http::header::{CONTENT_TYPE, GetAll};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
@@ -181,7 +183,9 @@ fn hash_header(hash: &mut Sha256, name: &HeaderName, headers: &HeaderMap) {
 /// The fingerprint of a request under its route's policy: SHA-256 over what makes two requests "the
 /// same": method, path with query, the fingerprint headers' values, and the body, byte for byte or (with
 /// `fingerprint_body = "json"`) by its JSON meaning, read within `scratch` (503 `busy` when the budget
-/// cannot supply what the body's objects need).
+/// cannot supply what the body's objects need). A `multipart/form-data` body that reads as its form
+/// counts by its parts whatever the policy says, and its `Content-Type` (when a fingerprint header)
+/// without the boundary: the boundary is drawn at random for every request.
 pub fn fingerprint(
     rules: &KeyRules,
     method: &Method,
@@ -190,10 +194,18 @@ pub fn fingerprint(
     body: &[u8],
     scratch: &mut Scratch<'_>,
 ) -> Result<[u8; 32], ProxyError> {
-    let mut hash = head_hash(method, uri, headers, &rules.fingerprint_headers);
-    match rules.fingerprint_body {
-        FingerprintBody::Bytes => hash_field(&mut hash, body),
-        FingerprintBody::Json => hash_json_body(&mut hash, body, &rules.fingerprint_exclude, scratch)?,
+    let form = multipart::Form::of(headers).and_then(|form| Some((form, form.digest(body)?)));
+    let names = &rules.fingerprint_headers;
+    let mut hash = head_hash(method, uri, headers, names, form.map(|(form, _)| form));
+    match (form, rules.fingerprint_body) {
+        (Some((_, parts)), _) => {
+            hash_field(&mut hash, b"multipart");
+            hash_field(&mut hash, &parts);
+        }
+        (None, FingerprintBody::Bytes) => hash_field(&mut hash, body),
+        (None, FingerprintBody::Json) => {
+            hash_json_body(&mut hash, body, &rules.fingerprint_exclude, scratch)?;
+        }
     }
     Ok(hash.finalize().into())
 }
@@ -229,22 +241,43 @@ fn fingerprint_of(
     names: &[HeaderName],
     body: &[u8],
 ) -> [u8; 32] {
-    let mut hash = head_hash(method, uri, headers, names);
+    let mut hash = head_hash(method, uri, headers, names, None);
     hash_field(&mut hash, body);
     hash.finalize().into()
 }
 
 /// The hash of the request's head as the fingerprint counts it. Every field is length-prefixed so no two
-/// different requests hash alike by shifting bytes between fields.
-fn head_hash(method: &Method, uri: &Uri, headers: &HeaderMap, names: &[HeaderName]) -> Sha256 {
+/// different requests hash alike by shifting bytes between fields. When the body is read as a `form`,
+/// its one `Content-Type` counts without the boundary parameter.
+fn head_hash(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    names: &[HeaderName],
+    form: Option<multipart::Form<'_>>,
+) -> Sha256 {
     let mut hash = Sha256::new();
     hash_field(&mut hash, method.as_str().as_bytes());
     let target = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
     hash_field(&mut hash, target.as_bytes());
     for name in names {
-        hash_header(&mut hash, name, headers);
+        match form {
+            Some(form) if name == CONTENT_TYPE => hash_form_type(&mut hash, form),
+            _ => hash_header(&mut hash, name, headers),
+        }
     }
     hash
+}
+
+/// A form's `Content-Type` as [`hash_header`] counts a header of one value, with the value's boundary
+/// parameter left out.
+fn hash_form_type(hash: &mut Sha256, form: multipart::Form<'_>) {
+    hash_field(hash, CONTENT_TYPE.as_str().as_bytes());
+    hash_count(hash, 1);
+    let [before, after] = form.without_boundary();
+    hash_count(hash, before.len() + after.len());
+    hash.update(before);
+    hash.update(after);
 }
 
 fn hash_field(hash: &mut Sha256, bytes: &[u8]) {

@@ -101,7 +101,10 @@ async fn an_answer_that_gives_the_request_back_is_not_accepted_and_its_repeat_ru
     assert_eq!(env.upstream.executions(), 2);
     // A 409 it got from the upstream is an answer, stored and replayed: accepted.
     let conflict = send_to(&proxy, "/status/409", "d3-stored", Some(&first_sent)).await;
-    assert_eq!((conflict.status.as_u16(), result(&conflict)), (409, Some("accepted")));
+    assert_eq!(
+        (conflict.status.as_u16(), result(&conflict)),
+        (409, Some("accepted"))
+    );
     let replayed = send_to(&proxy, "/status/409", "d3-stored", Some(&first_sent)).await;
     assert!(replayed.is_replay());
     assert_eq!(result(&replayed), Some("accepted"));
