@@ -246,26 +246,29 @@ impl Proxy {
         dialect: &Dialect,
         (statuses, repeatable): (&crate::config::ProblemStatuses, Option<&Route>),
     ) -> (Response<ProxyBody>, Outcome) {
-        let verdict = repeatable.and_then(|route| match &result {
-            Ok((_, Outcome::Replayed)) => Some("accepted"),
-            Ok((response, Outcome::Executed)) => {
-                (!route.policy.store.release.releases(response.status())).then_some("accepted")
+        match result {
+            Ok((mut response, outcome)) => {
+                if let Some(route) = repeatable {
+                    let kept = match outcome {
+                        Outcome::Replayed => true,
+                        Outcome::Executed => !route.policy.store.release.releases(response.status()),
+                        _ => false,
+                    };
+                    if kept {
+                        repeatability_result(&mut response, "accepted");
+                    }
+                }
+                (response, outcome)
             }
-            Err(ProxyError::InvalidKey(_)) => Some("rejected"),
-            _ => None,
-        });
-        let (mut response, outcome) = match result {
-            Ok(answered) => answered,
-            Err(error) => self.refused(error, dialect, statuses),
-        };
-        if let Some(verdict) = verdict {
-            let value = http::HeaderValue::from_static(verdict);
-            let headers = response.headers_mut();
-            headers
-                .entry(crate::headers::REPEATABILITY_RESULT_HEADER)
-                .or_insert(value);
+            Err(error) => {
+                let rejected = repeatable.is_some() && matches!(error, ProxyError::InvalidKey(_));
+                let (mut response, outcome) = self.refused(error, dialect, statuses);
+                if rejected {
+                    repeatability_result(&mut response, "rejected");
+                }
+                (response, outcome)
+            }
         }
-        (response, outcome)
     }
 
     /// A refusal, logged, counted and written in the request's `dialect`.
@@ -413,6 +416,15 @@ impl Proxy {
             ))
         })
     }
+}
+
+/// Says `Repeatability-Result: verdict` on `response`, unless the upstream said it itself.
+fn repeatability_result(response: &mut Response<ProxyBody>, verdict: &'static str) {
+    let value = http::HeaderValue::from_static(verdict);
+    let headers = response.headers_mut();
+    headers
+        .entry(crate::headers::REPEATABILITY_RESULT_HEADER)
+        .or_insert(value);
 }
 
 /// What becomes of a request of a method its route protects: `Some` goes on to [`Proxy::protected`]
