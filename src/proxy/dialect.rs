@@ -110,9 +110,7 @@ impl Dialect {
     /// call over HTTP carries one too), since a key's execution runs to its end, and is stored, however
     /// soon its client gives up.
     pub(crate) fn to_upstream(&self, headers: &mut HeaderMap, timeout: Duration) {
-        match self {
-            Dialect::Http | Dialect::Grpc | Dialect::JsonRpc(_) => grpc::set_deadline(headers, timeout),
-        }
+        grpc::set_deadline(headers, timeout);
     }
 
     /// What the head of the upstream's answer decides under the route's `rules`: the HTTP rules

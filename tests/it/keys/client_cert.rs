@@ -40,6 +40,18 @@ scope_client_cert = true
 
 /// `POST /transfers` with `key` over TLS, presenting `client` (if any).
 async fn transfer(proxy: &InProcessProxy, server_ca: &TestCa, client: Option<&Leaf>, key: &str) -> Reply {
+    try_transfer(proxy, server_ca, client, key)
+        .await
+        .expect("send the request and read the answer")
+}
+
+/// [`transfer`], or the error that ended it (a handshake the proxy refused).
+async fn try_transfer(
+    proxy: &InProcessProxy,
+    server_ca: &TestCa,
+    client: Option<&Leaf>,
+    key: &str,
+) -> Result<Reply, reqwest::Error> {
     let port = proxy.url.rsplit(':').next().unwrap();
     let trusted = reqwest::Certificate::from_pem(server_ca.pem().as_bytes()).unwrap();
     let mut builder = reqwest::Client::builder()
@@ -57,7 +69,7 @@ async fn transfer(proxy: &InProcessProxy, server_ca: &TestCa, client: Option<&Le
         .header("idempotency-key", key)
         .header("authorization", TEST_CREDENTIAL)
         .body(r#"{"amount":100}"#);
-    Reply::of(request).await
+    Reply::try_of(request).await
 }
 
 #[tokio::test]
@@ -90,5 +102,16 @@ async fn a_certificate_renewed_on_its_key_keeps_its_scope_and_another_key_is_ano
 
     let anonymous = transfer(&proxy, &server_ca, None, "transfer-1").await;
     anonymous.assert_problem(400, "missing-scope");
+    assert_eq!(env.upstream.executions(), 2);
+
+    // A certificate on the client's very key, but from an authority the proxy does not take: no
+    // handshake, so its key names no one and nothing of the client's is replayed to it.
+    let forger = TestCa::new("forger");
+    let forged = forger.issue_on_key("acme-payments", &first.key_pem);
+    let refused = try_transfer(&proxy, &server_ca, Some(&forged), "transfer-1").await;
+    assert!(
+        refused.is_err(),
+        "a certificate from another authority is refused: {refused:?}"
+    );
     assert_eq!(env.upstream.executions(), 2);
 }
