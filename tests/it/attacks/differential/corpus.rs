@@ -95,6 +95,10 @@ const FORGED: &str = "stripe-signature: {badsig}";
 const SMUGGLED: &str =
     "0\r\n\r\nPOST /payments HTTP/1.1\r\nhost: {host}\r\nx-diff-case: {case}\r\ncontent-length: 2\r\n\r\n{}";
 
+/// A form of one file, its boundary `X7q` (117 bytes): what an upload client sends.
+const FORM: &str = "--X7q\r\nContent-Disposition: form-data; name=\"receipt\"; filename=\"r.txt\"\r\n\
+                    Content-Type: text/plain\r\n\r\nhello\r\n--X7q--\r\n";
+
 #[rustfmt::skip]
 pub const CASES: &[Case] = &[
     // Controls: the canonical spellings, so a harness that sees nothing fails.
@@ -155,6 +159,11 @@ pub const CASES: &[Case] = &[
     case("Transfer-Encoding identity, chunked", H1, "POST /other", &["Transfer-Encoding: identity, chunked"], Raw(SMUGGLED), Any),
     case("Expect: 100-continue keyed", H1, "POST /payments", &[KEY, "Expect: 100-continue"], Json, Runs("payments")),
     case("Expect: 100-continue keyless", H1, "POST /payments", &["Expect: 100-continue"], Json, Refused),
+    // Forms: fingerprinted by their parts (not their boundary), forwarded byte for byte.
+    case("multipart upload keyed", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q", "Content-Length: 117"], Raw(FORM), Runs("payments")),
+    case("multipart two boundary parameters", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q; boundary=Zz", "Content-Length: 117"], Raw(FORM), Any),
+    case("multipart boundary not in the body", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=Nope", "Content-Length: 117"], Raw(FORM), Any),
+    case("multipart and a second Content-Type", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q", "Content-Type: application/json", "Content-Length: 117"], Raw(FORM), Any),
     // Upgrades.
     case("Upgrade: h2c keyless", H1, "POST /payments", &["Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAAP__"], Json, Any),
     case("Upgrade: h2c passthrough", H1, "GET /other", &["Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAAP__"], Empty, Any),
