@@ -10,7 +10,8 @@ local path = os.getenv("BENCH_PATH") or "/orders"
 local nonce = os.getenv("BENCH_NONCE") or tostring(os.time())
 local order = '{"amount":1000,"currency":"EUR","customer":"c_123"}'
 -- Keyed requests carry a credential, as real clients do: without one the proxy refuses them (400).
-local credential = "Bearer bench-client"
+-- BENCH_CREDENTIAL replaces it (a bearer JWT, to measure a route with scope_jwt).
+local credential = os.getenv("BENCH_CREDENTIAL") or "Bearer bench-client"
 
 local threads = 0
 function setup(thread)

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::body::{self, ProxyBody};
+use crate::jwks::KeySets;
 use crate::metrics::Metrics;
 use crate::store::{StoreError, StoreHandle};
 
@@ -27,6 +28,7 @@ pub struct Admin {
     store: StoreHandle,
     shutdown: CancellationToken,
     readiness: Arc<Readiness>,
+    key_sets: Arc<KeySets>,
 }
 
 /// The last store ping's answer, shared by every admin connection. A probe that comes while a ping runs
@@ -107,7 +109,14 @@ impl Admin {
             store,
             shutdown,
             readiness: Arc::default(),
+            key_sets: Arc::default(),
         }
+    }
+
+    /// `/readyz` also waits for the first read of each of these key sets (`scope_jwt`): until then,
+    /// keyed requests on their routes are refused.
+    pub fn waiting_for_keys(self, key_sets: Arc<KeySets>) -> Admin {
+        Admin { key_sets, ..self }
     }
 
     /// Answers one admin request.
@@ -138,6 +147,12 @@ impl Admin {
     async fn readyz(&self) -> Response<ProxyBody> {
         if self.shutdown.is_cancelled() {
             return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
+        }
+        if self.key_sets.waiting_for().is_some() {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "waiting for the first read of a JWKS (scope_jwt)\n",
+            );
         }
         self.readiness
             .store_answers(&self.store, &self.metrics)

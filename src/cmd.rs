@@ -181,12 +181,17 @@ pub struct ClientArgs {
     /// a cookie (scope_cookie).
     #[arg(long, value_name = "COOKIES")]
     pub cookie: Option<String>,
+    /// The certificate the client presents (PEM, its own first), for a route whose scope is a client
+    /// certificate (scope_client_cert). On a route with scope_jwt, --header 'Authorization: Bearer <jwt>'
+    /// names the token's subject (read, not verified: the token may have expired since).
+    #[arg(long, value_name = "FILE")]
+    pub client_cert: Option<std::path::PathBuf>,
 }
 
 impl ClientArgs {
     /// Whether a credential was given (a header or a cookie).
     pub fn has_credential(&self) -> bool {
-        !self.headers.is_empty() || self.cookie.is_some()
+        !self.headers.is_empty() || self.cookie.is_some() || self.client_cert.is_some()
     }
 
     /// Whether a route was named, by name or by path.

@@ -17,6 +17,8 @@ mod encryption;
 mod error;
 mod grpc;
 mod idempotency;
+pub mod jwk_set;
+mod jwt;
 mod key_source;
 mod log;
 mod mask;
@@ -51,6 +53,7 @@ pub use idempotency::{
     ClaimRules, FingerprintBody, KeyRules, OnInFlight, OnUnknownOutcome, Policy, ProblemStatuses,
     REPEATABILITY_CLOCK_SKEW, RawIdempotency, ReleasePolicy, StoreRules, Unscoped,
 };
+pub use jwt::{JwksSource, JwtRules, RawScopeJwt};
 pub use key_source::{KeyPart, KeySource};
 pub use log::{LogConfig, LogFormat, Masked, MaskedStderr};
 pub use mask::mask_passwords;

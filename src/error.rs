@@ -76,6 +76,13 @@ pub enum ProxyError {
     /// proxy's own words for what was wrong (never the request's content nor a secret).
     #[error("webhook signature not verified: {0}")]
     SignatureInvalid(String),
+    /// On a route with `scope_jwt`: the keyed request's bearer token did not verify; the text is the
+    /// proxy's own words for what was wrong (never the token).
+    #[error("bearer token not valid: {0}")]
+    InvalidToken(String),
+    /// On a route with `scope_jwt`: the key set its tokens are verified with has not been read yet.
+    #[error("the key set bearer tokens are verified with has not been read yet")]
+    KeysUnavailable,
     /// The keyed request body is over `max_request_body`.
     #[error("request body exceeds {limit} bytes")]
     RequestTooLarge {
@@ -149,7 +156,8 @@ impl ProxyError {
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_) => StatusCode::BAD_REQUEST,
-            ProxyError::SignatureInvalid(_) => StatusCode::UNAUTHORIZED,
+            ProxyError::SignatureInvalid(_) | ProxyError::InvalidToken(_) => StatusCode::UNAUTHORIZED,
+            ProxyError::KeysUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::KeyInFlight { .. } => StatusCode::CONFLICT,
@@ -179,6 +187,8 @@ impl ProxyError {
             ProxyError::RepeatabilityExpired(_) => "repeatability-expired",
             ProxyError::MissingScope(_) => "missing-scope",
             ProxyError::SignatureInvalid(_) => "signature-invalid",
+            ProxyError::InvalidToken(_) => "invalid-token",
+            ProxyError::KeysUnavailable => "keys-unavailable",
             ProxyError::RequestTooLarge { .. } => "request-too-large",
             ProxyError::ClientBody(_) => "bad-request-body",
             ProxyError::NonNormalPath(_) => "non-normal-path",
@@ -207,6 +217,8 @@ impl ProxyError {
             ProxyError::RepeatabilityExpired(_) => "Request first sent outside the repeatability window",
             ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::SignatureInvalid(_) => "Webhook signature not verified",
+            ProxyError::InvalidToken(_) => "Bearer token not valid",
+            ProxyError::KeysUnavailable => "Token keys not read yet",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
             ProxyError::ClientBody(_) => "Request body unreadable",
             ProxyError::NonNormalPath(_) => "Path not accepted",
@@ -251,6 +263,15 @@ impl ProxyError {
                 "This request was first sent {why}: whether it ran before cannot be told, so it is not \
                  run. Send it as a new request, with a new Repeatability-Request-ID."
             ),
+            ProxyError::InvalidToken(why) => format!(
+                "The bearer token names who sent this keyed request, so it must verify: {why}. \
+                 Nothing was claimed or forwarded; send it again with a valid token."
+            ),
+            ProxyError::KeysUnavailable => {
+                "The keys bearer tokens are verified with here have not been read yet; nothing was \
+                 claimed or forwarded. Try again shortly."
+                    .into()
+            }
             ProxyError::MissingScope(headers) => format!(
                 "A request with an idempotency key must carry a credential in one of {headers}, so \
                  that one client's key never answers another's; or the proxy must be configured with \
@@ -323,6 +344,8 @@ impl ProxyError {
             | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
+            | ProxyError::InvalidToken(_)
+            | ProxyError::KeysUnavailable
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_)
@@ -367,7 +390,7 @@ impl ProxyError {
             | ProxyError::KeyReused => INVALID_ARGUMENT,
             // Not to be sent again as it is: only a new request (a new id, sent now) can run.
             ProxyError::RepeatabilityExpired(_) => FAILED_PRECONDITION,
-            ProxyError::SignatureInvalid(_) => UNAUTHENTICATED,
+            ProxyError::SignatureInvalid(_) | ProxyError::InvalidToken(_) => UNAUTHENTICATED,
             ProxyError::RequestTooLarge { .. } => RESOURCE_EXHAUSTED,
             ProxyError::MethodNotAllowed(_) => UNIMPLEMENTED,
             // Run again later: the original is still running, and its answer will be there.
@@ -379,6 +402,7 @@ impl ProxyError {
             ProxyError::StoreUnavailable(_)
             | ProxyError::UpstreamUnreachable(_)
             | ProxyError::UpstreamBroken(_)
+            | ProxyError::KeysUnavailable
             | ProxyError::Busy(_) => UNAVAILABLE,
             ProxyError::UpstreamTimeout(_) | ProxyError::RequestTimeout(_) => DEADLINE_EXCEEDED,
             ProxyError::UpstreamInvalidResponse(_) => INTERNAL,
@@ -405,6 +429,8 @@ impl ProxyError {
             | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
+            | ProxyError::InvalidToken(_)
+            | ProxyError::KeysUnavailable
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::ClientBody(_)
             | ProxyError::NonNormalPath(_)
@@ -428,6 +454,7 @@ impl ProxyError {
             | ProxyError::UpstreamBroken(_)
             | ProxyError::UpstreamTimeout(_)
             | ProxyError::RequestTimeout(_)
+            | ProxyError::KeysUnavailable
             | ProxyError::Busy(_) => true,
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
@@ -437,6 +464,7 @@ impl ProxyError {
             | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
             | ProxyError::SignatureInvalid(_)
+            | ProxyError::InvalidToken(_)
             | ProxyError::RequestTooLarge { .. }
             | ProxyError::NonNormalPath(_)
             | ProxyError::MethodNotAllowed(_)
@@ -469,7 +497,7 @@ impl ProxyError {
             ProxyError::KeyInFlight { retry_after } => {
                 Some(retry_after.as_millis().div_ceil(1000).max(1) as u64)
             }
-            ProxyError::StoreUnavailable(_) | ProxyError::Busy(_) => Some(1),
+            ProxyError::StoreUnavailable(_) | ProxyError::KeysUnavailable | ProxyError::Busy(_) => Some(1),
             _ => None,
         }
     }
@@ -510,6 +538,13 @@ impl ProxyError {
             headers.insert(
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static(SIGNATURE_CHALLENGE),
+            );
+        }
+        if matches!(self, ProxyError::InvalidToken(_)) {
+            // RFC 6750 §3.1: the token was presented and did not verify.
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(BEARER_CHALLENGE),
             );
         }
         if matches!(self, ProxyError::MethodNotAllowed(_)) {
@@ -581,6 +616,9 @@ const GRPC_MESSAGE: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.ad
 
 /// The challenge of a 401 `signature-invalid`: the request must carry its sender's webhook signature.
 const SIGNATURE_CHALLENGE: &str = "Webhook-Signature";
+
+/// The challenge of a bearer token that did not verify (RFC 6750 §3.1).
+const BEARER_CHALLENGE: &str = "Bearer error=\"invalid_token\"";
 
 /// The methods the proxy forwards, for the `Allow` header of a 405.
 const FORWARDED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
@@ -662,6 +700,8 @@ mod tests {
             ProxyError::JsonRpcBatch,
             ProxyError::RepeatabilityInvalid("no Repeatability-First-Sent".into()),
             ProxyError::RepeatabilityExpired("10 minutes ago".into()),
+            ProxyError::InvalidToken("the token has expired (exp)".into()),
+            ProxyError::KeysUnavailable,
         ]
     }
 
@@ -692,6 +732,8 @@ mod tests {
             ProxyError::JsonRpcBatch => 21,
             ProxyError::RepeatabilityInvalid(_) => 22,
             ProxyError::RepeatabilityExpired(_) => 23,
+            ProxyError::InvalidToken(_) => 24,
+            ProxyError::KeysUnavailable => 25,
         }
     }
 

@@ -60,6 +60,7 @@ pub mod demo;
 pub mod error;
 pub mod error_chain;
 pub mod headers;
+pub mod jwks;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;
@@ -77,6 +78,7 @@ pub use config::Config;
 
 use crate::admin::Admin;
 use crate::config::ListenAddr;
+use crate::jwks::KeySets;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::reload::Reload;
@@ -248,15 +250,17 @@ async fn serve(
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
     let serving = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
+    let key_sets = KeySets::of(&config);
+    key_sets.spawn_refresh(&shutdown);
     let proxy = Proxy::new(
         &config,
-        &serving,
+        (&serving, &key_sets),
         metrics.clone(),
         tracker,
         waiters,
         shutdown.clone(),
     );
-    let admin = Admin::new(metrics, serving.store, shutdown.clone());
+    let admin = Admin::new(metrics, serving.store, shutdown.clone()).waiting_for_keys(key_sets);
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.address, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
     let proxy = server::ProxyListener {
@@ -289,6 +293,9 @@ fn announce_config(config: &Config) {
     }
     for warning in config.warnings() {
         tracing::warn!(key = %warning.key, "{}", warning.message);
+    }
+    for note in config.notes() {
+        tracing::info!(key = %note.key, "{}", note.message);
     }
 }
 

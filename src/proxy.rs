@@ -63,6 +63,7 @@ use crate::access::{self, Line};
 use crate::body::ProxyBody;
 use crate::config::{Config, KeySource, PathRules, Route, RouteTable};
 use crate::error::ProxyError;
+use crate::jwks::KeySets;
 use crate::metrics::{Metrics, Outcome, RouteSeries, RouteSet};
 use crate::otlp;
 use crate::store::Serving;
@@ -105,7 +106,7 @@ impl Proxy {
     /// their waits.
     pub fn new(
         config: &Config,
-        serving: &Serving,
+        (serving, key_sets): (&Serving, &Arc<KeySets>),
         metrics: Metrics,
         tracker: TaskTracker,
         waiters: Arc<Waiters>,
@@ -143,7 +144,7 @@ impl Proxy {
             access_log: config.log.access,
             traced: otlp::traced(&config.traces),
             problem_base: server.problem_type_base.as_str().into(),
-            intake: Intake::new(config, metrics.clone(), trailers),
+            intake: Intake::new(config, metrics.clone(), trailers, key_sets.clone()),
             forward,
             metrics,
         }

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
 use super::grpc::GrpcOutcomes;
+use super::jwt::{JwtRules, RawScopeJwt};
 use super::key_source::{KeySource, parse_pointer};
 use super::parse::{exact_size, parse_header, parse_headers, positive};
 use super::signature::{ProcessSecrets, RawSignature, SecretReader, SignatureConfig};
@@ -120,6 +121,10 @@ pub struct RawIdempotency {
     /// Whether a TLS client certificate (its public key) also separates clients; needs
     /// `server.tls.client_ca`.
     pub scope_client_cert: bool,
+    /// The bearer token verified (signature, times, issuer, audience), its claims separating clients
+    /// in place of the `Authorization` header's spelling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope_jwt: Option<RawScopeJwt>,
     /// A response header telling the client when its key expires (an HTTP date); absent means none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expires_header: Option<String>,
@@ -159,6 +164,7 @@ impl Default for RawIdempotency {
             repeatability_window: Duration::from_secs(5 * 60),
             scope_cookie: None,
             scope_client_cert: false,
+            scope_jwt: None,
             expires_header: None,
             signature: None,
         }
@@ -264,6 +270,8 @@ pub struct KeyRules {
     pub scope_cookie: Option<String>,
     /// Whether a TLS client certificate's public key also separates clients.
     pub scope_client_cert: bool,
+    /// The bearer token's verified claims, separating clients.
+    pub scope_jwt: Option<Arc<JwtRules>>,
     /// Keyed requests without a scope header: refused or shared.
     pub unscoped: Unscoped,
     /// Fingerprint headers, lower-case.
@@ -388,6 +396,7 @@ impl RawIdempotency {
         if self.scope_headers.is_empty()
             && self.scope_cookie.is_none()
             && !self.scope_client_cert
+            && self.scope_jwt.is_none()
             && self.unscoped == Unscoped::Reject
         {
             return Err(ConfigError::new(
@@ -419,9 +428,14 @@ impl RawIdempotency {
                 required: self.required,
                 max_key_length: self.max_key_length,
                 max_request_body: self.max_request_body.as_u64(),
-                scope_headers: parse_headers(&key("scope_headers"), &self.scope_headers)?,
+                scope_headers: self.scope_headers(&key("scope_headers"))?,
                 scope_cookie: self.scope_cookie(&key("scope_cookie"))?,
                 scope_client_cert: self.scope_client_cert,
+                scope_jwt: self
+                    .scope_jwt
+                    .as_ref()
+                    .map(|raw| raw.validate(&key("scope_jwt")).map(Arc::new))
+                    .transpose()?,
                 unscoped: self.unscoped,
                 fingerprint_headers,
                 fingerprint_body,
@@ -512,6 +526,16 @@ impl RawIdempotency {
                 p => Ok(p),
             })
             .collect()
+    }
+
+    /// The scope headers; with `scope_jwt`, never `Authorization`, whose verified claims stand for it:
+    /// hashing its spelling too would make a refreshed token another client again.
+    fn scope_headers(&self, key: &str) -> Result<Vec<HeaderName>, ConfigError> {
+        let mut headers = parse_headers(key, &self.scope_headers)?;
+        if self.scope_jwt.is_some() {
+            headers.retain(|name| name != http::header::AUTHORIZATION);
+        }
+        Ok(headers)
     }
 
     fn scope_cookie(&self, key: &str) -> Result<Option<String>, ConfigError> {

@@ -37,12 +37,46 @@ impl Config {
         found
     }
 
-    /// What `check-config` prints: a comment line for each warning and for the service-link variables
-    /// left out, then the effective configuration ([`Config::to_masked_toml`]).
+    /// What is worth knowing about this configuration but not risky enough to refuse it under
+    /// `--deny-warnings`: routes whose scope is the `Authorization` header as sent, which is stable for an
+    /// API key and not for an OAuth access token (a retry with a refreshed token runs again).
+    pub fn notes(&self) -> Vec<Warning> {
+        let routes = self.routes.routes.iter().map(|r| &**r);
+        let by_spelling: Vec<&str> = routes
+            .chain(std::iter::once(&*self.routes.default))
+            .filter(|route| !route.passthrough && scopes_by_spelling(route))
+            .map(|route| route.name.as_str())
+            .collect();
+        if by_spelling.is_empty() {
+            return Vec::new();
+        }
+        vec![Warning {
+            key: "scope_headers".to_owned(),
+            message: format!(
+                "route{} {} scope{} keys by the Authorization header as sent: right for an API key, but \
+                 an OAuth or OIDC access token changes when it is refreshed, and a retry sent with the \
+                 new one runs again; for bearer tokens set scope_jwt (the token's verified subject), or \
+                 scope_client_cert for client certificates",
+                if by_spelling.len() == 1 { "" } else { "s" },
+                by_spelling
+                    .iter()
+                    .map(|name| format!("{name:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if by_spelling.len() == 1 { "s" } else { "" },
+            ),
+        }]
+    }
+
+    /// What `check-config` prints: a comment line for each warning, each note ([`Config::notes`]) and
+    /// the service-link variables left out, then the effective configuration ([`Config::to_masked_toml`]).
     pub fn to_checked_toml(&self, warnings: &[Warning]) -> String {
         let mut text = String::new();
         for warning in warnings {
             text.push_str(&format!("# {warning}\n"));
+        }
+        for note in self.notes() {
+            text.push_str(&format!("# note: {}: {}\n", note.key, note.message));
         }
         if !self.service_links.is_empty() {
             text.push_str(&format!(
@@ -194,6 +228,14 @@ fn differences(a: &Route, b: &Route) -> Vec<&'static str> {
         .collect()
 }
 
+/// Whether a route's scope is the `Authorization` header's spelling, with no stable identity beside it.
+fn scopes_by_spelling(route: &Route) -> bool {
+    let key = &route.policy.key;
+    key.scope_headers.contains(&http::header::AUTHORIZATION)
+        && key.scope_jwt.is_none()
+        && !key.scope_client_cert
+}
+
 /// A scope shared by every client, with nothing proving who sent a request: any client that sends
 /// another's key gets the other's stored response.
 fn unscoped_without_signature(index: usize, route: &Route, found: &mut Vec<Warning>) {
@@ -226,6 +268,32 @@ mod tests {
     #[test]
     fn the_defaults_are_not_risky() {
         assert!(keys("").is_empty());
+    }
+
+    #[test]
+    fn a_scope_by_the_authorization_spelling_is_noted_and_not_with_a_stable_identity() {
+        let notes = |toml: &str| Config::from_toml_str(toml).expect("valid").notes();
+        let defaults = notes("");
+        assert_eq!(defaults.len(), 1);
+        assert!(
+            defaults[0].message.contains("route \"default\" scopes"),
+            "{:?}",
+            defaults
+        );
+        assert!(defaults[0].message.contains("scope_jwt"));
+        let api_key = "[idempotency]\nscope_headers = [\"x-api-key\"]\n";
+        assert!(notes(api_key).is_empty());
+        let dir = std::env::temp_dir().join(format!("idemproxy-notes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("jwks.json");
+        let set = r#"{"keys":[{"kty":"OKP","crv":"Ed25519","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo","kid":"a"}]}"#;
+        std::fs::write(&file, set).unwrap();
+        let jwt = format!(
+            "[idempotency.scope_jwt]\njwks_file = {:?}\n",
+            file.display().to_string()
+        );
+        assert!(notes(&jwt).is_empty(), "{:?}", notes(&jwt));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -21,12 +21,15 @@ use super::budget::{BodyBudget, ReservedBody};
 use super::client_body::{self, GuardedBody, Trailers};
 use super::dialect::Dialect;
 use super::downstream::Downstream;
+use super::key::Presented;
 use super::key::client_cert::ClientCert;
+use super::key::jwt::{self, Subject};
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
 use crate::config::{Config, DEFAULT_ROUTE, Policy, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
+use crate::jwks::KeySets;
 use crate::metrics::Metrics;
 use crate::store::{ClaimRequest, RecordId};
 
@@ -39,6 +42,8 @@ pub(crate) struct Intake {
     examiners: Examiners,
     /// How a body's trailers are cleaned.
     trailers: Arc<TrailerRules>,
+    /// The key sets bearer tokens are verified with (`scope_jwt`).
+    key_sets: Arc<KeySets>,
     metrics: Metrics,
 }
 
@@ -69,12 +74,18 @@ pub(crate) struct Unkeyed {
 }
 
 impl Intake {
-    pub(crate) fn new(config: &Config, metrics: Metrics, trailers: Arc<TrailerRules>) -> Intake {
+    pub(crate) fn new(
+        config: &Config,
+        metrics: Metrics,
+        trailers: Arc<TrailerRules>,
+        key_sets: Arc<KeySets>,
+    ) -> Intake {
         Intake {
             budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
             body_read_timeout: config.server.body_read_timeout,
             examiners: Examiners::per_cpu(),
             trailers,
+            key_sets,
             metrics,
         }
     }
@@ -99,6 +110,12 @@ impl Intake {
                 (request.headers(), request.extensions().get::<ClientCert>()),
             )?;
         }
+        // A key from the head: the token is verified before the body is waited for. A key from the body
+        // has it verified once the body holds one: a request without a key is the app's to judge.
+        let mut subject = match key {
+            Some(_) => self.subject(&route, request.headers()).await?,
+            None => None,
+        };
         let (parts, body) = request.into_parts();
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
         signature::check(&route.policy, &parts.headers, &body.bytes, &self.metrics).await?;
@@ -113,7 +130,10 @@ impl Intake {
             }
             return Ok(Err(Unkeyed { parts, body }));
         };
-        let claim = claim_request(&route, &parts, key, fingerprint);
+        if subject.is_none() {
+            subject = self.subject(&route, &parts.headers).await?;
+        }
+        let claim = claim_request(&route, &parts, (key, fingerprint), subject.as_ref());
         access::key(|| claim.id.key_hash());
         Ok(Ok(Ticket {
             route,
@@ -123,6 +143,19 @@ impl Intake {
             parts,
             body,
         }))
+    }
+
+    /// The client a keyed request's bearer token names, verified, on a `scope_jwt` route: `None` on
+    /// other routes and for a request with no bearer token (the scope check has had its say on that).
+    async fn subject(&self, route: &Route, headers: &HeaderMap) -> Result<Option<Subject>, ProxyError> {
+        let Some(rules) = &route.policy.key.scope_jwt else {
+            return Ok(None);
+        };
+        let set = self
+            .key_sets
+            .get(&rules.source)
+            .ok_or(ProxyError::KeysUnavailable)?;
+        jwt::subject(rules, set, headers).await
     }
 
     /// Takes in a request its route does not protect but whose signature it checks: its body, read whole
@@ -214,6 +247,9 @@ fn scope_setting(route: &Route, policy: &Policy) -> String {
     if policy.key.scope_client_cert {
         names.push("a TLS client certificate".to_owned());
     }
+    if policy.key.scope_jwt.is_some() {
+        names.push("a bearer token (scope_jwt)".to_owned());
+    }
     let names = names.join(", ");
     match route.name.as_str() {
         DEFAULT_ROUTE => format!("idempotency.scope_headers ({names})"),
@@ -221,16 +257,20 @@ fn scope_setting(route: &Route, policy: &Policy) -> String {
     }
 }
 
-fn claim_request(route: &Route, parts: &request::Parts, key: String, fingerprint: [u8; 32]) -> ClaimRequest {
+fn claim_request(
+    route: &Route,
+    parts: &request::Parts,
+    (key, fingerprint): (String, [u8; 32]),
+    subject: Option<&Subject>,
+) -> ClaimRequest {
     let policy = &route.policy;
+    let presented = Presented {
+        cert: parts.extensions.get::<ClientCert>(),
+        subject,
+    };
     ClaimRequest {
         id: RecordId {
-            scope: key::scope_with(
-                &route.scope,
-                &policy.key,
-                &parts.headers,
-                parts.extensions.get::<ClientCert>(),
-            ),
+            scope: key::scope_with(&route.scope, &policy.key, &parts.headers, presented),
             key,
             token: Uuid::new_v4(),
         },

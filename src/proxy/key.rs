@@ -14,6 +14,7 @@ pub mod cloudevents;
 pub mod cookie;
 pub mod credential;
 pub mod json;
+pub mod jwt;
 pub mod multipart;
 pub mod pointer;
 pub mod repeatability;
@@ -25,6 +26,7 @@ use sha2::{Digest, Sha256};
 
 use self::client_cert::ClientCert;
 use self::json::Scratch;
+use self::jwt::Subject;
 use crate::config::{FingerprintBody, KeyRules};
 use crate::error::{Busy, ProxyError};
 
@@ -99,6 +101,10 @@ pub fn has_scope_with(rules: &KeyRules, headers: &HeaderMap, client: Option<&Cli
     if rules.scope_client_cert && client.is_some() {
         return true;
     }
+    // A bearer token names a client on a `scope_jwt` route; verifying it decides whether truly.
+    if rules.scope_jwt.is_some() && jwt::has_bearer(headers) {
+        return true;
+    }
     let by_header = rules
         .scope_headers
         .iter()
@@ -114,17 +120,28 @@ pub fn has_scope_with(rules: &KeyRules, headers: &HeaderMap, client: Option<&Cli
 /// and the scope cookie's, so clients with different credentials never share keys and credentials are
 /// never stored.
 pub fn scope(scope_name: &str, rules: &KeyRules, headers: &HeaderMap) -> String {
-    scope_with(scope_name, rules, headers, None)
+    scope_with(scope_name, rules, headers, Presented::default())
 }
 
-/// [`scope`], where the request's connection presented `client`: on a route with `scope_client_cert`,
-/// its certificate's public key is hashed after the headers and the cookie, behind a field no header
-/// can hold, so a client is the same client on every certificate renewed on its key.
+/// Who the client showed itself to be beyond its headers: the certificate its connection presented, and
+/// the subject its verified bearer token names.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Presented<'a> {
+    /// The client certificate's identity, on a connection that presented one.
+    pub cert: Option<&'a ClientCert>,
+    /// The verified token's subject, on a `scope_jwt` route.
+    pub subject: Option<&'a Subject>,
+}
+
+/// [`scope`], where the client `presented` more: on a route with `scope_client_cert`, its certificate's
+/// public key is hashed after the headers and the cookie, behind a field no header can hold, so a client
+/// is the same client on every certificate renewed on its key; on a route with `scope_jwt`, so are its
+/// token's verified claims, so a client is the same client on every token refreshed for it.
 pub fn scope_with(
     scope_name: &str,
     rules: &KeyRules,
     headers: &HeaderMap,
-    client: Option<&ClientCert>,
+    presented: Presented<'_>,
 ) -> String {
     let mut hash = Sha256::new();
     for name in &rules.scope_headers {
@@ -135,8 +152,15 @@ pub fn scope_with(
     }
     if rules.scope_client_cert {
         hash_field(&mut hash, b"\0client-cert");
-        match client {
+        match presented.cert {
             Some(client) => hash_field(&mut hash, &client.0),
+            None => hash_count(&mut hash, 0),
+        }
+    }
+    if rules.scope_jwt.is_some() {
+        hash_field(&mut hash, b"\0jwt");
+        match presented.subject {
+            Some(subject) => hash_field(&mut hash, &subject.0),
             None => hash_count(&mut hash, 0),
         }
     }

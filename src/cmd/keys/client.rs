@@ -11,6 +11,7 @@ use super::report::{KeysError, Output, Report};
 use crate::cmd::ClientArgs;
 use crate::config::{Config, DEFAULT_ROUTE, Route, Unscoped, normal};
 use crate::proxy::key;
+use crate::proxy::key::client_cert::ClientCert;
 use crate::store::RecordInfo;
 use crate::store::ScopeFilter;
 
@@ -61,10 +62,20 @@ impl Client {
             });
         }
         let headers = headers(args)?;
+        let cert = client_cert(args)?;
+        let subject = match &route.policy.key.scope_jwt {
+            Some(rules) => key::jwt::unverified_subject(rules, &headers)
+                .map_err(|why| KeysError::Usage(format!("--header Authorization: {why}")))?,
+            None => None,
+        };
+        let presented = key::Presented {
+            cert: cert.as_ref(),
+            subject: subject.as_ref(),
+        };
         Ok(Client::Credential {
             route: route.name.clone(),
-            scope: key::scope(&route.scope, &route.policy.key, &headers),
-            refused: refused(route, &headers),
+            scope: key::scope_with(&route.scope, &route.policy.key, &headers, presented),
+            refused: refused(route, &headers, cert.as_ref()),
         })
     }
 
@@ -149,14 +160,34 @@ fn headers(args: &ClientArgs) -> Result<HeaderMap, KeysError> {
     Ok(headers)
 }
 
-/// Why the proxy would refuse a keyed request with these headers on `route` for naming no client.
-fn refused(route: &Route, headers: &HeaderMap) -> Option<String> {
+/// The identity of the client certificate --client-cert names (its first certificate, PEM).
+fn client_cert(args: &ClientArgs) -> Result<Option<ClientCert>, KeysError> {
+    let Some(path) = &args.client_cert else {
+        return Ok(None);
+    };
+    let bad = |why: String| KeysError::Usage(format!("--client-cert {}: {why}", path.display()));
+    let chain = crate::config::tls::certificates(path).map_err(bad)?;
+    let leaf = chain.first().ok_or_else(|| bad("holds no certificate".into()))?;
+    ClientCert::of(leaf)
+        .map(Some)
+        .ok_or_else(|| bad("not an X.509 certificate".into()))
+}
+
+/// Why the proxy would refuse a keyed request with these headers (and certificate) on `route` for
+/// naming no client.
+fn refused(route: &Route, headers: &HeaderMap, cert: Option<&ClientCert>) -> Option<String> {
     let policy = &route.policy;
-    if policy.key.unscoped == Unscoped::Shared || key::has_scope(&policy.key, headers) {
+    if policy.key.unscoped == Unscoped::Shared || key::has_scope_with(&policy.key, headers, cert) {
         return None;
     }
     let mut names: Vec<String> = policy.key.scope_headers.iter().map(|h| h.to_string()).collect();
     names.extend(policy.key.scope_cookie.iter().map(|c| format!("cookie {c}")));
+    if policy.key.scope_client_cert {
+        names.push("a client certificate (--client-cert)".to_owned());
+    }
+    if policy.key.scope_jwt.is_some() {
+        names.push("a bearer token".to_owned());
+    }
     Some(format!(
         "these headers name no client on route {:?} (it reads {}): the proxy refuses such keyed \
          requests (400 missing-scope), so no record can have this scope",
@@ -194,6 +225,7 @@ mod tests {
             method: "post".into(),
             headers: headers.iter().map(|h| (*h).to_owned()).collect(),
             cookie: None,
+            client_cert: None,
         }
     }
 
@@ -259,6 +291,52 @@ mod tests {
             } => assert!(why.contains("x-api-key"), "{why}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// An unsigned token's text with these claims (the CLI reads tokens without verifying them).
+    fn token(claims: &str) -> String {
+        use base64::Engine as _;
+        let b64 = |text: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text);
+        format!(
+            "Bearer {}.{}.c2ln",
+            b64(r#"{"alg":"RS256","kid":"k"}"#),
+            b64(claims)
+        )
+    }
+
+    #[test]
+    fn a_bearer_token_names_its_subject_on_a_scope_jwt_route_whatever_its_other_claims() {
+        let dir = tempfile::tempdir().unwrap();
+        let jwks = dir.path().join("jwks.json");
+        std::fs::write(
+            &jwks,
+            r#"{"keys":[{"kty":"OKP","crv":"Ed25519","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"}]}"#,
+        )
+        .unwrap();
+        let toml = format!(
+            "[[routes]]\nname = \"payments\"\npath = \"/p\"\nscope_jwt = {{ jwks_file = {:?} }}\n",
+            jwks.display().to_string()
+        );
+        let config = Config::from_toml_str(&toml).expect("valid");
+        let scope_of = |claims: &str| {
+            let header = format!("Authorization: {}", token(claims));
+            match Client::resolve(&config, None, &args(Some("payments"), None, &[&header])).unwrap() {
+                Client::Credential { scope, refused, .. } => {
+                    assert_eq!(refused, None);
+                    scope
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        let alice = scope_of(r#"{"iss":"https://i/","sub":"alice","exp":1}"#);
+        assert_eq!(
+            alice,
+            scope_of(r#"{"iss":"https://i/","sub":"alice","exp":99,"jti":"x"}"#)
+        );
+        assert_ne!(alice, scope_of(r#"{"iss":"https://i/","sub":"bob","exp":1}"#));
+        let no_sub = format!("Authorization: {}", token(r#"{"iss":"https://i/"}"#));
+        let err = Client::resolve(&config, None, &args(Some("payments"), None, &[&no_sub])).unwrap_err();
+        assert!(err.to_string().contains("sub"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,192 @@
+//! The key sets `scope_jwt` verifies bearer tokens with, one per source (`jwks_file` or `jwks_url`)
+//! however many routes name it. Each set is read at start, again every `refresh`, and again when a
+//! token names a `kid` the set lacks (a key rotation), at most once per `min_refetch`, every such
+//! token waiting for that one read. A read that fails keeps the last good set and is logged; until a
+//! set's first read succeeds, `/readyz` says not ready and keyed requests on its routes get 503.
+//! Built by `lib.rs` from the configuration; the refresh tasks stop with the proxy. Touches the key
+//! files and the network (the set's URL) only.
+
+mod fetch;
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::config::jwk_set::Keys;
+use crate::config::{Config, JwksSource, JwtRules};
+
+/// The first reads of a set that fail are tried again after this, doubling up to `min_refetch`.
+const FIRST_RETRY: Duration = Duration::from_secs(1);
+
+/// Every key set the configuration names.
+#[derive(Default)]
+pub struct KeySets {
+    sets: HashMap<JwksSource, Arc<KeySet>>,
+}
+
+impl KeySets {
+    /// The sets the configuration's routes name, none read yet but those from files (which the
+    /// configuration has just read, so they are read again here at once).
+    pub fn of(config: &Config) -> Arc<KeySets> {
+        let mut sets: HashMap<JwksSource, Arc<KeySet>> = HashMap::new();
+        let routes = config
+            .routes
+            .routes
+            .iter()
+            .chain(std::iter::once(&config.routes.default));
+        for rules in routes.filter_map(|route| route.policy.key.scope_jwt.as_deref()) {
+            match sets.get_mut(&rules.source) {
+                // Two routes with the same set and other timings: the set is read as often as either asks.
+                Some(set) => {
+                    let set = Arc::get_mut(set).expect("not shared while built");
+                    set.refresh = set.refresh.min(rules.refresh);
+                    set.min_refetch = set.min_refetch.min(rules.min_refetch);
+                }
+                None => {
+                    sets.insert(rules.source.clone(), Arc::new(KeySet::new(rules)));
+                }
+            }
+        }
+        for set in sets.values() {
+            if let JwksSource::File(path) = &set.source {
+                match std::fs::read(path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| Keys::parse(&b))
+                {
+                    Ok(keys) => set.keep(keys),
+                    Err(e) => tracing::warn!(jwks = %set.source, error = %e, "cannot read the key set"),
+                }
+            }
+        }
+        Arc::new(KeySets { sets })
+    }
+
+    /// The set of this source.
+    pub fn get(&self, source: &JwksSource) -> Option<&Arc<KeySet>> {
+        self.sets.get(source)
+    }
+
+    /// The first set not read yet, if any: while there is one, the proxy is not ready.
+    pub fn waiting_for(&self) -> Option<&JwksSource> {
+        self.sets
+            .values()
+            .find(|set| set.current().is_none())
+            .map(|set| &set.source)
+    }
+
+    /// Starts reading each set on its schedule, until `shutdown`.
+    pub fn spawn_refresh(&self, shutdown: &CancellationToken) {
+        for set in self.sets.values() {
+            tokio::spawn(set.clone().refresh(shutdown.clone()));
+        }
+    }
+}
+
+/// One key set: the keys read last, and when they were.
+pub struct KeySet {
+    source: JwksSource,
+    refresh: Duration,
+    min_refetch: Duration,
+    current: RwLock<Option<Arc<Keys>>>,
+    /// When the set was last read (or tried); held while a read runs, so that reads never overlap and
+    /// every token waiting for a new key waits for the same one.
+    last_read: tokio::sync::Mutex<Option<Instant>>,
+}
+
+impl KeySet {
+    fn new(rules: &JwtRules) -> KeySet {
+        KeySet {
+            source: rules.source.clone(),
+            refresh: rules.refresh,
+            min_refetch: rules.min_refetch,
+            current: RwLock::new(None),
+            last_read: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Where the set comes from.
+    pub fn source(&self) -> &JwksSource {
+        &self.source
+    }
+
+    /// The keys read last, if a read has succeeded.
+    pub fn current(&self) -> Option<Arc<Keys>> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The set after reading it again, for a token whose key it lacks: unless it was read less than
+    /// `min_refetch` ago (then the set as it is), or a read is running (then the set that read brings).
+    pub async fn refetch(&self) -> Option<Arc<Keys>> {
+        let mut last = self.last_read.lock().await;
+        if last.is_some_and(|at| at.elapsed() < self.min_refetch) {
+            return self.current();
+        }
+        let _ = self.read(&mut last, "a token names a key the set lacks").await;
+        drop(last);
+        self.current()
+    }
+
+    fn keep(&self, keys: Keys) {
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(keys));
+    }
+
+    /// Reads the set now; a failure keeps the set there was.
+    async fn read(&self, last: &mut Option<Instant>, why: &'static str) -> Result<(), ()> {
+        *last = Some(Instant::now());
+        match fetch::read(&self.source).await {
+            Ok(keys) => {
+                let first = self.current().is_none();
+                for skipped in &keys.skipped {
+                    tracing::debug!(jwks = %self.source, "key set: left out {skipped}");
+                }
+                tracing::info!(jwks = %self.source, keys = keys.len(), first, why, "key set read");
+                self.keep(keys);
+                Ok(())
+            }
+            Err(error) => {
+                tracing::warn!(
+                    jwks = %self.source,
+                    %error,
+                    kept = self.current().is_some(),
+                    why,
+                    "cannot read the key set; the last one read is kept"
+                );
+                Err(())
+            }
+        }
+    }
+
+    /// Reads the set until the first read succeeds (the first try at once, then after [`FIRST_RETRY`],
+    /// doubling up to `min_refetch`), then every `refresh` (unless a token's unknown `kid` has had it
+    /// read in the last half of that), until `shutdown`.
+    async fn refresh(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut wait = if self.current().is_some() {
+            self.refresh
+        } else {
+            Duration::ZERO
+        };
+        let mut retry = FIRST_RETRY;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+            let mut last = self.last_read.lock().await;
+            let loaded = self.current().is_some();
+            if !(loaded && last.is_some_and(|at| at.elapsed() < self.refresh / 2)) {
+                let _ = self.read(&mut last, "scheduled").await;
+            }
+            drop(last);
+            wait = if self.current().is_some() {
+                self.refresh
+            } else {
+                let now = retry;
+                retry = (retry * 2).min(self.min_refetch);
+                now
+            };
+        }
+    }
+}

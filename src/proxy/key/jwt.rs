@@ -1,0 +1,196 @@
+//! Who a client is by its bearer token (`scope_jwt`): the token in `Authorization: Bearer` is verified
+//! against the route's key set (`jwks.rs`) — its signature by a public key of the set (RS, PS, ES or
+//! EdDSA; never `none`, never an HMAC), `exp` and `nbf` within the leeway, `iss` among the issuers and
+//! `aud` among the audiences where the route names them — and the verified values of the route's claims
+//! (`iss` and `sub` by default) name the client. A token refreshed for the same subject names the same
+//! client, so its retry is a replay. Runs for keyed requests only, before anything is claimed; a request
+//! with no bearer token is left to the scope check (`intake.rs`). Touches the key set only (a `kid` it
+//! lacks has it read again, at most once per `min_refetch`).
+
+use http::HeaderMap;
+use http::header::AUTHORIZATION;
+use jsonwebtoken::errors::ErrorKind;
+use jsonwebtoken::{Algorithm, Validation};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::config::JwtRules;
+use crate::error::ProxyError;
+use crate::jwks::KeySet;
+
+/// The verified claims that name a client, hashed: what `scope_jwt` adds to the scope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Subject(pub [u8; 32]);
+
+/// Whether the request carries a bearer token (verified or not): on a `scope_jwt` route, it names a
+/// client for the scope check, and verification decides whether it names one truly.
+pub fn has_bearer(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(AUTHORIZATION)
+        .iter()
+        .any(|v| bearer(v.as_bytes()).is_some())
+}
+
+/// The client the request's bearer token names, verified; `None` when it carries none.
+pub async fn subject(
+    rules: &JwtRules,
+    set: &KeySet,
+    headers: &HeaderMap,
+) -> Result<Option<Subject>, ProxyError> {
+    let mut tokens = headers
+        .get_all(AUTHORIZATION)
+        .iter()
+        .filter_map(|v| bearer(v.as_bytes()));
+    let Some(token) = tokens.next() else {
+        return Ok(None);
+    };
+    if tokens.next().is_some() {
+        return Err(invalid("the request carries more than one bearer token"));
+    }
+    let token = std::str::from_utf8(token).map_err(|_| invalid("the token is not a JWT"))?;
+    let claims = verify(rules, set, token).await?;
+    subject_of(rules, &claims).map(Some)
+}
+
+/// The client the request's bearer token names, read without verifying the token: for `idemproxy keys`,
+/// whose operator holds a token the proxy verified when it came (perhaps since expired) and asks which
+/// record is its client's. Never for a request.
+pub fn unverified_subject(rules: &JwtRules, headers: &HeaderMap) -> Result<Option<Subject>, String> {
+    let Some(token) = headers
+        .get_all(AUTHORIZATION)
+        .iter()
+        .find_map(|v| bearer(v.as_bytes()))
+    else {
+        return Ok(None);
+    };
+    let token = std::str::from_utf8(token).map_err(|_| "the bearer token is not a JWT".to_owned())?;
+    let header = jsonwebtoken::decode_header(token).map_err(|e| why(e.kind()))?;
+    let mut validation = Validation::new(header.alg);
+    validation.insecure_disable_signature_validation();
+    validation.validate_exp = false;
+    validation.validate_aud = false;
+    validation.required_spec_claims.clear();
+    let key = jsonwebtoken::DecodingKey::from_secret(&[]);
+    let data =
+        jsonwebtoken::decode::<Map<String, Value>>(token, &key, &validation).map_err(|e| why(e.kind()))?;
+    subject_of(rules, &data.claims)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// The route's claims of a token, hashed: each claim's name and value framed by their lengths, the value
+/// as JSON (serde_json's map keeps its keys sorted, so a structured claim has one spelling).
+fn subject_of(rules: &JwtRules, claims: &Map<String, Value>) -> Result<Subject, ProxyError> {
+    let mut hash = Sha256::new();
+    for name in &rules.claims {
+        let value = claims.get(name).ok_or_else(|| {
+            invalid(&format!(
+                "the token has no {name:?} claim, which names its client here"
+            ))
+        })?;
+        let text = value.to_string();
+        hash.update((name.len() as u64).to_be_bytes());
+        hash.update(name.as_bytes());
+        hash.update((text.len() as u64).to_be_bytes());
+        hash.update(text.as_bytes());
+    }
+    Ok(Subject(hash.finalize().into()))
+}
+
+/// The token's claims, once a key of the set verifies it and its times, issuer and audience hold.
+async fn verify(rules: &JwtRules, set: &KeySet, token: &str) -> Result<Map<String, Value>, ProxyError> {
+    let header = jsonwebtoken::decode_header(token).map_err(|e| invalid(&why(e.kind())))?;
+    if matches!(header.alg, Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512) {
+        return Err(invalid(
+            "an HMAC-signed token is not taken: tokens are verified with public keys",
+        ));
+    }
+    let keys = match set.current() {
+        Some(keys) if header.kid.as_deref().is_none_or(|kid| keys.knows(kid)) => keys,
+        // A key rotation, or a set not read yet: read it again (at most once per min_refetch).
+        _ => set.refetch().await.ok_or(ProxyError::KeysUnavailable)?,
+    };
+    let validation = validation(rules, header.alg);
+    let mut tried = false;
+    for key in keys.candidates(header.kid.as_deref(), header.alg) {
+        tried = true;
+        match jsonwebtoken::decode::<Map<String, Value>>(token, &key.decoding, &validation) {
+            Ok(data) => return Ok(data.claims),
+            // Without a kid, another key of the algorithm may be the one.
+            Err(e) if header.kid.is_none() && *e.kind() == ErrorKind::InvalidSignature => continue,
+            Err(e) => return Err(invalid(&why(e.kind()))),
+        }
+    }
+    Err(invalid(&match (tried, header.kid) {
+        (true, _) => why(&ErrorKind::InvalidSignature),
+        (false, Some(kid)) => format!("no key {kid:?} for {:?} in the key set", header.alg),
+        (false, None) => format!("no {:?} key in the key set", header.alg),
+    }))
+}
+
+/// What a token must hold beside its signature.
+fn validation(rules: &JwtRules, alg: Algorithm) -> Validation {
+    let mut validation = Validation::new(alg);
+    validation.leeway = rules.leeway;
+    validation.validate_nbf = true;
+    let mut required = vec!["exp"];
+    if !rules.issuers.is_empty() {
+        validation.set_issuer(&rules.issuers);
+        required.push("iss");
+    }
+    if rules.audiences.is_empty() {
+        // The app decides who may call it; the proxy only asks who is calling.
+        validation.validate_aud = false;
+    } else {
+        validation.set_audience(&rules.audiences);
+        required.push("aud");
+    }
+    validation.set_required_spec_claims(&required);
+    validation
+}
+
+/// Why a token was refused, in words that never repeat the token.
+fn why(kind: &ErrorKind) -> String {
+    match kind {
+        ErrorKind::ExpiredSignature => "the token has expired (exp)".into(),
+        ErrorKind::ImmatureSignature => "the token is not valid yet (nbf)".into(),
+        ErrorKind::InvalidIssuer => "the token's issuer (iss) is not one this route takes".into(),
+        ErrorKind::InvalidAudience => "the token's audience (aud) is not one this route takes".into(),
+        ErrorKind::InvalidSignature => "the token's signature does not verify".into(),
+        ErrorKind::InvalidAlgorithm => "the token's algorithm is not its key's".into(),
+        ErrorKind::MissingRequiredClaim(claim) => format!("the token has no {claim:?} claim"),
+        _ => "the token is not a JWT this proxy verifies (a signed JWS: header.payload.signature)".into(),
+    }
+}
+
+fn invalid(why: &str) -> ProxyError {
+    ProxyError::InvalidToken(why.to_owned())
+}
+
+/// The token of a `Bearer` credential (the scheme read without case, RFC 9110 §11.1; one or more spaces
+/// after it), if the value is one.
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let value = value.trim_ascii();
+    let (scheme, rest) = value.split_at(value.iter().position(|b| *b == b' ' || *b == b'\t')?);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let token = rest.trim_ascii_start();
+    (!token.is_empty()).then_some(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bearer_token_is_read_in_any_case_of_its_scheme() {
+        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"bearer \t abc "), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"BEARER abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"Basic abc"), None);
+        assert_eq!(bearer(b"Bearer"), None);
+        assert_eq!(bearer(b"Bearer   "), None);
+        assert_eq!(bearer(b"Bearerabc"), None);
+    }
+}

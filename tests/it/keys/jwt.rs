@@ -1,0 +1,379 @@
+//! Keys scoped by who the client is by its verified bearer token (`scope_jwt`), with tokens minted by
+//! PyJWT (`jwt/mint.py`) on RSA, EC and Ed25519 keys and a key set served over HTTP as an issuer serves
+//! it: a token refreshed for the same subject is the same client (its retry is replayed), another
+//! subject another client; a forged, expired, premature, foreign, unsigned or HMAC-on-a-public-key token
+//! on a keyed request is `401 invalid-token` and reaches nothing, while an unkeyed request goes to the
+//! app untouched; a key rotated in (a new `kid`) is read without a restart, and the last good set is
+//! kept while the endpoint fails; `/readyz` waits for the first set.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+
+use crate::support::http::{client, metric, readyz};
+use crate::support::{InProcessProxy, ProxyProcess, Reply, TestEnv, poll_until};
+
+/// `mint.py` and `requirements.txt` (PyJWT with cryptography, pinned).
+const PROGRAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/keys/jwt");
+
+const ISSUER: &str = "https://issuer.test/";
+const AUDIENCE: &str = "payments";
+
+/// A Python with PyJWT installed, in `target/test-tools/pyjwt` (seconds on first use).
+fn pyjwt_python() -> PathBuf {
+    crate::support::tools::python_venv("pyjwt", Path::new(&format!("{PROGRAMS}/requirements.txt")))
+}
+
+/// Key sets and tokens, minted anew for each test.
+struct Minted {
+    jwks_1: String,
+    jwks_2: String,
+    tokens: HashMap<String, String>,
+}
+
+impl Minted {
+    async fn new() -> Minted {
+        let python = tokio::task::spawn_blocking(pyjwt_python).await.unwrap();
+        let run = tokio::process::Command::new(python)
+            .arg(format!("{PROGRAMS}/mint.py"))
+            .args([ISSUER, AUDIENCE])
+            .kill_on_drop(true)
+            .output();
+        let output = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("mint.py runs within a minute")
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "mint.py: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let minted: Value = serde_json::from_slice(&output.stdout).expect("mint.py prints one JSON object");
+        let tokens = minted["tokens"].as_object().unwrap();
+        Minted {
+            jwks_1: minted["jwks_1"].to_string(),
+            jwks_2: minted["jwks_2"].to_string(),
+            tokens: tokens
+                .iter()
+                .map(|(name, token)| (name.clone(), token.as_str().unwrap().to_owned()))
+                .collect(),
+        }
+    }
+
+    fn token(&self, name: &str) -> &str {
+        &self.tokens[name]
+    }
+}
+
+/// An issuer's JWKS endpoint on a real socket: serves what it is told, counts its reads.
+#[derive(Clone)]
+struct JwksServer {
+    url: String,
+    answer: Arc<Mutex<(StatusCode, String)>>,
+    reads: Arc<AtomicUsize>,
+}
+
+impl JwksServer {
+    async fn start(body: &str) -> JwksServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = JwksServer {
+            url: format!("http://{}/.well-known/jwks.json", listener.local_addr().unwrap()),
+            answer: Arc::new(Mutex::new((StatusCode::OK, body.to_owned()))),
+            reads: Arc::default(),
+        };
+        let serving = server.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let serving = serving.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |_request: Request<hyper::body::Incoming>| {
+                        serving.reads.fetch_add(1, Ordering::SeqCst);
+                        let (status, body) = serving.answer.lock().unwrap().clone();
+                        let mut response = Response::new(Full::new(Bytes::from(body)));
+                        *response.status_mut() = status;
+                        async move { Ok::<_, Infallible>(response) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        server
+    }
+
+    fn serve(&self, status: StatusCode, body: &str) {
+        *self.answer.lock().unwrap() = (status, body.to_owned());
+    }
+
+    fn reads(&self) -> usize {
+        self.reads.load(Ordering::SeqCst)
+    }
+}
+
+/// A route keyed by `Idempotency-Key` (required) whose scope is the token's verified `iss` and `sub`.
+fn routes(jwks_url: &str, min_refetch: &str) -> String {
+    format!(
+        r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+scope_jwt = {{ jwks_url = "{jwks_url}", issuers = ["{ISSUER}"], audiences = ["{AUDIENCE}"], min_refetch = "{min_refetch}" }}
+"#
+    )
+}
+
+/// `POST /payments` with `token` as a bearer credential, keyed `key` (or not keyed).
+async fn pay(proxy_url: &str, token: &str, key: Option<&str>, body: &str) -> Reply {
+    let mut request = client()
+        .post(format!("{proxy_url}/payments"))
+        .header("authorization", format!("Bearer {token}"))
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    Reply::of(request).await
+}
+
+#[tokio::test]
+async fn a_refreshed_token_for_the_same_subject_replays_and_another_subject_runs_on_its_own() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let (env, proxy) = TestEnv::with_routes(&routes(&jwks.url, "30s")).await;
+
+    let first = pay(
+        &proxy.url,
+        minted.token("alice"),
+        Some("pay-1"),
+        r#"{"amount":100}"#,
+    )
+    .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.is_replay());
+    for retry_with in ["alice_refreshed", "alice_ec", "alice_eddsa", "alice_no_kid"] {
+        let retry = pay(
+            &proxy.url,
+            minted.token(retry_with),
+            Some("pay-1"),
+            r#"{"amount":100}"#,
+        )
+        .await;
+        assert_eq!(retry.status, 201, "{retry_with}: {}", retry.text());
+        assert!(
+            retry.is_replay(),
+            "a retry with {retry_with} is the same client's"
+        );
+        assert_eq!(retry.body, first.body);
+    }
+    assert_eq!(
+        env.upstream.executions(),
+        1,
+        "a refreshed token executes nothing again"
+    );
+
+    let bob = pay(
+        &proxy.url,
+        minted.token("bob"),
+        Some("pay-1"),
+        r#"{"amount":100}"#,
+    )
+    .await;
+    assert_eq!(bob.status, 201, "{}", bob.text());
+    assert!(!bob.is_replay(), "another subject is another client");
+    assert_eq!(env.upstream.executions(), 2);
+
+    let changed = pay(
+        &proxy.url,
+        minted.token("alice_refreshed"),
+        Some("pay-1"),
+        r#"{"amount":999}"#,
+    )
+    .await;
+    changed.assert_problem(422, "key-reused");
+    assert_eq!(env.upstream.executions(), 2);
+    assert_eq!(
+        env.upstream.requests()[0].headers["authorization"],
+        format!("Bearer {}", minted.token("alice")),
+        "the app gets the token as sent"
+    );
+}
+
+#[tokio::test]
+async fn a_token_that_does_not_verify_gets_401_and_reaches_nothing_unless_unkeyed() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let (env, proxy) = TestEnv::with_routes(&routes(&jwks.url, "30s")).await;
+
+    let refused = [
+        "forged",
+        "expired",
+        "not_yet",
+        "other_audience",
+        "other_issuer",
+        "no_subject",
+        "no_expiry",
+        "unknown_kid",
+        "alg_none",
+        "hmac_with_public_key",
+    ];
+    for (n, name) in refused.iter().enumerate() {
+        let reply = pay(&proxy.url, minted.token(name), Some(&format!("bad-{n}")), "{}").await;
+        reply.assert_problem(401, "invalid-token");
+        assert_eq!(
+            reply.header("www-authenticate"),
+            Some(r#"Bearer error="invalid_token""#),
+            "{name}"
+        );
+        assert!(
+            !reply.text().contains(minted.token(name)),
+            "{name}: the answer never repeats the token"
+        );
+    }
+    for garbage in ["abc", "a.b.c", "Zm9v.YmFy.YmF6", ""] {
+        let reply = pay(&proxy.url, garbage, Some("bad-garbage"), "{}").await;
+        if garbage.is_empty() {
+            // `Bearer ` with nothing after it is no bearer token: the request names no client.
+            reply.assert_problem(400, "missing-scope");
+        } else {
+            reply.assert_problem(401, "invalid-token");
+        }
+    }
+    assert_eq!(env.upstream.executions(), 0, "no refused request reached the app");
+    let rejected = metric(
+        &proxy.admin_url,
+        "idemproxy_requests_total",
+        &[("outcome", "rejected")],
+    )
+    .await;
+    assert_eq!(rejected, (refused.len() + 4) as f64);
+
+    // The app stays the authority on access: an unkeyed request is forwarded as it came.
+    let unkeyed = pay(&proxy.url, minted.token("forged"), None, "{}").await;
+    assert_eq!(unkeyed.status, 201, "{}", unkeyed.text());
+    assert_eq!(env.upstream.executions(), 1);
+    assert_eq!(
+        env.upstream.requests()[0].headers["authorization"],
+        format!("Bearer {}", minted.token("forged"))
+    );
+}
+
+#[tokio::test]
+async fn a_key_rotated_in_is_read_without_a_restart_and_a_failing_endpoint_keeps_the_last_set() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let (env, proxy) = TestEnv::with_routes(&routes(&jwks.url, "1s")).await;
+    let reads_at_start = jwks.reads();
+    assert!(reads_at_start >= 1, "the set was read before the proxy was ready");
+
+    // Tokens naming a kid the set lacks, all at once: the set is read again at most once for them.
+    let ghosts = (0..20).map(|n| {
+        let url = proxy.url.clone();
+        let token = minted.token("unknown_kid").to_owned();
+        async move { pay(&url, &token, Some(&format!("ghost-{n}")), "{}").await }
+    });
+    for reply in futures_util::future::join_all(ghosts).await {
+        reply.assert_problem(401, "invalid-token");
+    }
+    assert!(
+        jwks.reads() <= reads_at_start + 1,
+        "20 tokens with an unknown kid read the set {} times",
+        jwks.reads() - reads_at_start
+    );
+
+    // The issuer rotates a key in; a token signed with it is taken once the set is read again.
+    jwks.serve(StatusCode::OK, &minted.jwks_2);
+    let rotated = poll_until("a token on the rotated key to be taken", || async {
+        let reply = pay(&proxy.url, minted.token("alice_rotated"), Some("rotated-1"), "{}").await;
+        (reply.status == 201).then_some(reply)
+    })
+    .await;
+    assert!(!rotated.is_replay());
+
+    // The endpoint fails: the set read last is kept, and tokens on its keys are still taken.
+    jwks.serve(StatusCode::INTERNAL_SERVER_ERROR, "down");
+    let reads = jwks.reads();
+    poll_until("the set to be read again while the endpoint fails", || async {
+        let reply = pay(&proxy.url, minted.token("unknown_kid"), Some("ghost-again"), "{}").await;
+        reply.assert_problem(401, "invalid-token");
+        (jwks.reads() > reads).then_some(())
+    })
+    .await;
+    let kept = pay(&proxy.url, minted.token("alice_rotated"), Some("rotated-1"), "{}").await;
+    assert_eq!(kept.status, 201, "{}", kept.text());
+    assert!(kept.is_replay(), "the rotated key is still known");
+    let kept = pay(&proxy.url, minted.token("alice"), Some("after-failure"), "{}").await;
+    assert_eq!(kept.status, 201, "{}", kept.text());
+    assert_eq!(env.upstream.executions(), 2);
+}
+
+#[tokio::test]
+async fn readiness_waits_for_the_first_key_set_and_keyed_requests_get_503_until_then() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start("").await;
+    jwks.serve(StatusCode::SERVICE_UNAVAILABLE, "not yet");
+    let env = TestEnv::new().await;
+    let config = env.config().with_toml(&routes(&jwks.url, "1s"));
+    let proxy = ProxyProcess::spawn_serving(&config).await;
+
+    poll_until("the proxy to try the set", || async {
+        (jwks.reads() > 0).then_some(())
+    })
+    .await;
+    let unready = readyz(&proxy.admin_url).await;
+    assert_eq!(unready.status, 503, "{}", unready.text());
+    assert!(unready.text().contains("JWKS"), "{}", unready.text());
+    let early = pay(&proxy.url, minted.token("alice"), Some("early"), "{}").await;
+    early.assert_problem(503, "keys-unavailable");
+    assert!(early.header("retry-after").is_some());
+    assert_eq!(env.upstream.executions(), 0);
+
+    jwks.serve(StatusCode::OK, &minted.jwks_1);
+    poll_until("the proxy to be ready once the set is read", || async {
+        (readyz(&proxy.admin_url).await.status == 200).then_some(())
+    })
+    .await;
+    let first = pay(&proxy.url, minted.token("alice"), Some("early"), "{}").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+/// The set may come from a file too; `check-config` reads it, and a broken one names the key.
+#[tokio::test]
+async fn a_key_set_from_a_file_verifies_as_one_from_a_url() {
+    let minted = Minted::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("jwks.json");
+    std::fs::write(&file, &minted.jwks_1).unwrap();
+    let toml = format!(
+        r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+scope_jwt = {{ jwks_file = "{}", audiences = ["{AUDIENCE}"] }}
+"#,
+        file.display()
+    );
+    let (env, proxy): (TestEnv, InProcessProxy) = TestEnv::with_routes(&toml).await;
+    let first = pay(&proxy.url, minted.token("alice"), Some("file-1"), "{}").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let retry = pay(&proxy.url, minted.token("alice_refreshed"), Some("file-1"), "{}").await;
+    assert!(retry.is_replay());
+    pay(&proxy.url, minted.token("forged"), Some("file-2"), "{}")
+        .await
+        .assert_problem(401, "invalid-token");
+    assert_eq!(env.upstream.executions(), 1);
+}
