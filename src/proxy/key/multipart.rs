@@ -38,7 +38,7 @@ pub struct Form<'h> {
 
 impl<'h> Form<'h> {
     /// The form `headers` declare: one `Content-Type` of type `multipart/form-data` with one valid
-    /// `boundary` parameter; `None` otherwise.
+    /// `boundary` parameter and none in RFC 2231's forms (`boundary*`); `None` otherwise.
     pub fn of(headers: &'h HeaderMap) -> Option<Form<'h>> {
         let mut values = headers.get_all(CONTENT_TYPE).iter();
         let value = values.next()?.as_bytes();
@@ -59,6 +59,11 @@ impl<'h> Form<'h> {
         let mut found = None;
         for param in Params::new(value, essence_end) {
             let param = param?;
+            // `boundary*=utf-8''x` or `boundary*0=x` (RFC 2231) name the boundary too, and Werkzeug and
+            // Go's `mime` let them win over `boundary`: the form the app reads is not this one.
+            if is_extended_boundary(param.name) {
+                return None;
+            }
             if param.name.eq_ignore_ascii_case(b"boundary") {
                 if found.is_some() {
                     return None;
@@ -92,6 +97,14 @@ impl<'h> Form<'h> {
         walk(body, delimiter, &memmem::Finder::new(delimiter), &mut hash)?;
         Some(hash.finalize().into())
     }
+}
+
+/// Whether `name` is the boundary parameter in RFC 2231's extended or continued form (`boundary*`,
+/// `boundary*0`, `boundary*0*`), in any case.
+fn is_extended_boundary(name: &[u8]) -> bool {
+    name.len() > b"boundary".len()
+        && name[..b"boundary".len()].eq_ignore_ascii_case(b"boundary")
+        && name[b"boundary".len()] == b'*'
 }
 
 /// Whether `b` is a boundary RFC 2046 allows: 1 to 70 of its characters, not ending with a space.
@@ -487,10 +500,19 @@ mod tests {
             "multipart/form-data; boundary=\"abc",
             "multipart/form-data; boundary=\"ends in space \"",
             "multipart/form-data; boundary=abc junk",
+            "multipart/form-data; boundary=abc; boundary*=utf-8''xyz",
+            "multipart/form-data; boundary*=utf-8''xyz; boundary=abc",
+            "multipart/form-data; boundary=abc; BOUNDARY*0=x; boundary*1=y",
+            "multipart/form-data; boundary*=utf-8''xyz",
             &format!("multipart/form-data; boundary={}", "x".repeat(71)),
         ] {
             assert_eq!(boundary(value), None, "{value}");
         }
+        assert_eq!(
+            boundary("multipart/form-data; boundary=abc; boundaryx=y; x*=z"),
+            Some(b"abc".to_vec()),
+            "only the boundary's own extended forms"
+        );
         let form = Form::parse(b"multipart/form-data; boundary=abc; charset=utf-8").unwrap();
         assert_eq!(
             form.without_boundary().concat(),

@@ -12,13 +12,13 @@ use http::HeaderMap;
 use crate::error::ProxyError;
 use crate::headers::REPEATABILITY_FIRST_SENT_HEADER;
 
-/// How far ahead of this proxy's clock a client's may run: a first-sent time up to this much in the
+/// How far ahead of this proxy's clock a client's may run: a first-sent time less than this in the
 /// future is taken (the route's `ttl` is at least this longer than its window, so its record outlives
 /// every retry taken).
 pub const CLOCK_SKEW: Duration = crate::config::REPEATABILITY_CLOCK_SKEW;
 
 /// Checks a keyed request's `Repeatability-First-Sent` against `window` at `now`: one IMF-fixdate, no
-/// older than `window` and no further in the future than [`CLOCK_SKEW`].
+/// older than `window` and less than [`CLOCK_SKEW`] in the future.
 pub fn check_first_sent(headers: &HeaderMap, window: Duration, now: SystemTime) -> Result<(), ProxyError> {
     let invalid = |why: &str| Err(ProxyError::RepeatabilityInvalid(why.to_owned()));
     let mut values = headers.get_all(REPEATABILITY_FIRST_SENT_HEADER).iter();
@@ -39,11 +39,15 @@ pub fn check_first_sent(headers: &HeaderMap, window: Duration, now: SystemTime) 
             "longer ago than this route's window of {window}"
         )));
     }
+    // Counted in whole seconds, the window lets a retry in until its last second ends: with a
+    // first-sent a full minute ahead, that is up to a second after the record claimed when the request
+    // came (kept `ttl`, which may be just the window and a minute) has expired, and the retry would
+    // run again. A minute ahead is one second too many.
     if let Ok(ahead) = first_sent.duration_since(now)
-        && ahead > CLOCK_SKEW
+        && ahead >= CLOCK_SKEW
     {
         return Err(ProxyError::RepeatabilityExpired(
-            "in the future, more than a minute ahead of this proxy's clock".into(),
+            "in the future, a minute or more ahead of this proxy's clock".into(),
         ));
     }
     Ok(())
@@ -103,14 +107,47 @@ mod tests {
             "the window's last second, whatever its fraction"
         );
         assert!(
-            check_first_sent(&sent(&[SENT]), WINDOW, at(SENT_AT - 60)).is_ok(),
-            "a minute's skew"
+            check_first_sent(&sent(&[SENT]), WINDOW, at(SENT_AT - 59)).is_ok(),
+            "up to a minute's skew"
         );
+    }
+
+    /// Whatever the fraction of a second a request comes in, every retry the window takes comes before
+    /// its first attempt's record (claimed when that came, kept the shortest `ttl` allowed) expires.
+    #[test]
+    fn every_retry_taken_comes_before_the_first_attempts_record_expires() {
+        let ttl = WINDOW + CLOCK_SKEW;
+        for millis in [0, 1, 250, 500, 999] {
+            let came = at(SENT_AT) + Duration::from_millis(millis);
+            for ahead in 0..=61 {
+                let first_sent = imf_text(at(SENT_AT + ahead));
+                if check_first_sent(&sent(&[&first_sent]), WINDOW, came).is_err() {
+                    continue;
+                }
+                let expires = came + ttl;
+                // Around the record's end: every earlier retry comes before it.
+                for step in 0..=50 {
+                    let retry = expires - Duration::from_secs(3) + Duration::from_millis(step * 100);
+                    if check_first_sent(&sent(&[&first_sent]), WINDOW, retry).is_ok() {
+                        assert!(
+                            retry < expires,
+                            "first sent {ahead}s ahead, came at +{millis}ms: a retry taken at {:?} \
+                             after the record expired",
+                            retry.duration_since(expires).unwrap()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn imf_text(time: SystemTime) -> String {
+        httpdate::fmt_http_date(time)
     }
 
     #[test]
     fn a_first_sent_outside_the_window_is_expired() {
-        for now in [SENT_AT + 301, SENT_AT + 86_400, SENT_AT - 61] {
+        for now in [SENT_AT + 301, SENT_AT + 86_400, SENT_AT - 61, SENT_AT - 60] {
             let checked = check_first_sent(&sent(&[SENT]), WINDOW, at(now));
             assert!(
                 matches!(checked, Err(ProxyError::RepeatabilityExpired(_))),

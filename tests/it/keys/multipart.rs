@@ -90,3 +90,36 @@ async fn httpx_upload_retried_with_a_new_boundary_is_replayed_and_another_file_i
     let boundary = sent.split("boundary=").nth(1).unwrap();
     assert!(recorded.body.starts_with(format!("--{boundary}\r\n").as_bytes()));
 }
+
+/// A form whose `Content-Type` names its boundary twice, once in RFC 2231's extended form
+/// (`boundary*=utf-8''ccc`), which Werkzeug (Flask) and Go's `mime` let win: read under `ccc`, the
+/// form holds one field whose value carries the other boundary's line. Two such forms that differ in
+/// that other boundary alone are two requests to the app, so the same key on the second is `422`, not
+/// a replay of the first.
+#[tokio::test]
+async fn a_form_that_also_names_an_extended_boundary_counts_byte_for_byte() {
+    let (env, proxy) = TestEnv::with_routes(ROUTES).await;
+    let send = |outer: &str| {
+        let body = format!(
+            "--ccc\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n\
+             pay\r\n--{outer}\r\n\r\nnow\r\n--ccc--\r\n--{outer}--\r\n"
+        );
+        crate::support::http::client()
+            .post(format!("{}/uploads", proxy.url))
+            .header("authorization", TEST_CREDENTIAL)
+            .header("idempotency-key", "extended-boundary")
+            .header(
+                "content-type",
+                format!("multipart/form-data; boundary={outer}; boundary*=utf-8''ccc"),
+            )
+            .body(body)
+    };
+    let first = crate::support::Reply::of(send("100")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let other = crate::support::Reply::of(send("999")).await;
+    assert_eq!(other.status, 422, "{}", other.text());
+    assert!(other.text().contains("key-reused"), "{}", other.text());
+    let same = crate::support::Reply::of(send("100")).await;
+    assert!(same.is_replay(), "{:?}", same.headers);
+    assert_eq!(env.upstream.executions(), 1);
+}

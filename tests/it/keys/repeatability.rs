@@ -161,3 +161,33 @@ async fn a_request_id_without_a_valid_first_sent_time_is_rejected_400_and_never_
     assert_eq!(result(&keyless), None);
     assert_eq!(env.upstream.executions(), 0);
 }
+
+/// A first-sent time a full minute ahead of the proxy's clock is refused: the window counts whole
+/// seconds, so one taken at a minute ahead would be let in again up to a second after the record of a
+/// route whose `ttl` is the window and a minute (the least allowed) has expired. 59 seconds ahead runs.
+#[tokio::test]
+async fn a_first_sent_a_minute_ahead_is_rejected_and_59_seconds_ahead_runs() {
+    let (env, proxy) = TestEnv::with_routes_on(Backend::Sqlite, ROUTES).await;
+    // Early in a second, so the proxy reads its clock in the same whole second as this one.
+    while SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .subsec_millis()
+        > 300
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let now = SystemTime::now();
+    let minute = send(
+        &proxy,
+        "a-minute-ahead",
+        Some(&imf(now + Duration::from_secs(60))),
+    )
+    .await;
+    assert_eq!(minute.status, 412, "{}", minute.text());
+    assert_eq!(result(&minute), Some("rejected"));
+    let ahead = send(&proxy, "59s-ahead", Some(&imf(now + Duration::from_secs(59)))).await;
+    assert_eq!(ahead.status, 201, "{}", ahead.text());
+    assert_eq!(result(&ahead), Some("accepted"));
+    assert_eq!(env.upstream.executions(), 1);
+}

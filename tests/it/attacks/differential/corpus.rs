@@ -163,6 +163,7 @@ pub const CASES: &[Case] = &[
     case("multipart upload keyed", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q", "Content-Length: 117"], Raw(FORM), Runs("payments")),
     case("multipart two boundary parameters", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q; boundary=Zz", "Content-Length: 117"], Raw(FORM), Any),
     case("multipart boundary not in the body", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=Nope", "Content-Length: 117"], Raw(FORM), Any),
+    case("multipart boundary* beside boundary", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q; boundary*=utf-8''Zz", "Content-Length: 117"], Raw(FORM), Any),
     case("multipart and a second Content-Type", H1, "POST /payments", &[KEY, "Content-Type: multipart/form-data; boundary=X7q", "Content-Type: application/json", "Content-Length: 117"], Raw(FORM), Any),
     // Upgrades.
     case("Upgrade: h2c keyless", H1, "POST /payments", &["Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAAP__"], Json, Any),
