@@ -9,6 +9,7 @@
 mod fetch;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -91,9 +92,11 @@ pub struct KeySet {
     refresh: Duration,
     min_refetch: Duration,
     current: RwLock<Option<Arc<Keys>>>,
-    /// When the set was last read (or tried); held while a read runs, so that reads never overlap and
-    /// every token waiting for a new key waits for the same one.
+    /// When the set was last read (or tried), as the read ended; held while a read runs, so that reads
+    /// never overlap and every token waiting for a new key waits for the same one.
     last_read: tokio::sync::Mutex<Option<Instant>>,
+    /// Whether the last read failed (the keys kept are older than the source's).
+    failing: AtomicBool,
 }
 
 impl KeySet {
@@ -104,6 +107,7 @@ impl KeySet {
             min_refetch: rules.min_refetch,
             current: RwLock::new(None),
             last_read: tokio::sync::Mutex::new(None),
+            failing: AtomicBool::new(false),
         }
     }
 
@@ -117,9 +121,17 @@ impl KeySet {
         self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Whether the last read of the set failed, so that a key it lacks may be one the source holds.
+    pub fn failing(&self) -> bool {
+        self.failing.load(Ordering::Relaxed)
+    }
+
     /// The set after reading it again, for a token whose key it lacks: unless it was read less than
     /// `min_refetch` ago (then the set as it is), or a read is running (then the set that read brings).
+    /// Before the first read succeeds, `None` at once: the refresh task is reading it, and a request
+    /// never waits for an endpoint that may take `fetch`'s whole timeout to fail.
     pub async fn refetch(&self) -> Option<Arc<Keys>> {
+        self.current()?;
         let mut last = self.last_read.lock().await;
         if last.is_some_and(|at| at.elapsed() < self.min_refetch) {
             return self.current();
@@ -136,7 +148,12 @@ impl KeySet {
     /// Reads the set now; a failure keeps the set there was.
     async fn read(&self, last: &mut Option<Instant>, why: &'static str) -> Result<(), ()> {
         *last = Some(Instant::now());
-        match fetch::read(&self.source).await {
+        let read = fetch::read(&self.source).await;
+        // Counted from the read's end: a read slower than `min_refetch` is not followed at once by
+        // another for the tokens that waited for it.
+        *last = Some(Instant::now());
+        self.failing.store(read.is_err(), Ordering::Relaxed);
+        match read {
             Ok(keys) => {
                 let first = self.current().is_none();
                 for skipped in &keys.skipped {

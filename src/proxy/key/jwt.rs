@@ -56,13 +56,17 @@ pub async fn subject(
 /// whose operator holds a token the proxy verified when it came (perhaps since expired) and asks which
 /// record is its client's. Never for a request.
 pub fn unverified_subject(rules: &JwtRules, headers: &HeaderMap) -> Result<Option<Subject>, String> {
-    let Some(token) = headers
+    let mut tokens = headers
         .get_all(AUTHORIZATION)
         .iter()
-        .find_map(|v| bearer(v.as_bytes()))
-    else {
+        .filter_map(|v| bearer(v.as_bytes()));
+    let Some(token) = tokens.next() else {
         return Ok(None);
     };
+    // The proxy refuses such a request: it names no one client, so it has no record to find.
+    if tokens.next().is_some() {
+        return Err("the headers carry more than one bearer token; name one".to_owned());
+    }
     let token = std::str::from_utf8(token).map_err(|_| "the bearer token is not a JWT".to_owned())?;
     let header = jsonwebtoken::decode_header(token).map_err(|e| why(e.kind()))?;
     let mut validation = Validation::new(header.alg);
@@ -105,19 +109,35 @@ async fn verify(rules: &JwtRules, set: &KeySet, token: &str) -> Result<Map<Strin
             "an HMAC-signed token is not taken: tokens are verified with public keys",
         ));
     }
+    if names_critical_extensions(token) {
+        // RFC 7515 §4.1.11: a token whose `crit` names extensions is refused by a recipient that does
+        // not understand them, as the app behind may; this proxy understands none.
+        return Err(invalid(
+            "the token's header names critical extensions (crit), which this proxy does not take",
+        ));
+    }
     let keys = match set.current() {
         Some(keys) if header.kid.as_deref().is_none_or(|kid| keys.knows(kid)) => keys,
         // A key rotation, or a set not read yet: read it again (at most once per min_refetch).
-        _ => set.refetch().await.ok_or(ProxyError::KeysUnavailable)?,
+        _ => {
+            let keys = set.refetch().await.ok_or(ProxyError::KeysUnavailable)?;
+            // The set could not be read again: whether it now holds the token's key is not known, so
+            // the token is not refused for lacking one (a client would drop a good token on a 401).
+            if header.kid.as_deref().is_some_and(|kid| !keys.knows(kid)) && set.failing() {
+                return Err(ProxyError::KeysUnavailable);
+            }
+            keys
+        }
     };
     let validation = validation(rules, header.alg);
     let mut tried = false;
     for key in keys.candidates(header.kid.as_deref(), header.alg) {
         tried = true;
         match jsonwebtoken::decode::<Map<String, Value>>(token, &key.decoding, &validation) {
-            Ok(data) => return Ok(data.claims),
-            // Without a kid, another key of the algorithm may be the one.
-            Err(e) if header.kid.is_none() && *e.kind() == ErrorKind::InvalidSignature => continue,
+            Ok(data) => return check_claim_types(data.claims),
+            // Another key of the algorithm (without a kid, or under the same kid: a set may hold two
+            // keys under one kid while one rotates out) may be the one.
+            Err(e) if *e.kind() == ErrorKind::InvalidSignature => continue,
             Err(e) => return Err(invalid(&why(e.kind()))),
         }
     }
@@ -126,6 +146,31 @@ async fn verify(rules: &JwtRules, set: &KeySet, token: &str) -> Result<Map<Strin
         (false, Some(kid)) => format!("no key {kid:?} for {:?} in the key set", header.alg),
         (false, None) => format!("no {:?} key in the key set", header.alg),
     }))
+}
+
+/// Whether the token's header has a `crit` member (the header is read again: jsonwebtoken's leaves it out).
+fn names_critical_extensions(token: &str) -> bool {
+    use base64::Engine;
+    let Some(encoded) = token.split('.').next() else {
+        return false;
+    };
+    let Ok(bytes) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded) else {
+        return false;
+    };
+    serde_json::from_slice::<Map<String, Value>>(&bytes).is_ok_and(|header| header.contains_key("crit"))
+}
+
+/// The claims jsonwebtoken passes where RFC 7519 says otherwise, refused as an app's library refuses
+/// them: an `iss` that is not a string (jsonwebtoken takes an array holding one issuer of the route's)
+/// and an `nbf` that is not a number (jsonwebtoken skips one it cannot read).
+fn check_claim_types(claims: Map<String, Value>) -> Result<Map<String, Value>, ProxyError> {
+    if claims.get("iss").is_some_and(|iss| !iss.is_string()) {
+        return Err(invalid("the token's issuer (iss) is not a string"));
+    }
+    if claims.get("nbf").is_some_and(|nbf| !nbf.is_number()) {
+        return Err(invalid("the token's not-before time (nbf) is not a number"));
+    }
+    Ok(claims)
 }
 
 /// What a token must hold beside its signature.
@@ -192,5 +237,23 @@ mod tests {
         assert_eq!(bearer(b"Bearer"), None);
         assert_eq!(bearer(b"Bearer   "), None);
         assert_eq!(bearer(b"Bearerabc"), None);
+    }
+
+    #[test]
+    fn the_keys_cli_names_no_client_for_two_bearer_tokens_as_the_proxy_names_none() {
+        let rules = crate::config::RawScopeJwt {
+            jwks_url: Some("https://issuer.example/jwks".into()),
+            ..Default::default()
+        }
+        .validate("r")
+        .unwrap();
+        // {"alg":"RS256"} . {"iss":"i","sub":"alice"} . (no signature: the CLI does not verify)
+        let alice = "Bearer eyJhbGciOiJSUzI1NiJ9.eyJpc3MiOiJpIiwic3ViIjoiYWxpY2UifQ.c2ln";
+        let mut headers = HeaderMap::new();
+        headers.append(AUTHORIZATION, alice.parse().unwrap());
+        assert!(unverified_subject(&rules, &headers).unwrap().is_some());
+        headers.append(AUTHORIZATION, alice.parse().unwrap());
+        let refused = unverified_subject(&rules, &headers).unwrap_err();
+        assert!(refused.contains("more than one bearer token"), "{refused}");
     }
 }

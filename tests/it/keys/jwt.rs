@@ -38,6 +38,7 @@ fn pyjwt_python() -> PathBuf {
 struct Minted {
     jwks_1: String,
     jwks_2: String,
+    jwks_dup: String,
     tokens: HashMap<String, String>,
 }
 
@@ -63,6 +64,7 @@ impl Minted {
         Minted {
             jwks_1: minted["jwks_1"].to_string(),
             jwks_2: minted["jwks_2"].to_string(),
+            jwks_dup: minted["jwks_dup"].to_string(),
             tokens: tokens
                 .iter()
                 .map(|(name, token)| (name.clone(), token.as_str().unwrap().to_owned()))
@@ -75,11 +77,13 @@ impl Minted {
     }
 }
 
-/// An issuer's JWKS endpoint on a real socket: serves what it is told, counts its reads.
+/// An issuer's JWKS endpoint on a real socket: serves what it is told (as slowly as it is told), counts
+/// its reads.
 #[derive(Clone)]
 struct JwksServer {
     url: String,
     answer: Arc<Mutex<(StatusCode, String)>>,
+    delay: Arc<Mutex<Duration>>,
     reads: Arc<AtomicUsize>,
 }
 
@@ -89,6 +93,7 @@ impl JwksServer {
         let server = JwksServer {
             url: format!("http://{}/.well-known/jwks.json", listener.local_addr().unwrap()),
             answer: Arc::new(Mutex::new((StatusCode::OK, body.to_owned()))),
+            delay: Arc::default(),
             reads: Arc::default(),
         };
         let serving = server.clone();
@@ -102,9 +107,13 @@ impl JwksServer {
                     let service = service_fn(move |_request: Request<hyper::body::Incoming>| {
                         serving.reads.fetch_add(1, Ordering::SeqCst);
                         let (status, body) = serving.answer.lock().unwrap().clone();
+                        let delay = *serving.delay.lock().unwrap();
                         let mut response = Response::new(Full::new(Bytes::from(body)));
                         *response.status_mut() = status;
-                        async move { Ok::<_, Infallible>(response) }
+                        async move {
+                            tokio::time::sleep(delay).await;
+                            Ok::<_, Infallible>(response)
+                        }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -117,6 +126,11 @@ impl JwksServer {
 
     fn serve(&self, status: StatusCode, body: &str) {
         *self.answer.lock().unwrap() = (status, body.to_owned());
+    }
+
+    /// Every answer from now on takes this long.
+    fn slow(&self, delay: Duration) {
+        *self.delay.lock().unwrap() = delay;
     }
 
     fn reads(&self) -> usize {
@@ -229,6 +243,9 @@ async fn a_token_that_does_not_verify_gets_401_and_reaches_nothing_unless_unkeye
         "unknown_kid",
         "alg_none",
         "hmac_with_public_key",
+        "critical_extension",
+        "issuer_array",
+        "nbf_text",
     ];
     for (n, name) in refused.iter().enumerate() {
         let reply = pay(&proxy.url, minted.token(name), Some(&format!("bad-{n}")), "{}").await;
@@ -308,7 +325,13 @@ async fn a_key_rotated_in_is_read_without_a_restart_and_a_failing_endpoint_keeps
     let reads = jwks.reads();
     poll_until("the set to be read again while the endpoint fails", || async {
         let reply = pay(&proxy.url, minted.token("unknown_kid"), Some("ghost-again"), "{}").await;
-        reply.assert_problem(401, "invalid-token");
+        // 401 while the set read last (fine) is fresh; once a read has failed, whether the set now
+        // holds the kid is not known: 503, try again.
+        if reply.status == 503 {
+            reply.assert_problem(503, "keys-unavailable");
+        } else {
+            reply.assert_problem(401, "invalid-token");
+        }
         (jwks.reads() > reads).then_some(())
     })
     .await;
@@ -376,4 +399,108 @@ scope_jwt = {{ jwks_file = "{}", audiences = ["{AUDIENCE}"] }}
         .await
         .assert_problem(401, "invalid-token");
     assert_eq!(env.upstream.executions(), 1);
+}
+
+/// A set may hold two keys under one kid (an issuer rotating a key in under the old one's kid): a token
+/// signed by either verifies, and names the same client.
+#[tokio::test]
+async fn a_set_with_two_keys_under_one_kid_takes_a_token_signed_by_either() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_dup).await;
+    let (env, proxy) = TestEnv::with_routes(&routes(&jwks.url, "30s")).await;
+
+    let first = pay(&proxy.url, minted.token("alice_dup_first"), Some("dup-1"), "{}").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let second = pay(&proxy.url, minted.token("alice_dup_second"), Some("dup-1"), "{}").await;
+    assert_eq!(second.status, 201, "{}", second.text());
+    assert!(
+        second.is_replay(),
+        "the same subject on the other key is the same client"
+    );
+    let forged = pay(&proxy.url, minted.token("forged"), Some("dup-2"), "{}").await;
+    forged.assert_problem(401, "invalid-token");
+    assert_eq!(env.upstream.executions(), 1);
+}
+
+/// While the issuer's endpoint fails, a token naming a kid the kept set lacks may be one signed by a key
+/// just rotated in: it gets 503 `keys-unavailable` (try again), not 401 (which tells a client its good
+/// token is bad). Once the endpoint answers, the token is taken.
+#[tokio::test]
+async fn a_kid_the_set_lacks_while_the_endpoint_fails_is_unavailable_not_invalid() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let (env, proxy) = TestEnv::with_routes(&routes(&jwks.url, "1s")).await;
+
+    jwks.serve(StatusCode::INTERNAL_SERVER_ERROR, "down");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let reads = jwks.reads();
+    let during = pay(&proxy.url, minted.token("alice_rotated"), Some("rotated-1"), "{}").await;
+    assert!(jwks.reads() > reads, "the set was read again for the unknown kid");
+    during.assert_problem(503, "keys-unavailable");
+    assert!(during.header("retry-after").is_some());
+    assert!(
+        during.header("www-authenticate").is_none(),
+        "the token was not found bad"
+    );
+    let known = pay(&proxy.url, minted.token("alice"), Some("known-1"), "{}").await;
+    assert_eq!(known.status, 201, "a kid the kept set holds: {}", known.text());
+
+    jwks.serve(StatusCode::OK, &minted.jwks_2);
+    let rotated = poll_until("the rotated key to be read once the endpoint answers", || async {
+        let reply = pay(&proxy.url, minted.token("alice_rotated"), Some("rotated-1"), "{}").await;
+        (reply.status == 201).then_some(reply)
+    })
+    .await;
+    assert!(!rotated.is_replay());
+    assert_eq!(env.upstream.executions(), 2);
+}
+
+/// An endpoint that hangs holds no request: before the first read, a keyed request gets 503 at once
+/// rather than waiting out the read; once read, tokens that wait for a slow read for an unknown kid wait
+/// for that one read, not for another after it.
+#[tokio::test]
+async fn a_slow_endpoint_holds_a_request_for_one_read_at_most() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    jwks.slow(Duration::from_secs(30));
+    let env = TestEnv::new().await;
+    let config = env.config().with_toml(&routes(&jwks.url, "1s"));
+    let proxy = ProxyProcess::spawn_serving(&config).await;
+    poll_until("the proxy to start reading the set", || async {
+        (jwks.reads() > 0).then_some(())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let early = pay(&proxy.url, minted.token("alice"), Some("early"), "{}").await;
+    early.assert_problem(503, "keys-unavailable");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the first read hangs, and the request waited {:?} for it",
+        started.elapsed()
+    );
+
+    // The set is read (quickly), then the endpoint takes 3s to answer, with the same keys.
+    jwks.slow(Duration::ZERO);
+    poll_until("the proxy to be ready", || async {
+        (readyz(&proxy.admin_url).await.status == 200).then_some(())
+    })
+    .await;
+    jwks.slow(Duration::from_secs(3));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let reads = jwks.reads();
+    let url = proxy.url.clone();
+    let token = minted.token("unknown_kid").to_owned();
+    let first = tokio::spawn(async move { pay(&url, &token, Some("ghost-1"), "{}").await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    let second = pay(&proxy.url, minted.token("unknown_kid"), Some("ghost-2"), "{}").await;
+    second.assert_problem(401, "invalid-token");
+    assert!(
+        started.elapsed() < Duration::from_millis(4500),
+        "a token waiting for a 3s read waited {:?}",
+        started.elapsed()
+    );
+    first.await.unwrap().assert_problem(401, "invalid-token");
+    assert_eq!(jwks.reads(), reads + 1, "the tokens waited for one read together");
+    assert_eq!(env.upstream.executions(), 0);
 }

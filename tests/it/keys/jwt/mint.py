@@ -1,7 +1,8 @@
 """Mints the keys, key sets and tokens tests/it/keys/jwt.rs sends through the proxy, with PyJWT.
 
 Usage: mint.py ISSUER AUDIENCE. Prints one JSON object: "jwks_1" (keys rsa-1 and ec-1), "jwks_2" (the
-same and rsa-2, after a rotation), and "tokens", each a compact JWT named for what it is.
+same and rsa-2, after a rotation), "jwks_dup" (rsa-1 and rsa-2 both under kid "dup", as a set may hold
+two keys under one kid while one rotates out), and "tokens", each a compact JWT named for what it is.
 """
 
 import base64
@@ -13,8 +14,8 @@ import time
 import uuid
 
 import jwt
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from jwt.algorithms import ECAlgorithm, OKPAlgorithm, RSAAlgorithm
 
 
@@ -41,6 +42,10 @@ def main():
         jwk(ed_1.public_key(), OKPAlgorithm, "ed-1", "EdDSA"),
     ]
     set_2 = set_1 + [jwk(rsa_2.public_key(), RSAAlgorithm, "rsa-2", "PS256")]
+    set_dup = [
+        jwk(rsa_1.public_key(), RSAAlgorithm, "dup", "RS256"),
+        jwk(rsa_2.public_key(), RSAAlgorithm, "dup", "RS256"),
+    ]
 
     now = int(time.time())
 
@@ -61,6 +66,15 @@ def main():
         b64(json.dumps(claims("alice")).encode())
     hmac_signature = b64(hmac.new(public_pem, hmac_input.encode(), hashlib.sha256).digest())
 
+    def rs256_raw(header, payload):
+        """Signed by rsa-1 over the JSON given as text: headers and claims PyJWT would not write."""
+        signing_input = b64(header.encode()) + "." + b64(payload.encode())
+        signature = rsa_1.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return signing_input + "." + b64(signature)
+
+    def claims_text(**changes):
+        return json.dumps(claims("alice", **changes))
+
     tokens = {
         "alice": sign(rsa_1, "RS256", "rsa-1", claims("alice")),
         # The same subject after a refresh: issued later, another jti, another expiry.
@@ -80,8 +94,29 @@ def main():
         "unknown_kid": sign(stranger, "RS256", "ghost", claims("alice")),
         "alg_none": unsigned + ".",
         "hmac_with_public_key": hmac_input + "." + hmac_signature,
+        # Signed by the issuer's key, but refused by a recipient as RFC 7515 and 7519 ask (and PyJWT
+        # does): an extension named critical, an issuer that is not a string, a not-before time that
+        # is not a number.
+        "critical_extension": rs256_raw(
+            '{"alg":"RS256","typ":"JWT","kid":"rsa-1","crit":["https://issuer.test/ext"],'
+            '"https://issuer.test/ext":true}',
+            claims_text(),
+        ),
+        "issuer_array": rs256_raw(
+            '{"alg":"RS256","typ":"JWT","kid":"rsa-1"}',
+            claims_text(iss=[issuer, "https://evil.example/"]),
+        ),
+        "nbf_text": rs256_raw('{"alg":"RS256","typ":"JWT","kid":"rsa-1"}', claims_text(nbf="tomorrow")),
+        # Both keys of jwks_dup carry kid "dup".
+        "alice_dup_first": sign(rsa_1, "RS256", "dup", claims("alice", iat=now + 6)),
+        "alice_dup_second": sign(rsa_2, "RS256", "dup", claims("alice", iat=now + 7)),
     }
-    print(json.dumps({"jwks_1": {"keys": set_1}, "jwks_2": {"keys": set_2}, "tokens": tokens}))
+    print(json.dumps({
+        "jwks_1": {"keys": set_1},
+        "jwks_2": {"keys": set_2},
+        "jwks_dup": {"keys": set_dup},
+        "tokens": tokens,
+    }))
 
 
 if __name__ == "__main__":
