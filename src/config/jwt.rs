@@ -18,6 +18,10 @@ use super::parse::positive;
 /// The longest `leeway` taken: clocks further apart than this are a problem to mend, not to allow.
 const MAX_LEEWAY: Duration = Duration::from_secs(5 * 60);
 
+/// The least `min_refetch`: tokens with unknown `kid`s are anyone's to send, and each may have the set
+/// read again; below a second, they would have the issuer's endpoint read as often as they come.
+const MIN_REFETCH: Duration = Duration::from_secs(1);
+
 /// The claims most tokens have, and a refreshed token keeps: who issued it, and whom it is about.
 const DEFAULT_CLAIMS: [&str; 2] = ["iss", "sub"];
 
@@ -36,7 +40,7 @@ pub struct RawScopeJwt {
     pub ca_file: Option<PathBuf>,
     /// The `iss` values taken; empty takes any (the key set already says who signs).
     pub issuers: Vec<String>,
-    /// The `aud` values taken; empty refuses every token that names an audience.
+    /// The `aud` values taken; empty takes any (the audience is left to the app).
     pub audiences: Vec<String>,
     /// The claims whose verified values make the scope.
     pub claims: Vec<String>,
@@ -97,7 +101,7 @@ pub struct JwtRules {
     pub source: JwksSource,
     /// `iss` values taken (empty: any).
     pub issuers: Vec<String>,
-    /// `aud` values taken (empty: a token naming an audience is refused).
+    /// `aud` values taken (empty: any; `aud` is not checked).
     pub audiences: Vec<String>,
     /// The claims the scope is made of.
     pub claims: Vec<String>,
@@ -134,6 +138,12 @@ impl RawScopeJwt {
             ));
         }
         let min_refetch = positive(&field("min_refetch"), self.min_refetch)?;
+        if min_refetch < MIN_REFETCH {
+            return Err(ConfigError::new(
+                &field("min_refetch"),
+                "must be at least 1s: every token naming an unknown kid may have the key set read again",
+            ));
+        }
         if self.refresh < min_refetch {
             return Err(ConfigError::new(
                 &field("refresh"),
@@ -263,6 +273,13 @@ mod tests {
         raw.claims = vec!["sub".into()];
         raw.refresh = Duration::from_secs(1);
         assert_eq!(raw.validate("r").unwrap_err().key, "r.refresh");
+        raw.refresh = Duration::from_millis(10);
+        raw.min_refetch = Duration::from_millis(10);
+        assert_eq!(
+            raw.validate("r").unwrap_err().key,
+            "r.min_refetch",
+            "anyone's unknown kid would have the set read every 10ms"
+        );
     }
 
     #[test]
