@@ -92,6 +92,19 @@ fn subject_of(rules: &JwtRules, claims: &Map<String, Value>) -> Result<Subject, 
                 "the token has no {name:?} claim, which names its client here"
             ))
         })?;
+        if value.is_null() || value.as_str() == Some("") {
+            // Every such token would name one client: their keys would answer each other.
+            return Err(invalid(&format!(
+                "the token's {name:?} claim is empty, so it names no client"
+            )));
+        }
+        if holds_inexact_number(value) {
+            // serde_json reads such a number as an f64: 123456789012345678901234567890 and ...891 are
+            // one value, so two subjects would be one client. No issuer names its clients so.
+            return Err(invalid(&format!(
+                "the token's {name:?} claim holds a number that is not an integer of at most 64 bits"
+            )));
+        }
         let text = value.to_string();
         hash.update((name.len() as u64).to_be_bytes());
         hash.update(name.as_bytes());
@@ -99,6 +112,17 @@ fn subject_of(rules: &JwtRules, claims: &Map<String, Value>) -> Result<Subject, 
         hash.update(text.as_bytes());
     }
     Ok(Subject(hash.finalize().into()))
+}
+
+/// Whether a claim's value holds a number read as a float (a fraction, an exponent, or an integer past
+/// 64 bits), whose spelling the value no longer keeps.
+fn holds_inexact_number(value: &Value) -> bool {
+    match value {
+        Value::Number(n) => n.is_f64(),
+        Value::Array(items) => items.iter().any(holds_inexact_number),
+        Value::Object(members) => members.values().any(holds_inexact_number),
+        Value::Null | Value::Bool(_) | Value::String(_) => false,
+    }
 }
 
 /// The token's claims, once a key of the set verifies it and its times, issuer and audience hold.
