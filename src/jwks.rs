@@ -1,8 +1,9 @@
 //! The key sets `scope_jwt` verifies bearer tokens with, one per source (`jwks_file` or `jwks_url`)
 //! however many routes name it. Each set is read at start, again every `refresh`, and again when a
 //! token names a `kid` the set lacks (a key rotation), at most once per `min_refetch`, every such
-//! token waiting for that one read. A read that fails keeps the last good set and is logged; until a
-//! set's first read succeeds, `/readyz` says not ready and keyed requests on its routes get 503.
+//! token waiting for that one read (a few seconds at most; then, or when the read fails, 503). A read
+//! that fails keeps the last good set and is logged; until a set's first read succeeds, `/readyz` says
+//! not ready and keyed requests on its routes get 503 at once.
 //! Built by `lib.rs` from the configuration; the refresh tasks stop with the proxy. Touches the key
 //! files and the network (the set's URL) only.
 
@@ -21,6 +22,10 @@ use crate::config::{Config, JwksSource, JwtRules};
 
 /// The first reads of a set that fail are tried again after this, doubling up to `min_refetch`.
 const FIRST_RETRY: Duration = Duration::from_secs(1);
+
+/// The longest a token naming a kid the set lacks waits for the set: for a read running, then for its
+/// own (then 503 `keys-unavailable`, try again). Scheduled reads may take `fetch::READ_TIMEOUT`.
+const REFETCH_WAIT: Duration = Duration::from_secs(3);
 
 /// Every key set the configuration names.
 #[derive(Default)]
@@ -128,15 +133,22 @@ impl KeySet {
 
     /// The set after reading it again, for a token whose key it lacks: unless it was read less than
     /// `min_refetch` ago (then the set as it is), or a read is running (then the set that read brings).
-    /// Before the first read succeeds, `None` at once: the refresh task is reading it, and a request
-    /// never waits for an endpoint that may take `fetch`'s whole timeout to fail.
+    /// `None` when no set can be had without waiting past [`REFETCH_WAIT`] (a read running or its own
+    /// taking longer), and before the first read succeeds: the refresh task is reading it, and a
+    /// request never waits for an endpoint that may take `fetch`'s whole timeout to fail.
     pub async fn refetch(&self) -> Option<Arc<Keys>> {
         self.current()?;
-        let mut last = self.last_read.lock().await;
+        let started = Instant::now();
+        let mut last = tokio::time::timeout(REFETCH_WAIT, self.last_read.lock())
+            .await
+            .ok()?;
         if last.is_some_and(|at| at.elapsed() < self.min_refetch) {
             return self.current();
         }
-        let _ = self.read(&mut last, "a token names a key the set lacks").await;
+        let left = REFETCH_WAIT.saturating_sub(started.elapsed());
+        self.read(&mut last, left, "a token names a key the set lacks")
+            .await
+            .ok()?;
         drop(last);
         self.current()
     }
@@ -146,9 +158,9 @@ impl KeySet {
     }
 
     /// Reads the set now; a failure keeps the set there was.
-    async fn read(&self, last: &mut Option<Instant>, why: &'static str) -> Result<(), ()> {
+    async fn read(&self, last: &mut Option<Instant>, limit: Duration, why: &'static str) -> Result<(), ()> {
         *last = Some(Instant::now());
-        let read = fetch::read(&self.source).await;
+        let read = fetch::read(&self.source, limit).await;
         // Counted from the read's end: a read slower than `min_refetch` is not followed at once by
         // another for the tokens that waited for it.
         *last = Some(Instant::now());
@@ -194,7 +206,7 @@ impl KeySet {
             let mut last = self.last_read.lock().await;
             let loaded = self.current().is_some();
             if !(loaded && last.is_some_and(|at| at.elapsed() < self.refresh / 2)) {
-                let _ = self.read(&mut last, "scheduled").await;
+                let _ = self.read(&mut last, fetch::READ_TIMEOUT, "scheduled").await;
             }
             drop(last);
             wait = if self.current().is_some() {

@@ -16,16 +16,16 @@ use crate::config::JwksSource;
 use crate::config::jwk_set::{Keys, MAX_BYTES};
 use crate::config::tls;
 
-/// The longest one read may take, connection and body included.
-const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a scheduled read may take, connection and body included.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The set `source` holds now.
-pub async fn read(source: &JwksSource) -> Result<Keys, String> {
+/// The set `source` holds now, read within `limit`.
+pub async fn read(source: &JwksSource, limit: Duration) -> Result<Keys, String> {
     let bytes = match source {
         JwksSource::File(path) => tokio::fs::read(path).await.map_err(|e| e.to_string())?.into(),
-        JwksSource::Url { url, ca_file } => tokio::time::timeout(READ_TIMEOUT, get(url, ca_file.as_deref()))
+        JwksSource::Url { url, ca_file } => tokio::time::timeout(limit, get(url, ca_file.as_deref()))
             .await
-            .map_err(|_| format!("no whole answer within {READ_TIMEOUT:?}"))??,
+            .map_err(|_| format!("no whole answer within {limit:?}"))??,
     };
     Keys::parse(&bytes)
 }

@@ -459,7 +459,8 @@ async fn a_kid_the_set_lacks_while_the_endpoint_fails_is_unavailable_not_invalid
 
 /// An endpoint that hangs holds no request: before the first read, a keyed request gets 503 at once
 /// rather than waiting out the read; once read, tokens that wait for a slow read for an unknown kid wait
-/// for that one read, not for another after it.
+/// for that one read, not for another after it, and a token waits a few seconds at most for an endpoint
+/// that hangs (then 503, try again), while tokens on known keys never wait.
 #[tokio::test]
 async fn a_slow_endpoint_holds_a_request_for_one_read_at_most() {
     let minted = Minted::new().await;
@@ -481,13 +482,13 @@ async fn a_slow_endpoint_holds_a_request_for_one_read_at_most() {
         started.elapsed()
     );
 
-    // The set is read (quickly), then the endpoint takes 3s to answer, with the same keys.
+    // The set is read (quickly), then the endpoint takes 2s to answer, with the same keys.
     jwks.slow(Duration::ZERO);
     poll_until("the proxy to be ready", || async {
         (readyz(&proxy.admin_url).await.status == 200).then_some(())
     })
     .await;
-    jwks.slow(Duration::from_secs(3));
+    jwks.slow(Duration::from_secs(2));
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let reads = jwks.reads();
     let url = proxy.url.clone();
@@ -498,11 +499,27 @@ async fn a_slow_endpoint_holds_a_request_for_one_read_at_most() {
     let second = pay(&proxy.url, minted.token("unknown_kid"), Some("ghost-2"), "{}").await;
     second.assert_problem(401, "invalid-token");
     assert!(
-        started.elapsed() < Duration::from_millis(4500),
-        "a token waiting for a 3s read waited {:?}",
+        started.elapsed() < Duration::from_millis(2500),
+        "a token waiting for a 2s read waited {:?}",
         started.elapsed()
     );
     first.await.unwrap().assert_problem(401, "invalid-token");
     assert_eq!(jwks.reads(), reads + 1, "the tokens waited for one read together");
-    assert_eq!(env.upstream.executions(), 0);
+
+    // The endpoint hangs: a token naming an unknown kid is told to try again within seconds.
+    jwks.slow(Duration::from_secs(60));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let started = std::time::Instant::now();
+    let hung = pay(&proxy.url, minted.token("alice_rotated"), Some("rotated-1"), "{}").await;
+    hung.assert_problem(503, "keys-unavailable");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a token waited {:?} for a hanging endpoint",
+        started.elapsed()
+    );
+    let started = std::time::Instant::now();
+    let known = pay(&proxy.url, minted.token("alice"), Some("known-1"), "{}").await;
+    assert_eq!(known.status, 201, "{}", known.text());
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(env.upstream.executions(), 1);
 }
