@@ -145,7 +145,14 @@ fn usable(value: serde_json::Value) -> Result<Key, String> {
     }
     let named = jwk.common.key_algorithm;
     let algorithms = match &jwk.algorithm {
-        AlgorithmParameters::RSA(_) => match named {
+        AlgorithmParameters::RSA(params) => match named {
+            _ if !rsa_size_verifies(&params.n) => {
+                // ring refuses every signature by such a key: kept, it would make each of its tokens
+                // "a signature that does not verify" with no word of why.
+                return Err(format!(
+                    "an RSA key whose modulus is not {RSA_BITS:?} bits (ring verifies no other)"
+                ));
+            }
             None => RSA.to_vec(),
             Some(alg) => vec![
                 signing(alg)
@@ -183,6 +190,22 @@ fn usable(value: serde_json::Value) -> Result<Key, String> {
         decoding,
         algorithms,
     })
+}
+
+/// The RSA modulus sizes ring verifies signatures with, in bits.
+const RSA_BITS: std::ops::RangeInclusive<usize> = 2048..=8192;
+
+/// Whether an RSA key's `n` (base64url, big-endian) is a modulus of a size ring verifies with.
+fn rsa_size_verifies(n: &str) -> bool {
+    use base64::Engine;
+    let Ok(bytes) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(n.trim_end_matches('=')) else {
+        return false;
+    };
+    let bytes = &bytes[bytes.iter().take_while(|b| **b == 0).count()..];
+    let bits = bytes.first().map_or(0, |top| {
+        (bytes.len() - 1) * 8 + (8 - top.leading_zeros() as usize)
+    });
+    RSA_BITS.contains(&bits)
 }
 
 /// The signature algorithm a key's `alg` names, if it names one (not an encryption algorithm).
@@ -270,6 +293,42 @@ mod tests {
         assert!(
             none.contains("no usable signature key") && none.contains("symmetric"),
             "{none}"
+        );
+    }
+
+    #[test]
+    fn an_rsa_key_ring_cannot_verify_with_is_left_out() {
+        use base64::Engine;
+        let modulus = |bytes: usize| {
+            let mut n = vec![0xc5u8; bytes];
+            n[bytes - 1] = 0x01;
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(n)
+        };
+        let rsa = |kid: &str, n: &str| format!(r#"{{"kty":"RSA","n":"{n}","e":"AQAB","kid":"{kid}"}}"#);
+        let keys = set(&[
+            &rsa("rsa-1024", &modulus(128)),
+            &rsa("rsa-empty", ""),
+            &rsa("rsa-16384", &modulus(2048)),
+            &rsa("rsa-2048", &modulus(256)),
+            &rsa("rsa-4096", &modulus(512)),
+        ])
+        .unwrap();
+        assert!(keys.knows("rsa-2048") && keys.knows("rsa-4096"));
+        assert_eq!(keys.skipped.len(), 3, "{:?}", keys.skipped);
+        assert!(keys.skipped[0].contains("modulus"), "{:?}", keys.skipped);
+        assert!(rsa_size_verifies(&modulus(256)));
+        let padded = |bytes: usize| {
+            let mut n = vec![0u8; 2];
+            n.extend(vec![0xc5u8; bytes]);
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(n)
+        };
+        assert!(
+            !rsa_size_verifies(&padded(255)),
+            "leading zeros do not count: 2040 bits"
+        );
+        assert!(
+            rsa_size_verifies(&padded(256)),
+            "leading zeros do not count: 2048 bits"
         );
     }
 
