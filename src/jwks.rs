@@ -175,13 +175,22 @@ impl KeySet {
                 self.keep(keys);
                 Ok(())
             }
-            Err(error) => {
+            Err(error) if self.current().is_some() => {
                 tracing::warn!(
                     jwks = %self.source,
                     %error,
-                    kept = self.current().is_some(),
                     why,
                     "cannot read the key set; the last one read is kept"
+                );
+                Err(())
+            }
+            Err(error) => {
+                // Said so only once a set was read: before, there is none to keep.
+                tracing::warn!(
+                    jwks = %self.source,
+                    %error,
+                    why,
+                    "cannot read the key set; none read yet, so keyed requests on its routes get 503"
                 );
                 Err(())
             }
