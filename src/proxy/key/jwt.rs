@@ -127,7 +127,14 @@ fn holds_inexact_number(value: &Value) -> bool {
 
 /// The token's claims, once a key of the set verifies it and its times, issuer and audience hold.
 async fn verify(rules: &JwtRules, set: &KeySet, token: &str) -> Result<Map<String, Value>, ProxyError> {
-    let header = jsonwebtoken::decode_header(token).map_err(|e| invalid(&why(e.kind())))?;
+    let header = jsonwebtoken::decode_header(token).map_err(|e| {
+        invalid(&match e.kind() {
+            ErrorKind::Json(_) => "the token's header is not one this proxy verifies (its alg is not \
+                                   RS, PS, ES or EdDSA, or a member is of the wrong type or named twice)"
+                .to_owned(),
+            kind => why(kind),
+        })
+    })?;
     if matches!(header.alg, Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512) {
         return Err(invalid(
             "an HMAC-signed token is not taken: tokens are verified with public keys",
@@ -162,6 +169,14 @@ async fn verify(rules: &JwtRules, set: &KeySet, token: &str) -> Result<Map<Strin
             // Another key of the algorithm (without a kid, or under the same kid: a set may hold two
             // keys under one kid while one rotates out) may be the one.
             Err(e) if *e.kind() == ErrorKind::InvalidSignature => continue,
+            // Signed, but its claims do not read as a JWT's (a sub, iss, aud, exp or nbf of the wrong
+            // type, or one named twice).
+            Err(e) if matches!(e.kind(), ErrorKind::Json(_)) => {
+                return Err(invalid(
+                    "the token's claims are not a JWT's (a registered claim of the wrong type, or a claim \
+                     named twice)",
+                ));
+            }
             Err(e) => return Err(invalid(&why(e.kind()))),
         }
     }

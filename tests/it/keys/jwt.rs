@@ -248,6 +248,7 @@ async fn a_token_that_does_not_verify_gets_401_and_reaches_nothing_unless_unkeye
         "nbf_text",
         "subject_past_64_bits",
         "empty_subject",
+        "subject_named_twice",
     ];
     for (n, name) in refused.iter().enumerate() {
         let reply = pay(&proxy.url, minted.token(name), Some(&format!("bad-{n}")), "{}").await;
@@ -262,6 +263,17 @@ async fn a_token_that_does_not_verify_gets_401_and_reaches_nothing_unless_unkeye
             "{name}: the answer never repeats the token"
         );
     }
+    // Why, in words that name the part at fault.
+    let twice = pay(
+        &proxy.url,
+        minted.token("subject_named_twice"),
+        Some("bad-twice"),
+        "{}",
+    )
+    .await;
+    assert!(twice.text().contains("named twice"), "{}", twice.text());
+    let unsigned = pay(&proxy.url, minted.token("alg_none"), Some("bad-none"), "{}").await;
+    assert!(unsigned.text().contains("alg"), "{}", unsigned.text());
     for garbage in ["abc", "a.b.c", "Zm9v.YmFy.YmF6", ""] {
         let reply = pay(&proxy.url, garbage, Some("bad-garbage"), "{}").await;
         if garbage.is_empty() {
@@ -278,7 +290,7 @@ async fn a_token_that_does_not_verify_gets_401_and_reaches_nothing_unless_unkeye
         &[("outcome", "rejected")],
     )
     .await;
-    assert_eq!(rejected, (refused.len() + 4) as f64);
+    assert_eq!(rejected, (refused.len() + 6) as f64);
 
     // The app stays the authority on access: an unkeyed request is forwarded as it came.
     let unkeyed = pay(&proxy.url, minted.token("forged"), None, "{}").await;

@@ -109,6 +109,11 @@ def main():
         "nbf_text": rs256_raw('{"alg":"RS256","typ":"JWT","kid":"rsa-1"}', claims_text(nbf="tomorrow")),
         # A subject past 64 bits: read as a float, it would be one client with its neighbours.
         "subject_past_64_bits": sign(rsa_1, "RS256", "rsa-1", claims(123456789012345678901234567890)),
+        # A subject named twice: which one the app reads is its JSON parser's choice.
+        "subject_named_twice": rs256_raw(
+            '{"alg":"RS256","typ":"JWT","kid":"rsa-1"}',
+            claims_text()[:-1] + ', "sub": "bob"}',
+        ),
         # A subject that names no one: every such token would be one client.
         "empty_subject": sign(rsa_1, "RS256", "rsa-1", claims("")),
         # Both keys of jwks_dup carry kid "dup".
