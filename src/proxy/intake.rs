@@ -9,7 +9,7 @@
 pub mod examine;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, Request, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -27,7 +27,7 @@ use super::key::jwt::{self, Subject};
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
-use crate::config::{Config, DEFAULT_ROUTE, Policy, Route, Unscoped};
+use crate::config::{Config, DEFAULT_ROUTE, KeySource, Policy, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
 use crate::jwks::KeySets;
 use crate::metrics::Metrics;
@@ -132,6 +132,13 @@ impl Intake {
         };
         if subject.is_none() {
             subject = self.subject(&route, &parts.headers).await?;
+        }
+        // The window is held again at the claim: the body may have taken up to `body_read_timeout` (and
+        // the wait for the budget) to come, and a retry let in at the window's end and claimed after it
+        // could find the first attempt's record expired and run again.
+        if route.policy.key.source == KeySource::Repeatability {
+            let window = route.policy.key.repeatability_window;
+            key::repeatability::check_first_sent(&parts.headers, window, SystemTime::now())?;
         }
         let claim = claim_request(&route, &parts, (key, fingerprint), subject.as_ref());
         access::key(|| claim.id.key_hash());
