@@ -112,9 +112,10 @@ impl Intake {
         }
         // A key from the head: the token is verified before the body is waited for. A key from the body
         // has it verified once the body holds one: a request without a key is the app's to judge.
+        let by_token = route.policy.key.scope_jwt.is_some();
         let mut subject = match key {
-            Some(_) => self.subject(&route, request.headers()).await?,
-            None => None,
+            Some(_) if by_token => self.subject(&route, request.headers()).await?,
+            _ => None,
         };
         let (parts, body) = request.into_parts();
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
@@ -130,7 +131,7 @@ impl Intake {
             }
             return Ok(Err(Unkeyed { parts, body }));
         };
-        if subject.is_none() {
+        if by_token && subject.is_none() {
             subject = self.subject(&route, &parts.headers).await?;
         }
         // The window is held again at the claim: the body may have taken up to `body_read_timeout` (and
@@ -162,7 +163,9 @@ impl Intake {
             .key_sets
             .get(&rules.source)
             .ok_or(ProxyError::KeysUnavailable)?;
-        jwt::subject(rules, set, headers).await
+        // On the heap: the verification (and a read of the set it may wait for) would otherwise make
+        // every keyed request's intake future larger, copied as it is polled, on routes without it too.
+        Box::pin(jwt::subject(rules, set, headers)).await
     }
 
     /// Takes in a request its route does not protect but whose signature it checks: its body, read whole
