@@ -92,10 +92,13 @@ impl Intake {
 
     /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
     /// the key when its source is in the head; a key taken from the body is read after the body. The
-    /// scope is checked first: on a route that reads its key from the body, a request that names no
-    /// client is refused before its body is read, whether or not the body would hold a key (keys
-    /// optional or not), rather than forwarded unprotected. `peer`'s connection is told when the body
-    /// waits for its client; `dialect` is what the request's head speaks.
+    /// scope is checked as soon as the request must be keyed: before the body for a key in the head, or
+    /// on a route that reads its key from the body and requires one (a request that names no client is
+    /// refused without waiting for its body); once the body holds a key where keys are optional, so that
+    /// a request without a key goes to the app as it came, credential or not (an MCP client's first
+    /// call, sent without a token to learn where to get one, gets the app's own `401`). `peer`'s
+    /// connection is told when the body waits for its client; `dialect` is what the request's head
+    /// speaks.
     pub(crate) async fn take(
         &self,
         request: Request<Incoming>,
@@ -104,7 +107,9 @@ impl Intake {
         (peer, dialect): (&Downstream, Dialect),
     ) -> Result<Result<Ticket, Unkeyed>, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
-        if key.is_some() || route.policy.key.source.needs_body() {
+        let scope_first =
+            key.is_some() || (route.policy.key.source.needs_body() && route.policy.key.required);
+        if scope_first {
             check_scope(
                 &route,
                 (request.headers(), request.extensions().get::<ClientCert>()),
@@ -131,6 +136,9 @@ impl Intake {
             }
             return Ok(Err(Unkeyed { parts, body }));
         };
+        if !scope_first {
+            check_scope(&route, (&parts.headers, parts.extensions.get::<ClientCert>()))?;
+        }
         if by_token && subject.is_none() {
             subject = self.subject(&route, &parts.headers).await?;
         }
