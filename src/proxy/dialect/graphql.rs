@@ -41,11 +41,23 @@ pub const MAX_PARTS: usize = 32;
 /// The most fragment definitions a document may have: every part looks up the fragments it spreads.
 pub const MAX_FRAGMENTS: usize = 500;
 
+/// How many times the request's bytes its parts may take, their bodies and fingerprints together (plus
+/// [`PLANNED_SLACK`]): every part repeats the fragments and variables it shares with others, so a
+/// request of many fields spreading one large fragment would otherwise cost [`MAX_PARTS`] times its size
+/// in memory and upstream.
+pub const MAX_PLANNED_FACTOR: usize = 8;
+
+/// What the parts may take beyond [`MAX_PLANNED_FACTOR`] times the request, so a small request's parts
+/// sharing its fragments always fit.
+pub const PLANNED_SLACK: usize = 64 * 1024;
+
 /// What a request body asks of the proxy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
     /// Forward the request as it came, unprotected: a query, a subscription, or a mutation without any
-    /// `@idempotent` root field.
+    /// `@idempotent` root field. As it came: should another operation of its document carry
+    /// `@idempotent`, a service that does not declare the directive refuses the whole document (GraphQL
+    /// validates every operation of a document, run or not).
     PassThrough,
     /// Forward each part in turn, in this order (the client's), and merge their answers: one part per
     /// root field of the mutation, keyed or not (a root field beside keyed ones is forwarded on its own,
@@ -132,12 +144,28 @@ pub fn plan(request: &[u8]) -> Result<Plan, NotPlanned> {
         return Ok(Plan::PassThrough);
     };
     let splitter = split::Splitter::new(&doc, &operation, &fields, &body);
-    let parts = fields
-        .iter()
-        .map(|field| splitter.part(field))
-        .collect::<Result<Vec<_>, _>>()?;
+    let allowance = planned_allowance(request.len());
+    let mut parts: Vec<Part> = Vec::with_capacity(fields.len());
+    let mut planned = 0usize;
+    for field in &fields {
+        let part = splitter.part(field)?;
+        planned += part.body.len() + part.fingerprint.len();
+        if planned > allowance {
+            return Err(NotPlanned::OverLimit(format!(
+                "the parts would take more than {MAX_PLANNED_FACTOR} times the request's bytes"
+            )));
+        }
+        parts.push(part);
+    }
     check_keys_distinct(&parts)?;
     Ok(Plan::Keyed(parts))
+}
+
+/// The most bytes the parts of a `length`-byte request may take, bodies and fingerprints together.
+fn planned_allowance(length: usize) -> usize {
+    length
+        .saturating_mul(MAX_PLANNED_FACTOR)
+        .saturating_add(PLANNED_SLACK)
 }
 
 /// Refuses two fields of one request with one key: the second would find the first's claim.

@@ -480,6 +480,24 @@ fn the_root_fields_and_fragments_are_bounded() {
 }
 
 #[test]
+fn parts_repeating_a_large_fragment_are_over_the_limit() {
+    let fields: String = (0..20_000).map(|i| format!("f{i} ")).collect();
+    let roots: String = (0..MAX_PARTS)
+        .map(|i| format!("f{i}: pay @idempotent(key: \"k{i}\") {{ ...Big }} "))
+        .collect();
+    let text = format!("mutation {{ {roots} }}\nfragment Big on P {{ {fields} }}");
+    assert!(matches!(
+        refused(&body(&text, json!({}))),
+        NotPlanned::OverLimit(_)
+    ));
+    let few: String = (0..4)
+        .map(|i| format!("f{i}: pay @idempotent(key: \"k{i}\") {{ ...Big }} "))
+        .collect();
+    let text = format!("mutation {{ {few} }}\nfragment Big on P {{ {fields} }}");
+    assert_eq!(parts(&body(&text, json!({}))).len(), 4);
+}
+
+#[test]
 fn the_body_keeps_its_other_members_their_order_and_exact_values() {
     let request = br#"{"extensions":{"trace":true},"operationName":"Pay","variables":{"big":123456789012345678901234567890,"k":"x","d":1.50},"query":"mutation Pay($big: BigInt, $d: Decimal, $k: String!) { pay(a: $big, d: $d) @idempotent(key: $k) }","x-other":[1,2]}"#;
     let parts = parts(request);
