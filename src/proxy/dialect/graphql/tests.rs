@@ -40,15 +40,42 @@ fn check_part(part: &Part) {
         .filter(|d| matches!(d, cst::Definition::OperationDefinition(_)))
         .count();
     assert_eq!(operations, 1, "{document}");
-    let declared = doc
+    check_unused(&doc, &document);
+    if let Value::Object(variables) = sent_variables(part) {
+        let declared = names::<cst::VariableDefinition>(&doc, |d| d.variable().map(|v| v.text().to_string()));
+        assert!(
+            variables.keys().all(|name| declared.contains(name)),
+            "{document} {variables:?}"
+        );
+    }
+}
+
+/// The sorted, distinct names `name` gives the nodes of type `N` in `doc`.
+fn names<N: CstNode>(doc: &cst::Document, name: impl Fn(N) -> Option<String>) -> Vec<String> {
+    let mut names: Vec<String> = doc
         .syntax()
         .descendants()
-        .filter_map(cst::VariableDefinition::cast)
-        .count();
-    let variables = serde_json::from_slice::<Value>(&part.body).unwrap()["variables"].clone();
-    if let Value::Object(variables) = variables {
-        assert!(variables.len() <= declared, "{document} {variables:?}");
-    }
+        .filter_map(N::cast)
+        .filter_map(name)
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Checks what GraphQL's validation refuses a part for: a variable declared and not used (or used and not
+/// declared), a fragment defined and not spread.
+fn check_unused(doc: &cst::Document, document: &str) {
+    let declared = names::<cst::VariableDefinition>(doc, |d| d.variable().map(|v| v.text().to_string()));
+    let used = names::<cst::Variable>(doc, |v| {
+        let declaration = v.syntax().parent()?.kind() == apollo_parser::SyntaxKind::VARIABLE_DEFINITION;
+        (!declaration).then(|| v.text().to_string())
+    });
+    assert_eq!(declared, used, "every declared variable is used: {document}");
+    let fragment_name = |name: Option<cst::FragmentName>| name?.name().map(|n| n.text().to_string());
+    let defined = names::<cst::FragmentDefinition>(doc, |f| fragment_name(f.fragment_name()));
+    let spread = names::<cst::FragmentSpread>(doc, |f| fragment_name(f.fragment_name()));
+    assert_eq!(defined, spread, "every fragment held is spread: {document}");
 }
 
 /// The document of a part.
@@ -426,6 +453,47 @@ fn a_depth_bomb_is_over_the_limit_not_a_crash() {
         "}".repeat(MAX_DEPTH - 2)
     );
     assert_eq!(parts(&body(&just_under, json!({}))).len(), 1);
+}
+
+/// graphql-js's `getIntrospectionQuery()`, among the deepest documents in common use.
+const INTROSPECTION: &str = r#"
+query IntrospectionQuery {
+  __schema {
+    queryType { name } mutationType { name } subscriptionType { name }
+    types { ...FullType }
+    directives { name description locations args { ...InputValue } }
+  }
+}
+fragment FullType on __Type {
+  kind name description
+  fields(includeDeprecated: true) {
+    name description args { ...InputValue } type { ...TypeRef } isDeprecated deprecationReason
+  }
+  inputFields { ...InputValue }
+  interfaces { ...TypeRef }
+  enumValues(includeDeprecated: true) { name description isDeprecated deprecationReason }
+  possibleTypes { ...TypeRef }
+}
+fragment InputValue on __InputValue { name description type { ...TypeRef } defaultValue }
+fragment TypeRef on __Type {
+  kind name
+  ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name
+    ofType { kind name ofType { kind name ofType { kind name } } } } } } } }
+}
+"#;
+
+#[test]
+fn the_introspection_query_is_well_within_the_depth_limit() {
+    assert_eq!(plan(&body(INTROSPECTION, json!({}))), Ok(Plan::PassThrough));
+    let high = Parser::new(INTROSPECTION).parse().recursion_limit().high;
+    assert!(high * 4 <= MAX_DEPTH, "{high}");
+}
+
+#[test]
+fn plans_and_refusals_may_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Plan>();
+    send_sync::<NotPlanned>();
 }
 
 #[test]
