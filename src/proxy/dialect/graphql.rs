@@ -61,7 +61,9 @@ pub enum Plan {
     PassThrough,
     /// Forward each part in turn, in this order (the client's), and merge their answers: one part per
     /// root field of the mutation, keyed or not (a root field beside keyed ones is forwarded on its own,
-    /// every time, with `key` `None`).
+    /// every time, with `key` `None`). Never empty. A single part is the whole operation without its
+    /// directive, and its answer may go to the client as it comes: merging one answer changes nothing
+    /// but its layout.
     Keyed(Vec<Part>),
 }
 
