@@ -20,6 +20,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
+use crate::support::cli::{config_file, json, keys_with};
 use crate::support::http::{client, metric, readyz};
 use crate::support::{InProcessProxy, ProxyProcess, Reply, TestEnv, poll_until};
 
@@ -432,4 +433,43 @@ scope_jwt = {{ jwks_url = "{}", audiences = ["{AUDIENCE}"] }}
     let again = call(Some(minted.token("alice_refreshed")), tool(3)).await;
     assert!(again.is_replay(), "{}", again.text());
     assert_eq!(env.upstream.executions(), 2);
+}
+
+/// The on-call command finds a client's record by its token, as the proxy scopes it: a refreshed token
+/// (or one since expired: the command reads it, it does not verify it) finds what the first one made,
+/// another subject's token finds nothing of it.
+#[tokio::test]
+async fn keys_show_finds_the_record_by_the_tokens_subject() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let env = TestEnv::new().await;
+    let config = env.config().with_toml(&routes(&jwks.url, "30s"));
+    let proxy = InProcessProxy::start(&config).await;
+    let ran = pay(&proxy.url, minted.token("alice"), Some("pay-9"), "{}").await;
+    assert_eq!(ran.status, 201, "{}", ran.text());
+
+    let file = config_file(&config.to_toml());
+    let at = ["--config", file.path().to_str().unwrap()];
+    let show = |token: &str| {
+        let header = format!("Authorization: Bearer {token}");
+        let store = &env.store;
+        async move {
+            let args = ["show", "pay-9", "--route", "payments", "-H", &header, "--json"];
+            keys_with(store, &at, &args).await
+        }
+    };
+    for token in ["alice_refreshed", "expired"] {
+        let found = json(&show(minted.token(token)).await);
+        assert_eq!(found.as_array().map(Vec::len), Some(1), "{token}: {found}");
+        assert_eq!(found[0]["status"], "completed");
+    }
+    let bob = show(minted.token("bob")).await;
+    assert!(!bob.status.success(), "another subject has no such record");
+    let garbage = show("not-a-jwt").await;
+    assert!(!garbage.status.success());
+    assert!(
+        String::from_utf8_lossy(&garbage.stderr).contains("Authorization"),
+        "{}",
+        String::from_utf8_lossy(&garbage.stderr)
+    );
 }
