@@ -260,8 +260,11 @@ impl ProxyError {
                  request was first sent as an IMF-fixdate (Sun, 06 Nov 1994 08:49:37 GMT): {why}."
             ),
             ProxyError::RepeatabilityExpired(why) => format!(
-                "This request was first sent {why}: whether it ran before cannot be told, so it is not \
-                 run. Send it as a new request, with a new Repeatability-Request-ID."
+                "This request was first sent {why}, so it is not run now: outside the window this \
+                 proxy does not answer for whether an earlier attempt ran. Find out from the service \
+                 whether it took effect before sending it again as a new request (a new \
+                 Repeatability-Request-ID); a first-sent time ahead of the clock means the client's \
+                 clock needs setting."
             ),
             ProxyError::InvalidToken(why) => format!(
                 "The bearer token names who sent this keyed request, so it must verify: {why}. \

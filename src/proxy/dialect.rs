@@ -7,6 +7,7 @@
 //! protocol, and a new one is a variant, a file, and the compiler's list of matches to fill in.
 //! Pure functions of the request, the response and the route's rules.
 
+pub mod graphql;
 pub mod grpc;
 pub mod http;
 pub mod jsonrpc;

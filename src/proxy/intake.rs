@@ -9,7 +9,7 @@
 pub mod examine;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, Request, header, request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -27,7 +27,7 @@ use super::key::jwt::{self, Subject};
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
-use crate::config::{Config, DEFAULT_ROUTE, Policy, Route, Unscoped};
+use crate::config::{Config, DEFAULT_ROUTE, KeySource, Policy, Route, Unscoped};
 use crate::error::{Busy, ProxyError};
 use crate::jwks::KeySets;
 use crate::metrics::Metrics;
@@ -92,10 +92,13 @@ impl Intake {
 
     /// Takes in a request its route protects: scope check, body, then the claim it will make. `key` is
     /// the key when its source is in the head; a key taken from the body is read after the body. The
-    /// scope is checked first: on a route that reads its key from the body, a request that names no
-    /// client is refused before its body is read, whether or not the body would hold a key (keys
-    /// optional or not), rather than forwarded unprotected. `peer`'s connection is told when the body
-    /// waits for its client; `dialect` is what the request's head speaks.
+    /// scope is checked as soon as the request must be keyed: before the body for a key in the head, or
+    /// on a route that reads its key from the body and requires one (a request that names no client is
+    /// refused without waiting for its body); once the body holds a key where keys are optional, so that
+    /// a request without a key goes to the app as it came, credential or not (an MCP client's first
+    /// call, sent without a token to learn where to get one, gets the app's own `401`). `peer`'s
+    /// connection is told when the body waits for its client; `dialect` is what the request's head
+    /// speaks.
     pub(crate) async fn take(
         &self,
         request: Request<Incoming>,
@@ -104,7 +107,9 @@ impl Intake {
         (peer, dialect): (&Downstream, Dialect),
     ) -> Result<Result<Ticket, Unkeyed>, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
-        if key.is_some() || route.policy.key.source.needs_body() {
+        let scope_first =
+            key.is_some() || (route.policy.key.source.needs_body() && route.policy.key.required);
+        if scope_first {
             check_scope(
                 &route,
                 (request.headers(), request.extensions().get::<ClientCert>()),
@@ -112,9 +117,10 @@ impl Intake {
         }
         // A key from the head: the token is verified before the body is waited for. A key from the body
         // has it verified once the body holds one: a request without a key is the app's to judge.
+        let by_token = route.policy.key.scope_jwt.is_some();
         let mut subject = match key {
-            Some(_) => self.subject(&route, request.headers()).await?,
-            None => None,
+            Some(_) if by_token => self.subject(&route, request.headers()).await?,
+            _ => None,
         };
         let (parts, body) = request.into_parts();
         let body = self.read_body(&route.policy, &parts, body, peer).await?;
@@ -130,8 +136,18 @@ impl Intake {
             }
             return Ok(Err(Unkeyed { parts, body }));
         };
-        if subject.is_none() {
+        if !scope_first {
+            check_scope(&route, (&parts.headers, parts.extensions.get::<ClientCert>()))?;
+        }
+        if by_token && subject.is_none() {
             subject = self.subject(&route, &parts.headers).await?;
+        }
+        // The window is held again at the claim: the body may have taken up to `body_read_timeout` (and
+        // the wait for the budget) to come, and a retry let in at the window's end and claimed after it
+        // could find the first attempt's record expired and run again.
+        if route.policy.key.source == KeySource::Repeatability {
+            let window = route.policy.key.repeatability_window;
+            key::repeatability::check_first_sent(&parts.headers, window, SystemTime::now())?;
         }
         let claim = claim_request(&route, &parts, (key, fingerprint), subject.as_ref());
         access::key(|| claim.id.key_hash());
@@ -155,7 +171,9 @@ impl Intake {
             .key_sets
             .get(&rules.source)
             .ok_or(ProxyError::KeysUnavailable)?;
-        jwt::subject(rules, set, headers).await
+        // On the heap: the verification (and a read of the set it may wait for) would otherwise make
+        // every keyed request's intake future larger, copied as it is polled, on routes without it too.
+        Box::pin(jwt::subject(rules, set, headers)).await
     }
 
     /// Takes in a request its route does not protect but whose signature it checks: its body, read whole

@@ -6,6 +6,7 @@
 //! costs what its deepest call's path does. Pure functions of the body.
 
 pub mod answer;
+pub mod batch;
 
 use crate::proxy::key::json::{Paths, Reader, Scratch, Stop};
 use crate::proxy::key::pointer::Found;
@@ -16,7 +17,7 @@ pub const ID: &str = "/id";
 /// A JSON-RPC request's `id` as the JSON text a response carries it in, of the type the request sent:
 /// a string (re-encoded, so its escapes may differ, never its value), a number (its exact text) or
 /// `null`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct CallId(Box<str>);
 
 impl CallId {
@@ -29,6 +30,11 @@ impl CallId {
             Found::Other("null") => Some(CallId("null".into())),
             Found::Other(_) | Found::Absent | Found::Repeated => None,
         }
+    }
+
+    /// An `id` already in its one spelling (`batch.rs` reads it so).
+    fn from_json(json: String) -> Option<CallId> {
+        Some(CallId(json.into()))
     }
 
     /// The `id` as JSON text.

@@ -4,12 +4,20 @@
 //! again for it), and a keyed request without a certificate names no client (400 `missing-scope`).
 
 use crate::support::certs::{Leaf, TestCa, toml_path};
+use crate::support::cli::{config_file, json, keys_with};
 use crate::support::http::TEST_CREDENTIAL;
-use crate::support::{InProcessProxy, Reply, TestEnv};
+use crate::support::{InProcessProxy, ProxyConfig, Reply, TestEnv};
 
 /// A TLS proxy for `localhost` taking client certificates from `clients`, on a route that scopes keys by
 /// them alone; its files live in `dir`.
 async fn start(clients: &TestCa, dir: &tempfile::TempDir) -> (TestEnv, InProcessProxy, TestCa) {
+    let (env, config, server_ca) = configure(clients, dir).await;
+    let proxy = InProcessProxy::start(&config).await;
+    (env, proxy, server_ca)
+}
+
+/// [`start`]'s configuration, not started.
+async fn configure(clients: &TestCa, dir: &tempfile::TempDir) -> (TestEnv, ProxyConfig, TestCa) {
     let server_ca = TestCa::new("server-ca");
     let (cert, key) = server_ca
         .issue("localhost", &["localhost"])
@@ -34,8 +42,9 @@ scope_client_cert = true
         toml_path(&key),
         toml_path(&client_ca)
     );
-    let (env, proxy) = TestEnv::with_routes(&toml).await;
-    (env, proxy, server_ca)
+    let env = TestEnv::new().await;
+    let config = env.config().with_toml(&toml);
+    (env, config, server_ca)
 }
 
 /// `POST /transfers` with `key` over TLS, presenting `client` (if any).
@@ -114,4 +123,61 @@ async fn a_certificate_renewed_on_its_key_keeps_its_scope_and_another_key_is_ano
         "a certificate from another authority is refused: {refused:?}"
     );
     assert_eq!(env.upstream.executions(), 2);
+}
+
+/// The on-call command finds a client's record by the certificate the client presents, as the proxy
+/// scopes it: a renewed certificate finds the record its first one made; another key finds its own.
+#[tokio::test]
+async fn keys_show_finds_the_record_by_the_clients_certificate() {
+    let clients = TestCa::new("clients");
+    let dir = tempfile::tempdir().unwrap();
+    let (env, config, server_ca) = configure(&clients, &dir).await;
+    let proxy = InProcessProxy::start(&config).await;
+    let first = clients.issue("acme-payments", &[]);
+    let renewed = clients.issue_on_key("acme-payments (renewed)", &first.key_pem);
+    let other = clients.issue("globex", &[]);
+    assert_eq!(
+        transfer(&proxy, &server_ca, Some(&first), "transfer-1")
+            .await
+            .status,
+        201
+    );
+    assert_eq!(
+        transfer(&proxy, &server_ca, Some(&other), "transfer-1")
+            .await
+            .status,
+        201
+    );
+
+    let file = config_file(&config.to_toml());
+    let at = ["--config", file.path().to_str().unwrap()];
+    let show = |leaf: &crate::support::certs::Leaf, name: &str| {
+        let pem = dir.path().join(format!("{name}.pem"));
+        std::fs::write(&pem, &leaf.cert_pem).unwrap();
+        let store = &env.store;
+        async move {
+            let pem = pem.to_str().unwrap().to_owned();
+            let args = [
+                "show",
+                "transfer-1",
+                "--route",
+                "mtls",
+                "--client-cert",
+                &pem,
+                "--json",
+            ];
+            json(&keys_with(store, &at, &args).await)
+        }
+    };
+    let by_renewed = show(&renewed, "renewed").await;
+    assert_eq!(by_renewed.as_array().map(Vec::len), Some(1), "{by_renewed}");
+    assert_eq!(by_renewed[0]["status"], "completed");
+    let by_first = show(&first, "first").await;
+    assert_eq!(
+        by_first[0]["scope"], by_renewed[0]["scope"],
+        "one key, one client"
+    );
+    let by_other = show(&other, "other").await;
+    assert_eq!(by_other.as_array().map(Vec::len), Some(1), "{by_other}");
+    assert_ne!(by_other[0]["scope"], by_first[0]["scope"]);
 }

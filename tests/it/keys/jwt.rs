@@ -20,6 +20,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
+use crate::support::cli::{config_file, json, keys_with};
 use crate::support::http::{client, metric, readyz};
 use crate::support::{InProcessProxy, ProxyProcess, Reply, TestEnv, poll_until};
 
@@ -534,4 +535,99 @@ async fn a_slow_endpoint_holds_a_request_for_one_read_at_most() {
     assert_eq!(known.status, 201, "{}", known.text());
     assert!(started.elapsed() < Duration::from_secs(2));
     assert_eq!(env.upstream.executions(), 1);
+}
+
+/// An MCP-style JSON-RPC route: keys in `params._meta`, the scope by the token. A call without a key and
+/// without a token (an MCP client's first `initialize`, sent to learn where to get a token) goes to the
+/// app as it came, for the app to answer `401` itself; a keyed call needs a token that verifies, and its
+/// retry under a refreshed token, with a new `id`, is replayed.
+#[tokio::test]
+async fn on_a_json_rpc_route_a_call_without_a_key_reaches_the_app_token_or_not() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let routes = format!(
+        r#"
+[[routes]]
+name = "mcp"
+path = "/mcp"
+key = "jsonrpc"
+scope_jwt = {{ jwks_url = "{}", audiences = ["{AUDIENCE}"] }}
+"#,
+        jwks.url
+    );
+    let (env, proxy) = TestEnv::with_routes(&routes).await;
+    let call = |token: Option<&str>, body: String| {
+        let mut request = client()
+            .post(format!("{}/mcp", proxy.url))
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        Reply::of(request)
+    };
+    let initialize = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#.to_owned();
+    let first_contact = call(None, initialize).await;
+    assert_eq!(first_contact.status, 201, "{}", first_contact.text());
+    assert_eq!(
+        env.upstream.executions(),
+        1,
+        "the app judges a call without a key"
+    );
+    assert!(!env.upstream.requests()[0].headers.contains_key("authorization"));
+
+    let tool = |id: u32| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"refund","arguments":{{"order":"o-1"}},"_meta":{{"idempotencyKey":"refund-o-1"}}}}}}"#
+        )
+    };
+    call(None, tool(2)).await.assert_problem(400, "missing-scope");
+    call(Some(minted.token("forged")), tool(2))
+        .await
+        .assert_problem(401, "invalid-token");
+    assert_eq!(env.upstream.executions(), 1);
+    let ran = call(Some(minted.token("alice")), tool(2)).await;
+    assert_eq!(ran.status, 201, "{}", ran.text());
+    let again = call(Some(minted.token("alice_refreshed")), tool(3)).await;
+    assert!(again.is_replay(), "{}", again.text());
+    assert_eq!(env.upstream.executions(), 2);
+}
+
+/// The on-call command finds a client's record by its token, as the proxy scopes it: a refreshed token
+/// (or one since expired: the command reads it, it does not verify it) finds what the first one made,
+/// another subject's token finds nothing of it.
+#[tokio::test]
+async fn keys_show_finds_the_record_by_the_tokens_subject() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let env = TestEnv::new().await;
+    let config = env.config().with_toml(&routes(&jwks.url, "30s"));
+    let proxy = InProcessProxy::start(&config).await;
+    let ran = pay(&proxy.url, minted.token("alice"), Some("pay-9"), "{}").await;
+    assert_eq!(ran.status, 201, "{}", ran.text());
+
+    let file = config_file(&config.to_toml());
+    let at = ["--config", file.path().to_str().unwrap()];
+    let show = |token: &str| {
+        let header = format!("Authorization: Bearer {token}");
+        let store = &env.store;
+        async move {
+            let args = ["show", "pay-9", "--route", "payments", "-H", &header, "--json"];
+            keys_with(store, &at, &args).await
+        }
+    };
+    for token in ["alice_refreshed", "expired"] {
+        let found = json(&show(minted.token(token)).await);
+        assert_eq!(found.as_array().map(Vec::len), Some(1), "{token}: {found}");
+        assert_eq!(found[0]["status"], "completed");
+    }
+    let bob = show(minted.token("bob")).await;
+    assert!(!bob.status.success(), "another subject has no such record");
+    let garbage = show("not-a-jwt").await;
+    assert!(!garbage.status.success());
+    assert!(
+        String::from_utf8_lossy(&garbage.stderr).contains("Authorization"),
+        "{}",
+        String::from_utf8_lossy(&garbage.stderr)
+    );
 }

@@ -191,3 +191,50 @@ async fn a_first_sent_a_minute_ahead_is_rejected_and_59_seconds_ahead_runs() {
     assert_eq!(result(&ahead), Some("accepted"));
     assert_eq!(env.upstream.executions(), 1);
 }
+
+/// A client whose body comes slowly: the window is held again once the body is in, so a request let in
+/// at the window's end is not claimed after it (when its first attempt's record may have expired, on a
+/// route whose `ttl` is just the window and a minute).
+#[tokio::test]
+async fn a_request_whose_body_comes_after_the_window_closed_is_rejected_and_never_runs() {
+    let routes = r#"
+[[routes]]
+name = "tight"
+path_prefix = "/tight"
+key = "repeatability"
+required = true
+repeatability_window = "2s"
+ttl = "62s"
+"#;
+    let (env, proxy) = TestEnv::with_routes(routes).await;
+    let chunks = async_stream_of_slow_body();
+    let reply = Reply::of(
+        client()
+            .post(format!("{}/tight", proxy.url))
+            .header("authorization", TEST_CREDENTIAL)
+            .header("content-type", "application/json")
+            .header("content-length", "22")
+            .header("repeatability-request-id", "slow-1")
+            .header("repeatability-first-sent", imf(SystemTime::now()))
+            .body(reqwest::Body::wrap_stream(chunks)),
+    )
+    .await;
+    reply.assert_problem(412, "repeatability-expired");
+    assert_eq!(result(&reply), Some("rejected"));
+    assert_eq!(env.upstream.executions(), 0, "nothing was claimed or forwarded");
+}
+
+/// `{"to":"a@example.com"}` in two chunks, the second 3.5 s after the first (past a 2 s window).
+fn async_stream_of_slow_body()
+-> impl futures_util::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send + 'static {
+    futures_util::stream::unfold(0u8, |step| async move {
+        match step {
+            0 => Some((Ok(bytes::Bytes::from_static(br#"{"to":"a@exa"#)), 1)),
+            1 => {
+                tokio::time::sleep(Duration::from_millis(3500)).await;
+                Some((Ok(bytes::Bytes::from_static(br#"mple.com"}"#)), 2))
+            }
+            _ => None,
+        }
+    })
+}

@@ -537,7 +537,7 @@ async fn keys_a_scope_cookie_sent_twice_keeps_its_scope_in_either_order(
 
 #[rstest]
 #[tokio::test]
-async fn keys_a_body_keyed_request_without_a_scope_is_refused_before_its_body_is_sent(
+async fn keys_a_body_keyed_request_without_a_scope_is_refused_before_its_body_where_keys_are_required(
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
     let env = TestEnv::on(backend).await;
@@ -546,7 +546,7 @@ async fn keys_a_body_keyed_request_without_a_scope_is_refused_before_its_body_is
         .with_toml(ROUTES)
         .set("server.body_read_timeout", "60s");
     let proxy = InProcessProxy::start(&config).await;
-    for path in ["/orders-optional", "/orders-required"] {
+    for path in ["/orders-required"] {
         // The head promises a body that never comes: a proxy that read it first would answer 408 only
         // after body_read_timeout, long past the reply's bound.
         let mut stream = raw::connect(&proxy.url).await;
@@ -572,9 +572,24 @@ async fn keys_a_body_keyed_request_without_a_scope_is_refused_before_its_body_is
             .header("content-type", "application/json")
             .body(r#"{"order_id":"o-1"}"#)
     };
+    // Where keys are optional, the body decides: one that holds a key and names no client is refused
+    // once read; one without a key goes to the app as it came, as any unkeyed request does.
+    let unscoped = |body: &'static str| {
+        post(&proxy, "/orders-optional")
+            .header("content-type", "application/json")
+            .body(body)
+    };
+    Reply::of(unscoped(r#"{"order_id":"o-9"}"#))
+        .await
+        .assert_problem(400, "missing-scope");
+    assert_eq!(env.upstream.executions(), 0);
+    let unkeyed = Reply::of(unscoped(r#"{"note":"no key here"}"#)).await;
+    assert_eq!(unkeyed.status, 201, "{}", unkeyed.text());
+    assert_eq!(env.upstream.executions(), 1);
+
     for path in ["/orders-optional", "/orders-required"] {
         assert!(!Reply::of(order(path)).await.is_replay());
         assert!(Reply::of(order(path)).await.is_replay(), "{path}");
     }
-    assert_eq!(env.upstream.executions(), 2);
+    assert_eq!(env.upstream.executions(), 3);
 }
