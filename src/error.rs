@@ -80,8 +80,9 @@ pub enum ProxyError {
     /// proxy's own words for what was wrong (never the token).
     #[error("bearer token not valid: {0}")]
     InvalidToken(String),
-    /// On a route with `scope_jwt`: the key set its tokens are verified with has not been read yet.
-    #[error("the key set bearer tokens are verified with has not been read yet")]
+    /// On a route with `scope_jwt`: the key set its tokens are verified with has not been read yet, or
+    /// cannot be read now for a key the token names and the set lacks.
+    #[error("the key set bearer tokens are verified with cannot be read")]
     KeysUnavailable,
     /// The keyed request body is over `max_request_body`.
     #[error("request body exceeds {limit} bytes")]
@@ -218,7 +219,7 @@ impl ProxyError {
             ProxyError::MissingScope(_) => "Client credential missing",
             ProxyError::SignatureInvalid(_) => "Webhook signature not verified",
             ProxyError::InvalidToken(_) => "Bearer token not valid",
-            ProxyError::KeysUnavailable => "Token keys not read yet",
+            ProxyError::KeysUnavailable => "Token keys unavailable",
             ProxyError::RequestTooLarge { .. } => "Request body too large",
             ProxyError::ClientBody(_) => "Request body unreadable",
             ProxyError::NonNormalPath(_) => "Path not accepted",
@@ -271,8 +272,9 @@ impl ProxyError {
                  Nothing was claimed or forwarded; send it again with a valid token."
             ),
             ProxyError::KeysUnavailable => {
-                "The keys bearer tokens are verified with here have not been read yet; nothing was \
-                 claimed or forwarded. Try again shortly."
+                "The keys bearer tokens are verified with here could not be read (not yet since the \
+                 proxy started, or not now for the key this token names); nothing was claimed or \
+                 forwarded. Try again shortly."
                     .into()
             }
             ProxyError::MissingScope(headers) => format!(

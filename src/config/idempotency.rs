@@ -34,7 +34,9 @@ pub(super) const SECTION: &str = "idempotency";
 const DEFAULT_RELEASED: [u16; 3] = [408, 425, 429];
 
 /// Released by default on a shared scope too: refusals of who the sender is, which on a scope anyone can
-/// reach could answer a forged request first and then, stored, the genuine one.
+/// reach could answer a forged request first and then, stored, the genuine one. And on a `scope_jwt`
+/// scope, where every token of a subject is one client: stored, the app's refusal of one token would
+/// answer the retry with its refreshed one.
 const SHARED_SCOPE_RELEASED: [u16; 2] = [401, 403];
 
 /// Headers `fingerprint_headers` may not name: each is new on every attempt of the same request.
@@ -123,7 +125,11 @@ pub struct RawIdempotency {
     pub scope_client_cert: bool,
     /// The bearer token verified (signature, times, issuer, audience), its claims separating clients
     /// in place of the `Authorization` header's spelling.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `false` on a route turns off the section's.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "super::jwt::table_or_off"
+    )]
     pub scope_jwt: Option<RawScopeJwt>,
     /// A response header telling the client when its key expires (an HTTP date); absent means none.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -637,7 +643,10 @@ impl RawIdempotency {
     fn release(&self, key: &str) -> Result<ReleasePolicy, ConfigError> {
         let Some(listed) = &self.release_statuses else {
             let mut codes = DEFAULT_RELEASED.to_vec();
-            if self.unscoped == Unscoped::Shared {
+            // On a scope shared by all, and on one that is the token's subject: there a refreshed
+            // token is the same client, and the app's refusal of the token it replaced (expired for the
+            // app, within the proxy's leeway, or revoked) must not answer it.
+            if self.unscoped == Unscoped::Shared || self.scope_jwt.is_some() {
                 codes.extend(SHARED_SCOPE_RELEASED);
             }
             return Ok(ReleasePolicy {

@@ -113,6 +113,30 @@ pub struct JwtRules {
     pub min_refetch: Duration,
 }
 
+/// `scope_jwt` as written: a table, or `false`, so that a route can turn off the section's table (its
+/// clients send static API keys in `Authorization`, say). A table's unknown keys are named as anywhere.
+pub fn table_or_off<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<RawScopeJwt>, D::Error> {
+    struct Setting;
+    impl<'de> serde::de::Visitor<'de> for Setting {
+        type Value = Option<RawScopeJwt>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a table (jwks_url or jwks_file, issuers, audiences, ...), or false")
+        }
+        fn visit_bool<E: serde::de::Error>(self, on: bool) -> Result<Self::Value, E> {
+            match on {
+                false => Ok(None),
+                true => Err(E::custom(
+                    "true names no key set: write a table with jwks_url or jwks_file",
+                )),
+            }
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            RawScopeJwt::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(Some)
+        }
+    }
+    d.deserialize_any(Setting)
+}
+
 impl RawScopeJwt {
     /// Checks the table, whose keys are named under `key` (`idempotency.scope_jwt`).
     pub fn validate(&self, key: &str) -> Result<JwtRules, ConfigError> {
@@ -280,6 +304,45 @@ mod tests {
             "r.min_refetch",
             "anyone's unknown kid would have the set read every 10ms"
         );
+    }
+
+    #[test]
+    fn a_route_turns_the_sections_table_off_with_false_and_401_is_released_where_it_is_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("jwks.json");
+        let set =
+            r#"{"keys":[{"kty":"OKP","crv":"Ed25519","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"}]}"#;
+        std::fs::write(&file, set).unwrap();
+        let section = format!(
+            "[idempotency.scope_jwt]\njwks_file = {:?}\n",
+            file.display().to_string()
+        );
+        let toml = format!(
+            "{section}[[routes]]\nname = \"partners\"\npath = \"/p\"\nscope_jwt = false\n\
+             [[routes]]\nname = \"users\"\npath = \"/u\"\n"
+        );
+        let config = crate::config::Config::from_toml_str(&toml).expect("valid");
+        let partners = &config.routes.routes[0].policy;
+        assert!(partners.key.scope_jwt.is_none());
+        assert_eq!(
+            partners.key.scope_headers,
+            [http::header::AUTHORIZATION],
+            "the API key scopes"
+        );
+        assert!(!partners.store.release.releases(http::StatusCode::UNAUTHORIZED));
+        let users = &config.routes.routes[1].policy;
+        assert!(users.key.scope_jwt.is_some(), "inherited");
+        assert!(users.key.scope_headers.is_empty());
+        assert!(users.store.release.releases(http::StatusCode::UNAUTHORIZED));
+        assert!(users.store.release.releases(http::StatusCode::FORBIDDEN));
+
+        let on = format!("{section}[[routes]]\nname = \"r\"\npath = \"/r\"\nscope_jwt = true\n");
+        let refused = crate::config::Config::from_toml_str(&on).unwrap_err();
+        assert_eq!(refused.key, "routes[0].scope_jwt", "{refused}");
+        assert!(refused.message.contains("jwks_url"), "{refused}");
+        let typo = "[idempotency.scope_jwt]\njwks_uri = \"https://a.example/jwks\"\n";
+        let refused = crate::config::Config::from_toml_str(typo).unwrap_err();
+        assert!(refused.to_string().contains("jwks_uri"), "{refused}");
     }
 
     #[test]

@@ -631,3 +631,64 @@ async fn keys_show_finds_the_record_by_the_tokens_subject() {
         String::from_utf8_lossy(&garbage.stderr)
     );
 }
+
+/// The app refuses a token the proxy took (its own clock, no leeway, a revocation): its `401` is given
+/// back, not stored, so the client's retry with a refreshed token runs; a route can turn a section's
+/// `scope_jwt` off, for clients whose `Authorization` is a static API key.
+#[tokio::test]
+async fn the_apps_refusal_of_a_token_is_not_replayed_to_the_refreshed_one() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let routes = format!(
+        r#"
+[idempotency.scope_jwt]
+jwks_url = "{}"
+audiences = ["{AUDIENCE}"]
+
+[[routes]]
+name = "refunds"
+path_prefix = "/fail-first"
+
+[[routes]]
+name = "partners"
+path_prefix = "/partners"
+scope_jwt = false
+"#,
+        jwks.url
+    );
+    let (env, proxy) = TestEnv::with_routes(&routes).await;
+    let refund = |token: &str| {
+        Reply::of(
+            client()
+                .post(format!("{}/fail-first/401", proxy.url))
+                .header("authorization", format!("Bearer {token}"))
+                .header("idempotency-key", "refund-1")
+                .body("{}"),
+        )
+    };
+    let refused = refund(minted.token("alice")).await;
+    assert_eq!(refused.status, 401, "the app's own refusal: {}", refused.text());
+    let retried = refund(minted.token("alice_refreshed")).await;
+    assert_eq!(retried.status, 201, "{}", retried.text());
+    assert!(!retried.is_replay());
+    assert_eq!(env.upstream.executions(), 2);
+
+    let partner = |key: &str| {
+        Reply::of(
+            client()
+                .post(format!("{}/partners", proxy.url))
+                .header("authorization", "Bearer sk_live_partner")
+                .header("idempotency-key", key)
+                .body("{}"),
+        )
+    };
+    let first = partner("p-1").await;
+    assert_eq!(
+        first.status,
+        201,
+        "a static key is no JWT, and needs none here: {}",
+        first.text()
+    );
+    assert!(partner("p-1").await.is_replay());
+    assert_eq!(env.upstream.executions(), 3);
+}
