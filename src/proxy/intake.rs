@@ -23,7 +23,7 @@ use super::dialect::Dialect;
 use super::downstream::Downstream;
 use super::key::Presented;
 use super::key::client_cert::ClientCert;
-use super::key::jwt::{self, Subject};
+use super::key::jwt::{self, Subject, Verified};
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;
@@ -44,6 +44,8 @@ pub(crate) struct Intake {
     trailers: Arc<TrailerRules>,
     /// The key sets bearer tokens are verified with (`scope_jwt`).
     key_sets: Arc<KeySets>,
+    /// The tokens verified lately, on every route.
+    verified: Arc<Verified>,
     metrics: Metrics,
 }
 
@@ -86,6 +88,7 @@ impl Intake {
             examiners: Examiners::per_cpu(),
             trailers,
             key_sets,
+            verified: Arc::default(),
             metrics,
         }
     }
@@ -173,7 +176,7 @@ impl Intake {
             .ok_or(ProxyError::KeysUnavailable)?;
         // On the heap: the verification (and a read of the set it may wait for) would otherwise make
         // every keyed request's intake future larger, copied as it is polled, on routes without it too.
-        Box::pin(jwt::subject(rules, set, headers)).await
+        Box::pin(jwt::subject((rules, set, &self.verified), &route.name, headers)).await
     }
 
     /// Takes in a request its route does not protect but whose signature it checks: its body, read whole

@@ -692,3 +692,61 @@ scope_jwt = false
     assert!(partner("p-1").await.is_replay());
     assert_eq!(env.upstream.executions(), 3);
 }
+
+/// A token verified once is not verified again for the same route while it stands, but only while it
+/// stands: past its `exp` it is refused, and once the key set is read again without its key, it is
+/// refused too.
+#[tokio::test]
+async fn a_token_verified_before_is_refused_once_expired_or_once_its_key_leaves_the_set() {
+    let minted = Minted::new().await;
+    let jwks = JwksServer::start(&minted.jwks_1).await;
+    let routes = format!(
+        r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+scope_jwt = {{ jwks_url = "{}", audiences = ["{AUDIENCE}"], leeway = "0s", min_refetch = "1s" }}
+"#,
+        jwks.url
+    );
+    let (env, proxy) = TestEnv::with_routes(&routes).await;
+
+    let short = minted.token("alice_short");
+    assert_eq!(pay(&proxy.url, short, Some("short-1"), "{}").await.status, 201);
+    assert_eq!(pay(&proxy.url, short, Some("short-2"), "{}").await.status, 201);
+    let mut n = 2;
+    poll_until("the short-lived token to be refused past its exp", || {
+        n += 1;
+        let key = format!("short-{n}");
+        let url = proxy.url.clone();
+        async move {
+            let reply = pay(&url, short, Some(&key), "{}").await;
+            (reply.status == 401).then_some(())
+        }
+    })
+    .await;
+
+    let alice = minted.token("alice");
+    assert_eq!(pay(&proxy.url, alice, Some("kept-1"), "{}").await.status, 201);
+    assert_eq!(pay(&proxy.url, alice, Some("kept-2"), "{}").await.status, 201);
+    // The issuer takes rsa-1 out of its set; the proxy reads the set again (a token names a kid it
+    // lacks), and alice's token, verified before with rsa-1, is verified anew and refused.
+    let mut set: Value = serde_json::from_str(&minted.jwks_1).unwrap();
+    set["keys"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|key| key["kid"] != "rsa-1");
+    jwks.serve(StatusCode::OK, &set.to_string());
+    let reads = jwks.reads();
+    poll_until("the set to be read again", || async {
+        let _ = pay(&proxy.url, minted.token("unknown_kid"), Some("ghost"), "{}").await;
+        (jwks.reads() > reads).then_some(())
+    })
+    .await;
+    pay(&proxy.url, alice, Some("kept-3"), "{}")
+        .await
+        .assert_problem(401, "invalid-token");
+    let ec = pay(&proxy.url, minted.token("alice_ec"), Some("kept-4"), "{}").await;
+    assert_eq!(ec.status, 201, "a key still in the set: {}", ec.text());
+    assert_eq!(env.upstream.executions(), n - 1 + 3);
+}

@@ -84,6 +84,8 @@ def main():
         "alice_no_kid": jwt.encode(claims("alice", iat=now + 4), rsa_1, algorithm="RS256"),
         "bob": sign(rsa_1, "RS256", "rsa-1", claims("bob")),
         "alice_rotated": sign(rsa_2, "PS256", "rsa-2", claims("alice", iat=now + 5)),
+        # Valid for ten seconds: taken now, refused soon (a verified token is not taken past its exp).
+        "alice_short": sign(rsa_1, "RS256", "rsa-1", claims("alice", iat=now + 6, exp=now + 10)),
         "forged": sign(stranger, "RS256", "rsa-1", claims("alice")),
         "expired": sign(rsa_1, "RS256", "rsa-1", claims("alice", iat=now - 7200, exp=now - 3600)),
         "not_yet": sign(rsa_1, "RS256", "rsa-1", claims("alice", nbf=now + 3600)),
