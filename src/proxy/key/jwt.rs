@@ -78,16 +78,11 @@ pub async fn subject(
     route: &str,
     headers: &HeaderMap,
 ) -> Result<Option<Subject>, ProxyError> {
-    let mut tokens = headers
-        .get_all(AUTHORIZATION)
-        .iter()
-        .filter_map(|v| bearer(v.as_bytes()));
-    let Some(token) = tokens.next() else {
+    let Some(token) =
+        one_bearer(headers).map_err(|()| invalid("the request carries more than one bearer token"))?
+    else {
         return Ok(None);
     };
-    if tokens.next().is_some() {
-        return Err(invalid("the request carries more than one bearer token"));
-    }
     let token = std::str::from_utf8(token).map_err(|_| invalid("the token is not a JWT"))?;
     let digest: [u8; 32] = Sha256::new()
         .chain_update(route.as_bytes())
@@ -117,17 +112,12 @@ pub async fn subject(
 /// whose operator holds a token the proxy verified when it came (perhaps since expired) and asks which
 /// record is its client's. Never for a request.
 pub fn unverified_subject(rules: &JwtRules, headers: &HeaderMap) -> Result<Option<Subject>, String> {
-    let mut tokens = headers
-        .get_all(AUTHORIZATION)
-        .iter()
-        .filter_map(|v| bearer(v.as_bytes()));
-    let Some(token) = tokens.next() else {
+    // The proxy refuses a request with two: it names no one client, so it has no record to find.
+    let Some(token) = one_bearer(headers)
+        .map_err(|()| "the headers carry more than one bearer token; name one".to_owned())?
+    else {
         return Ok(None);
     };
-    // The proxy refuses such a request: it names no one client, so it has no record to find.
-    if tokens.next().is_some() {
-        return Err("the headers carry more than one bearer token; name one".to_owned());
-    }
     let token = std::str::from_utf8(token).map_err(|_| "the bearer token is not a JWT".to_owned())?;
     let header = jsonwebtoken::decode_header(token).map_err(|e| why(e.kind()))?;
     let mut validation = Validation::new(header.alg);
@@ -314,6 +304,19 @@ fn why(kind: &ErrorKind) -> String {
 
 fn invalid(why: &str) -> ProxyError {
     ProxyError::InvalidToken(why.to_owned())
+}
+
+/// The one bearer token of the request's `Authorization` headers, if any; `Err` for more than one.
+fn one_bearer(headers: &HeaderMap) -> Result<Option<&[u8]>, ()> {
+    let mut tokens = headers
+        .get_all(AUTHORIZATION)
+        .iter()
+        .filter_map(|v| bearer(v.as_bytes()));
+    let first = tokens.next();
+    match tokens.next() {
+        Some(_) => Err(()),
+        None => Ok(first),
+    }
 }
 
 /// The token of a `Bearer` credential (the scheme read without case, RFC 9110 §11.1; one or more spaces

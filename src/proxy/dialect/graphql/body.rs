@@ -127,21 +127,12 @@ impl<'a> Body<'a> {
     }
 
     fn write_variables(&self, out: &mut Vec<u8>, used: &HashSet<&str>) {
-        out.push(b'{');
         let kept = self
             .variables
             .0
             .iter()
             .filter(|(name, _)| used.contains(&name.as_str()));
-        for (i, (name, value)) in kept.enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            write_string(out, name);
-            out.push(b':');
-            out.extend_from_slice(value.get().as_bytes());
-        }
-        out.push(b'}');
+        write_object(out, kept);
     }
 }
 
@@ -152,9 +143,13 @@ fn write_extensions(out: &mut Vec<u8>, extensions: &RawValue) {
         out.extend_from_slice(extensions.get().as_bytes());
         return;
     };
+    write_object(out, members.0.iter().filter(|(name, _)| name != "persistedQuery"));
+}
+
+/// An object of these members, each value as it came.
+fn write_object<'a, 'b: 'a>(out: &mut Vec<u8>, members: impl Iterator<Item = &'a (String, &'b RawValue)>) {
     out.push(b'{');
-    let kept = members.0.iter().filter(|(name, _)| name != "persistedQuery");
-    for (i, (name, value)) in kept.enumerate() {
+    for (i, (name, value)) in members.enumerate() {
         if i > 0 {
             out.push(b',');
         }
