@@ -7,6 +7,7 @@
 //! key, fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
 
 pub mod examine;
+pub mod many;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -17,6 +18,7 @@ use hyper::body::Incoming;
 use uuid::Uuid;
 
 use self::examine::Examiners;
+use self::many::Many;
 use super::budget::{BodyBudget, ReservedBody};
 use super::client_body::{self, GuardedBody, Trailers};
 use super::dialect::Dialect;
@@ -24,7 +26,6 @@ use super::downstream::Downstream;
 use super::key::Presented;
 use super::key::client_cert::ClientCert;
 use super::key::jwt::{self, Subject, Verified};
-use super::many::Many;
 use super::trailers::TrailerRules;
 use super::{key, signature};
 use crate::access;

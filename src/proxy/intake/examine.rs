@@ -19,8 +19,8 @@ use crate::error::{Busy, ProxyError};
 use crate::proxy::budget::ReservedBody;
 use crate::proxy::dialect::graphql::{self, NotPlanned, Plan};
 use crate::proxy::dialect::jsonrpc::{self, CallId, batch};
+use crate::proxy::intake::many::{Call, Field, Items};
 use crate::proxy::key::{self, json::Scratch};
-use crate::proxy::many::{Items, graphql::Field, jsonrpc::Call};
 
 /// Bodies up to this many bytes are examined on the worker: reading them takes tens of microseconds,
 /// less than handing them to another thread.

@@ -21,23 +21,14 @@ use bytes::Bytes;
 use http::{StatusCode, header};
 use serde_json::Value;
 
-use super::{Claimed, Exchanged, ItemKey, Run, overall, record, respond, stored_body};
+use super::item::{Claimed, Exchanged, Run, overall, record, respond, stored_body};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
 use crate::proxy::budget::ReservedBody;
 use crate::proxy::dialect::graphql::{self, answer as graphql_answer};
 use crate::proxy::execute::ItemWrite;
-
-/// One root field of a keyed mutation, as an operation of its own.
-pub(crate) struct Field {
-    /// The request body that runs it.
-    pub(crate) body: Bytes,
-    /// Its response key (alias, else name).
-    pub(crate) response_key: String,
-    /// Its key and fingerprint, where it is marked `@idempotent`.
-    pub(crate) keyed: ItemKey,
-}
+use crate::proxy::intake::many::Field;
 
 /// Runs the fields left to run, one after the other, and answers the mutation.
 pub(crate) async fn run(
@@ -55,12 +46,12 @@ pub(crate) async fn run(
         let key = field.response_key.as_str();
         let answer = match item {
             Claimed::Unkeyed => {
-                let exchanged = run.exchange(body.part(field.body.clone()), None).await;
+                let exchanged = run.exchange(body.part(field.body.clone()), None, 1).await;
                 answered(run, key, &exchanged)
             }
             Claimed::Won(won) => {
                 let exchanged = run
-                    .exchange(body.part(field.body.clone()), Some(won.attempt))
+                    .exchange(body.part(field.body.clone()), Some(won.attempt), 1)
                     .await;
                 let write = write_of(run, &exchanged);
                 run.settle(won, write.as_write(run.holds_unknown())).await;

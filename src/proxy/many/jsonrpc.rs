@@ -19,14 +19,15 @@ use bytes::Bytes;
 use http::{StatusCode, header};
 use serde_json::Value;
 
-use super::{Claimed, Exchanged, ItemKey, Run, overall, record, respond, stored_body};
+use super::item::{Claimed, Exchanged, Run, overall, record, respond, stored_body};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
 use crate::proxy::budget::ReservedBody;
 use crate::proxy::dialect::jsonrpc::answer::response_as;
-use crate::proxy::dialect::jsonrpc::{CallId, batch};
+use crate::proxy::dialect::jsonrpc::batch;
 use crate::proxy::execute::ItemWrite;
+use crate::proxy::intake::many::Call;
 
 /// The JSON-RPC error code of a call whose key is in flight.
 pub const KEY_IN_FLIGHT: i64 = -32090;
@@ -37,16 +38,6 @@ pub const OUTCOME_UNKNOWN: i64 = -32092;
 /// The code of a call the proxy could not run or answer otherwise: the service failed, the store did
 /// not answer, its answer was not kept.
 pub const NOT_RUN: i64 = -32093;
-
-/// One call of a batch.
-pub(crate) struct Call {
-    /// The call as the client wrote it.
-    pub(crate) text: Bytes,
-    /// Its `id`; `None` for a notification, or an element that is no call.
-    pub(crate) id: Option<CallId>,
-    /// Its key and fingerprint, where it carries a key.
-    pub(crate) keyed: ItemKey,
-}
 
 /// What a call is answered with.
 #[derive(Clone)]
@@ -77,7 +68,10 @@ pub(crate) async fn run(
         true => None,
         false => {
             let joined = batch::join(sent.iter().map(|&n| text(&calls[n])));
-            Some(run.exchange(body.with_bytes(joined.into()), attempt).await)
+            Some(
+                run.exchange(body.with_bytes(joined.into()), attempt, sent.len())
+                    .await,
+            )
         }
     };
     let outcome = overall(exchanged.is_some(), &claimed);
