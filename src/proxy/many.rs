@@ -16,8 +16,13 @@ pub mod graphql;
 pub mod item;
 pub mod jsonrpc;
 
+/// How many of a request's claim statements, or of its items' writes, are in flight at once.
+pub(crate) const CLAIMS_AT_ONCE: usize = 32;
+
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures_util::{StreamExt, stream};
 use tokio::time::Instant;
 
 use self::item::{Claimed, Run, Won};
@@ -103,8 +108,11 @@ impl<'a> ManyKeys<'a> {
         answer.send(handled);
     }
 
-    /// Claims every keyed item in the client's order. A store that does not answer gives back what was
-    /// won and leaves the request to `on_store_error` (its error).
+    /// Claims every keyed item, [`CLAIMS_AT_ONCE`] at a time (a store that batches its statements
+    /// takes them together), and says what each came to, in the client's order. An item whose key an
+    /// earlier item of the request has is not claimed again: a repeat of it, or a reuse if the two
+    /// differ. A store that does not answer gives back what was won and leaves the request to
+    /// `on_store_error` (its error).
     async fn claim_all(
         &self,
         route: &Arc<Route>,
@@ -113,24 +121,22 @@ impl<'a> ManyKeys<'a> {
     ) -> Result<Vec<Claimed>, StoreError> {
         let policy = &route.policy;
         let deadline = Instant::now() + policy.claim.wait_timeout;
-        let mut claimed: Vec<Claimed> = Vec::with_capacity(keys.len());
+        let mut first: HashMap<&str, (usize, &[u8; 32])> = HashMap::with_capacity(keys.len());
+        let mut planned: Vec<Result<Claimed, ClaimRequest>> = Vec::with_capacity(keys.len());
         for (n, keyed) in keys.iter().enumerate() {
             let Some((key, fingerprint)) = keyed else {
-                claimed.push(Claimed::Unkeyed);
+                planned.push(Ok(Claimed::Unkeyed));
                 continue;
             };
-            let earlier = keys[..n]
-                .iter()
-                .position(|other| other.as_ref().is_some_and(|(k, _)| k == key));
-            if let Some(earlier) = earlier {
-                let same = keys[earlier].as_ref().is_some_and(|(_, f)| f == fingerprint);
-                claimed.push(match same {
+            if let Some(&(earlier, earlier_fingerprint)) = first.get(key.as_str()) {
+                planned.push(Ok(match earlier_fingerprint == fingerprint {
                     true => Claimed::Repeat(earlier),
                     false => Claimed::Refused(ProxyError::KeyReused),
-                });
+                }));
                 continue;
             }
-            let claim = ClaimRequest {
+            first.insert(key, (n, fingerprint));
+            planned.push(Err(ClaimRequest {
                 id: RecordId {
                     scope: scope.to_owned(),
                     key: key.clone(),
@@ -139,14 +145,27 @@ impl<'a> ManyKeys<'a> {
                 fingerprint: *fingerprint,
                 lease: policy.claim.lock_timeout,
                 ttl: policy.claim.ttl,
-            };
-            match self.claim_one(route, claim, deadline).await {
-                Ok(item) => claimed.push(item),
-                Err(error) => {
-                    self.give_back_all(route, claimed).await;
-                    return Err(error);
-                }
+            }));
+        }
+        let claiming = planned.into_iter().map(|item| async move {
+            match item {
+                Ok(claimed) => Ok(claimed),
+                Err(claim) => self.claim_one(route, claim, deadline).await,
             }
+        });
+        let results: Vec<Result<Claimed, StoreError>> =
+            stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
+        let mut claimed = Vec::with_capacity(results.len());
+        let mut failed = None;
+        for result in results {
+            match result {
+                Ok(item) => claimed.push(item),
+                Err(error) => failed = failed.or(Some(error)),
+            }
+        }
+        if let Some(error) = failed {
+            self.give_back_all(route, claimed).await;
+            return Err(error);
         }
         Ok(claimed)
     }
