@@ -260,3 +260,147 @@ impl<'a> ManyKeys<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http::Request;
+
+    use super::*;
+    use crate::error::ProxyError;
+    use crate::proxy::budget::{BodyBudget, ReservedBody};
+    use crate::proxy::intake::many::Call;
+    use crate::proxy::stage_tests::{self, SlowUpstream, Stages};
+    use crate::store::stub::{Op, Reply, StubStore};
+    use crate::store::{ClaimKind, ClaimResult};
+
+    fn won() -> Reply {
+        Reply::Claim(ClaimResult::Won {
+            attempt: 1,
+            kind: ClaimKind::New,
+            expires_in: Duration::from_secs(60),
+        })
+    }
+
+    /// A batch of `keys.len()` calls, each keyed as `keys` says, on the default route.
+    async fn batch(stages: &Stages, keys: &[&str]) -> Many {
+        let texts: Vec<String> = keys
+            .iter()
+            .enumerate()
+            .map(|(n, key)| format!(r#"{{"jsonrpc":"2.0","id":{n},"method":"m","params":{{"_meta":{{"idempotencyKey":"{key}"}}}}}}"#))
+            .collect();
+        let whole = Bytes::from(format!("[{}]", texts.join(",")));
+        let mut calls = Vec::new();
+        let mut at = 1;
+        for (text, key) in texts.iter().zip(keys) {
+            let raw: &serde_json::value::RawValue = serde_json::from_str(text).unwrap();
+            calls.push(Call {
+                text: whole.slice(at..at + text.len()),
+                id: crate::proxy::dialect::jsonrpc::batch::id_of(raw),
+                keyed: Some(((*key).to_owned(), [key.as_bytes()[0]; 32])),
+            });
+            at += text.len() + 1;
+        }
+        let budget = BodyBudget::new(1 << 20, stages.metrics.clone());
+        let reservation = budget.reserve(whole.len(), Duration::from_secs(1)).await.unwrap();
+        let (parts, ()) = Request::post("/rpc").body(()).unwrap().into_parts();
+        Many {
+            route: stages.config.routes.default.clone(),
+            scope: "default:s".into(),
+            peer: stage_tests::peer(),
+            parts,
+            body: ReservedBody::new(whole, reservation),
+            items: Items::JsonRpc(calls),
+        }
+    }
+
+    /// Runs `many` through the keyed task; what its client is answered.
+    async fn run(stages: &Stages, many: Many) -> crate::proxy::answer::Handled {
+        let permit = stages.permits.take(&many.peer).expect("a free permit");
+        let (head, answer) = stage_tests::answer(&stages.metrics);
+        let routes = stages.metrics.routes(std::iter::empty(), "default");
+        let series = routes.get("default").clone();
+        let keyed = stages.keyed(tokio_util::sync::CancellationToken::new());
+        keyed
+            .run_many(
+                many,
+                head,
+                (permit, series, "https://idemproxy.dev/problems/".into()),
+            )
+            .await;
+        answer.await.expect("an answer")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_that_fails_a_claim_gives_back_every_claim_won_and_nothing_is_forwarded() {
+        let store = StubStore::new();
+        store
+            .then(Op::Claim, won())
+            .then(Op::Claim, won())
+            .then(Op::Claim, Reply::Fail(StoreError::Backend("reset".into())))
+            .always(Op::Release, Reply::Done(true));
+        let toml = "[upstream]\nurl = \"http://127.0.0.1:1\"\n[store]\ntimeout = \"1s\"\n";
+        let stages = stage_tests::stages(toml, &store);
+        let many = batch(&stages, &["a", "b", "c"]).await;
+        let answer = run(&stages, many).await;
+        assert!(
+            matches!(answer, Err(ProxyError::StoreUnavailable(_))),
+            "{answer:?}"
+        );
+        assert_eq!(
+            store.count(Op::Release),
+            2,
+            "the two claims won are given back at once"
+        );
+        assert_eq!(store.count(Op::Complete), 0);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            store.count(Op::Release),
+            3,
+            "and the unanswered one after a store timeout"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_won_item_keeps_its_lease_while_the_service_works_and_a_missing_answer_is_unknown() {
+        let upstream = SlowUpstream::start(Duration::from_secs(25)).await;
+        let store = StubStore::new();
+        store
+            .always(Op::Claim, won())
+            .always(Op::Heartbeat, Reply::Done(true));
+        let toml = format!(
+            "[upstream]\nurl = \"http://{}\"\ntimeout = \"60s\"\n[idempotency]\nlock_timeout = \"9s\"\n",
+            upstream.addr
+        );
+        let stages = stage_tests::stages(&toml, &store);
+        let many = batch(&stages, &["a", "b", "c", "a"]).await;
+        let (response, _) = run(&stages, many).await.expect("the batch is answered");
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let answers: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let codes: Vec<&serde_json::Value> = (0..4).map(|n| &answers[n]["error"]["code"]).collect();
+        assert_eq!(codes, [&serde_json::json!(-32093); 4], "{answers}");
+        assert_eq!(answers[3]["id"], 3, "the repeat answers under its own id");
+        assert_eq!(store.count(Op::Claim), 3, "the repeated key is claimed once");
+        assert_eq!(upstream.arrivals().len(), 1, "one exchange for the batch");
+        // A beat every 3 s for 25 s: 8 per item, 24 in all (a beat may land as the answer comes).
+        let beats = store.count(Op::Heartbeat);
+        assert!((21..=27).contains(&beats), "{beats} beats");
+        // The service's answer ("done") holds no response: each call's outcome is unknown, its claim
+        // left to its lease (on_unknown_outcome = "retry"): nothing written, no beat after.
+        assert_eq!(
+            store.count(Op::Complete) + store.count(Op::Release) + store.count(Op::Hold),
+            0
+        );
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(
+            store.count(Op::Heartbeat),
+            beats,
+            "the beats stopped with the request"
+        );
+    }
+}
