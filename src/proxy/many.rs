@@ -36,7 +36,8 @@ use super::permit::KeyedPermit;
 use super::settle::Settle;
 use crate::config::Route;
 use crate::error::ProxyError;
-use crate::metrics::{Metrics, RouteSeries};
+use crate::headers::REPLAYED_HEADER;
+use crate::metrics::{Metrics, Outcome, RouteSeries};
 use crate::store::wake::{RecordTag, Waiters};
 use crate::store::{ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle};
 
@@ -101,10 +102,15 @@ impl<'a> ManyKeys<'a> {
             parts: &parts,
             series: &series,
         };
-        let handled = match items {
+        let mut handled = match items {
             Items::JsonRpc(calls) => jsonrpc::run(&run, body, calls, claimed).await,
             Items::GraphQl(fields) => graphql::run(&run, body, fields, claimed).await,
         };
+        // Every keyed item answered from the store, nothing sent: the whole answer is a replay.
+        if let Ok((response, Outcome::Replayed)) = &mut handled {
+            let replayed = http::HeaderValue::from_static("true");
+            response.headers_mut().insert(REPLAYED_HEADER, replayed);
+        }
         answer.send(handled);
     }
 
