@@ -238,14 +238,14 @@ const STAGES: [(&str, u8); 9] = [
     ("src/proxy", 0),
     ("src/proxy/keyed", 1),
     ("src/proxy/many", 2),
-    ("src/proxy/wait", 2),
-    ("src/proxy/claim", 3),
-    ("src/proxy/execute", 4),
-    ("src/proxy/passthrough", 4),
-    ("src/proxy/intake", 4),
-    ("src/proxy/settle", 5),
+    ("src/proxy/wait", 3),
+    ("src/proxy/claim", 4),
+    ("src/proxy/execute", 5),
+    ("src/proxy/passthrough", 5),
+    ("src/proxy/intake", 5),
+    ("src/proxy/settle", 6),
 ];
-const LEAF: u8 = 6;
+const LEAF: u8 = 7;
 
 /// A request-path file's stage (its name in [`STAGES`], or `None` for a leaf) and place in the call
 /// order; `None` for a file outside the request path.

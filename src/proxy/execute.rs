@@ -548,6 +548,12 @@ impl Executor {
         &self.upstream
     }
 
+    /// Nothing yet of the budget of keyed responses held for storage (`server.max_buffered_responses`
+    /// and the per-scope share), for an answer read whole by a request of `scope` that carries many keys.
+    pub(crate) fn answer_hold(&self, scope: &str) -> capture::Reservation {
+        capture::Reservation::none(&self.captures, scope)
+    }
+
     /// Writes what became of one item of a request that carries many keys (`many.rs`), under the item's
     /// fence, trying for up to its `lease` while the store does not answer: its answer stored, its key
     /// given back, or its outcome unknown (held with `on_unknown_outcome = "hold"`, else left to its

@@ -74,7 +74,7 @@ impl KeyedTask {
         answer: Answer,
         (permit, series, base): (KeyedPermit, Arc<RouteSeries>, Arc<str>),
     ) {
-        let stage = ManyKeys::new(&self.claims, &self.settle);
+        let stage = ManyKeys::new(&self.claims, &self.waits, &self.settle);
         stage.run(many, answer, (permit, series, &base)).await;
     }
 

@@ -27,17 +27,18 @@ use tokio::time::Instant;
 
 use self::item::{Claimed, Run, Won};
 use super::answer::Answer;
-use super::claim::{Attempt, Claims, Decision, decide};
+use super::claim::{Attempt, Claims, Decision, decide, in_flight_retry_after};
 use super::execute::heartbeat::Heartbeat;
 use super::execute::{Executor, ItemWrite};
 use super::intake::many::{ItemKey, Items, Many};
 use super::passthrough::Forward;
 use super::permit::KeyedPermit;
 use super::settle::Settle;
+use super::wait::Waits;
 use crate::config::Route;
 use crate::error::ProxyError;
 use crate::headers::REPLAYED_HEADER;
-use crate::metrics::{Metrics, Outcome, RouteSeries};
+use crate::metrics::{Metrics, Outcome, RouteSeries, WaitResult};
 use crate::store::wake::{RecordTag, Waiters};
 use crate::store::{ClaimRequest, ClaimResult, Existing, RecordId, StoreError, StoreHandle};
 
@@ -50,12 +51,13 @@ pub(crate) struct ManyKeys<'a> {
     waiters: &'a Arc<Waiters>,
     metrics: &'a Metrics,
     claims: &'a Claims,
+    waits: &'a Waits,
     settle: &'a Settle,
 }
 
 impl<'a> ManyKeys<'a> {
     /// The stage over the claim stage's parts and `settle`.
-    pub(crate) fn new(claims: &'a Claims, settle: &'a Settle) -> ManyKeys<'a> {
+    pub(crate) fn new(claims: &'a Claims, waits: &'a Waits, settle: &'a Settle) -> ManyKeys<'a> {
         let (store, executor, forward, waiters, metrics) = claims.parts();
         ManyKeys {
             store,
@@ -64,6 +66,7 @@ impl<'a> ManyKeys<'a> {
             waiters,
             metrics,
             claims,
+            waits,
             settle,
         }
     }
@@ -85,18 +88,12 @@ impl<'a> ManyKeys<'a> {
             body,
             items,
         } = many;
-        let claimed = match self.claim_all(&route, &scope, &items.keys()).await {
-            Ok(claimed) => claimed,
-            Err(error) => {
-                let forward = Box::pin(self.forward.store_down(parts, body, &peer, error));
-                answer.send(forward.await);
-                return;
-            }
-        };
+        let claimed = self.claim_all(&route, &scope, &items.keys()).await;
         let run = Run {
             executor: self.executor,
             settle: self.settle,
             route: &route,
+            scope: &scope,
             base,
             peer: &peer,
             parts: &parts,
@@ -117,14 +114,10 @@ impl<'a> ManyKeys<'a> {
     /// Claims every keyed item, [`CLAIMS_AT_ONCE`] at a time (a store that batches its statements
     /// takes them together), and says what each came to, in the client's order. An item whose key an
     /// earlier item of the request has is not claimed again: a repeat of it, or a reuse if the two
-    /// differ. A store that does not answer gives back what was won and leaves the request to
-    /// `on_store_error` (its error).
-    async fn claim_all(
-        &self,
-        route: &Arc<Route>,
-        scope: &str,
-        keys: &[&ItemKey],
-    ) -> Result<Vec<Claimed>, StoreError> {
+    /// differ. Items in flight elsewhere wait, on a route that waits, only when the request holds no key
+    /// itself (then in one of `server.max_waiting`'s seats, until `wait_timeout`); else they are refused
+    /// at once, as on a route that does not wait.
+    async fn claim_all(&self, route: &Arc<Route>, scope: &str, keys: &[&ItemKey]) -> Vec<Claimed> {
         let policy = &route.policy;
         let deadline = Instant::now() + policy.claim.wait_timeout;
         let mut first: HashMap<&str, (usize, &[u8; 32])> = HashMap::with_capacity(keys.len());
@@ -155,38 +148,65 @@ impl<'a> ManyKeys<'a> {
         }
         let claiming = planned.into_iter().map(|item| async move {
             match item {
-                Ok(claimed) => Ok(claimed),
-                Err(claim) => self.claim_one(route, claim, deadline).await,
+                Ok(claimed) => Pass::Done(claimed),
+                Err(claim) => self.claim_one(route, claim, None).await,
             }
         });
-        let results: Vec<Result<Claimed, StoreError>> =
-            stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
-        let mut claimed = Vec::with_capacity(results.len());
-        let mut failed = None;
-        for result in results {
-            match result {
-                Ok(item) => claimed.push(item),
-                Err(error) => failed = failed.or(Some(error)),
+        let passes: Vec<Pass> = stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
+        // A request that holds keys never waits for others: another request could be waiting for the
+        // keys it holds (each holding what the other wants) until both time out.
+        let holds = passes
+            .iter()
+            .any(|pass| matches!(pass, Pass::Done(Claimed::Won(_))));
+        let waits = policy.claim.on_in_flight.waits() && !holds;
+        let seat = match waits && passes.iter().any(|pass| matches!(pass, Pass::InFlight(..))) {
+            true => self.waits.seat(deadline),
+            false => None,
+        };
+        let resolving = passes.into_iter().map(|pass| {
+            let seat = seat.as_ref();
+            async move {
+                match pass {
+                    Pass::InFlight(claim, _) if seat.is_some() => {
+                        let waited = self.claim_one(route, claim, Some(deadline)).await;
+                        self.waits.ended(waited.wait_result());
+                        self.resolved(waited)
+                    }
+                    Pass::InFlight(_, lease_remaining) => {
+                        let hint = policy.claim.in_flight_retry_after;
+                        let retry_after = in_flight_retry_after(lease_remaining, hint);
+                        Claimed::Refused(ProxyError::KeyInFlight { retry_after })
+                    }
+                    other => self.resolved(other),
+                }
             }
-        }
-        if let Some(error) = failed {
-            self.give_back_all(route, claimed).await;
-            return Err(error);
-        }
-        Ok(claimed)
+        });
+        stream::iter(resolving).buffered(CLAIMS_AT_ONCE).collect().await
     }
 
-    /// One item's claim; on a route that waits, a key in flight is claimed again each time its record
-    /// settles (or its lease runs out) until `deadline`, the request's `wait_timeout`.
-    async fn claim_one(
-        &self,
-        route: &Route,
-        claim: ClaimRequest,
-        deadline: Instant,
-    ) -> Result<Claimed, StoreError> {
+    /// What an item comes to once its claim is decided: a store that did not answer leaves it to
+    /// `on_store_error`, the item alone (the rest of the request goes on): sent unprotected with
+    /// `fail_open`, refused with `fail_closed`.
+    fn resolved(&self, pass: Pass) -> Claimed {
+        match pass {
+            Pass::Done(claimed) => claimed,
+            Pass::InFlight(_, lease_remaining) => Claimed::Refused(ProxyError::KeyInFlight {
+                retry_after: lease_remaining.max(std::time::Duration::from_secs(1)),
+            }),
+            Pass::StoreDown(error) if self.forward.fails_open() => {
+                self.metrics.unprotected.inc();
+                tracing::warn!(%error, "store unavailable; an item forwarded without idempotency (fail_open)");
+                Claimed::Unkeyed
+            }
+            Pass::StoreDown(error) => Claimed::Refused(ProxyError::StoreUnavailable(error.to_string())),
+        }
+    }
+
+    /// One item's claim. Found in flight: handed back without a `deadline`; with one, claimed again each
+    /// time its record settles (or its lease runs out) until then, the request's `wait_timeout`.
+    async fn claim_one(&self, route: &Route, claim: ClaimRequest, deadline: Option<Instant>) -> Pass {
         let policy = &route.policy;
-        let waits = policy.claim.on_in_flight.waits();
-        let mut waiter = waits.then(|| {
+        let mut waiter = deadline.is_some().then(|| {
             self.waiters
                 .wait_for(RecordTag::of(&claim.id.scope, &claim.id.key))
         });
@@ -198,26 +218,30 @@ impl<'a> ManyKeys<'a> {
             let result = match self.store.claim(&claim).await {
                 Ok(result) => result,
                 Err(StoreError::Undecryptable(_)) => {
-                    return Ok(Claimed::Refused(ProxyError::RecordUnreadable));
+                    return Pass::Done(Claimed::Refused(ProxyError::RecordUnreadable));
                 }
                 Err(error) => {
                     // Not open yet: it was never sent, so there is nothing to give back.
                     if !matches!(error, StoreError::NotOpen) {
                         self.claims.orphaned(&claim);
                     }
-                    return Err(error);
+                    return Pass::StoreDown(error);
                 }
             };
-            if let (
-                Some(waiter),
+            let in_flight = match &result {
                 ClaimResult::Held(Existing::Processing {
                     same_fingerprint: true,
                     lease_remaining,
-                }),
-            ) = (&mut waiter, &result)
+                }) => Some(*lease_remaining),
+                _ => None,
+            };
+            if let (Some(lease_remaining), None) = (in_flight, deadline) {
+                return Pass::InFlight(claim, lease_remaining);
+            }
+            if let (Some(waiter), Some(lease_remaining), Some(deadline)) = (&mut waiter, in_flight, deadline)
                 && Instant::now() < deadline
             {
-                let until = (Instant::now() + *lease_remaining).min(deadline);
+                let until = (Instant::now() + lease_remaining).min(deadline);
                 tokio::select! {
                     () = waiter.woken() => {}
                     () = tokio::time::sleep_until(until) => {}
@@ -225,7 +249,7 @@ impl<'a> ManyKeys<'a> {
                 continue;
             }
             let hint = policy.claim.in_flight_retry_after;
-            return Ok(match decide(result, &claim.id, hint, self.metrics) {
+            return Pass::Done(match decide(result, &claim.id, hint, self.metrics) {
                 Ok(Decision::Execute(..)) if sent.elapsed() > claim.lease / 2 => {
                     // Its heartbeat could come after the lease ran out: given back, as a lone claim is.
                     tracing::warn!(key_hash = %claim.id.key_hash(), "claim answered after more than half its lease; given back");
@@ -253,16 +277,26 @@ impl<'a> ManyKeys<'a> {
         });
         Won::new(claim.id, attempt, task.abort_handle())
     }
+}
 
-    /// Gives back every item won so far, and tells whoever waits for them.
-    async fn give_back_all(&self, route: &Route, claimed: Vec<Claimed>) {
-        for item in claimed {
-            if let Claimed::Won(won) = item {
-                let id = won.into_id();
-                let lease = route.policy.claim.lock_timeout;
-                self.executor.write_item(&id, lease, ItemWrite::Release).await;
-                self.settle.settled(route, &id).await;
-            }
+/// What an item's first claim statement found.
+enum Pass {
+    /// Decided.
+    Done(Claimed),
+    /// In flight elsewhere: the claim to send again, and the lease left on the record.
+    InFlight(ClaimRequest, std::time::Duration),
+    /// The store did not answer.
+    StoreDown(StoreError),
+}
+
+impl Pass {
+    /// How a wait for the item ended, as `idemproxy_waits_total` counts it.
+    fn wait_result(&self) -> WaitResult {
+        match self {
+            Pass::Done(Claimed::Replayed(_)) => WaitResult::Replayed,
+            Pass::Done(Claimed::Won(_)) => WaitResult::Executed,
+            Pass::Done(Claimed::Refused(ProxyError::KeyInFlight { .. })) => WaitResult::Timeout,
+            Pass::Done(_) | Pass::InFlight(..) | Pass::StoreDown(_) => WaitResult::Refused,
         }
     }
 }
@@ -275,7 +309,6 @@ mod tests {
     use http::Request;
 
     use super::*;
-    use crate::error::ProxyError;
     use crate::proxy::budget::{BodyBudget, ReservedBody};
     use crate::proxy::intake::many::Call;
     use crate::proxy::stage_tests::{self, SlowUpstream, Stages};
@@ -340,7 +373,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_store_that_fails_a_claim_gives_back_every_claim_won_and_nothing_is_forwarded() {
+    async fn a_store_that_fails_one_claim_refuses_that_call_alone_and_gives_its_claim_back_later() {
         let store = StubStore::new();
         store
             .then(Op::Claim, won())
@@ -350,22 +383,35 @@ mod tests {
         let toml = "[upstream]\nurl = \"http://127.0.0.1:1\"\n[store]\ntimeout = \"1s\"\n";
         let stages = stage_tests::stages(toml, &store);
         let many = batch(&stages, &["a", "b", "c"]).await;
-        let answer = run(&stages, many).await;
-        assert!(
-            matches!(answer, Err(ProxyError::StoreUnavailable(_))),
-            "{answer:?}"
+        let (response, _) = run(&stages, many).await.expect("the batch is answered");
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let answers: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let types: Vec<&str> = (0..3)
+            .map(|n| answers[n]["error"]["data"]["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            types,
+            [
+                "https://idemproxy.dev/problems/upstream-unreachable",
+                "https://idemproxy.dev/problems/upstream-unreachable",
+                "https://idemproxy.dev/problems/store-unavailable"
+            ],
+            "the two won calls went upstream (refused there); the third is refused (fail_closed)"
         );
         assert_eq!(
             store.count(Op::Release),
             2,
-            "the two claims won are given back at once"
+            "the two calls never delivered are given back"
         );
         assert_eq!(store.count(Op::Complete), 0);
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(
             store.count(Op::Release),
             3,
-            "and the unanswered one after a store timeout"
+            "and the unanswered claim after a store timeout"
         );
     }
 

@@ -99,6 +99,11 @@ impl Forward {
         self.forward_read(parts, body, peer, Outcome::Passthrough).await
     }
 
+    /// Whether a request the store could not decide goes upstream unprotected (`fail_open`).
+    pub(crate) fn fails_open(&self) -> bool {
+        self.on_store_error == OnStoreError::FailOpen
+    }
+
     /// The store could not decide the claim: refuse (fail_closed) or forward unprotected (fail_open).
     pub(crate) async fn store_down(
         &self,

@@ -109,6 +109,17 @@ impl Waits {
         Ok((Waiting::enter(&self.metrics, permit, deadline), in_flight))
     }
 
+    /// A seat among the requests that wait, until `deadline`, for a request that carries many keys
+    /// (one for all its items): counted in `idemproxy_waiting_requests` while held. `None` when
+    /// `server.max_waiting` requests already wait (counted as such).
+    pub(crate) fn seat(&self, deadline: Instant) -> Option<Waiting> {
+        let Ok(permit) = self.waiting.clone().try_acquire_owned() else {
+            self.ended(WaitResult::RejectedFull);
+            return None;
+        };
+        Some(Waiting::enter(&self.metrics, permit, deadline))
+    }
+
     /// Counts a wait by how it ended.
     pub(crate) fn ended(&self, result: WaitResult) {
         self.metrics.wait_ended(result);

@@ -122,13 +122,38 @@ impl CaptureBudget {
 
 /// Bytes of the budget one capture holds for its scope; given back when dropped (once the body is
 /// stored, or when the capture gives up).
-pub(super) struct Reservation {
+pub(crate) struct Reservation {
     budget: Arc<CaptureBudget>,
     scope: Arc<str>,
     bytes: usize,
 }
 
 impl Reservation {
+    /// Nothing of `budget` yet, for `scope`: an answer read whole outside a relay (`proxy/many.rs`)
+    /// grows it as it is read ([`Reservation::try_grow`]).
+    pub(crate) fn none(budget: &Arc<CaptureBudget>, scope: &str) -> Reservation {
+        Reservation {
+            budget: budget.clone(),
+            scope: scope.into(),
+            bytes: 0,
+        }
+    }
+
+    /// Takes `bytes` more, if the budget and the scope's share have them now (never waited for); a
+    /// refusal is counted as a capture's is.
+    pub(crate) fn try_grow(&mut self, bytes: usize) -> bool {
+        match self.budget.try_take(&self.scope, bytes) {
+            Ok(()) => {
+                self.bytes += bytes;
+                true
+            }
+            Err(short) => {
+                self.budget.count_give_up(short);
+                false
+            }
+        }
+    }
+
     fn release(&mut self) {
         self.budget
             .give_back(&self.scope, std::mem::take(&mut self.bytes));

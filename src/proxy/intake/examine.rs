@@ -174,11 +174,15 @@ fn batch_calls(
             }
             None => None,
         };
-        items.push(Call {
-            id: batch::id_of(raw),
-            text,
-            keyed,
-        });
+        let id = batch::id_of(raw);
+        if keyed.is_some() && id.is_none() && batch::names_an_id(raw) {
+            return Err(ProxyError::JsonRpcBatch(format!(
+                "its call {} has an id JSON-RPC does not allow (not a string, a number or null, or named \
+                 twice), so its answer could not be given back",
+                items.len() + 1
+            )));
+        }
+        items.push(Call { id, text, keyed });
     }
     if items.iter().all(|call| call.keyed.is_none()) {
         return Ok(None);
@@ -220,6 +224,13 @@ fn graphql_fields(
             return Err(ProxyError::MissingKey(key::source::describe(&policy.key.source)));
         }
         Ok(Plan::Keyed(planned)) => planned,
+        // A body this proxy cannot split (a GraphQL batch, an `application/graphql` document) is passed
+        // as it came unless it names the directive: a service that declares it would run it unprotected.
+        Err(not) if not.is_unparseable() && names_idempotent(bytes) => {
+            return Err(ProxyError::GraphQlRequest(format!(
+                "{not}, and it names @idempotent; send one operation as a JSON body (application/json)"
+            )));
+        }
         Err(not) if not.is_unparseable() && !required => return Ok(None),
         Err(NotPlanned::InvalidKey { field, why }) => {
             return Err(ProxyError::InvalidKey(format!(
@@ -247,4 +258,11 @@ fn graphql_fields(
         });
     }
     Ok(Some(fields))
+}
+
+/// Whether a body names the `@idempotent` directive anywhere.
+fn names_idempotent(bytes: &[u8]) -> bool {
+    bytes
+        .windows(b"@idempotent".len())
+        .any(|window| window == b"@idempotent")
 }

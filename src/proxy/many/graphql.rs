@@ -46,12 +46,12 @@ pub(crate) async fn run(
         let key = field.response_key.as_str();
         let answer = match item {
             Claimed::Unkeyed => {
-                let exchanged = run.exchange(body.part(field.body.clone()), None, 1).await;
+                let exchanged = run.exchange(body.part(field.body.clone()), None).await;
                 answered(run, key, &exchanged)
             }
             Claimed::Won(won) => {
                 let exchanged = run
-                    .exchange(body.part(field.body.clone()), Some(won.attempt), 1)
+                    .exchange(body.part(field.body.clone()), Some(won.attempt))
                     .await;
                 let write = write_of(run, &exchanged);
                 run.settle(&won, write.as_write(run.holds_unknown())).await;
@@ -110,12 +110,19 @@ fn write_of<'a>(run: &Run<'_>, exchanged: &'a Exchanged) -> Write<'a> {
             status,
             headers,
             body,
+            ..
         } => {
             if run.route.policy.store.release_graphql_errors && graphql::field_failed(body) {
                 return Write::Release;
             }
             let content_type = headers.get(header::CONTENT_TYPE);
             Write::Complete(record(*status, content_type, body.clone(), run.max_stored()))
+        }
+        // It ran and was answered; the answer is not kept, as a lone one over the limit is not.
+        Exchanged::TooLarge { status, headers } => {
+            let mut stored = record(*status, headers.get(header::CONTENT_TYPE), Bytes::new(), 0);
+            stored.body = None;
+            Write::Complete(stored)
         }
         Exchanged::Released(..) => Write::Release,
         Exchanged::Unknown(_, why) => Write::Unknown(why),
@@ -127,6 +134,12 @@ fn write_of<'a>(run: &Run<'_>, exchanged: &'a Exchanged) -> Write<'a> {
 fn answered(run: &Run<'_>, key: &str, exchanged: &Exchanged) -> Bytes {
     match exchanged {
         Exchanged::Answered { body, .. } => body.clone(),
+        Exchanged::TooLarge { status, .. } => {
+            let error = ProxyError::ResponseNotRetained {
+                status: status.as_u16(),
+            };
+            refused(run, key, &error)
+        }
         Exchanged::Released(_, Some((_, _, body))) if is_graphql(body) => body.clone(),
         Exchanged::Released(error, _) | Exchanged::Unknown(error, _) => refused(run, key, error),
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, Response, StatusCode, header, request};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use tokio::task::AbortHandle;
 
 use crate::body::ProxyBody;
@@ -19,13 +19,13 @@ use crate::proxy::budget::ReservedBody;
 use crate::proxy::claim::Attempt;
 use crate::proxy::dialect::{Dialect, OnHead};
 use crate::proxy::downstream::Downstream;
-use crate::proxy::execute::{Executor, Fate, ItemWrite};
+use crate::proxy::execute::{Executor, Fate, ItemWrite, capture};
 use crate::proxy::settle::Settle;
 use crate::store::{RecordId, StoredResponse};
 
 /// The most bytes an upstream answer to one exchange may have, whatever it carries: it is read whole, to
-/// be taken apart. Below it, `max_stored_response` per item it answers.
-const MAX_ANSWER: u64 = 64 * 1024 * 1024;
+/// be taken apart, its bytes charged to `server.max_buffered_responses` as a capture's are.
+const MAX_ANSWER: usize = 64 * 1024 * 1024;
 
 /// What an item's claim came to.
 pub(crate) enum Claimed {
@@ -58,13 +58,6 @@ impl Won {
             beat: BeatTask(beat),
         }
     }
-
-    /// Stops its heartbeat, leaving its record.
-    pub(crate) fn into_id(self) -> RecordId {
-        let Won { id, beat, .. } = self;
-        drop(beat);
-        id
-    }
 }
 
 /// An item's heartbeat, on a task of its own (their number varies as the claims are won), stopped when
@@ -79,12 +72,17 @@ impl Drop for BeatTask {
 
 /// An upstream exchange's end, as far as its items are concerned.
 pub(crate) enum Exchanged {
-    /// A whole answer: its status, headers and body.
+    /// A whole answer: its status, headers and body, and its share of the response budget.
     Answered {
         status: StatusCode,
         headers: HeaderMap,
         body: Bytes,
+        _held: capture::Reservation,
     },
+    /// An answer to store over [`MAX_ANSWER`], or over what the response budget had room for: the
+    /// service ran the items and answered, but the answer could not be taken apart. Its items are
+    /// completed without their answers, as a lone response over `max_stored_response` is.
+    TooLarge { status: StatusCode, headers: HeaderMap },
     /// Not processed (never delivered, or a status the route releases): the items are given back, and
     /// answered with this error; `answer` is the upstream's own, if it gave one.
     Released(ProxyError, Option<(StatusCode, HeaderMap, Bytes)>),
@@ -98,7 +96,9 @@ impl Exchanged {
     /// the key back), else as its error.
     pub(crate) fn outcome(&self) -> Outcome {
         match self {
-            Exchanged::Answered { .. } | Exchanged::Released(_, Some(_)) => Outcome::Executed,
+            Exchanged::Answered { .. } | Exchanged::TooLarge { .. } | Exchanged::Released(_, Some(_)) => {
+                Outcome::Executed
+            }
             Exchanged::Released(error, None) | Exchanged::Unknown(error, _) => error.outcome(),
         }
     }
@@ -109,6 +109,8 @@ pub(crate) struct Run<'a> {
     pub(crate) executor: &'a Executor,
     pub(crate) settle: &'a Settle,
     pub(crate) route: &'a Arc<Route>,
+    /// The scope its keys are claimed in, whose share of the response budget its answers take.
+    pub(crate) scope: &'a str,
     /// What every problem `type` URI starts with.
     pub(crate) base: &'a str,
     pub(crate) peer: &'a Downstream,
@@ -121,12 +123,7 @@ impl Run<'_> {
     /// `Idempotency-Attempt` of the first item it carries, where any), and reads the answer to its
     /// `items` whole, up to `max_stored_response` for each (and [`MAX_ANSWER`] in all): a longer answer
     /// is read no further, and its items' outcome is unknown.
-    pub(crate) async fn exchange(
-        &self,
-        body: ReservedBody,
-        attempt: Option<Attempt>,
-        items: usize,
-    ) -> Exchanged {
+    pub(crate) async fn exchange(&self, body: ReservedBody, attempt: Option<Attempt>) -> Exchanged {
         let executor = self.executor;
         let mut request = executor.request(head(self.parts), body, (self.peer, &Dialect::Http));
         if let Some(attempt) = attempt {
@@ -148,29 +145,31 @@ impl Run<'_> {
         let rules = &self.route.policy.store;
         let (status, headers) = (response.status(), response.headers().clone());
         let decided = Dialect::Http.on_head(rules, status, &headers);
-        let per_item = self.route.policy.store.max_stored_response;
-        let limit = per_item.saturating_mul(items as u64).min(MAX_ANSWER);
-        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        let reading = tokio::time::timeout(
-            executor.upstream().timeout(),
-            Limited::new(response.into_body(), limit).collect(),
-        );
+        let timeout = executor.upstream().timeout();
+        let mut held = executor.answer_hold(self.scope);
+        let reading = tokio::time::timeout(timeout, read_whole(response.into_body(), &mut held));
         let body = match reading.await {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            Ok(Err(error)) if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                let why = format!("the service's answer is over the {limit} bytes read for {items} item(s)");
-                return Exchanged::Unknown(ProxyError::UpstreamBroken(why.clone()), why);
+            Ok(Ok(Some(body))) => body,
+            Ok(Ok(None)) => {
+                return match decided {
+                    OnHead::Relay => Exchanged::TooLarge { status, headers },
+                    OnHead::Release => Exchanged::Released(released(status), None),
+                    OnHead::Unknown(why) => {
+                        Exchanged::Unknown(ProxyError::UpstreamInvalidResponse(status), why)
+                    }
+                    OnHead::Refused(error) => {
+                        let why = error.to_string();
+                        Exchanged::Unknown(error, why)
+                    }
+                };
             }
             Ok(Err(error)) => {
                 let why = format!("upstream body broke off: {error}");
                 return Exchanged::Unknown(ProxyError::UpstreamBroken(why.clone()), why);
             }
             Err(_) => {
-                let timeout = executor.upstream().timeout();
-                return Exchanged::Unknown(
-                    ProxyError::UpstreamTimeout(timeout),
-                    "upstream body timed out".into(),
-                );
+                let why = "upstream body timed out".to_owned();
+                return Exchanged::Unknown(ProxyError::UpstreamTimeout(timeout), why);
             }
         };
         match decided {
@@ -178,11 +177,9 @@ impl Run<'_> {
                 status,
                 headers,
                 body,
+                _held: held,
             },
-            OnHead::Release => Exchanged::Released(
-                ProxyError::UpstreamUnreachable(format!("the service answered {status}")),
-                Some((status, headers, body)),
-            ),
+            OnHead::Release => Exchanged::Released(released(status), Some((status, headers, body))),
             OnHead::Unknown(why) => Exchanged::Unknown(ProxyError::UpstreamInvalidResponse(status), why),
             OnHead::Refused(error) => {
                 let why = error.to_string();
@@ -289,4 +286,28 @@ pub(crate) fn record(
         headers,
         body: (body.len() <= max).then_some(body),
     }
+}
+
+/// The error items answer when the service answered with a status the route releases.
+fn released(status: StatusCode) -> ProxyError {
+    ProxyError::UpstreamUnreachable(format!("the service answered {status}"))
+}
+
+/// `body` read whole, each frame charged to `held` first; `None` once it passes [`MAX_ANSWER`] or the
+/// budget has no room (read no further).
+async fn read_whole<B>(mut body: B, held: &mut capture::Reservation) -> Result<Option<Bytes>, B::Error>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    let mut whole = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if whole.len() + data.len() > MAX_ANSWER || !held.try_grow(data.len()) {
+            return Ok(None);
+        }
+        whole.extend_from_slice(&data);
+    }
+    Ok(Some(whole.freeze()))
 }

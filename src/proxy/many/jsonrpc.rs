@@ -5,9 +5,13 @@
 //! proxy's own errors into one batch answer in the client's order, each under the client's `id`.
 //!
 //! What each won call's record becomes:
-//! - the batch answered (2xx): its response, stored as a lone call's (`200`, the answer's content type,
-//!   the response object); a notification's `202`. A call the answer has no response for may have run:
-//!   its outcome is unknown (held or left to its lease, as `on_unknown_outcome` says);
+//! - the batch answered (2xx, as a JSON array or an event stream of responses): its response, stored as
+//!   the same call alone would have it (`200`, JSON, the response object); a notification's `202`. A call
+//!   the answer has no response for may have run: its outcome is unknown (held or left to its lease, as
+//!   `on_unknown_outcome` says). One error for the whole batch (`id` `null`) ran nothing: every key is
+//!   given back, and every call answered with that error;
+//! - an answer too large to take apart (over 64 MiB, or past the room of `max_buffered_responses`): it
+//!   ran; completed without its answer, as a lone answer over `max_stored_response` is;
 //! - another status the route stores (a 4xx of the whole batch): that answer, as a lone call's would be;
 //! - a status the route releases, or a batch never delivered: given back; one broken off: unknown.
 //!
@@ -27,10 +31,13 @@ use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
 use crate::proxy::budget::ReservedBody;
-use crate::proxy::dialect::jsonrpc::answer::response_as;
-use crate::proxy::dialect::jsonrpc::batch;
+use crate::proxy::claim::Attempt;
+use crate::proxy::dialect::jsonrpc::CallId;
+use crate::proxy::dialect::jsonrpc::answer::{is_event_stream, response_as};
+use crate::proxy::dialect::jsonrpc::batch::{self, BatchAnswer};
 use crate::proxy::execute::ItemWrite;
 use crate::proxy::intake::many::Call;
+use crate::store::ClaimKind;
 
 /// The JSON-RPC error code of a call whose key is in flight.
 pub const KEY_IN_FLIGHT: i64 = -32090;
@@ -63,30 +70,44 @@ pub(crate) async fn run(
     let sent: Vec<usize> = (0..calls.len())
         .filter(|&n| matches!(claimed[n], Claimed::Unkeyed | Claimed::Won(_)))
         .collect();
-    let attempt = claimed.iter().find_map(|item| match item {
-        Claimed::Won(won) => Some(won.attempt),
-        _ => None,
-    });
     let exchanged = match sent.is_empty() {
         true => None,
         false => {
             let joined = batch::join(sent.iter().map(|&n| text(&calls[n])));
             Some(
-                run.exchange(body.with_bytes(joined.into()), attempt, sent.len())
+                run.exchange(body.with_bytes(joined.into()), attempt(&claimed))
                     .await,
             )
         }
     };
+    let read = exchanged.as_ref().and_then(|exchanged| match exchanged {
+        Exchanged::Answered {
+            status,
+            headers,
+            body,
+            ..
+        } if status.is_success() => {
+            let event_stream = headers
+                .get(header::CONTENT_TYPE)
+                .is_some_and(|value| is_event_stream(value.as_bytes()));
+            Some(batch::read_answer(body, event_stream))
+        }
+        _ => None,
+    });
     let outcome = overall(exchanged.is_some(), &claimed);
+    let answered = Answered {
+        exchanged: exchanged.as_ref(),
+        read: read.as_ref(),
+    };
     let mut replies: Vec<Reply> = Vec::with_capacity(calls.len());
     let mut writes: Vec<(Won, Write<'_>)> = Vec::new();
     for (call, item) in calls.iter().zip(claimed) {
         let reply = match item {
-            Claimed::Unkeyed => unkeyed(run, call, exchanged.as_ref()),
+            Claimed::Unkeyed => unkeyed(run, call, &answered),
             Claimed::Won(won) => {
-                let (write, reply) = executed(run, call, exchanged.as_ref());
+                let (write, reply) = executed(run, call, &answered);
                 writes.push((won, write));
-                run.count(exchanged.as_ref().map_or(Outcome::Executed, Exchanged::outcome));
+                run.count(answered.exchanged.map_or(Outcome::Executed, Exchanged::outcome));
                 reply
             }
             Claimed::Replayed(stored) => {
@@ -98,15 +119,7 @@ pub(crate) async fn run(
             }
             Claimed::Repeat(earlier) => {
                 run.count(Outcome::Replayed);
-                match &replies[earlier] {
-                    Reply::Response(first) => match &call.id {
-                        Some(id) => {
-                            Reply::Response(response_as(first, id).map_or_else(|| first.clone(), Bytes::from))
-                        }
-                        None => Reply::Nothing,
-                    },
-                    other => other.clone(),
-                }
+                repeated(run, call, &replies[earlier])
             }
             Claimed::Refused(error) => {
                 run.count(error.outcome());
@@ -125,12 +138,59 @@ pub(crate) async fn run(
         }
         join_all(writing).await;
     }
-    Ok((answer(&calls, &replies), outcome))
+    Ok((answer(run, &calls, &replies, answered.exchanged), outcome))
 }
 
-/// The batch's answer: the replies of the calls with an `id`, in the client's order; `202` and no body
-/// when there are none (every call a notification).
-fn answer(calls: &[Call], replies: &[Reply]) -> http::Response<crate::body::ProxyBody> {
+/// The `Idempotency-Attempt` the batch goes upstream with: of the calls it carries, the one furthest
+/// along (the highest attempt; at the same, a takeover before a retry before a new key), so a service
+/// that resumes work it finds taken over (`N;takeover`) is told of any in the batch.
+fn attempt(claimed: &[Claimed]) -> Option<Attempt> {
+    let rank = |kind: ClaimKind| match kind {
+        ClaimKind::New => 0,
+        ClaimKind::Retry => 1,
+        ClaimKind::Takeover => 2,
+    };
+    claimed
+        .iter()
+        .filter_map(|item| match item {
+            Claimed::Won(won) => Some(won.attempt),
+            _ => None,
+        })
+        .max_by_key(|attempt| (attempt.number, rank(attempt.kind)))
+}
+
+/// What the service answered the batch with: the exchange, and its answer read once where it was a
+/// 2xx.
+struct Answered<'a> {
+    exchanged: Option<&'a Exchanged>,
+    read: Option<&'a BatchAnswer>,
+}
+
+/// A call repeating the key of an earlier call of the batch: the earlier call's reply under this call's
+/// `id`. A notification's reply is nothing; a call with an `id` repeating one gets what a replay of a
+/// notification's stored `202` gets.
+fn repeated(run: &Run<'_>, call: &Call, earlier: &Reply) -> Reply {
+    let Some(id) = &call.id else {
+        return Reply::Nothing;
+    };
+    match earlier {
+        Reply::Response(first) => {
+            Reply::Response(response_as(first, id).map_or_else(|| first.clone(), Bytes::from))
+        }
+        Reply::Error(error) => Reply::Error(error.clone()),
+        Reply::Nothing => error_reply(run, &service_status(StatusCode::ACCEPTED)),
+    }
+}
+
+/// The batch's answer: the replies of the calls with an `id`, in the client's order. When there are
+/// none (every call a notification): `202` and no body, or, where the service did not take them, its
+/// own answer (a `5xx`, a refusal of the batch), or the proxy's refusal, as a lone notification gets.
+fn answer(
+    run: &Run<'_>,
+    calls: &[Call],
+    replies: &[Reply],
+    exchanged: Option<&Exchanged>,
+) -> http::Response<crate::body::ProxyBody> {
     let mut items: Vec<String> = Vec::with_capacity(calls.len());
     for (call, reply) in calls.iter().zip(replies) {
         let Some(id) = &call.id else { continue };
@@ -144,7 +204,34 @@ fn answer(calls: &[Call], replies: &[Reply]) -> http::Response<crate::body::Prox
         }
     }
     if items.is_empty() {
-        return respond(StatusCode::ACCEPTED, "", Vec::new());
+        return match exchanged {
+            Some(
+                Exchanged::Released(_, Some((status, headers, body)))
+                | Exchanged::Answered {
+                    status,
+                    headers,
+                    body,
+                    ..
+                },
+            ) if !status.is_success() => {
+                let mut response = respond(*status, "", body.to_vec());
+                if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, content_type.clone());
+                }
+                response
+            }
+            Some(Exchanged::Released(error, None) | Exchanged::Unknown(error, _)) => {
+                let status = error.status_under(&run.route.policy.statuses);
+                respond(
+                    status,
+                    "application/problem+json",
+                    run.problem(error).to_string().into_bytes(),
+                )
+            }
+            _ => respond(StatusCode::ACCEPTED, "", Vec::new()),
+        };
     }
     respond(
         StatusCode::OK,
@@ -160,45 +247,55 @@ fn text(call: &Call) -> &str {
 }
 
 /// An unkeyed call's reply: the service's answer to it, as it came.
-fn unkeyed(run: &Run<'_>, call: &Call, exchanged: Option<&Exchanged>) -> Reply {
+fn unkeyed(run: &Run<'_>, call: &Call, answered: &Answered<'_>) -> Reply {
     let Some(id) = &call.id else {
         return Reply::Nothing;
     };
-    match exchanged {
-        Some(Exchanged::Answered { status, body, .. }) if status.is_success() => batch::answers(body)
-            .and_then(|answers| {
-                answers
-                    .get(id)
-                    .map(|raw| Reply::Response(Bytes::copy_from_slice(raw.get().as_bytes())))
-            })
-            .unwrap_or(Reply::Nothing),
-        Some(Exchanged::Answered { status, .. }) => error_reply(run, &service_status(*status)),
-        Some(Exchanged::Released(error, _) | Exchanged::Unknown(error, _)) => error_reply(run, error),
-        None => Reply::Nothing,
+    match (answered.exchanged, answered.read) {
+        (_, Some(BatchAnswer::Answers(answers))) => answers.get(id).map_or(Reply::Nothing, |raw| {
+            Reply::Response(Bytes::copy_from_slice(raw.get().as_bytes()))
+        }),
+        (_, Some(BatchAnswer::Refused(error))) => refused_whole(run, error, id),
+        (_, Some(BatchAnswer::Unreadable)) => Reply::Nothing,
+        (Some(Exchanged::Answered { status, .. } | Exchanged::TooLarge { status, .. }), None) => {
+            error_reply(run, &service_status(*status))
+        }
+        (Some(Exchanged::Released(error, _) | Exchanged::Unknown(error, _)), None) => error_reply(run, error),
+        (None, None) => Reply::Nothing,
     }
 }
 
 /// What a won call's record becomes, and its reply.
-fn executed<'a>(run: &Run<'_>, call: &Call, exchanged: Option<&'a Exchanged>) -> (Write<'a>, Reply) {
-    let Some(exchanged) = exchanged else {
+fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (Write<'a>, Reply) {
+    let Some(exchanged) = answered.exchanged else {
         // Never happens: a won call is always sent.
         return (Write::Release, Reply::Nothing);
     };
-    match exchanged {
-        Exchanged::Answered {
-            status,
-            headers,
-            body,
-        } if status.is_success() => {
-            let content_type = headers.get(header::CONTENT_TYPE);
+    match (exchanged, answered.read) {
+        (Exchanged::Answered { status, headers, .. }, Some(read)) => {
             let Some(id) = &call.id else {
                 let stored = record(StatusCode::ACCEPTED, None, Bytes::new(), run.max_stored());
                 return (Write::Complete(stored), Reply::Nothing);
             };
-            match batch::answers(body).and_then(|answers| answers.get(id).copied()) {
+            let found = match read {
+                BatchAnswer::Answers(answers) => answers.get(id),
+                BatchAnswer::Refused(error) => return (Write::Release, refused_whole(run, error, id)),
+                BatchAnswer::Unreadable => None,
+            };
+            match found {
                 Some(raw) => {
+                    // Stored as the same call alone would have it: one response, as JSON.
                     let text = Bytes::copy_from_slice(raw.get().as_bytes());
-                    let stored = record(*status, content_type, text.clone(), run.max_stored());
+                    let json = http::HeaderValue::from_static("application/json");
+                    let content_type = headers
+                        .get(header::CONTENT_TYPE)
+                        .filter(|value| !is_event_stream(value.as_bytes()));
+                    let stored = record(
+                        *status,
+                        Some(content_type.unwrap_or(&json)),
+                        text.clone(),
+                        run.max_stored(),
+                    );
                     (Write::Complete(stored), Reply::Response(text))
                 }
                 None => {
@@ -208,11 +305,15 @@ fn executed<'a>(run: &Run<'_>, call: &Call, exchanged: Option<&'a Exchanged>) ->
                 }
             }
         }
-        Exchanged::Answered {
-            status,
-            headers,
-            body,
-        } => {
+        (
+            Exchanged::Answered {
+                status,
+                headers,
+                body,
+                ..
+            },
+            None,
+        ) => {
             let content_type = headers.get(header::CONTENT_TYPE);
             let stored = record(*status, content_type, body.clone(), run.max_stored());
             (
@@ -220,8 +321,30 @@ fn executed<'a>(run: &Run<'_>, call: &Call, exchanged: Option<&'a Exchanged>) ->
                 error_reply(run, &service_status(*status)),
             )
         }
-        Exchanged::Released(error, _) => (Write::Release, error_reply(run, error)),
-        Exchanged::Unknown(error, why) => (Write::Unknown(why), error_reply(run, error)),
+        (Exchanged::TooLarge { status, headers }, _) => {
+            // It ran and was answered; the answer is not kept, as a lone one over the limit is not.
+            let content_type = headers.get(header::CONTENT_TYPE);
+            let mut stored = record(*status, content_type, Bytes::new(), 0);
+            stored.body = None;
+            let error = ProxyError::ResponseNotRetained {
+                status: status.as_u16(),
+            };
+            (Write::Complete(stored), error_reply(run, &error))
+        }
+        (Exchanged::Released(error, _), _) => (Write::Release, error_reply(run, error)),
+        (Exchanged::Unknown(error, why), _) => (Write::Unknown(why), error_reply(run, error)),
+    }
+}
+
+/// A call of a batch the service refused whole (`error`, answering `id` `null`): that error under the
+/// call's `id`. Nothing of the batch ran, so its keys are given back.
+fn refused_whole(run: &Run<'_>, error: &str, id: &CallId) -> Reply {
+    match batch::refusal_as(error, id) {
+        Some(text) => Reply::Response(Bytes::from(text)),
+        None => error_reply(
+            run,
+            &ProxyError::UpstreamBroken("the service refused the batch".into()),
+        ),
     }
 }
 

@@ -29,7 +29,8 @@ pub fn response_as(body: &[u8], id: &CallId) -> Option<Vec<u8>> {
     rewrite_response(body, id.as_json().as_bytes())
 }
 
-fn is_event_stream(content_type: &[u8]) -> bool {
+/// Whether a `Content-Type` value names an event stream (`text/event-stream`, any parameters).
+pub fn is_event_stream(content_type: &[u8]) -> bool {
     let essence = content_type.split(|&b| b == b';').next().unwrap_or_default();
     essence.trim_ascii().eq_ignore_ascii_case(b"text/event-stream")
 }
@@ -190,15 +191,32 @@ fn rewrite_stream(text: &[u8], id: &[u8]) -> Option<Vec<u8>> {
     changed.then_some(out)
 }
 
+/// The data of each event of the stream `text` that has any, its data lines joined by line feeds.
+pub fn event_data(text: &[u8]) -> Vec<Vec<u8>> {
+    let mut events = Vec::new();
+    let mut data: Vec<&[u8]> = Vec::new();
+    for line in lines(text).chain(std::iter::once(Line { text: b"", end: b"" })) {
+        if line.text.is_empty() {
+            if !data.is_empty() {
+                events.push(data.join(&b'\n'));
+            }
+            data.clear();
+        } else if let Some(value) = line.data() {
+            data.push(value);
+        }
+    }
+    events
+}
+
 /// One line of an event stream: its text and the line end that followed it (CRLF, LF, CR or none).
 struct Line<'a> {
     text: &'a [u8],
     end: &'a [u8],
 }
 
-impl Line<'_> {
+impl<'a> Line<'a> {
     /// The value of a `data` field, without its one optional leading space.
-    fn data(&self) -> Option<&[u8]> {
+    fn data(&self) -> Option<&'a [u8]> {
         let rest = self.text.strip_prefix(b"data")?;
         if rest.is_empty() {
             return Some(rest);

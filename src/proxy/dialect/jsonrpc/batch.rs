@@ -1,5 +1,5 @@
 //! A JSON-RPC batch taken apart and put back together, for a route keyed by `jsonrpc` where each call of
-//! a batch carries a key of its own (issue 49; not yet on the request path): the batch's calls, each as
+//! a batch carries a key of its own (`proxy/many/jsonrpc.rs`): the batch's calls, each as
 //! the client wrote it (so the calls left to run go upstream byte for byte, in their order); the
 //! upstream's batch answer found again by `id`, under the same spelling rules as [`CallId`] (a string
 //! re-encoded, a number's exact text, `null`); and the client's answer, merged in its order. Pure
@@ -77,26 +77,122 @@ pub fn id_of(item: &RawValue) -> Option<CallId> {
     }
 }
 
-/// The upstream's answers to a batch, by the `id` each answers; `None` when the answer is not an array
-/// (a server answers a batch it could not read at all with one error object). An answer whose `id`
-/// repeats another's is kept only once: which call it answers cannot be told, so neither is taken.
-pub fn answers(body: &[u8]) -> Option<HashMap<CallId, &RawValue>> {
-    let items: Vec<&RawValue> = serde_json::from_slice(body).ok()?;
-    let mut by_id: HashMap<CallId, Option<&RawValue>> = HashMap::with_capacity(items.len());
-    for item in items {
-        if let Some(id) = id_of(item) {
-            by_id
+/// Whether a call names an `id` member, of whatever type, or names it twice (a call whose `id` is not
+/// one [`id_of`] reads is then not a notification but a call that cannot be answered).
+pub fn names_an_id(item: &RawValue) -> bool {
+    #[derive(Deserialize)]
+    struct Head {
+        #[serde(default)]
+        id: Option<serde::de::IgnoredAny>,
+    }
+    match serde_json::from_str::<Head>(item.get()) {
+        Ok(head) => head.id.is_some(),
+        // An object naming `id` twice; anything else names none.
+        Err(_) => item.get().trim_start().starts_with('{'),
+    }
+}
+
+/// What the upstream answered a batch with, read once.
+#[derive(Debug)]
+pub enum BatchAnswer {
+    /// Responses, found by the `id` each answers ([`Answers::get`]).
+    Answers(Answers),
+    /// One JSON-RPC error for the whole batch (`id` `null`): the server could not read it as a batch,
+    /// and ran none of it (JSON-RPC 2.0 §6). The error object's text.
+    Refused(String),
+    /// Neither: what it ran, if anything, cannot be told.
+    Unreadable,
+}
+
+/// A batch's responses by the `id` each answers: an `id` in its one spelling ([`CallId`]), or a number
+/// written back in another spelling of the same value (`1e0` answered as `1.0`). An `id` answered twice
+/// answers no call: which call each answers cannot be told.
+#[derive(Debug, Default)]
+pub struct Answers {
+    by_id: HashMap<CallId, Option<Box<RawValue>>>,
+}
+
+impl Answers {
+    /// The response answering `id`, as the server wrote it.
+    pub fn get(&self, id: &CallId) -> Option<&RawValue> {
+        if let Some(found) = self.by_id.get(id) {
+            return found.as_deref();
+        }
+        // A number written back in another spelling: the one answer of the same value, if only one.
+        let value = number(id.as_json())?;
+        let mut same = self
+            .by_id
+            .iter()
+            .filter(|(other, _)| number(other.as_json()) == Some(value));
+        let (_, found) = same.next()?;
+        match same.next() {
+            Some(_) => None,
+            None => found.as_deref(),
+        }
+    }
+
+    fn add(&mut self, item: Box<RawValue>) {
+        if let Some(id) = id_of(&item) {
+            self.by_id
                 .entry(id)
                 .and_modify(|seen| *seen = None)
                 .or_insert(Some(item));
         }
     }
-    Some(
-        by_id
-            .into_iter()
-            .filter_map(|(id, item)| Some((id, item?)))
-            .collect(),
-    )
+}
+
+/// A JSON number's value, for ids a server writes back in another spelling; `None` for anything else.
+fn number(json: &str) -> Option<f64> {
+    if !json.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
+        return None;
+    }
+    json.parse::<f64>().ok().filter(|value| value.is_finite())
+}
+
+/// The upstream's answer to a batch: a JSON array of responses, or an event stream (`event_stream`)
+/// whose events each hold a response or an array of them (MCP's Streamable HTTP answers so), or one
+/// error refusing the whole batch.
+pub fn read_answer(body: &[u8], event_stream: bool) -> BatchAnswer {
+    let texts: Vec<Vec<u8>> = match event_stream {
+        true => super::answer::event_data(body),
+        false => vec![body.to_vec()],
+    };
+    let mut answers = Answers::default();
+    let mut refused = None;
+    let mut read = false;
+    for text in texts {
+        if let Ok(items) = serde_json::from_slice::<Vec<Box<RawValue>>>(&text) {
+            items.into_iter().for_each(|item| answers.add(item));
+            read = true;
+        } else if let Ok(item) = serde_json::from_slice::<Box<RawValue>>(&text) {
+            match refusal(&item) {
+                true => refused = Some(item.get().to_owned()),
+                false => answers.add(item),
+            }
+            read |= event_stream;
+        }
+    }
+    match (read, refused) {
+        (true, _) => BatchAnswer::Answers(answers),
+        (false, Some(error)) => BatchAnswer::Refused(error),
+        (false, None) => BatchAnswer::Unreadable,
+    }
+}
+
+/// Whether a response refuses a whole batch: an error answering `id` `null`.
+fn refusal(item: &RawValue) -> bool {
+    #[derive(Deserialize)]
+    struct Shape<'a> {
+        #[serde(borrow)]
+        error: Option<&'a RawValue>,
+    }
+    let shape: Option<Shape<'_>> = serde_json::from_str(item.get()).ok();
+    shape.is_some_and(|shape| shape.error.is_some()) && id_of(item).is_some_and(|id| id.as_json() == "null")
+}
+
+/// The error object of a response refusing a whole batch (`text`), answering the call `id`.
+pub fn refusal_as(text: &str, id: &CallId) -> Option<Vec<u8>> {
+    super::answer::response_as(text.as_bytes(), id)
 }
 
 #[cfg(test)]
@@ -157,25 +253,54 @@ mod tests {
         );
     }
 
+    fn answers(body: &[u8], event_stream: bool) -> Answers {
+        match read_answer(body, event_stream) {
+            BatchAnswer::Answers(answers) => answers,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn the_upstream_answers_are_found_by_id_whatever_their_order_and_spelling() {
         let body = br#"[{"jsonrpc":"2.0","id":"\u0062","result":2},{"jsonrpc":"2.0","id":1,"result":1},
-            {"jsonrpc":"2.0","id":7,"result":"first"},{"jsonrpc":"2.0","id":7,"result":"second"}]"#;
-        let found = answers(body).unwrap();
-        assert_eq!(found[&id("1")].get(), r#"{"jsonrpc":"2.0","id":1,"result":1}"#);
+            {"jsonrpc":"2.0","id":7,"result":"first"},{"jsonrpc":"2.0","id":7,"result":"second"},
+            {"jsonrpc":"2.0","id":1.0e1,"result":10}]"#;
+        let found = answers(body, false);
+        let get = |text: &str| found.get(&id(text)).map(RawValue::get);
+        assert_eq!(get("1"), Some(r#"{"jsonrpc":"2.0","id":1,"result":1}"#));
         assert_eq!(
-            found[&id(r#""b""#)].get(),
-            r#"{"jsonrpc":"2.0","id":"\u0062","result":2}"#
+            get(r#""b""#),
+            Some(r#"{"jsonrpc":"2.0","id":"\u0062","result":2}"#)
+        );
+        assert_eq!(get("7"), None, "two answers for one id answer neither call");
+        assert_eq!(get("2"), None, "a call the upstream did not answer");
+        assert_eq!(
+            get("10"),
+            Some(r#"{"jsonrpc":"2.0","id":1.0e1,"result":10}"#),
+            "a number written back in another spelling of its value"
+        );
+        assert_eq!(get(r#""10""#), None, "a string is no number");
+    }
+
+    #[test]
+    fn an_event_stream_answers_with_its_events_and_a_whole_batch_refusal_is_told_apart() {
+        let stream = b"event: message\r\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\r\n\r\n\
+            data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":1}\n\ndata: [{\"jsonrpc\":\"2.0\",\"id\":2,\ndata: \"result\":2}]\n\n";
+        let found = answers(stream, true);
+        assert_eq!(
+            found.get(&id("1")).map(RawValue::get),
+            Some(r#"{"jsonrpc":"2.0","id":1,"result":1}"#)
         );
         assert!(
-            !found.contains_key(&id("7")),
-            "two answers for one id answer neither call"
+            found.get(&id("2")).is_some(),
+            "an array in an event, over two data lines"
         );
-        assert!(
-            !found.contains_key(&id("2")),
-            "a call the upstream did not answer"
-        );
-        let whole_batch_refused = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"x"}}"#;
-        assert!(answers(whole_batch_refused).is_none());
+        let refused = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"x"}}"#;
+        assert!(matches!(read_answer(refused, false), BatchAnswer::Refused(_)));
+        assert!(matches!(read_answer(b"<html>", false), BatchAnswer::Unreadable));
+        assert!(matches!(
+            read_answer(br#"{"jsonrpc":"2.0","id":1,"result":1}"#, false),
+            BatchAnswer::Unreadable
+        ));
     }
 }
