@@ -127,7 +127,7 @@ async fn serve(
     seen.lock().unwrap().attempts.push(header("idempotency-attempt"));
     let body = request.into_body().collect().await?.to_bytes();
     if graphql {
-        return Ok(graphql_answer(&body, &content_type, &seen));
+        return Ok(graphql_answer(&body, &content_type, &seen, pad));
     }
     let Ok(message) = serde_json::from_slice::<Value>(&body) else {
         return Ok(reply(400, "text/plain", "not JSON".into()));
@@ -183,7 +183,12 @@ async fn serve(
 
 /// Executes each `charge(ref: "…")` of a GraphQL request (a JSON body, a JSON array of them, or an
 /// `application/graphql` document), counting them by `ref`, and answers `{"data": {"a": …}}` for each.
-fn graphql_answer(body: &[u8], content_type: &str, seen: &Arc<Mutex<Seen>>) -> Response<Full<Bytes>> {
+fn graphql_answer(
+    body: &[u8],
+    content_type: &str,
+    seen: &Arc<Mutex<Seen>>,
+    pad: usize,
+) -> Response<Full<Bytes>> {
     let documents: Vec<String> = if content_type.starts_with("application/graphql") {
         vec![String::from_utf8_lossy(body).into_owned()]
     } else {
@@ -207,7 +212,7 @@ fn graphql_answer(body: &[u8], content_type: &str, seen: &Arc<Mutex<Seen>>) -> R
             *count += 1;
             n = *count;
         }
-        answers.push(json!({"data": {"a": {"execution": n}}}));
+        answers.push(json!({"data": {"a": {"execution": n, "pad": "x".repeat(pad)}}}));
     }
     let text = match serde_json::from_slice::<Value>(body) {
         Ok(Value::Array(_)) => Value::from(answers).to_string(),
@@ -408,6 +413,51 @@ async fn many_keys_a_takeover_sent_in_a_batch_is_told_upstream_as_a_takeover() {
     assert!(
         told.as_deref().is_some_and(|t| t.contains("takeover")),
         "a batch carrying a takeover of `stale` was told Idempotency-Attempt {told:?}"
+    );
+}
+
+/// A call whose answer is larger than `max_stored_response`: alone, it is relayed, completed without
+/// its body and replayed as `410` ("it ran; it will not run again"). In a batch the answer is read no
+/// further than `max_stored_response` per call, so the call's outcome is left unknown: the client never
+/// gets the answer, and every retry after the lease runs the call again. (The same for a batch whose
+/// calls each answer under the limit but together pass the 64 MiB read for one batch.)
+#[tokio::test]
+async fn many_keys_a_call_answered_over_max_stored_response_in_a_batch_runs_once() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let service = Service::start().await;
+    let config = config(&env, &service).set("idempotency.max_stored_response", "64KiB");
+    let proxy = InProcessProxy::start(&config).await;
+    let batch = format!("[{}]", call("1", "large-answer"));
+    let send = || post(&proxy.url, "/rpc", batch.clone()).header("x-pad", "100000");
+    let first = Reply::of(send()).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let _retry = Reply::of(send()).await;
+    assert_eq!(
+        service.executions("large-answer"),
+        1,
+        "a call answered with 100 kB ran again on retry; its first answer: {}",
+        first.text().chars().take(300).collect::<String>()
+    );
+}
+
+/// The same for a GraphQL field: its answer over `max_stored_response` leaves it unknown, and it runs
+/// again on the retry after the lease.
+#[tokio::test]
+async fn many_keys_a_field_answered_over_max_stored_response_runs_once() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let service = Service::start().await;
+    let config = config(&env, &service).set("idempotency.max_stored_response", "64KiB");
+    let proxy = InProcessProxy::start(&config).await;
+    let mutation = json!({"query": r#"mutation { a: charge(ref: "large-field") @idempotent(key: "graphql-large") { execution pad } }"#}).to_string();
+    let send = || post(&proxy.url, "/graphql", mutation.clone()).header("x-pad", "100000");
+    let first = Reply::of(send()).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let _retry = Reply::of(send()).await;
+    assert_eq!(
+        service.executions("large-field"),
+        1,
+        "a field answered with 100 kB ran again on retry; its first answer: {}",
+        first.text().chars().take(300).collect::<String>()
     );
 }
 
