@@ -461,6 +461,47 @@ async fn many_keys_a_field_answered_over_max_stored_response_runs_once() {
     );
 }
 
+/// Under `store.on_error = "fail_open"`, a store that does not answer one item's claim in time sends
+/// the client's whole body upstream unprotected: the calls whose keys this very request had just found
+/// completed (answered from the store a moment before) run again. Here the claim of `blocked` waits on
+/// a row another session holds (as a stuck transaction or a slow replica would) past `store.timeout`;
+/// `done` was claimed first and found completed. Alone, `done` would be replayed.
+#[tokio::test]
+async fn many_keys_fail_open_does_not_rerun_the_calls_found_completed() {
+    let env = TestEnv::on(Backend::Postgres).await;
+    let service = Service::start().await;
+    let config = config(&env, &service).set("store.on_error", "fail_open");
+    let proxy = InProcessProxy::start(&config).await;
+    let first = Reply::of(post(&proxy.url, "/rpc", format!("[{}]", call("1", "done")))).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let mut holder = env.db().client().await;
+    let scope: String = holder
+        .query_one("SELECT scope FROM idemproxy.records WHERE key = 'done'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let blocking = holder.transaction().await.unwrap();
+    blocking
+        .execute(
+            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                 locked_until, created_at, expires_at, updated_at)
+             VALUES ($1, 'blocked', '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
+                 now() + interval '1 day', now())",
+            &[&scope],
+        )
+        .await
+        .unwrap();
+    let batch = format!("[{},{}]", call("1", "done"), call("2", "blocked"));
+    let answer = Reply::of(post(&proxy.url, "/rpc", batch)).await;
+    blocking.rollback().await.unwrap();
+    assert_eq!(
+        service.executions("done"),
+        1,
+        "a call found completed ran again because another call's claim was slow: {}",
+        answer.text()
+    );
+}
+
 /// The peak resident memory of process `pid`, in bytes.
 fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
