@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 use crate::support::http::client;
-use crate::support::{Backend, InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv};
+use crate::support::{Backend, InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, metric};
 
 const ROUTES: &str = r#"
 [[routes]]
@@ -126,6 +126,9 @@ async fn serve(
     let content_type = header("content-type").unwrap_or_default();
     seen.lock().unwrap().attempts.push(header("idempotency-attempt"));
     let body = request.into_body().collect().await?.to_bytes();
+    if mode == "slow" {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
     if graphql {
         return Ok(graphql_answer(&body, &content_type, &seen, pad));
     }
@@ -499,6 +502,35 @@ async fn many_keys_fail_open_does_not_rerun_the_calls_found_completed() {
         1,
         "a call found completed ran again because another call's claim was slow: {}",
         answer.text()
+    );
+}
+
+/// A batch's call that waits for its key (in flight in another request, on a route that waits) is
+/// neither counted in `idemproxy_waiting_requests` nor held to `server.max_waiting`: a lone request
+/// waiting the same way is both.
+#[tokio::test]
+async fn many_keys_a_batch_waiting_for_a_key_counts_as_waiting() {
+    let (_env, _service, proxy) = start(Backend::Sqlite).await;
+    let original = tokio::spawn(Reply::of(
+        post(&proxy.url, "/rpc-wait", call("1", "waited-for")).header("x-mode", "slow"),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let batch = tokio::spawn(Reply::of(post(
+        &proxy.url,
+        "/rpc-wait",
+        format!("[{}]", call("2", "waited-for")),
+    )));
+    let mut seen = 0.0f64;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        seen = seen.max(metric(&proxy.admin_url, "idemproxy_waiting_requests", &[]).await);
+    }
+    let (original, batch) = (original.await.unwrap(), batch.await.unwrap());
+    assert_eq!(original.status, 200, "{}", original.text());
+    assert!(batch.text().contains(r#""execution":1"#), "{}", batch.text());
+    assert!(
+        seen >= 1.0,
+        "a batch waited about 2.7 s for its call's key; idemproxy_waiting_requests never left {seen}"
     );
 }
 
