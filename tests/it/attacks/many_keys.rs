@@ -15,6 +15,12 @@
 //! - The service's answers to batches are held outside `server.max_buffered_responses`.
 //! - A GraphQL mutation with `@idempotent` sent as `application/graphql`, or in a batch (a JSON array of
 //!   operations), goes upstream unprotected: it runs on every retry.
+//! - An item answered over `max_stored_response` (or a batch answer over 64 MiB) is left unknown, not
+//!   completed: it runs again on every retry after the lease, where a lone request is replayed `410`.
+//! - Under `fail_open`, one slow claim sends the whole batch upstream, calls found completed included.
+//! - A batch's call waiting for its key is not counted as waiting (nor held to `server.max_waiting`).
+//! - The service's batch answer is parsed once per call (work: calls × answer size).
+//! - Keyed notifications the service answered `5xx` are answered `202 Accepted`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -86,7 +92,8 @@ impl Service {
                 let seen = shared.clone();
                 let service = service_fn(move |request| serve(request, seen.clone()));
                 tokio::spawn(
-                    hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(socket), service),
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(socket), service),
                 );
             }
         });
@@ -94,7 +101,13 @@ impl Service {
     }
 
     fn executions(&self, key: &str) -> usize {
-        self.seen.lock().unwrap().executions.get(key).copied().unwrap_or(0)
+        self.seen
+            .lock()
+            .unwrap()
+            .executions
+            .get(key)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn attempts(&self) -> Vec<Option<String>> {
@@ -158,6 +171,7 @@ async fn serve(
         Some(json!({"jsonrpc": "2.0", "id": id, "result": result}))
     };
     Ok(match &message {
+        Value::Array(_) if mode == "unavailable" => reply(503, "text/plain", "down for maintenance".into()),
         Value::Array(_) if mode == "nobatch" => {
             let refusal = json!({"jsonrpc": "2.0", "id": null,
                 "error": {"code": -32600, "message": "batches are not supported"}});
@@ -201,7 +215,13 @@ fn graphql_answer(
                 .map(|operation| operation["query"].as_str().unwrap_or_default().to_owned())
                 .collect(),
             Ok(operation) => vec![operation["query"].as_str().unwrap_or_default().to_owned()],
-            Err(_) => return reply(400, "application/json", r#"{"errors":[{"message":"not JSON"}]}"#.into()),
+            Err(_) => {
+                return reply(
+                    400,
+                    "application/json",
+                    r#"{"errors":[{"message":"not JSON"}]}"#.into(),
+                );
+            }
         }
     };
     let mut answers = Vec::new();
@@ -534,6 +554,22 @@ async fn many_keys_a_batch_waiting_for_a_key_counts_as_waiting() {
     );
 }
 
+/// A batch of keyed notifications the service answers `503` (not processed: the keys are given back):
+/// the client is told `202 Accepted`, as if the service had taken them, and has no reason to send them
+/// again. Sent alone, the same notification gets the service's `503`.
+#[tokio::test]
+async fn many_keys_notifications_the_service_did_not_take_are_not_answered_accepted() {
+    let (_env, _service, proxy) = start(Backend::Sqlite).await;
+    let batch = r#"[{"jsonrpc":"2.0","method":"notify","params":{"_meta":{"idempotencyKey":"note-1"}}}]"#;
+    let answer = Reply::of(post(&proxy.url, "/rpc", batch).header("x-mode", "unavailable")).await;
+    assert!(
+        !answer.status.is_success(),
+        "the service answered 503 to the batch; the client got {} {:?}",
+        answer.status,
+        answer.text()
+    );
+}
+
 /// The CPU time process `pid` has used, in seconds.
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -550,7 +586,9 @@ async fn many_keys_a_batch_answer_is_read_once_not_once_per_call() {
     let env = TestEnv::on(Backend::Sqlite).await;
     let service = Service::start().await;
     let proxy = ProxyProcess::spawn(&config(&env, &service)).await;
-    let calls: Vec<String> = (0..300).map(|n| call(&n.to_string(), &format!("cpu-{n}"))).collect();
+    let calls: Vec<String> = (0..300)
+        .map(|n| call(&n.to_string(), &format!("cpu-{n}")))
+        .collect();
     let body = format!("[{}]", calls.join(","));
     let before = cpu_seconds(proxy.pid());
     let request = post(&proxy.url, "/rpc", body)
