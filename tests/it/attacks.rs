@@ -6,5 +6,6 @@
 mod differential;
 mod history;
 mod hostile;
+mod many_keys;
 mod seams;
 mod storm;
