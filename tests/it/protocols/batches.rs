@@ -23,9 +23,9 @@ use crate::support::{
     Backend, InProcessProxy, ProxyConfig, ProxyProcess, Reply, TestEnv, metric_reaches, poll_until,
 };
 
-/// The routes the tests run under: the issue's two as written, and beside them one of each with the
+/// The JSON-RPC routes the tests run under: the issue's as written, and beside it one of each with the
 /// setting a test is about.
-const ROUTES: &str = r#"
+const RPC_ROUTES: &str = r#"
 [[routes]]
 name = "rpc"
 path = "/rpc"
@@ -46,7 +46,10 @@ methods = ["POST"]
 key = "jsonrpc"
 on_in_flight = "wait"
 wait_timeout = "60s"
+"#;
 
+/// The GraphQL routes, likewise.
+const GRAPHQL_ROUTES: &str = r#"
 [[routes]]
 name = "gql"
 path = "/graphql"
@@ -146,10 +149,10 @@ impl Service {
     }
 }
 
-/// A `TestEnv` on `backend` and the in-process proxy in front of `service` with [`ROUTES`].
-async fn proxy_for(backend: Backend, service: &Service) -> (TestEnv, InProcessProxy) {
+/// A `TestEnv` on `backend` and the in-process proxy in front of `service` with `routes`.
+async fn proxy_for(backend: Backend, service: &Service, routes: &str) -> (TestEnv, InProcessProxy) {
     let env = TestEnv::on(backend).await;
-    let config = ProxyConfig::on(&env.store, &service.url).with_toml(ROUTES);
+    let config = ProxyConfig::on(&env.store, &service.url).with_toml(routes);
     let proxy = InProcessProxy::start(&config).await;
     (env, proxy)
 }
@@ -290,7 +293,7 @@ async fn batches_a_100_call_batch_whose_40_keys_already_ran_sends_60_calls_upstr
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(backend, &service).await;
+    let (_env, proxy) = proxy_for(backend, &service, RPC_ROUTES).await;
     let (earlier, batch) = hundred_calls();
     let first = answers(&Reply::of(post(&proxy.url, "/rpc", &Value::from(earlier.clone()))).await);
     assert_eq!(ids(&first), ids(&earlier));
@@ -343,7 +346,7 @@ async fn batches_a_100_call_batch_repeating_40_keys_within_itself_sends_60_calls
     #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
 ) {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(backend, &service).await;
+    let (_env, proxy) = proxy_for(backend, &service, RPC_ROUTES).await;
     // Calls 0..60 have keys of their own; call 60 + n repeats call n's, with the same call, ids apart.
     let batch: Vec<Value> = (0..100u64)
         .map(|i| {
@@ -370,7 +373,7 @@ async fn batches_a_100_call_batch_repeating_40_keys_within_itself_sends_60_calls
 #[tokio::test]
 async fn batches_a_batch_call_and_the_same_call_sent_alone_replay_each_other() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let charge_of = |key: &str, amount: u64, id: Value| json!(["charge", {"amount": amount, "_meta": {"idempotencyKey": key}}, id]);
     let messages = json!([
         {"batch": [charge_of("a", 5, json!(1)), charge_of("b", 7, json!(2))]},
@@ -412,7 +415,7 @@ async fn batches_a_batch_call_and_the_same_call_sent_alone_replay_each_other() {
 async fn batches_unkeyed_calls_and_notifications_go_upstream_with_the_keyed_calls_and_notifications_get_no_answer()
  {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let batch = json!([
         charge(json!(1), None, 1),
         charge(json!(2), Some("keyed"), 2),
@@ -458,7 +461,7 @@ async fn batches_unkeyed_calls_and_notifications_go_upstream_with_the_keyed_call
 #[tokio::test]
 async fn batches_a_batch_without_keys_passes_through_untouched_even_repeating_an_id() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let batch = json!([charge(json!(1), None, 1), charge(json!(1), None, 2)]);
     for run in 1..=2 {
         let reply = Reply::of(post(&proxy.url, "/rpc", &batch)).await;
@@ -477,7 +480,7 @@ async fn batches_a_batch_without_keys_passes_through_untouched_even_repeating_an
 #[tokio::test]
 async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_with_32091() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let alone = Reply::of(post(&proxy.url, "/rpc", &charge(json!(0), Some("used"), 5))).await;
     assert_eq!(alone.status, 200, "{}", alone.text());
 
@@ -506,7 +509,7 @@ async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_w
 #[tokio::test]
 async fn batches_a_call_whose_key_is_in_flight_gets_32090_with_retry_after_on_a_reject_route() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let slow = |id: Value| rpc("slow", Some(id), Some("slow-1"), json!({}));
     let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc", &slow(json!(1)))));
     service.arrived("key=slow-1").await;
@@ -531,7 +534,7 @@ async fn batches_a_call_whose_key_is_in_flight_gets_32090_with_retry_after_on_a_
 #[tokio::test]
 async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_wait_route() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let slow = |id: Value| rpc("slow", Some(id), Some("slow-w"), json!({}));
     let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
     service.arrived("key=slow-w").await;
@@ -550,7 +553,7 @@ async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_
 #[tokio::test]
 async fn batches_a_call_the_upstream_left_unanswered_is_held_and_its_retry_gets_32092() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let batch = |ids: [Value; 2]| {
         let [lost, kept] = ids;
         json!([
@@ -582,7 +585,7 @@ async fn batches_a_call_the_upstream_left_unanswered_is_held_and_its_retry_gets_
 #[tokio::test]
 async fn batches_an_upstream_5xx_for_the_batch_releases_every_call_and_a_retry_runs_them() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let batch = json!([
         charge(json!(1), Some("one"), 1),
         charge(json!(2), Some("two"), 2),
@@ -617,7 +620,7 @@ async fn batches_an_upstream_5xx_for_the_batch_releases_every_call_and_a_retry_r
 #[tokio::test]
 async fn batches_a_keyed_batch_repeating_an_id_or_over_1000_calls_is_refused_whole() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let repeated = json!([charge(json!(1), Some("r-1"), 1), charge(json!(1), Some("r-2"), 1)]);
     Reply::of(post(&proxy.url, "/rpc", &repeated))
         .await
@@ -716,7 +719,7 @@ const THREE: &str = r#"mutation Pay {
 #[tokio::test]
 async fn batches_graphql_three_keyed_mutations_retried_after_the_third_failed_execute_only_the_third() {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     service.control("/fail?ref=three&times=1").await;
     let requests = json!([{"query": THREE}, {"query": THREE}]);
     let report = run_client("graphql_client.py", &format!("{}/graphql", proxy.url), &requests).await;
@@ -759,7 +762,7 @@ async fn batches_graphql_three_keyed_mutations_retried_after_the_third_failed_ex
 async fn batches_graphql_root_fields_go_upstream_one_request_each_without_the_directive_and_merge_in_the_clients_order()
  {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let query = r#"mutation Pay($k: String!, $amount: Int!) {
   zulu: charge(amount: $amount, ref: "z") @idempotent(key: $k) { ref amount }
   alpha: charge(amount: 2, ref: "a") @idempotent(key: "lit") { ref amount }
@@ -810,7 +813,7 @@ async fn batches_graphql_root_fields_go_upstream_one_request_each_without_the_di
 #[tokio::test]
 async fn batches_graphql_each_idempotency_code_answers_the_field_it_concerns() {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let send = |query: &str| Reply::of(post(&proxy.url, "/graphql-held", &graphql(query, json!({}))));
     let done =
         send(r#"mutation { used: charge(amount: 1, ref: "used") @idempotent(key: "used") { execution } }"#)
@@ -853,7 +856,7 @@ async fn batches_graphql_each_idempotency_code_answers_the_field_it_concerns() {
 #[tokio::test]
 async fn batches_graphql_a_field_error_is_stored_and_replayed_unless_the_route_releases_it() {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let refused = |route: &str, reference: &str| {
         let query = format!(
             r#"mutation {{ r: refuse(amount: 4, ref: "{reference}") @idempotent(key: "refused") {{ execution }} }}"#
@@ -881,7 +884,7 @@ async fn batches_graphql_a_field_error_is_stored_and_replayed_unless_the_route_r
 #[tokio::test]
 async fn batches_graphql_queries_and_unkeyed_mutations_pass_through_untouched() {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let bodies = [
         graphql("query Hi($n: String) { hello(name: $n) }", json!({"n": "you"})),
         graphql(
@@ -912,7 +915,7 @@ async fn batches_graphql_queries_and_unkeyed_mutations_pass_through_untouched() 
 async fn batches_graphql_an_unparseable_document_is_forwarded_where_keys_are_optional_and_refused_where_required()
  {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let broken = graphql(
         r#"mutation { charge(amount: 1 @idempotent(key: "broken") { execution }"#,
         json!({}),
@@ -936,7 +939,7 @@ async fn batches_graphql_an_unparseable_document_is_forwarded_where_keys_are_opt
 #[tokio::test]
 async fn batches_graphql_a_misplaced_directive_or_one_key_on_two_fields_is_refused() {
     let service = Service::graphql().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let refused = [
         r#"mutation { charge(amount: 1) { execution @idempotent(key: "nested") } }"#,
         r#"mutation {
@@ -954,16 +957,19 @@ async fn batches_graphql_a_misplaced_directive_or_one_key_on_two_fields_is_refus
 
 // A proxy killed mid-batch.
 
-/// The route the crash tests run under: a lease short enough to wait out, long enough to outlive a
-/// restart.
-const CRASH_ROUTES: &str = r#"
+/// The issue's JSON-RPC route for the crash tests, with a lease short enough to wait out and long enough
+/// to outlive a restart.
+const CRASH_RPC_ROUTE: &str = r#"
 [[routes]]
 name = "rpc"
 path = "/rpc"
 methods = ["POST"]
 key = "jsonrpc"
 lock_timeout = "15s"
+"#;
 
+/// The issue's GraphQL route, likewise.
+const CRASH_GRAPHQL_ROUTE: &str = r#"
 [[routes]]
 name = "gql"
 path = "/graphql"
@@ -972,9 +978,9 @@ key = "graphql"
 lock_timeout = "15s"
 "#;
 
-/// The real binary in front of `service`, on `env`'s store.
-async fn process_for(env: &TestEnv, service: &Service) -> ProxyProcess {
-    ProxyProcess::spawn(&ProxyConfig::on(&env.store, &service.url).with_toml(CRASH_ROUTES)).await
+/// The real binary in front of `service`, on `env`'s store, with `routes`.
+async fn process_for(env: &TestEnv, service: &Service, routes: &str) -> ProxyProcess {
+    ProxyProcess::spawn(&ProxyConfig::on(&env.store, &service.url).with_toml(routes)).await
 }
 
 #[rstest]
@@ -984,7 +990,7 @@ async fn batches_a_proxy_killed_mid_batch_and_restarted_runs_no_completed_call_a
 ) {
     let service = Service::jsonrpc().await;
     let env = TestEnv::on(backend).await;
-    let mut dying = process_for(&env, &service).await;
+    let mut dying = process_for(&env, &service, CRASH_RPC_ROUTE).await;
     let earlier = json!([charge(json!(1), Some("k1"), 1), charge(json!(2), Some("k2"), 2)]);
     let done = answers(&Reply::of(post(&dying.url, "/rpc", &earlier)).await);
 
@@ -1005,7 +1011,7 @@ async fn batches_a_proxy_killed_mid_batch_and_restarted_runs_no_completed_call_a
         "the killed proxy cannot have answered"
     );
 
-    let successor = process_for(&env, &service).await;
+    let successor = process_for(&env, &service, CRASH_RPC_ROUTE).await;
     let early = answers(&Reply::of(post(&successor.url, "/rpc", &batch)).await);
     assert_eq!(
         early[0]["result"], done[0]["result"],
@@ -1053,7 +1059,7 @@ async fn batches_graphql_a_proxy_killed_between_fields_and_restarted_runs_no_com
 ) {
     let service = Service::graphql().await;
     let env = TestEnv::on(backend).await;
-    let mut dying = process_for(&env, &service).await;
+    let mut dying = process_for(&env, &service, CRASH_GRAPHQL_ROUTE).await;
     let body = graphql(
         r#"mutation {
   a: charge(amount: 1, ref: "a") @idempotent(key: "a") { execution }
@@ -1072,7 +1078,7 @@ async fn batches_graphql_a_proxy_killed_between_fields_and_restarted_runs_no_com
         "the killed proxy cannot have answered"
     );
 
-    let successor = process_for(&env, &service).await;
+    let successor = process_for(&env, &service, CRASH_GRAPHQL_ROUTE).await;
     let early = Reply::of(post(&successor.url, "/graphql", &body)).await.json();
     assert_eq!(early["data"]["a"], json!({"execution": 1}), "replayed: {early}");
     assert_eq!(early["data"]["b"], json!({"execution": 1}), "replayed: {early}");

@@ -5,7 +5,7 @@ credential `Authorization: Bearer agent-1`.
 A message is `{"call": [method, params, id]}` or `{"batch": [[method, params, id], ...]}`, where an `id` of
 `null` makes a notification. Prints one JSON line: for each message `{"status", "replayed", "answers"}`,
 its answers as the library parsed them, `{"id", "ok": result}` or `{"id", "error": [code, message,
-data]}`, in the order they came.
+data]}`, in the order they came (and `"body"`, the text of an answer that is not JSON-RPC's).
 """
 
 import json
@@ -37,15 +37,17 @@ def send(url, message):
     response = requests.post(
         url, json=body, headers={"Authorization": "Bearer agent-1"}, timeout=60
     )
-    answers = []
-    if response.content:
-        parsed = parse(response.json())
-        answers = [read(p) for p in ([parsed] if isinstance(parsed, (Ok, Error)) else parsed)]
-    return {
+    report = {
         "status": response.status_code,
         "replayed": response.headers.get("idempotent-replayed"),
-        "answers": answers,
+        "answers": [],
     }
+    if response.headers.get("content-type", "").startswith("application/json") and response.content:
+        parsed = parse(response.json())
+        report["answers"] = [read(p) for p in ([parsed] if isinstance(parsed, (Ok, Error)) else parsed)]
+    elif response.content:
+        report["body"] = response.text
+    return report
 
 
 def main():
