@@ -928,7 +928,7 @@ async fn batches_graphql_an_unparseable_document_is_forwarded_where_keys_are_opt
         "the service's own answer: {}",
         forwarded.text()
     );
-    assert_eq!(posts(&service).await, [broken.clone()]);
+    assert_eq!(posts(&service).await, std::slice::from_ref(&broken));
 
     Reply::of(post(&proxy.url, "/graphql-required", &broken))
         .await
