@@ -97,10 +97,16 @@ struct Service {
 }
 
 impl Service {
-    /// `program` started, once it has said its port (its first line).
+    /// `program` started on any free port, once it has said which (its first line).
     async fn start(program: &str) -> Service {
+        Service::start_on(program, 0).await
+    }
+
+    /// `program` started on `port` (any free one for 0).
+    async fn start_on(program: &str, port: u16) -> Service {
         let mut child = Command::new(python().await)
             .arg(format!("{PROGRAMS}/{program}"))
+            .arg(port.to_string())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
@@ -149,6 +155,12 @@ impl Service {
     }
 }
 
+/// A port on 127.0.0.1 that nothing listens on (until a test starts a service there).
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
 /// A `TestEnv` on `backend` and the in-process proxy in front of `service` with `routes`.
 async fn proxy_for(backend: Backend, service: &Service, routes: &str) -> (TestEnv, InProcessProxy) {
     let env = TestEnv::on(backend).await;
@@ -159,9 +171,14 @@ async fn proxy_for(backend: Backend, service: &Service, routes: &str) -> (TestEn
 
 /// `POST {base}{path}` with a JSON body and the client's credential.
 fn post(base: &str, path: &str, body: &Value) -> reqwest::RequestBuilder {
+    post_as(base, path, body, "Bearer agent-1")
+}
+
+/// [`post`] with `credential` as the `Authorization`.
+fn post_as(base: &str, path: &str, body: &Value, credential: &str) -> reqwest::RequestBuilder {
     client()
         .post(format!("{base}{path}"))
-        .header("authorization", "Bearer agent-1")
+        .header("authorization", credential)
         .header("content-type", "application/json")
         .body(body.to_string())
 }
@@ -412,6 +429,28 @@ async fn batches_a_batch_call_and_the_same_call_sent_alone_replay_each_other() {
 }
 
 #[tokio::test]
+async fn batches_a_key_in_another_clients_batch_is_that_clients_own() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let batch = json!([
+        charge(json!(1), Some("shared-name"), 5),
+        charge(json!(2), None, 1)
+    ]);
+    let mine = answers(&Reply::of(post(&proxy.url, "/rpc", &batch)).await);
+    let theirs = answers(&Reply::of(post_as(&proxy.url, "/rpc", &batch, "Bearer agent-2")).await);
+    assert_eq!(mine[0]["result"]["keyExecution"], 1);
+    assert_eq!(
+        theirs[0]["result"]["keyExecution"], 2,
+        "the other client's call ran"
+    );
+    let again = answers(&Reply::of(post_as(&proxy.url, "/rpc", &batch, "Bearer agent-2")).await);
+    assert_eq!(
+        again[0]["result"], theirs[0]["result"],
+        "and is replayed to that client"
+    );
+}
+
+#[tokio::test]
 async fn batches_unkeyed_calls_and_notifications_go_upstream_with_the_keyed_calls_and_notifications_get_no_answer()
  {
     let service = Service::jsonrpc().await;
@@ -651,6 +690,48 @@ async fn batches_a_keyed_batch_repeating_an_id_or_over_1000_calls_is_refused_who
     );
 }
 
+#[tokio::test]
+async fn batches_a_batch_of_1000_keyed_calls_runs_each_once() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let batch: Vec<Value> = (0..1000)
+        .map(|n| charge(json!(n), Some(&format!("t-{n}")), n))
+        .collect();
+    let batch = Value::from(batch);
+    let answered = answers(&Reply::of(post(&proxy.url, "/rpc", &batch)).await);
+    assert_eq!(answered.len(), 1000);
+    assert!(answered.iter().all(|a| a["result"]["keyExecution"] == 1));
+    let again = answers(&Reply::of(post(&proxy.url, "/rpc", &batch)).await);
+    assert_eq!(again, answered, "all replayed");
+    assert_eq!(service.counts().await["batches"], json!([1000]));
+}
+
+#[tokio::test]
+async fn batches_a_batch_sent_while_the_service_is_down_is_released_and_its_retry_runs() {
+    let port = closed_port();
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = ProxyConfig::on(&env.store, &format!("http://127.0.0.1:{port}")).with_toml(RPC_ROUTES);
+    let proxy = InProcessProxy::start(&config).await;
+    let batch = json!([
+        charge(json!(1), Some("d-1"), 1),
+        charge(json!("two"), Some("d-2"), 2)
+    ]);
+    let failed = answers(&Reply::of(post(&proxy.url, "/rpc", &batch)).await);
+    assert_call_error(&failed[0], &json!(1), -32093, "upstream-unreachable", Some(502));
+    assert_call_error(
+        &failed[1],
+        &json!("two"),
+        -32093,
+        "upstream-unreachable",
+        Some(502),
+    );
+
+    let service = Service::start_on("jsonrpc_server.py", port).await;
+    let retry = answers(&Reply::of(post(&proxy.url, "/rpc", &batch)).await);
+    assert_eq!(ids(&retry), [json!(1), json!("two")]);
+    assert_eq!(service.counts().await["keys"], json!({"d-1": 1, "d-2": 1}));
+}
+
 // GraphQL.
 
 /// A GraphQL-over-HTTP body.
@@ -756,6 +837,35 @@ async fn batches_graphql_three_keyed_mutations_retried_after_the_third_failed_ex
         Some(4),
         "three parts, then the third alone: {counts}"
     );
+}
+
+#[tokio::test]
+async fn batches_graphql_fields_sent_while_the_service_is_down_are_released_and_their_retry_runs() {
+    let port = closed_port();
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = ProxyConfig::on(&env.store, &format!("http://127.0.0.1:{port}")).with_toml(GRAPHQL_ROUTES);
+    let proxy = InProcessProxy::start(&config).await;
+    let body = graphql(
+        r#"mutation {
+  x: charge(amount: 1, ref: "x") @idempotent(key: "down-x") { execution }
+  y: charge(amount: 2, ref: "y") @idempotent(key: "down-y") { execution }
+}"#,
+        json!({}),
+    );
+    let failed = Reply::of(post(&proxy.url, "/graphql", &body)).await.json();
+    for field in ["x", "y"] {
+        assert_eq!(failed["data"][field], Value::Null, "{failed}");
+        let errors = failed["errors"].as_array().unwrap_or_else(|| panic!("{failed}"));
+        assert!(errors.iter().any(|e| e["path"] == json!([field])), "{failed}");
+    }
+
+    let service = Service::start_on("graphql_server.py", port).await;
+    let retry = Reply::of(post(&proxy.url, "/graphql", &body)).await.json();
+    assert_eq!(
+        retry,
+        json!({"data": {"x": {"execution": 1}, "y": {"execution": 1}}})
+    );
+    assert_eq!(service.counts().await["executions"], json!({"x": 1, "y": 1}));
 }
 
 #[tokio::test]

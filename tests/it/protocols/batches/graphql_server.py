@@ -1,5 +1,6 @@
 """A GraphQL service for tests/it/protocols/batches.rs: `graphql-core` executing GraphQL-over-HTTP JSON
-bodies on a plain `http.server` at 127.0.0.1:0, whose first line out is `PORT <port>`.
+bodies on a plain `http.server` at 127.0.0.1 (on the port given as its argument, else any), whose
+first line out is `PORT <port>`.
 
 Its schema does not declare `@idempotent`: a document that still carries it fails validation here, as it
 would on a real service that knows nothing of the proxy.
@@ -188,7 +189,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     print(f"PORT {server.server_address[1]}", flush=True)
     server.serve_forever()

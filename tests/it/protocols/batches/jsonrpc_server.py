@@ -1,5 +1,6 @@
 """A JSON-RPC 2.0 service for tests/it/protocols/batches.rs: `jsonrpcserver` answering calls and batches
-on a plain `http.server` at 127.0.0.1:0, whose first line out is `PORT <port>`.
+on a plain `http.server` at 127.0.0.1 (on the port given as its argument, else any), whose first line
+out is `PORT <port>`.
 
 Methods (each counts its executions, per idempotency key and in total):
 - `charge(amount)`: answers `{"charged", "execution", "keyExecution"}`.
@@ -172,7 +173,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     print(f"PORT {server.server_address[1]}", flush=True)
     server.serve_forever()
