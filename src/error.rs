@@ -55,10 +55,15 @@ pub enum ProxyError {
     /// one request carries many events, so it has no one key.
     #[error("a CloudEvents batch cannot be deduplicated as one request")]
     CloudEventsBatch,
-    /// A JSON-RPC batch (a JSON array of calls) on a route keyed by `jsonrpc`, where a call carries a
-    /// key or keys are required: one request, many calls, no one key.
-    #[error("a JSON-RPC batch cannot be deduplicated as one request")]
-    JsonRpcBatch,
+    /// A JSON-RPC batch (a JSON array of calls) on a route keyed by `jsonrpc` whose calls cannot each be
+    /// keyed on their own (two share an `id`, or it holds too many); the text says why. Nothing ran.
+    #[error("a JSON-RPC batch cannot be keyed call by call: {0}")]
+    JsonRpcBatch(String),
+    /// A GraphQL request on a route keyed by `graphql` whose `@idempotent` fields cannot be keyed: the
+    /// directive misplaced, a key missing or repeated, a document over a limit, or (where keys are
+    /// required) a body that is no GraphQL request; the text says which. Nothing ran.
+    #[error("a GraphQL request cannot be keyed: {0}")]
+    GraphQlRequest(String),
     /// On a route keyed by `repeatability` (OASIS Repeatable Requests): a `Repeatability-Request-ID`
     /// without a valid `Repeatability-First-Sent` (an IMF-fixdate); the text says what was wrong.
     #[error("repeatability headers not valid: {0}")]
@@ -152,7 +157,8 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
-            | ProxyError::JsonRpcBatch
+            | ProxyError::JsonRpcBatch(_)
+            | ProxyError::GraphQlRequest(_)
             | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
@@ -183,7 +189,8 @@ impl ProxyError {
             ProxyError::MissingKey(_) => "missing-key",
             ProxyError::InvalidKey(_) => "invalid-key",
             ProxyError::CloudEventsBatch => "cloudevents-batch",
-            ProxyError::JsonRpcBatch => "jsonrpc-batch",
+            ProxyError::JsonRpcBatch(_) => "jsonrpc-batch",
+            ProxyError::GraphQlRequest(_) => "graphql-request",
             ProxyError::RepeatabilityInvalid(_) => "repeatability-invalid",
             ProxyError::RepeatabilityExpired(_) => "repeatability-expired",
             ProxyError::MissingScope(_) => "missing-scope",
@@ -213,7 +220,8 @@ impl ProxyError {
             ProxyError::MissingKey(_) => "Idempotency key missing",
             ProxyError::InvalidKey(_) => "Idempotency key invalid",
             ProxyError::CloudEventsBatch => "CloudEvents batch not accepted",
-            ProxyError::JsonRpcBatch => "JSON-RPC batch not accepted",
+            ProxyError::JsonRpcBatch(_) => "JSON-RPC batch not accepted",
+            ProxyError::GraphQlRequest(_) => "GraphQL request not accepted",
             ProxyError::RepeatabilityInvalid(_) => "Repeatability headers not valid",
             ProxyError::RepeatabilityExpired(_) => "Request first sent outside the repeatability window",
             ProxyError::MissingScope(_) => "Client credential missing",
@@ -250,12 +258,14 @@ impl ProxyError {
                  event on its own, in binary or structured mode."
                     .into()
             }
-            ProxyError::JsonRpcBatch => {
-                "This route deduplicates JSON-RPC calls one call per request; a batch (a JSON array of \
-                 calls) has no one key, and none of its calls was executed. Send each keyed call on its \
-                 own."
-                    .into()
-            }
+            ProxyError::JsonRpcBatch(why) => format!(
+                "This route keys each call of a JSON-RPC batch on its own, and this batch cannot be: \
+                 {why}. None of its calls was executed."
+            ),
+            ProxyError::GraphQlRequest(why) => format!(
+                "This route keys each @idempotent field of a GraphQL mutation on its own, and this \
+                 request cannot be: {why}. Nothing was executed."
+            ),
             ProxyError::RepeatabilityInvalid(why) => format!(
                 "A Repeatability-Request-ID needs a Repeatability-First-Sent header, the time the \
                  request was first sent as an IMF-fixdate (Sun, 06 Nov 1994 08:49:37 GMT): {why}."
@@ -344,7 +354,8 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
-            | ProxyError::JsonRpcBatch
+            | ProxyError::JsonRpcBatch(_)
+            | ProxyError::GraphQlRequest(_)
             | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
@@ -387,7 +398,8 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
-            | ProxyError::JsonRpcBatch
+            | ProxyError::JsonRpcBatch(_)
+            | ProxyError::GraphQlRequest(_)
             | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::MissingScope(_)
             | ProxyError::ClientBody(_)
@@ -429,7 +441,8 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
-            | ProxyError::JsonRpcBatch
+            | ProxyError::JsonRpcBatch(_)
+            | ProxyError::GraphQlRequest(_)
             | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
@@ -464,7 +477,8 @@ impl ProxyError {
             ProxyError::MissingKey(_)
             | ProxyError::InvalidKey(_)
             | ProxyError::CloudEventsBatch
-            | ProxyError::JsonRpcBatch
+            | ProxyError::JsonRpcBatch(_)
+            | ProxyError::GraphQlRequest(_)
             | ProxyError::RepeatabilityInvalid(_)
             | ProxyError::RepeatabilityExpired(_)
             | ProxyError::MissingScope(_)
@@ -497,7 +511,7 @@ impl ProxyError {
         }
     }
 
-    fn retry_after(&self) -> Option<u64> {
+    pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {
             ProxyError::KeyInFlight { retry_after } => {
                 Some(retry_after.as_millis().div_ceil(1000).max(1) as u64)
@@ -512,14 +526,13 @@ impl ProxyError {
         self.into_problem(PROBLEM_BASE, &ProblemStatuses::default())
     }
 
-    /// The problem+json response for this error, its `type` the slug appended to `base`, its status
-    /// the route's (`statuses`) where the route sets its own.
-    pub fn into_problem(self, base: &str, statuses: &ProblemStatuses) -> Response<ProxyBody> {
-        let status = self.status_under(statuses);
+    /// The problem object (RFC 9457) the client is told, as a problem+json body holds it, and as an item
+    /// of a request that carries many keys carries it in its own answer (`proxy/many.rs`).
+    pub fn problem(&self, base: &str, statuses: &ProblemStatuses) -> serde_json::Value {
         let mut problem = serde_json::json!({
             "type": format!("{base}{}", self.slug()),
             "title": self.title(),
-            "status": status.as_u16(),
+            "status": self.status_under(statuses).as_u16(),
             "detail": self.detail(),
             "operation_state": self.operation_state(),
             "retryable": self.retryable(),
@@ -527,6 +540,14 @@ impl ProxyError {
         if self.safe_new_key() {
             problem["safe_new_key"] = serde_json::Value::Bool(true);
         }
+        problem
+    }
+
+    /// The problem+json response for this error, its `type` the slug appended to `base`, its status
+    /// the route's (`statuses`) where the route sets its own.
+    pub fn into_problem(self, base: &str, statuses: &ProblemStatuses) -> Response<ProxyBody> {
+        let status = self.status_under(statuses);
+        let problem = self.problem(base, statuses);
         let mut response = Response::new(body::full(problem.to_string()));
         *response.status_mut() = status;
         let headers = response.headers_mut();
@@ -702,11 +723,12 @@ mod tests {
             ProxyError::RequestTimeout(Duration::from_secs(10)),
             ProxyError::RecordUnreadable,
             ProxyError::Busy(Busy::KeyedInFlight),
-            ProxyError::JsonRpcBatch,
+            ProxyError::JsonRpcBatch("two calls have the id 1".into()),
             ProxyError::RepeatabilityInvalid("no Repeatability-First-Sent".into()),
             ProxyError::RepeatabilityExpired("10 minutes ago".into()),
             ProxyError::InvalidToken("the token has expired (exp)".into()),
             ProxyError::KeysUnavailable,
+            ProxyError::GraphQlRequest("@idempotent is misplaced".into()),
         ]
     }
 
@@ -734,11 +756,12 @@ mod tests {
             ProxyError::RequestTimeout(_) => 18,
             ProxyError::RecordUnreadable => 19,
             ProxyError::Busy(_) => 20,
-            ProxyError::JsonRpcBatch => 21,
+            ProxyError::JsonRpcBatch(_) => 21,
             ProxyError::RepeatabilityInvalid(_) => 22,
             ProxyError::RepeatabilityExpired(_) => 23,
             ProxyError::InvalidToken(_) => 24,
             ProxyError::KeysUnavailable => 25,
+            ProxyError::GraphQlRequest(_) => 26,
         }
     }
 

@@ -21,6 +21,7 @@ pub mod expiry;
 pub mod intake;
 pub mod key;
 pub mod keyed;
+pub mod many;
 pub mod method;
 pub mod passthrough;
 pub mod path;
@@ -51,7 +52,8 @@ use self::claim::{Claims, ClaimsParts};
 use self::dialect::Dialect;
 use self::downstream::Downstream;
 use self::execute::{Executor, ExecutorParts};
-use self::intake::Intake;
+use self::intake::many::Many;
+use self::intake::{Intake, Taken};
 use self::keyed::KeyedTask;
 use self::passthrough::Forward;
 use self::permit::KeyedPermits;
@@ -383,9 +385,12 @@ impl Proxy {
         (peer, dialect): (Downstream, Dialect),
     ) -> Handled {
         let ticket = match self.intake.take(request, route, key, (&peer, dialect)).await? {
-            Ok(ticket) => ticket,
+            Taken::One(ticket) => ticket,
+            Taken::Many(many) => return Box::pin(self.many(many, &peer)).await,
             // Rare, and its forward is large: on the heap, it stays out of every keyed request's future.
-            Err(unkeyed) => return Box::pin(self.forward.read(unkeyed.parts, unkeyed.body, &peer)).await,
+            Taken::Unkeyed(unkeyed) => {
+                return Box::pin(self.forward.read(unkeyed.parts, unkeyed.body, &peer)).await;
+            }
         };
         let request = (&ticket.parts.headers, &ticket.dialect);
         let cached = replay::from_cache(&self.cache, &ticket.claim, &ticket.route, request, &self.metrics);
@@ -412,6 +417,27 @@ impl Proxy {
             },
         };
         answered.unwrap_or_else(|_| {
+            Err(ProxyError::UpstreamBroken(
+                "the request's task ended without a response".into(),
+            ))
+        })
+    }
+}
+
+impl Proxy {
+    /// A request that carries many keys: the keyed task runs it, under one keyed permit, and answers
+    /// through its [`Answer`].
+    async fn many(&self, many: Many, peer: &Downstream) -> Handled {
+        let permit = self.permits.take(peer).map_err(ProxyError::Busy)?;
+        let series: &Arc<RouteSeries> = self.route_series.get(&many.route.name);
+        let (head, response) = Answer::new(series.clone());
+        let task =
+            self.keyed
+                .clone()
+                .run_many(many, head, (permit, series.clone(), self.problem_base.clone()));
+        let task = access::within(access::current(), Box::pin(task));
+        self.tracker.spawn(task.instrument(tracing::Span::current()));
+        response.await.unwrap_or_else(|_| {
             Err(ProxyError::UpstreamBroken(
                 "the request's task ended without a response".into(),
             ))

@@ -234,9 +234,10 @@ fn the_bottom_layers_use_nothing_above_them() {
 /// The request path's stages by their place in the call order: `src/proxy.rs` (the spine) first; a
 /// stage is its file and the files under it. Every other file under `src/proxy/` is a leaf, after all
 /// of them.
-const STAGES: [(&str, u8); 8] = [
+const STAGES: [(&str, u8); 9] = [
     ("src/proxy", 0),
     ("src/proxy/keyed", 1),
+    ("src/proxy/many", 2),
     ("src/proxy/wait", 2),
     ("src/proxy/claim", 3),
     ("src/proxy/execute", 4),

@@ -95,6 +95,9 @@ pub struct RawIdempotency {
     pub mismatch_status: u16,
     /// What happens to a key whose request may have reached the upstream but got no full answer.
     pub on_unknown_outcome: OnUnknownOutcome,
+    /// With `key = "graphql"`: whether a keyed field answered with an error and no value is released (a
+    /// retry runs it again) rather than stored.
+    pub release_graphql_errors: bool,
     /// Response headers relayed to the first client but neither stored nor replayed.
     pub never_store_headers: Vec<String>,
     /// Where the key comes from: `header:NAME`, `cloudevents`, `json:/pointer` or `template:…`; absent
@@ -161,6 +164,7 @@ impl Default for RawIdempotency {
             in_flight_status: 409,
             mismatch_status: 422,
             on_unknown_outcome: OnUnknownOutcome::Retry,
+            release_graphql_errors: false,
             never_store_headers: vec!["set-cookie".into()],
             key: None,
             fingerprint_body: FingerprintBody::Bytes,
@@ -316,6 +320,8 @@ pub struct StoreRules {
     pub grpc: GrpcOutcomes,
     /// Unknown outcomes: retried after the lease, or held.
     pub on_unknown_outcome: OnUnknownOutcome,
+    /// Whether a GraphQL field answered with an error and no value is released rather than stored.
+    pub release_graphql_errors: bool,
     /// Response headers never stored, lower-case.
     pub never_store_headers: Vec<HeaderName>,
     /// The response header advertising the key's expiry, if any.
@@ -465,6 +471,7 @@ impl RawIdempotency {
                     &key("grpc_unknown_codes"),
                 )?,
                 on_unknown_outcome: self.on_unknown_outcome,
+                release_graphql_errors: self.release_graphql_errors,
                 never_store_headers: parse_headers(&key("never_store_headers"), &self.never_store_headers)?,
                 expires_header: self
                     .expires_header

@@ -30,6 +30,9 @@ pub enum KeySource {
     /// key is read); `Repeatability-First-Sent` must come with it, within the route's
     /// `repeatability_window`.
     Repeatability,
+    /// `graphql`: a GraphQL mutation's root fields marked `@idempotent(key: "…")`, each keyed on its own
+    /// and forwarded as an operation of its own (`proxy/dialect/graphql.rs`); other operations pass.
+    GraphQl,
 }
 
 /// Where `key = "jsonrpc"` reads the key: `params._meta.idempotencyKey`.
@@ -65,6 +68,9 @@ impl KeySource {
         if text == "repeatability" {
             return Ok(KeySource::Repeatability);
         }
+        if text == "graphql" {
+            return Ok(KeySource::GraphQl);
+        }
         if let Some(pointer) = text.strip_prefix("jsonrpc:") {
             return parse_jsonrpc_pointer(key, pointer).map(KeySource::JsonRpc);
         }
@@ -81,7 +87,7 @@ impl KeySource {
             key,
             format!(
                 "{text:?} is not a key source; use \"header:NAME\", \"cloudevents\", \"json:/pointer\", \
-                 \"jsonrpc\", \"jsonrpc:/pointer\", \"repeatability\" or \"template:…\" with {{header:NAME}}, {{json:/pointer}}, {{cloudevents}}, {{method}}, \
+                 \"jsonrpc\", \"jsonrpc:/pointer\", \"graphql\", \"repeatability\" or \"template:…\" with {{header:NAME}}, {{json:/pointer}}, {{cloudevents}}, {{method}}, \
                  {{path}} parts"
             ),
         ))
@@ -91,7 +97,7 @@ impl KeySource {
     pub fn needs_body(&self) -> bool {
         match self {
             KeySource::Header(_) | KeySource::Repeatability => false,
-            KeySource::CloudEvents | KeySource::Json(_) | KeySource::JsonRpc(_) => true,
+            KeySource::CloudEvents | KeySource::Json(_) | KeySource::JsonRpc(_) | KeySource::GraphQl => true,
             KeySource::Template(parts) => parts
                 .iter()
                 .any(|p| matches!(p, KeyPart::Json(_) | KeyPart::CloudEvents)),
@@ -108,6 +114,7 @@ impl fmt::Display for KeySource {
             KeySource::JsonRpc(pointer) if pointer == JSONRPC_KEY => f.write_str("jsonrpc"),
             KeySource::JsonRpc(pointer) => write!(f, "jsonrpc:{pointer}"),
             KeySource::Repeatability => f.write_str("repeatability"),
+            KeySource::GraphQl => f.write_str("graphql"),
             KeySource::Template(parts) => {
                 f.write_str("template:")?;
                 parts.iter().try_for_each(|part| write!(f, "{part}"))

@@ -128,6 +128,31 @@ impl ReservedBody {
         }
     }
 
+    /// Other bytes in place of the body's, no more than it had (a batch's calls left to run), under the
+    /// same reservation and with the same trailers.
+    pub fn with_bytes(self, bytes: Bytes) -> ReservedBody {
+        debug_assert!(bytes.len() <= self.bytes.len() + 2);
+        ReservedBody { bytes, ..self }
+    }
+
+    /// Takes `bytes` more from the budget, held as long as the body is, if they are free now; `false`
+    /// (and nothing taken) if not.
+    pub fn hold_more(&mut self, bytes: usize) -> bool {
+        self.reservation.try_grow(bytes)
+    }
+
+    /// A body of its own for one part of this request (a GraphQL field's operation), paid for by this
+    /// body's reservation, which must outlive it: it holds none, and carries no trailers.
+    pub fn part(&self, bytes: Bytes) -> ReservedBody {
+        ReservedBody::new(
+            bytes,
+            Reservation {
+                free: self.reservation.free.clone(),
+                held: None,
+            },
+        )
+    }
+
     /// Runs `work` on the bytes, giving it a way to grow the reservation for working memory (`true`
     /// when the budget had the bytes free); what it grew by goes back to the budget when it returns.
     pub fn working<R>(&mut self, work: impl FnOnce(&[u8], &mut dyn FnMut(usize) -> bool) -> R) -> R {

@@ -183,6 +183,27 @@ impl Claims {
         }
     }
 
+    /// The parts a request that carries many keys is claimed, forwarded and written with (`many.rs`).
+    pub(crate) fn parts(&self) -> (&StoreHandle, &Executor, &Forward, &Arc<Waiters>, &Metrics) {
+        (
+            &self.store,
+            &self.executor,
+            &self.forward,
+            &self.waiters,
+            &self.metrics,
+        )
+    }
+
+    /// A claim whose statement failed, which may still commit: given back later, as [`Orphan`] says.
+    pub(crate) fn orphaned(&self, claim: &ClaimRequest) {
+        let orphan = Orphan {
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            store_timeout: self.store_timeout,
+        };
+        tokio::spawn(orphan.release(claim.id.clone(), claim.lease));
+    }
+
     /// On a route that waits, the request's interest in its record, taken before the first claim
     /// statement: a settlement that commits after the statement read the record wakes it, whatever
     /// the statement found. Routes that do not wait pay nothing.
@@ -267,12 +288,7 @@ impl Claims {
         let claim = &ticket.claim;
         // A store not open yet was never sent the claim: there is nothing to give back.
         if !matches!(error, StoreError::NotOpen) {
-            let orphan = Orphan {
-                store: self.store.clone(),
-                metrics: self.metrics.clone(),
-                store_timeout: self.store_timeout,
-            };
-            tokio::spawn(orphan.release(claim.id.clone(), claim.lease));
+            self.orphaned(claim);
         }
         // Rare, and a forward is many kilobytes of future: on the heap, it stays out of the claim task
         // that every keyed request spawns (and tokio copies as it starts and as it finishes).

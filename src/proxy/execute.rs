@@ -16,7 +16,7 @@
 
 pub(crate) mod capture;
 mod channel;
-mod heartbeat;
+pub(crate) mod heartbeat;
 mod relay;
 
 use std::sync::Arc;
@@ -158,6 +158,16 @@ impl Fate {
             rest: Rest::none(),
         }
     }
+}
+
+/// What becomes of one item's record of a request that carries many keys ([`Executor::write_item`]).
+pub(crate) enum ItemWrite<'a> {
+    /// Its answer is stored.
+    Complete(&'a StoredResponse),
+    /// Its key is given back: a retry executes it.
+    Release,
+    /// It may have run without an answer coming back (`why`): held where `hold`, else left to its lease.
+    Unknown { hold: bool, why: &'a str },
 }
 
 /// How the exchange with the upstream ended, before the record is written.
@@ -528,6 +538,50 @@ impl Executor {
             Ok(false) => self.lost_claim(id, "release"),
             Err(error) => {
                 tracing::warn!(key_hash = %id.key_hash(), %error, "release failed; claim left to its lease");
+                Fate::LeftToLease
+            }
+        }
+    }
+
+    /// The upstream its executions go to.
+    pub(crate) fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    /// Writes what became of one item of a request that carries many keys (`many.rs`), under the item's
+    /// fence, trying for up to its `lease` while the store does not answer: its answer stored, its key
+    /// given back, or its outcome unknown (held with `on_unknown_outcome = "hold"`, else left to its
+    /// lease). Counted and logged as a lone request's write is.
+    pub(crate) async fn write_item(&self, id: &RecordId, lease: Duration, write: ItemWrite<'_>) -> Fate {
+        let (name, writing) = match write {
+            ItemWrite::Complete(stored) => {
+                if stored.body.is_none() {
+                    self.metrics.not_retained.inc();
+                }
+                (
+                    "completion",
+                    until_answered(lease, || self.store.complete(id, stored)).await,
+                )
+            }
+            ItemWrite::Release => ("release", until_answered(lease, || self.store.release(id)).await),
+            ItemWrite::Unknown { hold, why } => {
+                self.metrics.unknown_outcomes.inc();
+                let key_hash = id.key_hash();
+                if !hold {
+                    tracing::warn!(%key_hash, error = why, "upstream outcome unknown; claim left to its lease");
+                    return Fate::LeftToLease;
+                }
+                tracing::warn!(%key_hash, error = why, "upstream outcome unknown; holding the key until released");
+                ("hold", until_answered(lease, || self.store.hold(id)).await)
+            }
+        };
+        match (name, writing) {
+            ("completion", Ok(true)) => Fate::Completed,
+            ("release", Ok(true)) => Fate::Released,
+            (_, Ok(true)) => Fate::Held,
+            (name, Ok(false)) => self.lost_claim(id, name),
+            (name, Err(error)) => {
+                tracing::error!(key_hash = %id.key_hash(), %error, write = name, "store write failed; claim left to its lease");
                 Fate::LeftToLease
             }
         }

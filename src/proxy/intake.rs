@@ -7,6 +7,7 @@
 //! key, fingerprint (`key.rs`), lease and time to live. Touches the body budget only.
 
 pub mod examine;
+pub mod many;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -17,6 +18,7 @@ use hyper::body::Incoming;
 use uuid::Uuid;
 
 use self::examine::Examiners;
+use self::many::Many;
 use super::budget::{BodyBudget, ReservedBody};
 use super::client_body::{self, GuardedBody, Trailers};
 use super::dialect::Dialect;
@@ -68,6 +70,16 @@ pub(crate) struct Ticket {
     pub(crate) body: ReservedBody,
 }
 
+/// What a request taken in comes to.
+pub(crate) enum Taken {
+    /// A keyed request, for the keyed task.
+    One(Ticket),
+    /// A request that carries many keys (a JSON-RPC batch, a GraphQL mutation), for the keyed task.
+    Many(Many),
+    /// A request without a key, forwarded as it came.
+    Unkeyed(Unkeyed),
+}
+
 /// A request whose key comes from its body, which holds none, on a route where keys are optional: it is
 /// forwarded unprotected with the body already read.
 pub(crate) struct Unkeyed {
@@ -108,7 +120,7 @@ impl Intake {
         route: Arc<Route>,
         key: Option<String>,
         (peer, dialect): (&Downstream, Dialect),
-    ) -> Result<Result<Ticket, Unkeyed>, ProxyError> {
+    ) -> Result<Taken, ProxyError> {
         // A keyless request on a header-keyed route comes here only to have its signature verified.
         let scope_first =
             key.is_some() || (route.policy.key.source.needs_body() && route.policy.key.required);
@@ -131,13 +143,34 @@ impl Intake {
         let examined = examine::examine(&self.examiners, route.clone(), parts, body, key).await?;
         let (parts, body) = (examined.parts, examined.body);
         let dialect = dialect.called(examined.call);
+        if let Some(items) = examined.many {
+            if !scope_first {
+                check_scope(&route, (&parts.headers, parts.extensions.get::<ClientCert>()))?;
+            }
+            if by_token && subject.is_none() {
+                subject = self.subject(&route, &parts.headers).await?;
+            }
+            let presented = Presented {
+                cert: parts.extensions.get::<ClientCert>(),
+                subject: subject.as_ref(),
+            };
+            let scope = key::scope_with(&route.scope, &route.policy.key, &parts.headers, presented);
+            return Ok(Taken::Many(Many {
+                route,
+                scope,
+                peer: peer.clone(),
+                parts,
+                body,
+                items,
+            }));
+        }
         let Some((key, fingerprint)) = examined.keyed else {
             if route.policy.key.required {
                 return Err(ProxyError::MissingKey(key::source::describe(
                     &route.policy.key.source,
                 )));
             }
-            return Ok(Err(Unkeyed { parts, body }));
+            return Ok(Taken::Unkeyed(Unkeyed { parts, body }));
         };
         if !scope_first {
             check_scope(&route, (&parts.headers, parts.extensions.get::<ClientCert>()))?;
@@ -154,7 +187,7 @@ impl Intake {
         }
         let claim = claim_request(&route, &parts, (key, fingerprint), subject.as_ref());
         access::key(|| claim.id.key_hash());
-        Ok(Ok(Ticket {
+        Ok(Taken::One(Ticket {
             route,
             claim,
             dialect,

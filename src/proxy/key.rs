@@ -234,6 +234,22 @@ pub fn fingerprint(
     Ok(hash.finalize().into())
 }
 
+/// The fingerprint of one part of a request that carries many keys (a GraphQL field), whose body counts
+/// as `part` says: the request's head as [`fingerprint`] counts it, then the part's own description,
+/// tagged so that it never meets a whole body's.
+pub fn fingerprint_part(
+    rules: &KeyRules,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    (kind, part): (&[u8], &[u8]),
+) -> [u8; 32] {
+    let mut hash = head_hash(method, uri, headers, &rules.fingerprint_headers, None);
+    hash_field(&mut hash, kind);
+    hash_field(&mut hash, part);
+    hash.finalize().into()
+}
+
 /// A body counted by its meaning when it is I-JSON, else by its bytes; a tag field says which, so the
 /// two never meet.
 fn hash_json_body(

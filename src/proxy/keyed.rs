@@ -8,17 +8,20 @@
 //!
 //! It is written for a request that makes several claims: each claim runs as [`KeyedTask::claimed`]
 //! does and comes back with what became of its record ([`Settled`]), and each settlement is told once
-//! every answer has gone. Today every request makes one.
+//! every answer has gone. A request that carries many keys (a JSON-RPC batch, a GraphQL mutation) is
+//! run by `many.rs`, which claims, executes and settles each of its items.
 
 use std::sync::Arc;
 
 use super::answer::Answer;
 use super::claim::{Claims, InFlight, Round, Settled};
 use super::intake::Ticket;
+use super::intake::many::Many;
+use super::many::ManyKeys;
 use super::permit::KeyedPermit;
 use super::settle::Settle;
 use super::wait::{Waited, Waits};
-use crate::metrics::WaitResult;
+use crate::metrics::{RouteSeries, WaitResult};
 
 /// The keyed task's stages: the claim stage (which hands won claims to the execute stage), the wait
 /// stage, and who is told of a settlement.
@@ -61,6 +64,18 @@ impl KeyedTask {
         }
         // A client that takes its time over the end of its answer keeps no waiter waiting.
         settled.rest.hand_over().await;
+    }
+
+    /// A request that carries many keys from its claims to its end (`many.rs`), answering through
+    /// `answer`; `base` is what every problem `type` URI starts with.
+    pub(crate) async fn run_many(
+        self: Arc<Self>,
+        many: Many,
+        answer: Answer,
+        (permit, series, base): (KeyedPermit, Arc<RouteSeries>, Arc<str>),
+    ) {
+        let stage = ManyKeys::new(&self.claims, &self.settle);
+        stage.run(many, answer, (permit, series, &base)).await;
     }
 
     /// One claim: its statement, then the execution of a won claim, or the wait of a key in flight on a

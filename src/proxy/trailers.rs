@@ -134,7 +134,7 @@ fn decisive(policy: &Policy) -> Vec<HeaderName> {
             KeyPart::Header(name) => Some(name.clone()),
             _ => None,
         })),
-        KeySource::Json(_) | KeySource::JsonRpc(_) => {}
+        KeySource::Json(_) | KeySource::JsonRpc(_) | KeySource::GraphQl => {}
     }
     if let Some(signature) = &policy.signature {
         names.extend(signature.signed_headers());

@@ -54,11 +54,13 @@ pub const PLANNED_SLACK: usize = 64 * 1024;
 /// What a request body asks of the proxy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
-    /// Forward the request as it came, unprotected: a query, a subscription, or a mutation without any
-    /// `@idempotent` root field. As it came: should another operation of its document carry
+    /// Forward the request as it came, unprotected: a query or a subscription. As it came: should another operation of its document carry
     /// `@idempotent`, a service that does not declare the directive refuses the whole document (GraphQL
     /// validates every operation of a document, run or not).
     PassThrough,
+    /// A mutation none of whose root fields is marked `@idempotent`: forwarded as it came where keys are
+    /// optional, refused where they are required.
+    Unkeyed,
     /// Forward each part in turn, in this order (the client's), and merge their answers: one part per
     /// root field of the mutation, keyed or not (a root field beside keyed ones is forwarded on its own,
     /// every time, with `key` `None`). Never empty. A single part is the whole operation without its
@@ -143,7 +145,10 @@ pub fn plan(request: &[u8]) -> Result<Plan, NotPlanned> {
     document::check_placement(&doc)?;
     let operation = document::operation(&doc, body.operation_name.as_deref())?;
     let Some(fields) = document::keyed_fields(&operation)? else {
-        return Ok(Plan::PassThrough);
+        return Ok(match document::is_mutation(&operation) {
+            true => Plan::Unkeyed,
+            false => Plan::PassThrough,
+        });
     };
     let splitter = split::Splitter::new(&doc, &operation, &fields, &body);
     let allowance = planned_allowance(request.len());

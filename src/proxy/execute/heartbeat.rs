@@ -83,8 +83,9 @@ impl<'a> Heartbeat<'a> {
         self.stopped() || self.settling.load(Ordering::Relaxed)
     }
 
-    /// Beats every third of the lease; ends when stopped or fenced out.
-    async fn beat(&self) {
+    /// Beats every third of the lease; ends when stopped or fenced out. Run beside the work by
+    /// [`Heartbeat::beside`], or on its own for each item of a request that carries many keys.
+    pub(crate) async fn beat(&self) {
         let period = self.lease / 3;
         let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -12,10 +12,14 @@ use std::sync::Arc;
 use http::request;
 use tokio::sync::Semaphore;
 
-use crate::config::Route;
+use bytes::Bytes;
+
+use crate::config::{KeySource, Policy, Route};
 use crate::error::{Busy, ProxyError};
 use crate::proxy::budget::ReservedBody;
-use crate::proxy::dialect::jsonrpc::CallId;
+use crate::proxy::dialect::graphql::{self, NotPlanned, Plan};
+use crate::proxy::dialect::jsonrpc::{self, CallId, batch};
+use crate::proxy::intake::many::{Call, Field, Items};
 use crate::proxy::key::{self, json::Scratch};
 
 /// Bodies up to this many bytes are examined on the worker: reading them takes tens of microseconds,
@@ -32,6 +36,9 @@ pub(crate) struct Examined {
     pub(crate) keyed: Option<(String, [u8; 32])>,
     /// On a route keyed by `jsonrpc`, the call's `id`, which a replay answers with.
     pub(crate) call: Option<CallId>,
+    /// A request that carries many keys: a JSON-RPC batch with a keyed call, a GraphQL mutation with an
+    /// `@idempotent` field; its items in the client's order (`keyed` is then `None`).
+    pub(crate) many: Option<Items>,
 }
 
 /// Examinations of large bodies running at once, in the whole process: one per CPU. A body waits for
@@ -60,6 +67,7 @@ pub(crate) async fn examine(
         body,
         keyed: None,
         call: None,
+        many: None,
     };
     if examined.body.bytes.len() <= ON_WORKER {
         examined.run(&route, key)?;
@@ -84,8 +92,21 @@ impl Examined {
         let policy = &route.policy;
         let parts = &self.parts;
         let call = &mut self.call;
+        let many = &mut self.many;
+        let whole = self.body.bytes.clone();
         self.keyed = self.body.working(|bytes, grow| {
             let mut scratch = Scratch::within(grow);
+            match &policy.key.source {
+                KeySource::JsonRpc(_) if key.is_none() && jsonrpc::is_batch(bytes) => {
+                    *many = batch_calls(policy, parts, &whole, &mut scratch)?.map(Items::JsonRpc);
+                    return Ok(None);
+                }
+                KeySource::GraphQl => {
+                    *many = graphql_fields(policy, parts, bytes)?.map(Items::GraphQl);
+                    return Ok(None);
+                }
+                _ => {}
+            }
             let key = match key {
                 Some(key) => key,
                 None => {
@@ -107,6 +128,123 @@ impl Examined {
             )?;
             Ok::<_, ProxyError>(Some((key, fingerprint)))
         })?;
+        // A keyed mutation's fields go upstream one by one, each its own body: the request holds them in
+        // its share of the budget until it ends.
+        if let Some(Items::GraphQl(fields)) = &self.many {
+            let taken: usize = fields.iter().map(|field| field.body.len()).sum();
+            if !self.body.hold_more(taken) {
+                return Err(ProxyError::Busy(Busy::Parsing));
+            }
+        }
         Ok(())
     }
+}
+
+/// The calls of a JSON-RPC batch (`whole`, the body) when one at least carries a key, each read as a lone
+/// call is: its key, its `id`, and its fingerprint (so a call keyed in a batch is the same request as
+/// itself sent alone). `None` for a batch without keyed calls (it passes as it came, or is refused where
+/// keys are required), or a body that is no batch of calls (`[]`, not JSON). Refused where calls repeat
+/// an `id` (their answers could not be told apart), where a call has no key on a route that requires
+/// them, and past [`batch::MAX_CALLS`].
+fn batch_calls(
+    policy: &Policy,
+    parts: &http::request::Parts,
+    whole: &Bytes,
+    scratch: &mut Scratch<'_>,
+) -> Result<Option<Vec<Call>>, ProxyError> {
+    let calls = match batch::calls(whole) {
+        Ok(calls) => calls,
+        Err(batch::NotABatch::TooMany(n)) => {
+            return Err(ProxyError::JsonRpcBatch(format!(
+                "it holds {n} calls, over the {} one batch may hold",
+                batch::MAX_CALLS
+            )));
+        }
+        Err(batch::NotABatch::NotAnArray | batch::NotABatch::Empty) => return Ok(None),
+    };
+    let mut items: Vec<Call> = Vec::with_capacity(calls.len());
+    for raw in calls {
+        let text = whole.slice_ref(raw.get().as_bytes());
+        let found = key::source::from_body(policy, parts, &text, scratch)?;
+        let keyed = match found.key {
+            Some(key) => {
+                let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
+                let fingerprint = key::fingerprint(&policy.key, method, uri, headers, &text, scratch)?;
+                Some((key, fingerprint))
+            }
+            None => None,
+        };
+        items.push(Call {
+            id: batch::id_of(raw),
+            text,
+            keyed,
+        });
+    }
+    if items.iter().all(|call| call.keyed.is_none()) {
+        return Ok(None);
+    }
+    if policy.key.required && items.iter().any(|call| call.keyed.is_none()) {
+        return Err(ProxyError::MissingKey(format!(
+            "{} in every call of a batch",
+            key::source::describe(&policy.key.source)
+        )));
+    }
+    for (n, call) in items.iter().enumerate() {
+        if let Some(id) = &call.id
+            && items[..n].iter().any(|earlier| earlier.id.as_ref() == Some(id))
+        {
+            return Err(ProxyError::JsonRpcBatch(format!(
+                "two of its calls have the id {}, so their answers could not be told apart",
+                id.as_json()
+            )));
+        }
+    }
+    Ok(Some(items))
+}
+
+/// The fields of a GraphQL mutation marked `@idempotent`, each an operation of its own with its key and
+/// fingerprint. `None` for a request
+/// that passes as it came: a query or a subscription; a mutation without a marked field, and a body that
+/// is no GraphQL request (the service refuses it too), where keys are optional. Refused: those two where
+/// keys are required, a misplaced or invalid key, a document over a limit.
+fn graphql_fields(
+    policy: &Policy,
+    parts: &http::request::Parts,
+    bytes: &[u8],
+) -> Result<Option<Vec<Field>>, ProxyError> {
+    let required = policy.key.required;
+    let planned = match graphql::plan(bytes) {
+        Ok(Plan::PassThrough) => return Ok(None),
+        Ok(Plan::Unkeyed) if !required => return Ok(None),
+        Ok(Plan::Unkeyed) => {
+            return Err(ProxyError::MissingKey(key::source::describe(&policy.key.source)));
+        }
+        Ok(Plan::Keyed(planned)) => planned,
+        Err(not) if not.is_unparseable() && !required => return Ok(None),
+        Err(NotPlanned::InvalidKey { field, why }) => {
+            return Err(ProxyError::InvalidKey(format!(
+                "the @idempotent key of `{field}` {why}"
+            )));
+        }
+        Err(not) => return Err(ProxyError::GraphQlRequest(not.to_string())),
+    };
+    let mut fields = Vec::with_capacity(planned.len());
+    for part in planned {
+        let keyed = match part.key {
+            Some(key) => {
+                key::check_key(&key, policy.key.max_key_length)?;
+                let (method, uri, headers) = (&parts.method, &parts.uri, &parts.headers);
+                let described = (b"graphql".as_slice(), part.fingerprint.as_slice());
+                let fingerprint = key::fingerprint_part(&policy.key, method, uri, headers, described);
+                Some((key, fingerprint))
+            }
+            None => None,
+        };
+        fields.push(Field {
+            body: Bytes::from(part.body),
+            response_key: part.response_key,
+            keyed,
+        });
+    }
+    Ok(Some(fields))
 }

@@ -52,24 +52,15 @@ pub struct BodyKey {
 
 /// The key of a request whose source needs its body, read within `scratch` (503 `busy` when the budget
 /// cannot supply it). No key when the request carries none: the body is not JSON, or holds nothing at
-/// the pointer, or no CloudEvent. On a `jsonrpc` route, a batch is refused (400 `jsonrpc-batch`) when
-/// one of its calls carries a key or keys are required, and otherwise holds no key.
+/// the pointer, or no CloudEvent. On a `jsonrpc` route `body` is one call (a batch is taken apart by
+/// `intake/examine.rs`, and each of its calls read here); on a `graphql` route the key is the
+/// document's (`dialect/graphql.rs`), never read here.
 pub fn from_body(
     policy: &Policy,
     parts: &Parts,
     body: &[u8],
     scratch: &mut Scratch<'_>,
 ) -> Result<BodyKey, ProxyError> {
-    if let KeySource::JsonRpc(pointer) = &policy.key.source
-        && jsonrpc::is_batch(body)
-    {
-        let keyed =
-            jsonrpc::batch_keyed(body, pointer, scratch).map_err(|_| ProxyError::Busy(Busy::Parsing))?;
-        if keyed || policy.key.required {
-            return Err(ProxyError::JsonRpcBatch);
-        }
-        return Ok(BodyKey::default());
-    }
     let pointers = pointers(&policy.key.source, &parts.headers);
     let json = if pointers.is_empty() {
         None
@@ -101,7 +92,7 @@ fn pointers(source: &KeySource, headers: &HeaderMap) -> Vec<String> {
         _ => {}
     };
     match source {
-        KeySource::Header(_) | KeySource::Repeatability => {}
+        KeySource::Header(_) | KeySource::Repeatability | KeySource::GraphQl => {}
         KeySource::CloudEvents => add(&KeyPart::CloudEvents),
         KeySource::Json(pointer) => add(&KeyPart::Json(pointer.clone())),
         KeySource::JsonRpc(pointer) => {
@@ -122,6 +113,7 @@ pub fn describe(source: &KeySource) -> String {
         }
         KeySource::CloudEvents => describe_part(&KeyPart::CloudEvents).unwrap_or_default(),
         KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => describe_json(pointer),
+        KeySource::GraphQl => "@idempotent(key: …) on each root field of its mutation".into(),
         KeySource::Template(parts) => {
             let needed: Vec<String> = parts.iter().filter_map(describe_part).collect();
             format!("{} (key = \"{source}\")", join_and(&needed))
@@ -185,6 +177,7 @@ impl Request<'_> {
                 return parse_key(self.headers.get_all(REPEATABILITY_ID_HEADER), max_len);
             }
             KeySource::CloudEvents => self.cloudevent()?,
+            KeySource::GraphQl => return Ok(None),
             KeySource::Json(pointer) | KeySource::JsonRpc(pointer) => self.json_field(pointer)?,
             KeySource::Template(parts) => self.template(parts, max_len)?,
         };
@@ -522,31 +515,6 @@ mod tests {
             let found = read(&policy, &[], body).unwrap();
             assert_eq!(found.key, None, "{body:?}");
         }
-    }
-
-    #[test]
-    fn a_jsonrpc_batch_is_refused_when_a_call_carries_a_key_or_keys_are_required() {
-        let keyed =
-            r#"[{"id":1,"method":"a"},{"id":2,"method":"b","params":{"_meta":{"idempotencyKey":"k"}}}]"#;
-        let plain = r#"[{"id":1,"method":"a"},{"id":2,"method":"b"}]"#;
-        let optional = policy("jsonrpc");
-        assert!(matches!(
-            read(&optional, &[], keyed),
-            Err(ProxyError::JsonRpcBatch)
-        ));
-        let found = read(&optional, &[], plain).unwrap();
-        assert_eq!((found.key, found.call_id), (None, None));
-        let required = RawIdempotency {
-            key: Some("jsonrpc".into()),
-            required: true,
-            ..RawIdempotency::default()
-        }
-        .validate()
-        .unwrap();
-        assert!(matches!(
-            read(&required, &[], plain),
-            Err(ProxyError::JsonRpcBatch)
-        ));
     }
 
     #[test]

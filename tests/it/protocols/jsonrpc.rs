@@ -349,30 +349,104 @@ async fn jsonrpc_a_keyed_notification_runs_once_and_its_retry_gets_the_stored_20
     assert_eq!(server.executions(), 1);
 }
 
+/// A batch's keyed calls are claimed one by one: a call completed before (alone or in a batch) is
+/// answered from the store under the batch's own `id`, only the rest go upstream as one batch, and the
+/// answer keeps the client's order; a call without a key and a keyed notification run as they are.
 #[tokio::test]
-async fn jsonrpc_a_batch_with_a_keyed_call_is_refused_and_one_without_keys_passes_through() {
+async fn jsonrpc_a_batch_runs_each_keyed_call_once_and_answers_in_the_clients_order() {
     let (_env, server, proxy) = start(Backend::Sqlite).await;
-    let keyed = format!(
-        "[{},{}]",
-        json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
-        tool_call(json!(2), "in-a-batch", 2, 5)
-    );
-    let refused = Reply::of(send(&proxy, "/mcp", keyed.clone())).await;
-    refused.assert_problem(400, "jsonrpc-batch");
-    assert_eq!(server.executions(), 0, "no call of the batch ran");
+    let list = |id: u64| json!({"jsonrpc": "2.0", "id": id, "method": "tools/list"}).to_string();
+    let notify = json!({"jsonrpc": "2.0", "method": "notifications/charge",
+        "params": {"_meta": {"idempotencyKey": "n-1"}}})
+    .to_string();
+    let first = format!("[{},{},{notify}]", list(1), tool_call(json!(2), "a", 1, 5));
+    let reply = Reply::of(send(&proxy, "/mcp", first)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let answers = reply.json();
+    let ids: Vec<&Value> = answers.as_array().unwrap().iter().map(|a| &a["id"]).collect();
+    assert_eq!(ids, [&json!(1), &json!(2)], "{answers}");
+    assert_eq!(server.executions(), 3);
+    let a = answers[1]["result"].clone();
 
+    let second = format!(
+        "[{},{},{},{notify}]",
+        tool_call(json!("x"), "b", 2, 7),
+        tool_call(json!(7), "a", 3, 5),
+        list(9)
+    );
+    let reply = Reply::of(send(&proxy, "/mcp", second)).await;
+    let answers = reply.json();
+    assert_eq!(answers[0]["id"], "x");
+    assert_eq!(answers[1]["id"], 7);
+    assert_eq!(answers[1]["result"], a, "the completed call is replayed");
+    assert_eq!(answers[2]["id"], 9);
+    assert_eq!(answers.as_array().unwrap().len(), 3);
+    assert_eq!(server.executions(), 5, "only b and the unkeyed call ran");
+
+    let alone = Reply::of(send(&proxy, "/mcp", tool_call(json!(10), "b", 4, 7))).await;
+    assert!(alone.is_replay(), "a call of a batch is the same request alone");
+    assert_eq!(alone.json()["id"], 10);
+    assert_eq!(alone.json()["result"], answers[0]["result"]);
+    assert_eq!(server.executions(), 5);
+}
+
+/// Within one batch a key repeated with the same call is answered as the first, never run twice; with
+/// another call it is a reuse, as is a key completed before with another call. Calls that repeat an id
+/// cannot be told apart and refuse the whole batch, as a required key missing from one call does.
+#[tokio::test]
+async fn jsonrpc_a_batch_answers_repeats_and_reuses_per_call_and_refuses_what_cannot_be_split() {
+    let (_env, server, proxy) = start(Backend::Sqlite).await;
+    let twice = format!(
+        "[{},{},{}]",
+        tool_call(json!(1), "c", 1, 5),
+        tool_call(json!(2), "c", 2, 5),
+        tool_call(json!(3), "c", 3, 6)
+    );
+    let reply = Reply::of(send(&proxy, "/mcp", twice)).await;
+    let answers = reply.json();
+    assert_eq!(server.executions(), 1, "{answers}");
+    assert_eq!(answers[0]["result"], answers[1]["result"]);
+    assert_eq!(answers[1]["id"], 2);
+    assert_eq!(answers[2]["id"], 3);
+    assert_eq!(answers[2]["error"]["code"], -32091, "{answers}");
+    assert!(
+        answers[2]["error"]["data"]["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("/key-reused")
+    );
+
+    let reused = format!("[{}]", tool_call(json!(4), "c", 4, 9));
+    let reply = Reply::of(send(&proxy, "/mcp", reused)).await;
+    assert_eq!(reply.json()[0]["error"]["code"], -32091);
+    assert_eq!(reply.json()[0]["error"]["data"]["status"], 422);
+    assert_eq!(server.executions(), 1);
+
+    let same_id = format!(
+        "[{},{}]",
+        tool_call(json!(5), "d", 1, 1),
+        tool_call(json!(5), "e", 1, 1)
+    );
+    Reply::of(send(&proxy, "/mcp", same_id))
+        .await
+        .assert_problem(400, "jsonrpc-batch");
     let plain =
         r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"},{"jsonrpc":"2.0","id":2,"method":"ping"}]"#;
     let forwarded = Reply::of(send(&proxy, "/mcp", plain)).await;
-    assert_eq!(forwarded.status, 200, "{}", forwarded.text());
     assert_eq!(forwarded.json().as_array().map(Vec::len), Some(2));
-    assert_eq!(server.executions(), 2);
-    let again = Reply::of(send(&proxy, "/mcp", plain)).await;
-    assert!(!again.is_replay(), "a batch without keys is not protected");
-
-    let strict = Reply::of(send(&proxy, "/strict", plain)).await;
-    strict.assert_problem(400, "jsonrpc-batch");
-    assert_eq!(server.executions(), 4);
+    assert!(!forwarded.is_replay(), "a batch without keys passes as it came");
+    Reply::of(send(&proxy, "/strict", plain))
+        .await
+        .assert_problem(400, "missing-key");
+    let partly = format!(
+        "[{},{}]",
+        tool_call(json!(1), "f", 1, 1),
+        r#"{"jsonrpc":"2.0","id":2,"method":"ping"}"#
+    );
+    Reply::of(send(&proxy, "/strict", partly))
+        .await
+        .assert_problem(400, "missing-key");
+    assert_eq!(server.executions(), 3, "only the unkeyed batch ran");
 }
 
 #[tokio::test]

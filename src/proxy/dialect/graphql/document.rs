@@ -91,7 +91,7 @@ pub(super) fn operation(
 }
 
 /// Whether `operation` is a mutation (an operation without a type is a query).
-fn is_mutation(operation: &cst::OperationDefinition) -> bool {
+pub(super) fn is_mutation(operation: &cst::OperationDefinition) -> bool {
     operation
         .operation_type()
         .is_some_and(|kind| kind.mutation_token().is_some())

@@ -23,6 +23,12 @@ pub fn answer_as(body: &Bytes, content_type: Option<&[u8]>, id: &CallId) -> Opti
     rewritten.map(Bytes::from)
 }
 
+/// The stored `body`, one JSON-RPC response (not an event stream), answering `id`; `None` when it is not
+/// one (a call of a batch gets the proxy's error instead).
+pub fn response_as(body: &[u8], id: &CallId) -> Option<Vec<u8>> {
+    rewrite_response(body, id.as_json().as_bytes())
+}
+
 fn is_event_stream(content_type: &[u8]) -> bool {
     let essence = content_type.split(|&b| b == b';').next().unwrap_or_default();
     essence.trim_ascii().eq_ignore_ascii_case(b"text/event-stream")

@@ -1,0 +1,158 @@
+//! A GraphQL mutation whose root fields are marked `@idempotent`, once its fields are claimed
+//! (`many.rs`): each field left to run (won, or without a key) goes upstream as an operation of its own
+//! (`dialect/graphql.rs` wrote them), one after the other in the client's order, as GraphQL runs root
+//! mutation fields; each won field's record is written as soon as its answer is in, so a proxy stopped
+//! after the second of three fields has stored two. The answers, replays and the proxy's own errors are
+//! merged into one `{"data", "errors"}` answer in the client's order.
+//!
+//! What each won field's record becomes:
+//! - answered with a status the route stores: that answer, unless it is the field's failure (errors and
+//!   no value) on a route with `release_graphql_errors = true`, which is given back;
+//! - a status the route releases, or never delivered: given back; broken off: unknown
+//!   (`on_unknown_outcome`).
+//!
+//! The proxy's own answer for a field is a GraphQL error at the field's path, `data` null for it, with
+//! `extensions.code` Shopify's for the idempotency refusals (`IDEMPOTENCY_CONCURRENT_REQUEST`,
+//! `IDEMPOTENCY_KEY_PARAMETER_MISMATCH`, `IDEMPOTENCY_PREVIOUS_ATTEMPT_FAILED` for a key held after an
+//! unknown outcome), else the problem's slug in capitals (`UPSTREAM_UNREACHABLE`), and
+//! `extensions.problem` the problem object a lone request would have had.
+
+use bytes::Bytes;
+use http::{StatusCode, header};
+use serde_json::Value;
+
+use super::item::{Claimed, Exchanged, Run, overall, record, respond, stored_body};
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+use crate::proxy::answer::Handled;
+use crate::proxy::budget::ReservedBody;
+use crate::proxy::dialect::graphql::{self, answer as graphql_answer};
+use crate::proxy::execute::ItemWrite;
+use crate::proxy::intake::many::Field;
+
+/// Runs the fields left to run, one after the other, and answers the mutation.
+pub(crate) async fn run(
+    run: &Run<'_>,
+    body: ReservedBody,
+    fields: Vec<Field>,
+    claimed: Vec<Claimed>,
+) -> Handled {
+    let sent = claimed
+        .iter()
+        .any(|item| matches!(item, Claimed::Unkeyed | Claimed::Won(_)));
+    let outcome = overall(sent, &claimed);
+    let mut answers: Vec<Bytes> = Vec::with_capacity(fields.len());
+    for (field, item) in fields.iter().zip(claimed) {
+        let key = field.response_key.as_str();
+        let answer = match item {
+            Claimed::Unkeyed => {
+                let exchanged = run.exchange(body.part(field.body.clone()), None, 1).await;
+                answered(run, key, &exchanged)
+            }
+            Claimed::Won(won) => {
+                let exchanged = run
+                    .exchange(body.part(field.body.clone()), Some(won.attempt), 1)
+                    .await;
+                let write = write_of(run, &exchanged);
+                run.settle(won, write.as_write(run.holds_unknown())).await;
+                run.count(Outcome::Executed);
+                answered(run, key, &exchanged)
+            }
+            Claimed::Replayed(stored) => {
+                run.count(Outcome::Replayed);
+                match stored_body(&stored) {
+                    Ok(body) => body.clone(),
+                    Err(error) => refused(run, key, &error),
+                }
+            }
+            Claimed::Repeat(earlier) => {
+                run.count(Outcome::Replayed);
+                answers[earlier].clone()
+            }
+            Claimed::Refused(error) => {
+                run.count(error.outcome());
+                refused(run, key, &error)
+            }
+        };
+        answers.push(answer);
+    }
+    let parts: Vec<(&str, &[u8])> = fields
+        .iter()
+        .zip(&answers)
+        .map(|(field, answer)| (field.response_key.as_str(), answer.as_ref()))
+        .collect();
+    Ok((
+        respond(StatusCode::OK, "application/json", graphql::merge(&parts)),
+        outcome,
+    ))
+}
+
+/// What a won field's record becomes after its exchange.
+enum Write<'a> {
+    Complete(crate::store::StoredResponse),
+    Release,
+    Unknown(&'a str),
+}
+
+impl Write<'_> {
+    fn as_write(&self, hold: bool) -> ItemWrite<'_> {
+        match self {
+            Write::Complete(stored) => ItemWrite::Complete(stored),
+            Write::Release => ItemWrite::Release,
+            Write::Unknown(why) => ItemWrite::Unknown { hold, why },
+        }
+    }
+}
+
+fn write_of<'a>(run: &Run<'_>, exchanged: &'a Exchanged) -> Write<'a> {
+    match exchanged {
+        Exchanged::Answered {
+            status,
+            headers,
+            body,
+        } => {
+            if run.route.policy.store.release_graphql_errors && graphql::field_failed(body) {
+                return Write::Release;
+            }
+            let content_type = headers.get(header::CONTENT_TYPE);
+            Write::Complete(record(*status, content_type, body.clone(), run.max_stored()))
+        }
+        Exchanged::Released(..) => Write::Release,
+        Exchanged::Unknown(_, why) => Write::Unknown(why),
+    }
+}
+
+/// A field's answer from its exchange: the service's answer as it came (the merge reads it as
+/// GraphQL, or says it was not), or the proxy's error where there was none.
+fn answered(run: &Run<'_>, key: &str, exchanged: &Exchanged) -> Bytes {
+    match exchanged {
+        Exchanged::Answered { body, .. } => body.clone(),
+        Exchanged::Released(_, Some((_, _, body))) if is_graphql(body) => body.clone(),
+        Exchanged::Released(error, _) | Exchanged::Unknown(error, _) => refused(run, key, error),
+    }
+}
+
+/// Whether an answer reads as a GraphQL response (a JSON object with `data` or `errors`).
+fn is_graphql(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Map<String, Value>>(body)
+        .is_ok_and(|object| object.contains_key("data") || object.contains_key("errors"))
+}
+
+/// The proxy's answer for the field at `key` refused with `error`.
+fn refused(run: &Run<'_>, key: &str, error: &ProxyError) -> Bytes {
+    let problem = run.problem(error);
+    let title = problem["title"].as_str().unwrap_or_default().to_owned();
+    let mut value = graphql_answer::idempotency_error(key, &code(error), &title);
+    value["extensions"]["problem"] = problem;
+    Bytes::from(graphql::error_answer(key, &value))
+}
+
+/// The `extensions.code` of the proxy's answer for a field.
+pub fn code(error: &ProxyError) -> String {
+    match error {
+        ProxyError::KeyInFlight { .. } => graphql::IDEMPOTENCY_CONCURRENT_REQUEST.into(),
+        ProxyError::KeyReused => graphql::IDEMPOTENCY_KEY_PARAMETER_MISMATCH.into(),
+        ProxyError::OutcomeUnknown => graphql::IDEMPOTENCY_PREVIOUS_ATTEMPT_FAILED.into(),
+        other => other.slug().to_ascii_uppercase().replace('-', "_"),
+    }
+}

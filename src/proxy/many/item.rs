@@ -1,0 +1,281 @@
+//! What the items of a request that carries many keys come to (`many.rs` claims them), and what the
+//! protocol halves beside this file share to run the ones left and answer: [`Run`], one request's
+//! exchange with the upstream, the writes of its items' records and their counting, and the answers'
+//! pieces.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, Response, StatusCode, header, request};
+use http_body_util::{BodyExt, Limited};
+use tokio::task::AbortHandle;
+
+use crate::body::ProxyBody;
+use crate::config::{OnUnknownOutcome, Route};
+use crate::error::ProxyError;
+use crate::headers::ATTEMPT_HEADER;
+use crate::metrics::{Outcome, RouteSeries};
+use crate::proxy::budget::ReservedBody;
+use crate::proxy::claim::Attempt;
+use crate::proxy::dialect::{Dialect, OnHead};
+use crate::proxy::downstream::Downstream;
+use crate::proxy::execute::{Executor, Fate, ItemWrite};
+use crate::proxy::settle::Settle;
+use crate::store::{RecordId, StoredResponse};
+
+/// The most bytes an upstream answer to one exchange may have, whatever it carries: it is read whole, to
+/// be taken apart. Below it, `max_stored_response` per item it answers.
+const MAX_ANSWER: u64 = 64 * 1024 * 1024;
+
+/// What an item's claim came to.
+pub(crate) enum Claimed {
+    /// No key: it goes upstream every time.
+    Unkeyed,
+    /// This request holds its key: it goes upstream.
+    Won(Won),
+    /// Its key completed before: answered with the stored answer.
+    Replayed(StoredResponse),
+    /// Its key is the one of the item at this index of the same request, with the same fingerprint:
+    /// answered as that item is.
+    Repeat(usize),
+    /// Refused: in flight elsewhere, reused with another request, held, or not claimed in time.
+    Refused(ProxyError),
+}
+
+/// A key this request holds for one of its items: the record, fenced by its token, and its heartbeat.
+pub(crate) struct Won {
+    pub(crate) id: RecordId,
+    pub(crate) attempt: Attempt,
+    beat: BeatTask,
+}
+
+impl Won {
+    /// A won item whose heartbeat runs as the task `beat`, stopped when the item is settled.
+    pub(crate) fn new(id: RecordId, attempt: Attempt, beat: AbortHandle) -> Won {
+        Won {
+            id,
+            attempt,
+            beat: BeatTask(beat),
+        }
+    }
+
+    /// Stops its heartbeat, leaving its record.
+    pub(crate) fn into_id(self) -> RecordId {
+        let Won { id, beat, .. } = self;
+        drop(beat);
+        id
+    }
+}
+
+/// An item's heartbeat, on a task of its own (their number varies as the claims are won), stopped when
+/// the item's record is written or the request's task ends.
+struct BeatTask(AbortHandle);
+
+impl Drop for BeatTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An upstream exchange's end, as far as its items are concerned.
+pub(crate) enum Exchanged {
+    /// A whole answer: its status, headers and body.
+    Answered {
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    },
+    /// Not processed (never delivered, or a status the route releases): the items are given back, and
+    /// answered with this error; `answer` is the upstream's own, if it gave one.
+    Released(ProxyError, Option<(StatusCode, HeaderMap, Bytes)>),
+    /// The upstream may have acted without a whole answer coming back: the error its items answer, and
+    /// why, for the log.
+    Unknown(ProxyError, String),
+}
+
+/// One request's run: what every item shares, and what its exchanges and writes go through.
+pub(crate) struct Run<'a> {
+    pub(crate) executor: &'a Executor,
+    pub(crate) settle: &'a Settle,
+    pub(crate) route: &'a Arc<Route>,
+    /// What every problem `type` URI starts with.
+    pub(crate) base: &'a str,
+    pub(crate) peer: &'a Downstream,
+    pub(crate) parts: &'a request::Parts,
+    pub(crate) series: &'a RouteSeries,
+}
+
+impl Run<'_> {
+    /// Sends `body` upstream with the request's head, as a keyed request's body goes (`attempt` is the
+    /// `Idempotency-Attempt` of the first item it carries, where any), and reads the answer to its
+    /// `items` whole, up to `max_stored_response` for each (and [`MAX_ANSWER`] in all): a longer answer
+    /// is read no further, and its items' outcome is unknown.
+    pub(crate) async fn exchange(
+        &self,
+        body: ReservedBody,
+        attempt: Option<Attempt>,
+        items: usize,
+    ) -> Exchanged {
+        let executor = self.executor;
+        let mut request = executor.request(head(self.parts), body, (self.peer, &Dialect::Http));
+        if let Some(attempt) = attempt {
+            request
+                .headers_mut()
+                .insert(ATTEMPT_HEADER, attempt.header_value());
+        }
+        let response = match executor.upstream().send(request).await {
+            Ok(response) => response,
+            Err(failure) if failure.never_delivered() => {
+                return Exchanged::Released(failure.into_error(), None);
+            }
+            Err(failure) => {
+                let error = failure.into_error();
+                let why = error.to_string();
+                return Exchanged::Unknown(error, why);
+            }
+        };
+        let rules = &self.route.policy.store;
+        let (status, headers) = (response.status(), response.headers().clone());
+        let decided = Dialect::Http.on_head(rules, status, &headers);
+        let per_item = self.route.policy.store.max_stored_response;
+        let limit = per_item.saturating_mul(items as u64).min(MAX_ANSWER);
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let reading = tokio::time::timeout(
+            executor.upstream().timeout(),
+            Limited::new(response.into_body(), limit).collect(),
+        );
+        let body = match reading.await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(error)) if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                let why = format!("the service's answer is over the {limit} bytes read for {items} item(s)");
+                return Exchanged::Unknown(ProxyError::UpstreamBroken(why.clone()), why);
+            }
+            Ok(Err(error)) => {
+                let why = format!("upstream body broke off: {error}");
+                return Exchanged::Unknown(ProxyError::UpstreamBroken(why.clone()), why);
+            }
+            Err(_) => {
+                let timeout = executor.upstream().timeout();
+                return Exchanged::Unknown(
+                    ProxyError::UpstreamTimeout(timeout),
+                    "upstream body timed out".into(),
+                );
+            }
+        };
+        match decided {
+            OnHead::Relay => Exchanged::Answered {
+                status,
+                headers,
+                body,
+            },
+            OnHead::Release => Exchanged::Released(
+                ProxyError::UpstreamUnreachable(format!("the service answered {status}")),
+                Some((status, headers, body)),
+            ),
+            OnHead::Unknown(why) => Exchanged::Unknown(ProxyError::UpstreamInvalidResponse(status), why),
+            OnHead::Refused(error) => {
+                let why = error.to_string();
+                Exchanged::Unknown(error, why)
+            }
+        }
+    }
+
+    /// Writes what became of a won item's record, stops its heartbeat, tells whoever waits for it, and
+    /// counts the item (executed, or as `refused` says for one answered with the proxy's error).
+    pub(crate) async fn settle(&self, won: Won, write: ItemWrite<'_>) -> Fate {
+        drop(won.beat);
+        let lease = self.route.policy.claim.lock_timeout;
+        let fate = self.executor.write_item(&won.id, lease, write).await;
+        if fate.wakes() {
+            self.settle.settled(self.route, &won.id).await;
+        }
+        fate
+    }
+
+    /// Whether an unknown outcome holds the item's key (`on_unknown_outcome = "hold"`).
+    pub(crate) fn holds_unknown(&self) -> bool {
+        self.route.policy.store.on_unknown_outcome == OnUnknownOutcome::Hold
+    }
+
+    /// The largest answer an item's record keeps.
+    pub(crate) fn max_stored(&self) -> usize {
+        usize::try_from(self.route.policy.store.max_stored_response).unwrap_or(usize::MAX)
+    }
+
+    /// The problem object a lone request refused with `error` would have had.
+    pub(crate) fn problem(&self, error: &ProxyError) -> serde_json::Value {
+        error.problem(self.base, &self.route.policy.statuses)
+    }
+
+    /// Counts one keyed item by how it ended.
+    pub(crate) fn count(&self, outcome: Outcome) {
+        self.series.record(outcome);
+    }
+}
+
+/// A copy of the request's head, for one exchange of many.
+fn head(parts: &request::Parts) -> request::Parts {
+    let mut copy = http::Request::new(()).into_parts().0;
+    copy.method = parts.method.clone();
+    copy.uri = parts.uri.clone();
+    copy.version = parts.version;
+    copy.headers = parts.headers.clone();
+    copy
+}
+
+/// The merged answer's response: `status`, `content_type`, and the body.
+pub(crate) fn respond(status: StatusCode, content_type: &'static str, body: Vec<u8>) -> Response<ProxyBody> {
+    let mut response = Response::new(crate::body::full(body));
+    *response.status_mut() = status;
+    if !content_type.is_empty() {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));
+    }
+    response
+}
+
+/// The outcome a request that carries many keys is counted as, as a whole: executed when anything of it
+/// went upstream, else replayed when every keyed item was, else as its first refusal.
+pub(crate) fn overall(sent: bool, claimed: &[Claimed]) -> Outcome {
+    if sent {
+        return Outcome::Executed;
+    }
+    claimed
+        .iter()
+        .find_map(|item| match item {
+            Claimed::Refused(error) => Some(error.outcome()),
+            _ => None,
+        })
+        .unwrap_or(Outcome::Replayed)
+}
+
+/// A stored answer as this request's item gets it: its body, or the refusal of one not retained.
+pub(crate) fn stored_body(stored: &StoredResponse) -> Result<&Bytes, ProxyError> {
+    stored.body.as_ref().ok_or(ProxyError::ResponseNotRetained {
+        status: stored.status,
+    })
+}
+
+/// The record of an item's answer: `status`, the answer's content type, and `body` unless it is over
+/// `max` bytes (then kept without it, as a lone response over `max_stored_response` is).
+pub(crate) fn record(
+    status: StatusCode,
+    content_type: Option<&http::HeaderValue>,
+    body: Bytes,
+    max: usize,
+) -> StoredResponse {
+    let headers = content_type
+        .map(|value| {
+            vec![(
+                header::CONTENT_TYPE.as_str().to_owned(),
+                value.as_bytes().to_vec(),
+            )]
+        })
+        .unwrap_or_default();
+    StoredResponse {
+        status: status.as_u16(),
+        headers,
+        body: (body.len() <= max).then_some(body),
+    }
+}
