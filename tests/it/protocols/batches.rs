@@ -570,23 +570,69 @@ async fn batches_a_call_whose_key_is_in_flight_gets_32090_with_retry_after_on_a_
     assert_eq!(service.counts().await["keys"], json!({"slow-1": 1, "beside": 1}));
 }
 
-#[tokio::test]
-async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_wait_route() {
-    let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+/// A batch on the wait route whose call `slow-w` waits for a lone call of it, held at the service: the
+/// lone call's answer, and the batch's, once `signal` (the proxy's admin URL) shows the batch arrived.
+async fn wait_behind_a_slow_call(
+    service: &Service,
+    proxy: &InProcessProxy,
+    signal: (&str, f64),
+) -> (Reply, Reply) {
     let slow = |id: Value| rpc("slow", Some(id), Some("slow-w"), json!({}));
     let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
     service.arrived("key=slow-w").await;
     let batch = json!([slow(json!("waiter")), charge(json!(2), Some("beside"), 1)]);
     let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch)));
-    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    let (metric, value) = signal;
+    metric_reaches(&proxy.admin_url, metric, &[], value).await;
     service.control("/release?key=slow-w").await;
+    (original.await.unwrap(), waiting.await.unwrap())
+}
 
-    let original = original.await.unwrap();
-    let answered = answers(&waiting.await.unwrap());
+/// The signal: both requests are being handled (the batch's claim follows at once; that it waits and
+/// does not give up is `…_gives_up_after_wait_timeout`'s).
+#[tokio::test]
+async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_wait_route() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let signal = ("idemproxy_in_flight_requests", 2.0);
+    let (original, waited) = wait_behind_a_slow_call(&service, &proxy, signal).await;
+    let answered = answers(&waited);
     assert_eq!(ids(&answered), [json!("waiter"), json!(2)]);
     assert_eq!(answered[0]["result"], original.json()["result"], "{answered:?}");
     assert_eq!(service.counts().await["keys"], json!({"slow-w": 1, "beside": 1}));
+}
+
+/// As a lone call waiting is: in `idemproxy_waiting_requests`, within `server.max_waiting`.
+#[tokio::test]
+async fn batches_a_call_waiting_on_a_wait_route_is_counted_as_a_waiting_request() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let signal = ("idemproxy_waiting_requests", 1.0);
+    let (original, waited) = wait_behind_a_slow_call(&service, &proxy, signal).await;
+    assert_eq!(answers(&waited)[0]["result"], original.json()["result"]);
+}
+
+#[tokio::test]
+async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_with_32090() {
+    let service = Service::jsonrpc().await;
+    let routes = RPC_ROUTES.replace(r#"wait_timeout = "60s""#, r#"wait_timeout = "2s""#);
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, &routes).await;
+    let slow = |id: Value| rpc("slow", Some(id), Some("stuck"), json!({}));
+    let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
+    service.arrived("key=stuck").await;
+    let batch = json!([slow(json!("waiter")), charge(json!(2), Some("beside"), 1)]);
+    let sent = std::time::Instant::now();
+    let answered = answers(&Reply::of(post(&proxy.url, "/rpc-wait", &batch)).await);
+    let waited = sent.elapsed();
+    assert!(
+        waited >= Duration::from_secs(2),
+        "the call waited its wait_timeout: {waited:?}"
+    );
+    assert_call_error(&answered[0], &json!("waiter"), -32090, "key-in-flight", Some(409));
+    assert_eq!(answered[1]["result"]["keyExecution"], 1, "the other call ran");
+    service.control("/release?key=stuck").await;
+    original.await.unwrap();
+    assert_eq!(service.counts().await["keys"], json!({"stuck": 1, "beside": 1}));
 }
 
 #[tokio::test]
