@@ -516,6 +516,41 @@ async fn batches_a_batch_without_keys_passes_through_untouched_even_repeating_an
     }
 }
 
+/// "As today": before batches were split, a batch without keys went upstream whatever its size.
+#[tokio::test]
+async fn batches_a_batch_without_keys_of_over_1000_calls_passes_through_as_it_came() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let batch: Vec<Value> = (0..1001).map(|n| charge(json!(n), None, 1)).collect();
+    let reply = Reply::of(post(&proxy.url, "/rpc", &Value::from(batch))).await;
+    assert_eq!(answers(&reply).len(), 1001);
+    assert_eq!(service.counts().await["batches"], json!([1001]));
+}
+
+/// `1` and `"1"` are two ids: neither a repeat refusing the batch, nor answers mixed up.
+#[tokio::test]
+async fn batches_ids_of_other_json_types_are_other_ids() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let batch = json!([
+        charge(json!(1), Some("number"), 1),
+        charge(json!("1"), Some("string"), 2),
+        charge(json!(2), None, 3),
+        charge(json!("2"), None, 4),
+    ]);
+    for _ in 0..2 {
+        let answered = answers(&Reply::of(post(&proxy.url, "/rpc", &batch)).await);
+        assert_eq!(ids(&answered), [json!(1), json!("1"), json!(2), json!("2")]);
+        let charged: Vec<&Value> = answered.iter().map(|a| &a["result"]["charged"]).collect();
+        assert_eq!(
+            charged,
+            [&json!(1), &json!(2), &json!(3), &json!(4)],
+            "{answered:?}"
+        );
+    }
+    assert_eq!(service.counts().await["keys"], json!({"number": 1, "string": 1}));
+}
+
 #[tokio::test]
 async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_with_32091() {
     let service = Service::jsonrpc().await;
@@ -912,6 +947,61 @@ async fn batches_graphql_fields_sent_while_the_service_is_down_are_released_and_
         json!({"data": {"x": {"execution": 1}, "y": {"execution": 1}}})
     );
     assert_eq!(service.counts().await["executions"], json!({"x": 1, "y": 1}));
+}
+
+/// A field keyed in a mutation of several is the same request as the operation with it alone, and the
+/// other way round: the operation (its name, the field's alias and arguments) is what counts.
+#[tokio::test]
+async fn batches_graphql_a_field_sent_among_others_and_then_alone_replays_and_vice_versa() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let send = |query: &str| Reply::of(post(&proxy.url, "/graphql", &graphql(query, json!({}))));
+    let first = r#"mutation Pay { p: charge(amount: 1, ref: "p") @idempotent(key: "p") { execution } }"#;
+    let second = r#"mutation Pay { q: charge(amount: 2, ref: "q") @idempotent(key: "q") { execution } }"#;
+    let together = r#"mutation Pay {
+  p: charge(amount: 1, ref: "p") @idempotent(key: "p") { execution }
+  q: charge(amount: 2, ref: "q") @idempotent(key: "q") { execution }
+}"#;
+    let alone = send(first).await.json();
+    assert_eq!(alone, json!({"data": {"p": {"execution": 1}}}));
+    let both = send(together).await.json();
+    assert_eq!(
+        both,
+        json!({"data": {"p": {"execution": 1}, "q": {"execution": 1}}}),
+        "p replayed, q ran"
+    );
+    let again = send(second).await;
+    assert_eq!(again.json(), json!({"data": {"q": {"execution": 1}}}));
+    assert_eq!(service.counts().await["executions"], json!({"p": 1, "q": 1}));
+}
+
+/// A batch whose every call, and a mutation whose every field, is answered from the store is a replay,
+/// as a lone call's retry is: nothing ran, and `Idempotent-Replayed: true` says so.
+#[tokio::test]
+async fn batches_a_request_answered_wholly_from_the_store_says_it_is_a_replay() {
+    let rpc_service = Service::jsonrpc().await;
+    let (_rpc_env, rpc_proxy) = proxy_for(Backend::Sqlite, &rpc_service, RPC_ROUTES).await;
+    let batch = json!([charge(json!(1), Some("r-a"), 1), charge(json!(2), Some("r-b"), 2)]);
+    let first = Reply::of(post(&rpc_proxy.url, "/rpc", &batch)).await;
+    assert!(!first.is_replay());
+    let again = Reply::of(post(&rpc_proxy.url, "/rpc", &batch)).await;
+    assert_eq!(answers(&again), answers(&first));
+    assert_eq!(rpc_service.counts().await["requests"], 1);
+
+    let gql_service = Service::graphql().await;
+    let (_gql_env, gql_proxy) = proxy_for(Backend::Sqlite, &gql_service, GRAPHQL_ROUTES).await;
+    let mutation = graphql(
+        r#"mutation { p: charge(amount: 1, ref: "p") @idempotent(key: "p") { execution } }"#,
+        json!({}),
+    );
+    let gql_first = Reply::of(post(&gql_proxy.url, "/graphql", &mutation)).await;
+    assert!(!gql_first.is_replay());
+    let gql_again = Reply::of(post(&gql_proxy.url, "/graphql", &mutation)).await;
+    assert_eq!(gql_again.json(), gql_first.json());
+    assert_eq!(gql_service.counts().await["executions"], json!({"p": 1}));
+
+    assert!(again.is_replay(), "the batch: {:?}", again.headers);
+    assert!(gql_again.is_replay(), "the mutation: {:?}", gql_again.headers);
 }
 
 #[tokio::test]
