@@ -1183,20 +1183,23 @@ async fn batches_graphql_an_unparseable_document_is_forwarded_where_keys_are_opt
 }
 
 #[tokio::test]
-async fn batches_graphql_a_misplaced_directive_or_one_key_on_two_fields_is_refused() {
+async fn batches_graphql_a_misplaced_or_repeated_directive_or_one_key_on_two_fields_is_refused() {
     let service = Service::graphql().await;
     let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
     let refused = [
         r#"mutation { charge(amount: 1) { execution @idempotent(key: "nested") } }"#,
+        r#"query { hello @idempotent(key: "in-a-query") }"#,
+        r#"mutation { ...F } fragment F on Mutation { charge(amount: 1) @idempotent(key: "fragment") { execution } }"#,
+        r#"mutation { charge(amount: 1) @idempotent(key: "one") @idempotent(key: "two") { execution } }"#,
         r#"mutation {
   a: charge(amount: 1) @idempotent(key: "same") { execution }
   b: charge(amount: 2) @idempotent(key: "same") { execution }
 }"#,
     ];
     for query in refused {
-        Reply::of(post(&proxy.url, "/graphql", &graphql(query, json!({}))))
-            .await
-            .assert_problem(400, "graphql-request");
+        let reply = Reply::of(post(&proxy.url, "/graphql", &graphql(query, json!({})))).await;
+        assert_eq!(reply.status, 400, "{query}: {}", reply.text());
+        reply.assert_problem(400, "graphql-request");
     }
     assert!(posts(&service).await.is_empty());
 }
