@@ -1204,6 +1204,62 @@ async fn batches_graphql_a_misplaced_or_repeated_directive_or_one_key_on_two_fie
     assert!(posts(&service).await.is_empty());
 }
 
+#[tokio::test]
+async fn batches_graphql_an_unreadable_key_or_a_mutation_over_32_fields_is_refused() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let fields: String = (0..33)
+        .map(|n| format!(r#"f{n}: charge(amount: {n}) @idempotent(key: "wide-{n}") {{ execution }} "#))
+        .collect();
+    let cases = [
+        (
+            graphql(
+                r#"mutation { charge(amount: 1) @idempotent(key: 5) { execution } }"#,
+                json!({}),
+            ),
+            "invalid-key",
+        ),
+        (
+            graphql(
+                r#"mutation M($k: String) { charge(amount: 1) @idempotent(key: $k) { execution } }"#,
+                json!({}),
+            ),
+            "invalid-key",
+        ),
+        (
+            graphql(
+                r#"mutation { charge(amount: 1) @idempotent(key: "") { execution } }"#,
+                json!({}),
+            ),
+            "invalid-key",
+        ),
+        (
+            graphql(&format!("mutation {{ {fields}}}"), json!({})),
+            "graphql-request",
+        ),
+    ];
+    for (body, slug) in cases {
+        let reply = Reply::of(post(&proxy.url, "/graphql", &body)).await;
+        assert_eq!(reply.status, 400, "{body}: {}", reply.text());
+        reply.assert_problem(400, slug);
+    }
+    assert!(posts(&service).await.is_empty());
+}
+
+#[tokio::test]
+async fn batches_graphql_a_route_requiring_keys_passes_queries_and_refuses_an_unkeyed_mutation() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let query = graphql("{ hello }", json!({}));
+    let reply = Reply::of(post(&proxy.url, "/graphql-required", &query)).await;
+    assert_eq!(reply.json(), json!({"data": {"hello": "hello world"}}));
+    let unkeyed = graphql(r#"mutation { charge(amount: 1) { execution } }"#, json!({}));
+    Reply::of(post(&proxy.url, "/graphql-required", &unkeyed))
+        .await
+        .assert_problem(400, "missing-key");
+    assert_eq!(posts(&service).await, [query]);
+}
+
 // A proxy killed mid-batch.
 
 /// The issue's JSON-RPC route for the crash tests, with a lease short enough to wait out and long enough
