@@ -551,6 +551,36 @@ async fn batches_ids_of_other_json_types_are_other_ids() {
     assert_eq!(service.counts().await["keys"], json!({"number": 1, "string": 1}));
 }
 
+/// JSON-RPC asks the service to answer "the same value" as the `id`, and a service that reads numbers
+/// as numbers writes `1.50` back as `1.5` and `1e2` as `100.0` (Python's `json` here): the call's answer
+/// is found all the same, so it is not an unknown outcome that runs again.
+#[tokio::test]
+async fn batches_a_numeric_id_the_service_writes_back_another_way_still_finds_its_answer() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let batch = r#"[
+        {"jsonrpc": "2.0", "id": 1.50, "method": "charge", "params": {"amount": 1, "_meta": {"idempotencyKey": "decimal"}}},
+        {"jsonrpc": "2.0", "id": 1e2, "method": "charge", "params": {"amount": 2, "_meta": {"idempotencyKey": "exponent"}}}
+    ]"#;
+    let send = || {
+        client()
+            .post(format!("{}/rpc", proxy.url))
+            .header("authorization", "Bearer agent-1")
+            .header("content-type", "application/json")
+            .body(batch)
+    };
+    let first = answers(&Reply::of(send()).await);
+    let charged: Vec<&Value> = first.iter().map(|a| &a["result"]["charged"]).collect();
+    assert_eq!(charged, [&json!(1), &json!(2)], "{first:?}");
+    let retry = answers(&Reply::of(send()).await);
+    let results: Vec<&Value> = retry.iter().map(|a| &a["result"]).collect();
+    assert_eq!(results, [&first[0]["result"], &first[1]["result"]], "{retry:?}");
+    assert_eq!(
+        service.counts().await["keys"],
+        json!({"decimal": 1, "exponent": 1})
+    );
+}
+
 #[tokio::test]
 async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_with_32091() {
     let service = Service::jsonrpc().await;
@@ -1002,6 +1032,41 @@ async fn batches_a_request_answered_wholly_from_the_store_says_it_is_a_replay() 
 
     assert!(again.is_replay(), "the batch: {:?}", again.headers);
     assert!(gql_again.is_replay(), "the mutation: {:?}", gql_again.headers);
+}
+
+/// A document of several operations: the one `operationName` names is split; each part carries only the
+/// fragments its field spreads (GraphQL refuses a document with a fragment it does not use).
+#[tokio::test]
+async fn batches_graphql_the_operation_named_is_split_and_each_part_takes_the_fragments_it_spreads() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let document = r#"query Greet { hello }
+mutation Pay {
+  withFragment: charge(amount: 1, ref: "f1") @idempotent(key: "f1") { ...Done }
+  plain: charge(amount: 2, ref: "f2") @idempotent(key: "f2") { execution }
+}
+fragment Done on Charge { ref execution }"#;
+    let body = json!({"query": document, "operationName": "Pay", "variables": {}});
+    let reply = Reply::of(post(&proxy.url, "/graphql", &body)).await;
+    assert_eq!(
+        reply.json(),
+        json!({"data": {
+            "withFragment": {"ref": "f1", "execution": 1},
+            "plain": {"execution": 1},
+        }}),
+    );
+    let sent = posts(&service).await;
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    let (first, second) = (
+        sent[0]["query"].as_str().unwrap(),
+        sent[1]["query"].as_str().unwrap(),
+    );
+    assert!(first.contains("fragment Done"), "{first}");
+    assert!(!second.contains("fragment Done"), "{second}");
+    assert!(!first.contains("Greet") && !second.contains("Greet"), "{sent:?}");
+    let again = Reply::of(post(&proxy.url, "/graphql", &body)).await;
+    assert_eq!(again.json(), reply.json());
+    assert_eq!(service.counts().await["executions"], json!({"f1": 1, "f2": 1}));
 }
 
 #[tokio::test]
