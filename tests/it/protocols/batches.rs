@@ -307,7 +307,7 @@ fn key_of(call: &Value) -> Option<String> {
 #[rstest]
 #[tokio::test]
 async fn batches_a_100_call_batch_whose_40_keys_already_ran_sends_60_calls_upstream_and_answers_all_100_in_order(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let service = Service::jsonrpc().await;
     let (_env, proxy) = proxy_for(backend, &service, RPC_ROUTES).await;
@@ -360,7 +360,7 @@ async fn batches_a_100_call_batch_whose_40_keys_already_ran_sends_60_calls_upstr
 #[rstest]
 #[tokio::test]
 async fn batches_a_100_call_batch_repeating_40_keys_within_itself_sends_60_calls_upstream_and_replays_the_repeats(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let service = Service::jsonrpc().await;
     let (_env, proxy) = proxy_for(backend, &service, RPC_ROUTES).await;
@@ -1356,7 +1356,7 @@ async fn process_for(env: &TestEnv, service: &Service, routes: &str) -> ProxyPro
 #[rstest]
 #[tokio::test]
 async fn batches_a_proxy_killed_mid_batch_and_restarted_runs_no_completed_call_again(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let service = Service::jsonrpc().await;
     let env = TestEnv::on(backend).await;
@@ -1425,7 +1425,7 @@ async fn batches_a_proxy_killed_mid_batch_and_restarted_runs_no_completed_call_a
 #[rstest]
 #[tokio::test]
 async fn batches_graphql_a_proxy_killed_between_fields_and_restarted_runs_no_completed_field_again(
-    #[values(Backend::Postgres, Backend::Sqlite)] backend: Backend,
+    #[values(Backend::Postgres, Backend::Sqlite, Backend::Redis)] backend: Backend,
 ) {
     let service = Service::graphql().await;
     let env = TestEnv::on(backend).await;
