@@ -53,7 +53,7 @@ pub(crate) struct Stages {
     pub(crate) tracker: TaskTracker,
     pub(crate) waiters: Arc<Waiters>,
     attachments: Arc<Attachments>,
-    settle: Settle,
+    pub(crate) settle: Settle,
 }
 
 impl Stages {

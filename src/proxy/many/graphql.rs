@@ -54,8 +54,8 @@ pub(crate) async fn run(
                     .exchange(body.part(field.body.clone()), Some(won.attempt), 1)
                     .await;
                 let write = write_of(run, &exchanged);
-                run.settle(won, write.as_write(run.holds_unknown())).await;
-                run.count(Outcome::Executed);
+                run.settle(&won, write.as_write(run.holds_unknown())).await;
+                run.count(exchanged.outcome());
                 answered(run, key, &exchanged)
             }
             Claimed::Replayed(stored) => {

@@ -93,6 +93,17 @@ pub(crate) enum Exchanged {
     Unknown(ProxyError, String),
 }
 
+impl Exchanged {
+    /// How an item it carried counts: executed when the service answered (even with a status that gives
+    /// the key back), else as its error.
+    pub(crate) fn outcome(&self) -> Outcome {
+        match self {
+            Exchanged::Answered { .. } | Exchanged::Released(_, Some(_)) => Outcome::Executed,
+            Exchanged::Released(error, None) | Exchanged::Unknown(error, _) => error.outcome(),
+        }
+    }
+}
+
 /// One request's run: what every item shares, and what its exchanges and writes go through.
 pub(crate) struct Run<'a> {
     pub(crate) executor: &'a Executor,
@@ -182,8 +193,8 @@ impl Run<'_> {
 
     /// Writes what became of a won item's record, stops its heartbeat, tells whoever waits for it, and
     /// counts the item (executed, or as `refused` says for one answered with the proxy's error).
-    pub(crate) async fn settle(&self, won: Won, write: ItemWrite<'_>) -> Fate {
-        drop(won.beat);
+    pub(crate) async fn settle(&self, won: &Won, write: ItemWrite<'_>) -> Fate {
+        won.beat.0.abort();
         let lease = self.route.policy.claim.lock_timeout;
         let fate = self.executor.write_item(&won.id, lease, write).await;
         if fate.wakes() {

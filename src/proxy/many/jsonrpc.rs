@@ -19,7 +19,10 @@ use bytes::Bytes;
 use http::{StatusCode, header};
 use serde_json::Value;
 
-use super::item::{Claimed, Exchanged, Run, overall, record, respond, stored_body};
+use futures_util::future::join_all;
+
+use super::CLAIMS_AT_ONCE;
+use super::item::{Claimed, Exchanged, Run, Won, overall, record, respond, stored_body};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
@@ -76,13 +79,14 @@ pub(crate) async fn run(
     };
     let outcome = overall(exchanged.is_some(), &claimed);
     let mut replies: Vec<Reply> = Vec::with_capacity(calls.len());
+    let mut writes: Vec<(Won, Write<'_>)> = Vec::new();
     for (call, item) in calls.iter().zip(claimed) {
         let reply = match item {
             Claimed::Unkeyed => unkeyed(run, call, exchanged.as_ref()),
             Claimed::Won(won) => {
                 let (write, reply) = executed(run, call, exchanged.as_ref());
-                run.settle(won, write.as_write(run.holds_unknown())).await;
-                run.count(Outcome::Executed);
+                writes.push((won, write));
+                run.count(exchanged.as_ref().map_or(Outcome::Executed, Exchanged::outcome));
                 reply
             }
             Claimed::Replayed(stored) => {
@@ -110,6 +114,16 @@ pub(crate) async fn run(
             }
         };
         replies.push(reply);
+    }
+    // Every record is written before the client has its answer: a retry sent the moment it is read
+    // finds them stored.
+    let hold = run.holds_unknown();
+    for chunk in writes.chunks(CLAIMS_AT_ONCE) {
+        let mut writing = Vec::with_capacity(chunk.len());
+        for (won, write) in chunk {
+            writing.push(run.settle(won, write.as_write(hold)));
+        }
+        join_all(writing).await;
     }
     Ok((answer(&calls, &replies), outcome))
 }

@@ -383,6 +383,16 @@ async fn jsonrpc_a_batch_runs_each_keyed_call_once_and_answers_in_the_clients_or
     assert_eq!(answers.as_array().unwrap().len(), 3);
     assert_eq!(server.executions(), 5, "only b and the unkeyed call ran");
 
+    assert!(!reply.is_replay(), "some of it ran");
+    let again = format!(
+        "[{},{}]",
+        tool_call(json!(11), "a", 5, 5),
+        tool_call(json!(12), "b", 6, 7)
+    );
+    let replayed = Reply::of(send(&proxy, "/mcp", again)).await;
+    assert!(replayed.is_replay(), "every call answered from the store");
+    assert_eq!(replayed.json()[1]["id"], 12);
+
     let alone = Reply::of(send(&proxy, "/mcp", tool_call(json!(10), "b", 4, 7))).await;
     assert!(alone.is_replay(), "a call of a batch is the same request alone");
     assert_eq!(alone.json()["id"], 10);
