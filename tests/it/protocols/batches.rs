@@ -317,6 +317,7 @@ async fn batches_a_100_call_batch_whose_40_keys_already_ran_sends_60_calls_upstr
     assert_eq!(service.counts().await["batches"], json!([40]));
 
     let reply = Reply::of(post(&proxy.url, "/rpc", &Value::from(batch.clone()))).await;
+    assert!(!reply.is_replay(), "60 of its calls ran");
     let answered = answers(&reply);
     assert_eq!(
         ids(&answered),
@@ -698,6 +699,54 @@ async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_wi
     service.control("/release?key=stuck").await;
     original.await.unwrap();
     assert_eq!(service.counts().await["keys"], json!({"stuck": 1, "beside": 1}));
+}
+
+/// Two batches each holding a key the other waits for: a lone call never waits on a key while holding
+/// another, and neither may a batch's calls, or both stall for the whole `wait_timeout` and give each
+/// other's key up as in flight. Each batch first wins its own key (`a`, `b`), then waits behind a held
+/// lone call (`gate`); once that completes, each wants the key the other won.
+#[tokio::test]
+async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_every_answer() {
+    let service = Service::jsonrpc().await;
+    let routes = RPC_ROUTES.replace(r#"wait_timeout = "60s""#, r#"wait_timeout = "10s""#);
+    let (env, proxy) = proxy_for(Backend::Postgres, &service, &routes).await;
+    let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
+    let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
+    service.arrived("key=gate").await;
+    let x = json!([
+        charge(json!(1), Some("a"), 1),
+        gate(2),
+        charge(json!(3), Some("b"), 2)
+    ]);
+    let y = json!([
+        charge(json!(1), Some("b"), 2),
+        gate(2),
+        charge(json!(3), Some("a"), 1)
+    ]);
+    let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &x)));
+    let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &y)));
+    let db = env.db().client().await;
+    poll_until("gate, a and b claimed", || async {
+        let row = db
+            .query_one(
+                "SELECT count(*) FROM idemproxy.records WHERE status = 'processing'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, i64>(0) == 3).then_some(())
+    })
+    .await;
+    service.control("/release?key=gate").await;
+    held.await.unwrap();
+    for (name, batch) in [("x", x), ("y", y)] {
+        let answered = answers(&batch.await.unwrap());
+        assert!(
+            answered.iter().all(|answer| answer.get("result").is_some()),
+            "batch {name}: {answered:?}"
+        );
+    }
+    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "a": 1, "b": 1}));
 }
 
 #[tokio::test]
