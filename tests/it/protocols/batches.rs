@@ -703,8 +703,9 @@ async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_wi
 
 /// Two batches each holding a key the other waits for: a lone call never waits on a key while holding
 /// another, and neither may a batch's calls, or both stall for the whole `wait_timeout` and give each
-/// other's key up as in flight. Each batch first wins its own key (`a`, `b`), then waits behind a held
-/// lone call (`gate`); once that completes, each wants the key the other won.
+/// other's key up as in flight. The proxy claims 32 calls of a batch at a time, in order: so each batch
+/// wins its own first key (`a`, `b`) and 30 fillers, waits behind a held lone call (`gate`), and only
+/// once that completes claims its last call, the key the other batch won.
 #[tokio::test]
 async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_every_answer() {
     let service = Service::jsonrpc().await;
@@ -713,20 +714,16 @@ async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_e
     let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
     let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
     service.arrived("key=gate").await;
-    let x = json!([
-        charge(json!(1), Some("a"), 1),
-        gate(2),
-        charge(json!(3), Some("b"), 2)
-    ]);
-    let y = json!([
-        charge(json!(1), Some("b"), 2),
-        gate(2),
-        charge(json!(3), Some("a"), 1)
-    ]);
-    let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &x)));
-    let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &y)));
+    let batch = |own: &str, other: &str| {
+        let mut calls = vec![charge(json!(0), Some(own), 1), gate(1)];
+        calls.extend((0..30).map(|n| charge(json!(2 + n), Some(&format!("{own}-{n}")), 1)));
+        calls.push(charge(json!(32), Some(other), 1));
+        Value::from(calls)
+    };
+    let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("a", "b"))));
+    let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("b", "a"))));
     let db = env.db().client().await;
-    poll_until("gate, a and b claimed", || async {
+    poll_until("gate, a, b and the fillers claimed", || async {
         let row = db
             .query_one(
                 "SELECT count(*) FROM idemproxy.records WHERE status = 'processing'",
@@ -734,19 +731,30 @@ async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_e
             )
             .await
             .unwrap();
-        (row.get::<_, i64>(0) == 3).then_some(())
+        (row.get::<_, i64>(0) == 63).then_some(())
     })
     .await;
     service.control("/release?key=gate").await;
     held.await.unwrap();
+    let started = std::time::Instant::now();
     for (name, batch) in [("x", x), ("y", y)] {
         let answered = answers(&batch.await.unwrap());
+        let refused: Vec<&Value> = answered.iter().filter(|a| a.get("result").is_none()).collect();
         assert!(
-            answered.iter().all(|answer| answer.get("result").is_some()),
-            "batch {name}: {answered:?}"
+            refused.is_empty(),
+            "batch {name}, after {:?}: {refused:?}",
+            started.elapsed()
         );
     }
-    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "a": 1, "b": 1}));
+    let counts = service.counts().await;
+    assert_eq!(
+        (
+            &counts["keys"]["gate"],
+            &counts["keys"]["a"],
+            &counts["keys"]["b"]
+        ),
+        (&json!(1), &json!(1), &json!(1))
+    );
 }
 
 #[tokio::test]
