@@ -582,6 +582,45 @@ async fn batches_a_numeric_id_the_service_writes_back_another_way_still_finds_it
     );
 }
 
+/// A batch is refused whole, before anything runs, where a lone call with one of its calls' keys would
+/// be: a key that is not one, or no credential to scope the keys by.
+#[tokio::test]
+async fn batches_a_batch_with_an_invalid_key_or_no_credential_is_refused_whole() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let invalid = json!([
+        charge(json!(1), Some("fine"), 1),
+        charge(json!(2), Some("not a key"), 1)
+    ]);
+    Reply::of(post(&proxy.url, "/rpc", &invalid))
+        .await
+        .assert_problem(400, "invalid-key");
+    let keyed = json!([charge(json!(1), Some("fine"), 1)]);
+    let anonymous = client()
+        .post(format!("{}/rpc", proxy.url))
+        .header("content-type", "application/json")
+        .body(keyed.to_string());
+    Reply::of(anonymous).await.assert_problem(400, "missing-scope");
+    assert_eq!(service.counts().await["requests"], 0);
+}
+
+/// A call whose key an earlier notification of the batch carried (the same call but for the `id`, which
+/// is no part of what a key stands for) still gets an answer under its `id`: a call is always answered.
+#[tokio::test]
+async fn batches_a_call_repeating_a_notifications_key_is_still_answered() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let batch = json!([
+        rpc("charge", None, Some("told"), json!({"amount": 1})),
+        charge(json!(7), Some("told"), 1),
+    ]);
+    let reply = Reply::of(post(&proxy.url, "/rpc", &batch)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let answered = answers(&reply);
+    assert_eq!(ids(&answered), [json!(7)], "{answered:?}");
+    assert_eq!(service.counts().await["keys"], json!({"told": 1}));
+}
+
 #[tokio::test]
 async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_with_32091() {
     let service = Service::jsonrpc().await;
