@@ -17,6 +17,7 @@ use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
 
 use crate::support::http::client;
 use crate::support::{
@@ -675,33 +676,48 @@ async fn batches_a_call_whose_key_is_in_flight_gets_32090_with_retry_after_on_a_
     assert_eq!(service.counts().await["keys"], json!({"slow-1": 1, "beside": 1}));
 }
 
-/// A batch on the wait route whose call `slow-w` waits for a lone call of it, held at the service: the
-/// lone call's answer, and the batch's, once `signal` (the proxy's admin URL) shows the batch arrived.
+/// A lone call `slow-w` held at the service, and a batch on the wait route whose first call has its key
+/// and whose second (`beside`) a key of its own: both requests, running.
 async fn wait_behind_a_slow_call(
     service: &Service,
     proxy: &InProcessProxy,
-    signal: (&str, f64),
-) -> (Reply, Reply) {
+) -> (JoinHandle<Reply>, JoinHandle<Reply>) {
     let slow = |id: Value| rpc("slow", Some(id), Some("slow-w"), json!({}));
     let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
     service.arrived("key=slow-w").await;
     let batch = json!([slow(json!("waiter")), charge(json!(2), Some("beside"), 1)]);
     let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch)));
-    let (metric, value) = signal;
-    metric_reaches(&proxy.admin_url, metric, &[], value).await;
-    service.control("/release?key=slow-w").await;
-    (original.await.unwrap(), waiting.await.unwrap())
+    (original, waiting)
 }
 
-/// The signal: both requests are being handled (the batch's claim follows at once; that it waits and
-/// does not give up is `…_gives_up_after_wait_timeout`'s).
+/// Returns once `n` records of `env`'s PostgreSQL store are being processed.
+async fn processing_reaches(env: &TestEnv, n: i64) {
+    let db = env.db().client().await;
+    poll_until(&format!("{n} records processing"), || async {
+        let row = db
+            .query_one(
+                "SELECT count(*) FROM idemproxy.records WHERE status = 'processing'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, i64>(0) == n).then_some(())
+    })
+    .await;
+}
+
+/// The signal that the batch is claiming: `beside`, claimed with `slow-w` (the proxy sends a batch's
+/// claims together, in order), is being processed. That the call waits rather than gives up is
+/// `…_gives_up_after_wait_timeout`'s to show.
 #[tokio::test]
 async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_wait_route() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
-    let signal = ("idemproxy_in_flight_requests", 2.0);
-    let (original, waited) = wait_behind_a_slow_call(&service, &proxy, signal).await;
-    let answered = answers(&waited);
+    let (env, proxy) = proxy_for(Backend::Postgres, &service, RPC_ROUTES).await;
+    let (original, waiting) = wait_behind_a_slow_call(&service, &proxy).await;
+    processing_reaches(&env, 2).await;
+    service.control("/release?key=slow-w").await;
+    let original = original.await.unwrap();
+    let answered = answers(&waiting.await.unwrap());
     assert_eq!(ids(&answered), [json!("waiter"), json!(2)]);
     assert_eq!(answered[0]["result"], original.json()["result"], "{answered:?}");
     assert_eq!(service.counts().await["keys"], json!({"slow-w": 1, "beside": 1}));
@@ -712,8 +728,10 @@ async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_
 async fn batches_a_call_waiting_on_a_wait_route_is_counted_as_a_waiting_request() {
     let service = Service::jsonrpc().await;
     let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
-    let signal = ("idemproxy_waiting_requests", 1.0);
-    let (original, waited) = wait_behind_a_slow_call(&service, &proxy, signal).await;
+    let (original, waiting) = wait_behind_a_slow_call(&service, &proxy).await;
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    service.control("/release?key=slow-w").await;
+    let (original, waited) = (original.await.unwrap(), waiting.await.unwrap());
     assert_eq!(answers(&waited)[0]["result"], original.json()["result"]);
 }
 
@@ -761,18 +779,7 @@ async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_e
     };
     let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("a", "b"))));
     let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("b", "a"))));
-    let db = env.db().client().await;
-    poll_until("gate, a, b and the fillers claimed", || async {
-        let row = db
-            .query_one(
-                "SELECT count(*) FROM idemproxy.records WHERE status = 'processing'",
-                &[],
-            )
-            .await
-            .unwrap();
-        (row.get::<_, i64>(0) == 63).then_some(())
-    })
-    .await;
+    processing_reaches(&env, 63).await;
     service.control("/release?key=gate").await;
     held.await.unwrap();
     let started = std::time::Instant::now();
