@@ -1172,6 +1172,43 @@ fragment Done on Charge { ref execution }"#;
     assert_eq!(service.counts().await["executions"], json!({"f1": 1, "f2": 1}));
 }
 
+/// A variable the key shares with an argument stays declared and given: only a declaration the directive
+/// alone used goes with it.
+#[tokio::test]
+async fn batches_graphql_a_key_variable_the_field_also_uses_goes_upstream_with_it() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let query = r#"mutation Pay($k: String!) {
+  charge(amount: 5, ref: $k) @idempotent(key: $k) { ref execution }
+}"#;
+    let body = graphql(query, json!({"k": "order-7"}));
+    let first = Reply::of(post(&proxy.url, "/graphql", &body)).await;
+    assert_eq!(
+        first.json(),
+        json!({"data": {"charge": {"ref": "order-7", "execution": 1}}})
+    );
+    let sent = posts(&service).await;
+    assert_eq!(sent[0]["variables"], json!({"k": "order-7"}), "{sent:?}");
+    assert!(!sent[0]["query"].as_str().unwrap().contains("@idempotent"));
+    let other = Reply::of(post(
+        &proxy.url,
+        "/graphql",
+        &graphql(query, json!({"k": "order-8"})),
+    ))
+    .await;
+    assert_eq!(
+        other.json()["data"]["charge"]["ref"],
+        "order-8",
+        "another key: another run"
+    );
+    let again = Reply::of(post(&proxy.url, "/graphql", &body)).await;
+    assert_eq!(again.json(), first.json());
+    assert_eq!(
+        service.counts().await["executions"],
+        json!({"order-7": 1, "order-8": 1})
+    );
+}
+
 #[tokio::test]
 async fn batches_graphql_root_fields_go_upstream_one_request_each_without_the_directive_and_merge_in_the_clients_order()
  {
