@@ -690,31 +690,14 @@ async fn wait_behind_a_slow_call(
     (original, waiting)
 }
 
-/// Returns once `n` records of `env`'s PostgreSQL store are being processed.
-async fn processing_reaches(env: &TestEnv, n: i64) {
-    let db = env.db().client().await;
-    poll_until(&format!("{n} records processing"), || async {
-        let row = db
-            .query_one(
-                "SELECT count(*) FROM idemproxy.records WHERE status = 'processing'",
-                &[],
-            )
-            .await
-            .unwrap();
-        (row.get::<_, i64>(0) == n).then_some(())
-    })
-    .await;
-}
-
-/// The signal that the batch is claiming: `beside`, claimed with `slow-w` (the proxy sends a batch's
-/// claims together, in order), is being processed. That the call waits rather than gives up is
-/// `…_gives_up_after_wait_timeout`'s to show.
 #[tokio::test]
 async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_wait_route() {
     let service = Service::jsonrpc().await;
-    let (env, proxy) = proxy_for(Backend::Postgres, &service, RPC_ROUTES).await;
+    let (_env, proxy) = proxy_for(Backend::Postgres, &service, RPC_ROUTES).await;
     let (original, waiting) = wait_behind_a_slow_call(&service, &proxy).await;
-    processing_reaches(&env, 2).await;
+    // The batch has answered `beside` and stored it, and waits for `slow-w` holding no key.
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    assert_eq!(service.counts().await["keys"]["beside"], 1);
     service.control("/release?key=slow-w").await;
     let original = original.await.unwrap();
     let answered = answers(&waiting.await.unwrap());
@@ -758,16 +741,15 @@ async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_wi
     assert_eq!(service.counts().await["keys"], json!({"stuck": 1, "beside": 1}));
 }
 
-/// Two batches each holding a key the other waits for: a lone call never waits on a key while holding
+/// Two batches each wanting a key the other holds: a lone call never waits on a key while holding
 /// another, and neither may a batch's calls, or both stall for the whole `wait_timeout` and give each
-/// other's key up as in flight. The proxy claims 32 calls of a batch at a time, in order: so each batch
-/// wins its own first key (`a`, `b`) and 30 fillers, waits behind a held lone call (`gate`), and only
-/// once that completes claims its last call, the key the other batch won.
+/// other's key up as in flight. Each batch runs and stores what it won first, then waits for the rest
+/// (the other's key, and a held lone call, `gate`) holding none: both get every answer.
 #[tokio::test]
 async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_every_answer() {
     let service = Service::jsonrpc().await;
     let routes = RPC_ROUTES.replace(r#"wait_timeout = "60s""#, r#"wait_timeout = "10s""#);
-    let (env, proxy) = proxy_for(Backend::Postgres, &service, &routes).await;
+    let (_env, proxy) = proxy_for(Backend::Postgres, &service, &routes).await;
     let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
     let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
     service.arrived("key=gate").await;
@@ -779,7 +761,8 @@ async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_e
     };
     let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("a", "b"))));
     let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("b", "a"))));
-    processing_reaches(&env, 63).await;
+    // Both have run what they won and wait, each in one seat, for `gate` and the other's key.
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 2.0).await;
     service.control("/release?key=gate").await;
     held.await.unwrap();
     let started = std::time::Instant::now();
