@@ -128,13 +128,6 @@ impl ReservedBody {
         }
     }
 
-    /// Other bytes in place of the body's, no more than it had (a batch's calls left to run), under the
-    /// same reservation and with the same trailers.
-    pub fn with_bytes(self, bytes: Bytes) -> ReservedBody {
-        debug_assert!(bytes.len() <= self.bytes.len() + 2);
-        ReservedBody { bytes, ..self }
-    }
-
     /// Takes `bytes` more from the budget, held as long as the body is, if they are free now; `false`
     /// (and nothing taken) if not.
     pub fn hold_more(&mut self, bytes: usize) -> bool {

@@ -88,6 +88,7 @@ impl<'a> ManyKeys<'a> {
             body,
             items,
         } = many;
+        let deadline = Instant::now() + route.policy.claim.wait_timeout;
         let claimed = self.claim_all(&route, &scope, &items.keys()).await;
         let run = Run {
             executor: self.executor,
@@ -99,9 +100,25 @@ impl<'a> ManyKeys<'a> {
             parts: &parts,
             series: &series,
         };
+        // A round answers what it can; items in flight elsewhere wait only after it, holding no key.
+        let mut claimed = claimed;
         let mut handled = match items {
-            Items::JsonRpc(calls) => jsonrpc::run(&run, body, calls, claimed).await,
-            Items::GraphQl(fields) => graphql::run(&run, body, fields, claimed).await,
+            Items::JsonRpc(calls) => {
+                let mut replies = jsonrpc::Replies::new(calls.len());
+                jsonrpc::round(&run, &body, &calls, &mut claimed, &mut replies).await;
+                if self.wait_pending(&route, &mut claimed, deadline).await {
+                    jsonrpc::round(&run, &body, &calls, &mut claimed, &mut replies).await;
+                }
+                jsonrpc::finish(&run, &calls, &claimed, replies)
+            }
+            Items::GraphQl(fields) => {
+                let mut answers = graphql::Answers::new(fields.len());
+                graphql::round(&run, &body, &fields, &mut claimed, &mut answers).await;
+                if self.wait_pending(&route, &mut claimed, deadline).await {
+                    graphql::round(&run, &body, &fields, &mut claimed, &mut answers).await;
+                }
+                graphql::finish(&run, &fields, &claimed, answers)
+            }
         };
         // Every keyed item answered from the store, nothing sent: the whole answer is a replay.
         if let Ok((response, Outcome::Replayed)) = &mut handled {
@@ -114,12 +131,10 @@ impl<'a> ManyKeys<'a> {
     /// Claims every keyed item, [`CLAIMS_AT_ONCE`] at a time (a store that batches its statements
     /// takes them together), and says what each came to, in the client's order. An item whose key an
     /// earlier item of the request has is not claimed again: a repeat of it, or a reuse if the two
-    /// differ. Items in flight elsewhere wait, on a route that waits, only when the request holds no key
-    /// itself (then in one of `server.max_waiting`'s seats, until `wait_timeout`); else they are refused
-    /// at once, as on a route that does not wait.
+    /// differ. An item in flight elsewhere is left pending on a route that waits (for
+    /// [`ManyKeys::wait_pending`]), refused at once on one that does not.
     async fn claim_all(&self, route: &Arc<Route>, scope: &str, keys: &[&ItemKey]) -> Vec<Claimed> {
         let policy = &route.policy;
-        let deadline = Instant::now() + policy.claim.wait_timeout;
         let mut first: HashMap<&str, (usize, &[u8; 32])> = HashMap::with_capacity(keys.len());
         let mut planned: Vec<Result<Claimed, ClaimRequest>> = Vec::with_capacity(keys.len());
         for (n, keyed) in keys.iter().enumerate() {
@@ -153,46 +168,62 @@ impl<'a> ManyKeys<'a> {
             }
         });
         let passes: Vec<Pass> = stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
-        // A request that holds keys never waits for others: another request could be waiting for the
-        // keys it holds (each holding what the other wants) until both time out.
-        let holds = passes
-            .iter()
-            .any(|pass| matches!(pass, Pass::Done(Claimed::Won(_))));
-        let waits = policy.claim.on_in_flight.waits() && !holds;
-        let seat = match waits && passes.iter().any(|pass| matches!(pass, Pass::InFlight(..))) {
-            true => self.waits.seat(deadline),
-            false => None,
-        };
-        let resolving = passes.into_iter().map(|pass| {
-            let seat = seat.as_ref();
-            async move {
-                match pass {
-                    Pass::InFlight(claim, _) if seat.is_some() => {
-                        let waited = self.claim_one(route, claim, Some(deadline)).await;
-                        self.waits.ended(waited.wait_result());
-                        self.resolved(waited)
-                    }
-                    Pass::InFlight(_, lease_remaining) => {
-                        let hint = policy.claim.in_flight_retry_after;
-                        let retry_after = in_flight_retry_after(lease_remaining, hint);
-                        Claimed::Refused(ProxyError::KeyInFlight { retry_after })
-                    }
-                    other => self.resolved(other),
-                }
+        let waits = policy.claim.on_in_flight.waits();
+        passes
+            .into_iter()
+            .map(|pass| match pass {
+                Pass::InFlight(claim, lease_remaining) if waits => Claimed::Pending(claim, lease_remaining),
+                other => self.resolved(route, other),
+            })
+            .collect()
+    }
+
+    /// Waits for the items left pending (in flight elsewhere, on a route that waits) once the first
+    /// round has answered the rest and written their records, so this request holds no key while it
+    /// waits; all in one of `server.max_waiting`'s seats, until the request's `wait_timeout`. Each is
+    /// claimed again as it settles; whether any is left for a second round.
+    async fn wait_pending(&self, route: &Route, claimed: &mut [Claimed], deadline: Instant) -> bool {
+        if !claimed.iter().any(|item| matches!(item, Claimed::Pending(..))) {
+            return false;
+        }
+        let seat = self.waits.seat(deadline);
+        let pending: Vec<(usize, Claimed)> = claimed
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, item)| matches!(item, Claimed::Pending(..)))
+            .map(|(n, item)| (n, std::mem::replace(item, Claimed::Done)))
+            .collect();
+        let seated = seat.is_some();
+        let waiting = pending.into_iter().map(|(n, item)| async move {
+            let Claimed::Pending(claim, lease_remaining) = item else {
+                return (n, item);
+            };
+            if !seated {
+                return (n, self.resolved(route, Pass::InFlight(claim, lease_remaining)));
             }
+            let waited = self.claim_one(route, claim, Some(deadline)).await;
+            self.waits.ended(waited.wait_result());
+            (n, self.resolved(route, waited))
         });
-        stream::iter(resolving).buffered(CLAIMS_AT_ONCE).collect().await
+        let settled: Vec<(usize, Claimed)> = stream::iter(waiting).buffered(CLAIMS_AT_ONCE).collect().await;
+        drop(seat);
+        for (n, item) in settled {
+            claimed[n] = item;
+        }
+        true
     }
 
     /// What an item comes to once its claim is decided: a store that did not answer leaves it to
     /// `on_store_error`, the item alone (the rest of the request goes on): sent unprotected with
     /// `fail_open`, refused with `fail_closed`.
-    fn resolved(&self, pass: Pass) -> Claimed {
+    fn resolved(&self, route: &Route, pass: Pass) -> Claimed {
         match pass {
             Pass::Done(claimed) => claimed,
-            Pass::InFlight(_, lease_remaining) => Claimed::Refused(ProxyError::KeyInFlight {
-                retry_after: lease_remaining.max(std::time::Duration::from_secs(1)),
-            }),
+            Pass::InFlight(_, lease_remaining) => {
+                let hint = route.policy.claim.in_flight_retry_after;
+                let retry_after = in_flight_retry_after(lease_remaining, hint);
+                Claimed::Refused(ProxyError::KeyInFlight { retry_after })
+            }
             Pass::StoreDown(error) if self.forward.fails_open() => {
                 self.metrics.unprotected.inc();
                 tracing::warn!(%error, "store unavailable; an item forwarded without idempotency (fail_open)");

@@ -30,26 +30,48 @@ use crate::proxy::dialect::graphql::{self, answer as graphql_answer};
 use crate::proxy::execute::ItemWrite;
 use crate::proxy::intake::many::Field;
 
-/// Runs the fields left to run, one after the other, and answers the mutation.
-pub(crate) async fn run(
+/// What a mutation's rounds have answered so far: each field's answer once it has one, whether anything
+/// went upstream, and the first refusal.
+pub(crate) struct Answers {
+    answers: Vec<Option<Bytes>>,
+    sent: bool,
+    refused: Option<Outcome>,
+}
+
+impl Answers {
+    /// No answer yet for `fields` fields.
+    pub(crate) fn new(fields: usize) -> Answers {
+        Answers {
+            answers: vec![None; fields],
+            sent: false,
+            refused: None,
+        }
+    }
+}
+
+/// One round: the fields it sends (won, unkeyed) go upstream one after the other in the client's order,
+/// each won field's record written as soon as its answer is in; every field it can answer is answered
+/// and marked done. Pending fields and repeats are left for later.
+pub(crate) async fn round(
     run: &Run<'_>,
-    body: ReservedBody,
-    fields: Vec<Field>,
-    claimed: Vec<Claimed>,
-) -> Handled {
-    let sent = claimed
-        .iter()
-        .any(|item| matches!(item, Claimed::Unkeyed | Claimed::Won(_)));
-    let outcome = overall(sent, &claimed);
-    let mut answers: Vec<Bytes> = Vec::with_capacity(fields.len());
-    for (field, item) in fields.iter().zip(claimed) {
+    body: &ReservedBody,
+    fields: &[Field],
+    claimed: &mut [Claimed],
+    answers: &mut Answers,
+) {
+    for (n, field) in fields.iter().enumerate() {
+        if !claimed[n].is_answered_now() {
+            continue;
+        }
         let key = field.response_key.as_str();
-        let answer = match item {
+        let answer = match std::mem::replace(&mut claimed[n], Claimed::Done) {
             Claimed::Unkeyed => {
+                answers.sent = true;
                 let exchanged = run.exchange(body.part(field.body.clone()), None).await;
                 answered(run, key, &exchanged)
             }
             Claimed::Won(won) => {
+                answers.sent = true;
                 let exchanged = run
                     .exchange(body.part(field.body.clone()), Some(won.attempt))
                     .await;
@@ -65,21 +87,38 @@ pub(crate) async fn run(
                     Err(error) => refused(run, key, &error),
                 }
             }
-            Claimed::Repeat(earlier) => {
-                run.count(Outcome::Replayed);
-                answers[earlier].clone()
-            }
             Claimed::Refused(error) => {
                 run.count(error.outcome());
+                answers.refused = answers.refused.or(Some(error.outcome()));
                 refused(run, key, &error)
             }
+            Claimed::Repeat(_) | Claimed::Pending(..) | Claimed::Done => continue,
         };
-        answers.push(answer);
+        answers.answers[n] = Some(answer);
     }
+}
+
+/// The mutation's answer once its rounds are done: the fields' answers merged in the client's order.
+pub(crate) fn finish(run: &Run<'_>, fields: &[Field], claimed: &[Claimed], mut answers: Answers) -> Handled {
+    for (n, field) in fields.iter().enumerate() {
+        if let Claimed::Repeat(earlier) = claimed[n] {
+            run.count(Outcome::Replayed);
+            let first = answers.answers[earlier].clone();
+            answers.answers[n] =
+                first.or_else(|| Some(refused(run, &field.response_key, &ProxyError::KeyReused)));
+        }
+    }
+    let outcome = overall(answers.sent, answers.refused);
+    let empty = Bytes::new();
     let parts: Vec<(&str, &[u8])> = fields
         .iter()
-        .zip(&answers)
-        .map(|(field, answer)| (field.response_key.as_str(), answer.as_ref()))
+        .zip(&answers.answers)
+        .map(|(field, answer)| {
+            (
+                field.response_key.as_str(),
+                answer.as_ref().unwrap_or(&empty).as_ref(),
+            )
+        })
         .collect();
     Ok((
         respond(StatusCode::OK, "application/json", graphql::merge(&parts)),

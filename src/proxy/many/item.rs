@@ -40,6 +40,27 @@ pub(crate) enum Claimed {
     Repeat(usize),
     /// Refused: in flight elsewhere, reused with another request, held, or not claimed in time.
     Refused(ProxyError),
+    /// In flight elsewhere, on a route that waits: claimed again once this request's other items are
+    /// done (so it never waits while holding keys another request may wait for). The claim, and the
+    /// lease left on the record.
+    Pending(crate::store::ClaimRequest, std::time::Duration),
+    /// Answered in an earlier round.
+    Done,
+}
+
+impl Claimed {
+    /// Whether it goes upstream in this round.
+    pub(crate) fn is_sent(&self) -> bool {
+        matches!(self, Claimed::Unkeyed | Claimed::Won(_))
+    }
+
+    /// Whether a round answers it (else it waits for a later one, or is a repeat, answered last).
+    pub(crate) fn is_answered_now(&self) -> bool {
+        matches!(
+            self,
+            Claimed::Unkeyed | Claimed::Won(_) | Claimed::Replayed(_) | Claimed::Refused(_)
+        )
+    }
 }
 
 /// A key this request holds for one of its items: the record, fenced by its token, and its heartbeat.
@@ -243,19 +264,15 @@ pub(crate) fn respond(status: StatusCode, content_type: &'static str, body: Vec<
     response
 }
 
-/// The outcome a request that carries many keys is counted as, as a whole: executed when anything of it
-/// went upstream, else replayed when every keyed item was, else as its first refusal.
-pub(crate) fn overall(sent: bool, claimed: &[Claimed]) -> Outcome {
-    if sent {
-        return Outcome::Executed;
+/// The outcome a request that carries many keys is counted as, as a whole, from its rounds: executed
+/// when anything of it went upstream (`sent`), else replayed when every keyed item was, else as its
+/// first refusal (`refused`).
+pub(crate) fn overall(sent: bool, refused: Option<Outcome>) -> Outcome {
+    match (sent, refused) {
+        (true, _) => Outcome::Executed,
+        (false, Some(outcome)) => outcome,
+        (false, None) => Outcome::Replayed,
     }
-    claimed
-        .iter()
-        .find_map(|item| match item {
-            Claimed::Refused(error) => Some(error.outcome()),
-            _ => None,
-        })
-        .unwrap_or(Outcome::Replayed)
 }
 
 /// A stored answer as this request's item gets it: its body, or the refusal of one not retained.

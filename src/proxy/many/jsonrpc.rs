@@ -60,26 +60,47 @@ enum Reply {
     Nothing,
 }
 
-/// Runs the batch's remaining calls and answers it.
-pub(crate) async fn run(
+/// What a batch's rounds have answered so far: each call's reply once it has one, whether anything
+/// went upstream, the first refusal, and the first exchange (whose failure answers a batch of
+/// notifications).
+pub(crate) struct Replies {
+    replies: Vec<Option<Reply>>,
+    sent: bool,
+    refused: Option<Outcome>,
+    first: Option<Exchanged>,
+}
+
+impl Replies {
+    /// No reply yet for `calls` calls.
+    pub(crate) fn new(calls: usize) -> Replies {
+        Replies {
+            replies: vec![None; calls],
+            sent: false,
+            refused: None,
+            first: None,
+        }
+    }
+}
+
+/// One round: the calls this round sends (won, unkeyed) go upstream as one batch, and every call it
+/// can answer is answered (sent, replayed, refused), each marked done; pending calls and repeats are
+/// left for later. Every record is written before the round ends.
+pub(crate) async fn round(
     run: &Run<'_>,
-    body: ReservedBody,
-    calls: Vec<Call>,
-    claimed: Vec<Claimed>,
-) -> Handled {
-    let sent: Vec<usize> = (0..calls.len())
-        .filter(|&n| matches!(claimed[n], Claimed::Unkeyed | Claimed::Won(_)))
-        .collect();
+    body: &ReservedBody,
+    calls: &[Call],
+    claimed: &mut [Claimed],
+    replies: &mut Replies,
+) {
+    let sent: Vec<usize> = (0..calls.len()).filter(|&n| claimed[n].is_sent()).collect();
     let exchanged = match sent.is_empty() {
         true => None,
         false => {
             let joined = batch::join(sent.iter().map(|&n| text(&calls[n])));
-            Some(
-                run.exchange(body.with_bytes(joined.into()), attempt(&claimed))
-                    .await,
-            )
+            Some(run.exchange(body.part(joined.into()), attempt(claimed)).await)
         }
     };
+    replies.sent |= exchanged.is_some();
     let read = exchanged.as_ref().and_then(|exchanged| match exchanged {
         Exchanged::Answered {
             status,
@@ -94,15 +115,16 @@ pub(crate) async fn run(
         }
         _ => None,
     });
-    let outcome = overall(exchanged.is_some(), &claimed);
     let answered = Answered {
         exchanged: exchanged.as_ref(),
         read: read.as_ref(),
     };
-    let mut replies: Vec<Reply> = Vec::with_capacity(calls.len());
     let mut writes: Vec<(Won, Write<'_>)> = Vec::new();
-    for (call, item) in calls.iter().zip(claimed) {
-        let reply = match item {
+    for (n, call) in calls.iter().enumerate() {
+        if !claimed[n].is_answered_now() {
+            continue;
+        }
+        let reply = match std::mem::replace(&mut claimed[n], Claimed::Done) {
             Claimed::Unkeyed => unkeyed(run, call, &answered),
             Claimed::Won(won) => {
                 let (write, reply) = executed(run, call, &answered);
@@ -117,16 +139,14 @@ pub(crate) async fn run(
                     Err(error) => error_reply(run, &error),
                 }
             }
-            Claimed::Repeat(earlier) => {
-                run.count(Outcome::Replayed);
-                repeated(run, call, &replies[earlier])
-            }
             Claimed::Refused(error) => {
                 run.count(error.outcome());
+                replies.refused = replies.refused.or(Some(error.outcome()));
                 error_reply(run, &error)
             }
+            Claimed::Repeat(_) | Claimed::Pending(..) | Claimed::Done => continue,
         };
-        replies.push(reply);
+        replies.replies[n] = Some(reply);
     }
     // Every record is written before the client has its answer: a retry sent the moment it is read
     // finds them stored.
@@ -138,7 +158,28 @@ pub(crate) async fn run(
         }
         join_all(writing).await;
     }
-    Ok((answer(run, &calls, &replies, answered.exchanged), outcome))
+    drop(writes);
+    if replies.first.is_none() {
+        replies.first = exchanged;
+    }
+}
+
+/// The batch's answer once its rounds are done: each repeat answered as the call it repeats.
+pub(crate) fn finish(run: &Run<'_>, calls: &[Call], claimed: &[Claimed], mut replies: Replies) -> Handled {
+    for (n, call) in calls.iter().enumerate() {
+        if let Claimed::Repeat(earlier) = claimed[n] {
+            run.count(Outcome::Replayed);
+            let first = replies.replies[earlier].clone().unwrap_or(Reply::Nothing);
+            replies.replies[n] = Some(repeated(run, call, &first));
+        }
+    }
+    let outcome = overall(replies.sent, replies.refused);
+    let answered: Vec<Reply> = replies
+        .replies
+        .into_iter()
+        .map(|reply| reply.unwrap_or(Reply::Nothing))
+        .collect();
+    Ok((answer(run, calls, &answered, replies.first.as_ref()), outcome))
 }
 
 /// The `Idempotency-Attempt` the batch goes upstream with: of the calls it carries, the one furthest
