@@ -722,29 +722,62 @@ async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_wi
     assert_eq!(service.counts().await["keys"], json!({"stuck": 1}));
 }
 
-/// A batch that holds keys never waits for another request's, even on a wait route: two batches each
-/// holding a key the other wants would otherwise wait for each other until both time out. A batch that
-/// wins `beside` while a lone call holds `gate` is answered at once: `gate` in flight, `beside` run.
+/// A batch that holds keys runs them first, then waits for the key in flight elsewhere holding none of
+/// its own (two batches each holding a key the other wants would otherwise wait for each other until both
+/// time out): here it wins `beside` while a lone call holds `gate`, `beside` runs before it waits (the
+/// signal: it is counted among the waiting requests), and once `gate` completes its answer is `gate`'s.
 #[tokio::test]
-async fn batches_a_batch_holding_keys_is_told_at_once_of_a_key_in_flight_on_a_wait_route() {
+async fn batches_a_batch_holding_keys_runs_them_then_waits_for_a_key_in_flight_on_a_wait_route() {
     let service = Service::jsonrpc().await;
     let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
     let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
     service.arrived("key=gate").await;
     let batch = json!([charge(json!(1), Some("beside"), 1), gate(2)]);
-    let sent = std::time::Instant::now();
-    let answered = answers(&Reply::of(post(&proxy.url, "/rpc-wait", &batch)).await);
-    assert!(
-        sent.elapsed() < Duration::from_secs(30),
-        "answered long before the 60s wait_timeout: {:?}",
-        sent.elapsed()
+    let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch)));
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    assert_eq!(
+        service.counts().await["keys"],
+        json!({"gate": 1, "beside": 1}),
+        "beside ran before the batch waited"
     );
+    service.control("/release?key=gate").await;
+    let held = held.await.unwrap();
+    let answered = answers(&waiting.await.unwrap());
     assert_eq!(answered[0]["result"]["keyExecution"], 1, "{answered:?}");
-    assert_call_error(&answered[1], &json!(2), -32090, "key-in-flight", Some(409));
+    assert_eq!(answered[1]["result"], held.json()["result"], "{answered:?}");
+    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "beside": 1}));
+}
+
+/// Two batches each wanting the key the other holds, behind a lone call holding `gate`: each runs what it
+/// won, then both wait for `gate` holding nothing; once it completes, every call of both is answered and
+/// each key ran once.
+#[tokio::test]
+async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_every_answer() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
+    let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
+    service.arrived("key=gate").await;
+    let batch = |(own, own_amount): (&str, u64), (other, other_amount): (&str, u64)| {
+        json!([
+            charge(json!(1), Some(own), own_amount),
+            gate(2),
+            charge(json!(3), Some(other), other_amount)
+        ])
+    };
+    let (a, b) = (("a", 1), ("b", 2));
+    let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch(a, b))));
+    let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch(b, a))));
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 2.0).await;
     service.control("/release?key=gate").await;
     held.await.unwrap();
-    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "beside": 1}));
+    for (name, batch) in [("x", x), ("y", y)] {
+        let answered = answers(&batch.await.unwrap());
+        let refused: Vec<&Value> = answered.iter().filter(|a| a.get("result").is_none()).collect();
+        assert!(refused.is_empty(), "batch {name}: {refused:?}");
+    }
+    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "a": 1, "b": 1}));
 }
 
 #[tokio::test]
