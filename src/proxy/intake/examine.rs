@@ -39,6 +39,9 @@ pub(crate) struct Examined {
     /// A request that carries many keys: a JSON-RPC batch with a keyed call, a GraphQL mutation with an
     /// `@idempotent` field; its items in the client's order (`keyed` is then `None`).
     pub(crate) many: Option<Items>,
+    /// A request its route forwards unkeyed whatever `required` says: a GraphQL query or subscription,
+    /// which runs nothing a retry could repeat.
+    pub(crate) passes: bool,
 }
 
 /// Examinations of large bodies running at once, in the whole process: one per CPU. A body waits for
@@ -68,6 +71,7 @@ pub(crate) async fn examine(
         keyed: None,
         call: None,
         many: None,
+        passes: false,
     };
     if examined.body.bytes.len() <= ON_WORKER {
         examined.run(&route, key)?;
@@ -93,6 +97,7 @@ impl Examined {
         let parts = &self.parts;
         let call = &mut self.call;
         let many = &mut self.many;
+        let passes = &mut self.passes;
         let whole = self.body.bytes.clone();
         self.keyed = self.body.working(|bytes, grow| {
             let mut scratch = Scratch::within(grow);
@@ -102,7 +107,11 @@ impl Examined {
                     return Ok(None);
                 }
                 KeySource::GraphQl => {
-                    *many = graphql_fields(policy, parts, bytes)?.map(Items::GraphQl);
+                    match graphql_fields(policy, parts, bytes)? {
+                        Fields::Keyed(fields) => *many = Some(Items::GraphQl(fields)),
+                        Fields::Passes => *passes = true,
+                        Fields::Unkeyed => {}
+                    }
                     return Ok(None);
                 }
                 _ => {}
@@ -155,6 +164,22 @@ fn batch_calls(
     let calls = match batch::calls(whole) {
         Ok(calls) => calls,
         Err(batch::NotABatch::TooMany(n)) => {
+            // Too many to key one by one: refused if any carries a key (or keys are required), else
+            // passed as it came, as any batch without keys is.
+            let all: Vec<&serde_json::value::RawValue> = serde_json::from_slice(whole).unwrap_or_default();
+            let mut keyed = policy.key.required;
+            for raw in all {
+                if keyed {
+                    break;
+                }
+                let text = whole.slice_ref(raw.get().as_bytes());
+                keyed = key::source::from_body(policy, parts, &text, scratch)?
+                    .key
+                    .is_some();
+            }
+            if !keyed {
+                return Ok(None);
+            }
             return Err(ProxyError::JsonRpcBatch(format!(
                 "it holds {n} calls, over the {} one batch may hold",
                 batch::MAX_CALLS
@@ -206,32 +231,38 @@ fn batch_calls(
     Ok(Some(items))
 }
 
+/// What a GraphQL request on a route keyed by `graphql` comes to.
+enum Fields {
+    /// A mutation with `@idempotent` fields: each, an operation of its own with its key and fingerprint.
+    Keyed(Vec<Field>),
+    /// A query or a subscription: forwarded as it came, on any route.
+    Passes,
+    /// No key (a mutation without the directive, a body the service refuses too): as `required` says.
+    Unkeyed,
+}
+
 /// The fields of a GraphQL mutation marked `@idempotent`, each an operation of its own with its key and
-/// fingerprint. `None` for a request
+/// fingerprint. Unkeyed for a request
 /// that passes as it came: a query or a subscription; a mutation without a marked field, and a body that
 /// is no GraphQL request (the service refuses it too), where keys are optional. Refused: those two where
 /// keys are required, a misplaced or invalid key, a document over a limit.
-fn graphql_fields(
-    policy: &Policy,
-    parts: &http::request::Parts,
-    bytes: &[u8],
-) -> Result<Option<Vec<Field>>, ProxyError> {
+fn graphql_fields(policy: &Policy, parts: &http::request::Parts, bytes: &[u8]) -> Result<Fields, ProxyError> {
     let required = policy.key.required;
     let planned = match graphql::plan(bytes) {
-        Ok(Plan::PassThrough) => return Ok(None),
-        Ok(Plan::Unkeyed) if !required => return Ok(None),
+        Ok(Plan::PassThrough) => return Ok(Fields::Passes),
+        Ok(Plan::Unkeyed) if !required => return Ok(Fields::Unkeyed),
         Ok(Plan::Unkeyed) => {
             return Err(ProxyError::MissingKey(key::source::describe(&policy.key.source)));
         }
         Ok(Plan::Keyed(planned)) => planned,
         // A body this proxy cannot split (a GraphQL batch, an `application/graphql` document) is passed
         // as it came unless it names the directive: a service that declares it would run it unprotected.
-        Err(not) if not.is_unparseable() && names_idempotent(bytes) => {
+        Err(not) if not.is_unparseable() && !is_json_object(bytes) && names_idempotent(bytes) => {
             return Err(ProxyError::GraphQlRequest(format!(
                 "{not}, and it names @idempotent; send one operation as a JSON body (application/json)"
             )));
         }
-        Err(not) if not.is_unparseable() && !required => return Ok(None),
+        Err(not) if not.is_unparseable() && !required => return Ok(Fields::Unkeyed),
         Err(NotPlanned::InvalidKey { field, why }) => {
             return Err(ProxyError::InvalidKey(format!(
                 "the @idempotent key of `{field}` {why}"
@@ -257,7 +288,13 @@ fn graphql_fields(
             keyed,
         });
     }
-    Ok(Some(fields))
+    Ok(Fields::Keyed(fields))
+}
+
+/// Whether a body is one JSON object (a GraphQL-over-HTTP request, whatever its document holds).
+fn is_json_object(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok()
+        && bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
 }
 
 /// Whether a body names the `@idempotent` directive anywhere.
