@@ -621,6 +621,26 @@ async fn batches_a_call_repeating_a_notifications_key_is_still_answered() {
     assert_eq!(service.counts().await["keys"], json!({"told": 1}));
 }
 
+/// A service that refuses a batch whole answers one error object, not an array (`jsonrpcserver` does for a
+/// batch holding an element that is no call): nothing ran, so the keys are given back and the client's
+/// corrected batch runs.
+#[tokio::test]
+async fn batches_a_batch_the_service_refuses_whole_gives_its_keys_back() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let call = charge(json!(1), Some("whole"), 1);
+    let refused = answers(&Reply::of(post(&proxy.url, "/rpc", &json!([call, 42]))).await);
+    let keyed = refused
+        .iter()
+        .find(|answer| answer["id"] == 1)
+        .unwrap_or_else(|| panic!("the keyed call is answered: {refused:?}"));
+    assert!(keyed["error"]["code"].is_i64(), "{refused:?}");
+    assert_eq!(service.counts().await["executions"], 0);
+
+    let corrected = answers(&Reply::of(post(&proxy.url, "/rpc", &json!([call]))).await);
+    assert_eq!(corrected[0]["result"]["keyExecution"], 1, "{corrected:?}");
+}
+
 #[tokio::test]
 async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_with_32091() {
     let service = Service::jsonrpc().await;
@@ -1384,6 +1404,29 @@ async fn batches_graphql_an_unparseable_document_naming_idempotent_is_forwarded_
     required.assert_problem(400, "graphql-request");
     assert_service_syntax_error(&optional);
     assert_eq!(posts, [graphql(query, json!({}))]);
+}
+
+/// A JSON array of GraphQL requests (Apollo's batching) cannot be split into keyed fields: it is
+/// forwarded as it came where it names no `@idempotent`, and refused where it does, so a keyed field is
+/// never run unprotected.
+#[tokio::test]
+async fn batches_graphql_a_batched_array_of_requests_passes_unless_it_names_idempotent() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let plain = json!([graphql("{ hello }", json!({})), graphql("{ hello }", json!({}))]);
+    let forwarded = Reply::of(post(&proxy.url, "/graphql", &plain)).await;
+    assert_eq!(
+        forwarded.json(),
+        json!([{"data": {"hello": "hello world"}}, {"data": {"hello": "hello world"}}])
+    );
+    let keyed = json!([graphql(
+        r#"mutation { charge(amount: 1, ref: "arr") @idempotent(key: "arr") { execution } }"#,
+        json!({})
+    )]);
+    Reply::of(post(&proxy.url, "/graphql", &keyed))
+        .await
+        .assert_problem(400, "graphql-request");
+    assert_eq!(posts(&service).await, [plain]);
 }
 
 #[tokio::test]
