@@ -644,6 +644,10 @@ async fn many_keys_batch_answers_are_bounded_by_the_response_budget() {
         let _ = batch.await.unwrap();
     }
     let grown = peak_rss(proxy.pid()).saturating_sub(before);
+    eprintln!(
+        "8 batches of 12 answers of 3 MB, max_buffered_responses = 8MiB: peak RSS grew {} MiB",
+        grown / (1024 * 1024)
+    );
     assert!(
         grown < 256 * 1024 * 1024,
         "the proxy grew by {} MiB holding batch answers, with max_buffered_responses = 8MiB",
