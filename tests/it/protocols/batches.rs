@@ -17,7 +17,6 @@ use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::task::JoinHandle;
 
 use crate::support::http::client;
 use crate::support::{
@@ -622,6 +621,26 @@ async fn batches_a_call_repeating_a_notifications_key_is_still_answered() {
     assert_eq!(service.counts().await["keys"], json!({"told": 1}));
 }
 
+/// A service that refuses a batch whole answers one error object, not an array (`jsonrpcserver` does for a
+/// batch holding an element that is no call): nothing ran, so the keys are given back and the client's
+/// corrected batch runs.
+#[tokio::test]
+async fn batches_a_batch_the_service_refuses_whole_gives_its_keys_back() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let call = charge(json!(1), Some("whole"), 1);
+    let refused = answers(&Reply::of(post(&proxy.url, "/rpc", &json!([call, 42]))).await);
+    let keyed = refused
+        .iter()
+        .find(|answer| answer["id"] == 1)
+        .unwrap_or_else(|| panic!("the keyed call is answered: {refused:?}"));
+    assert!(keyed["error"]["code"].is_i64(), "{refused:?}");
+    assert_eq!(service.counts().await["executions"], 0);
+
+    let corrected = answers(&Reply::of(post(&proxy.url, "/rpc", &json!([call]))).await);
+    assert_eq!(corrected[0]["result"]["keyExecution"], 1, "{corrected:?}");
+}
+
 #[tokio::test]
 async fn batches_a_key_reused_with_other_params_is_refused_for_that_call_alone_with_32091() {
     let service = Service::jsonrpc().await;
@@ -676,46 +695,28 @@ async fn batches_a_call_whose_key_is_in_flight_gets_32090_with_retry_after_on_a_
     assert_eq!(service.counts().await["keys"], json!({"slow-1": 1, "beside": 1}));
 }
 
-/// A lone call `slow-w` held at the service, and a batch on the wait route whose first call has its key
-/// and whose second (`beside`) a key of its own: both requests, running.
-async fn wait_behind_a_slow_call(
-    service: &Service,
-    proxy: &InProcessProxy,
-) -> (JoinHandle<Reply>, JoinHandle<Reply>) {
-    let slow = |id: Value| rpc("slow", Some(id), Some("slow-w"), json!({}));
-    let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
-    service.arrived("key=slow-w").await;
-    let batch = json!([slow(json!("waiter")), charge(json!(2), Some("beside"), 1)]);
-    let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch)));
-    (original, waiting)
-}
-
+/// On a wait route, a batch that holds no key of its own waits for a key in flight as a lone call does: in
+/// one of `server.max_waiting`'s seats (counted in `idemproxy_waiting_requests`, the test's signal), for
+/// the stored answer; its calls without a key go upstream once it has it.
 #[tokio::test]
 async fn batches_a_call_whose_key_is_in_flight_waits_for_the_stored_answer_on_a_wait_route() {
     let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Postgres, &service, RPC_ROUTES).await;
-    let (original, waiting) = wait_behind_a_slow_call(&service, &proxy).await;
-    // The batch has answered `beside` and stored it, and waits for `slow-w` holding no key.
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let slow = |id: Value| rpc("slow", Some(id), Some("slow-w"), json!({}));
+    let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
+    service.arrived("key=slow-w").await;
+    let batch = json!([slow(json!("waiter")), charge(json!(2), None, 1)]);
+    let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch)));
     metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
-    assert_eq!(service.counts().await["keys"]["beside"], 1);
     service.control("/release?key=slow-w").await;
     let original = original.await.unwrap();
     let answered = answers(&waiting.await.unwrap());
     assert_eq!(ids(&answered), [json!("waiter"), json!(2)]);
     assert_eq!(answered[0]["result"], original.json()["result"], "{answered:?}");
-    assert_eq!(service.counts().await["keys"], json!({"slow-w": 1, "beside": 1}));
-}
-
-/// As a lone call waiting is: in `idemproxy_waiting_requests`, within `server.max_waiting`.
-#[tokio::test]
-async fn batches_a_call_waiting_on_a_wait_route_is_counted_as_a_waiting_request() {
-    let service = Service::jsonrpc().await;
-    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
-    let (original, waiting) = wait_behind_a_slow_call(&service, &proxy).await;
-    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
-    service.control("/release?key=slow-w").await;
-    let (original, waited) = (original.await.unwrap(), waiting.await.unwrap());
-    assert_eq!(answers(&waited)[0]["result"], original.json()["result"]);
+    assert_eq!(answered[1]["result"]["charged"], 1, "{answered:?}");
+    let counts = service.counts().await;
+    assert_eq!(counts["keys"], json!({"slow-w": 1}));
+    assert_eq!(counts["executions"], 2);
 }
 
 #[tokio::test]
@@ -726,7 +727,7 @@ async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_wi
     let slow = |id: Value| rpc("slow", Some(id), Some("stuck"), json!({}));
     let original = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &slow(json!(1)))));
     service.arrived("key=stuck").await;
-    let batch = json!([slow(json!("waiter")), charge(json!(2), Some("beside"), 1)]);
+    let batch = json!([slow(json!("waiter")), charge(json!(2), None, 1)]);
     let sent = std::time::Instant::now();
     let answered = answers(&Reply::of(post(&proxy.url, "/rpc-wait", &batch)).await);
     let waited = sent.elapsed();
@@ -735,55 +736,68 @@ async fn batches_a_call_whose_key_stays_in_flight_gives_up_after_wait_timeout_wi
         "the call waited its wait_timeout: {waited:?}"
     );
     assert_call_error(&answered[0], &json!("waiter"), -32090, "key-in-flight", Some(409));
-    assert_eq!(answered[1]["result"]["keyExecution"], 1, "the other call ran");
+    assert_eq!(answered[1]["result"]["charged"], 1, "the other call ran");
     service.control("/release?key=stuck").await;
     original.await.unwrap();
-    assert_eq!(service.counts().await["keys"], json!({"stuck": 1, "beside": 1}));
+    assert_eq!(service.counts().await["keys"], json!({"stuck": 1}));
 }
 
-/// Two batches each wanting a key the other holds: a lone call never waits on a key while holding
-/// another, and neither may a batch's calls, or both stall for the whole `wait_timeout` and give each
-/// other's key up as in flight. Each batch runs and stores what it won first, then waits for the rest
-/// (the other's key, and a held lone call, `gate`) holding none: both get every answer.
+/// A batch that holds keys runs them first, then waits for the key in flight elsewhere holding none of
+/// its own (two batches each holding a key the other wants would otherwise wait for each other until both
+/// time out): here it wins `beside` while a lone call holds `gate`, `beside` runs before it waits (the
+/// signal: it is counted among the waiting requests), and once `gate` completes its answer is `gate`'s.
 #[tokio::test]
-async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_every_answer() {
+async fn batches_a_batch_holding_keys_runs_them_then_waits_for_a_key_in_flight_on_a_wait_route() {
     let service = Service::jsonrpc().await;
-    let routes = RPC_ROUTES.replace(r#"wait_timeout = "60s""#, r#"wait_timeout = "10s""#);
-    let (_env, proxy) = proxy_for(Backend::Postgres, &service, &routes).await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
     let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
     let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
     service.arrived("key=gate").await;
-    let batch = |own: &str, other: &str| {
-        let mut calls = vec![charge(json!(0), Some(own), 1), gate(1)];
-        calls.extend((0..30).map(|n| charge(json!(2 + n), Some(&format!("{own}-{n}")), 1)));
-        calls.push(charge(json!(32), Some(other), 1));
-        Value::from(calls)
+    let batch = json!([charge(json!(1), Some("beside"), 1), gate(2)]);
+    let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch)));
+    metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 1.0).await;
+    assert_eq!(
+        service.counts().await["keys"],
+        json!({"gate": 1, "beside": 1}),
+        "beside ran before the batch waited"
+    );
+    service.control("/release?key=gate").await;
+    let held = held.await.unwrap();
+    let answered = answers(&waiting.await.unwrap());
+    assert_eq!(answered[0]["result"]["keyExecution"], 1, "{answered:?}");
+    assert_eq!(answered[1]["result"], held.json()["result"], "{answered:?}");
+    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "beside": 1}));
+}
+
+/// Two batches each wanting the key the other holds, behind a lone call holding `gate`: each runs what it
+/// won, then both wait for `gate` holding nothing; once it completes, every call of both is answered and
+/// each key ran once.
+#[tokio::test]
+async fn batches_two_batches_wanting_each_others_keys_on_a_wait_route_both_get_every_answer() {
+    let service = Service::jsonrpc().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, RPC_ROUTES).await;
+    let gate = |id: u64| rpc("slow", Some(json!(id)), Some("gate"), json!({}));
+    let held = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &gate(0))));
+    service.arrived("key=gate").await;
+    let batch = |(own, own_amount): (&str, u64), (other, other_amount): (&str, u64)| {
+        json!([
+            charge(json!(1), Some(own), own_amount),
+            gate(2),
+            charge(json!(3), Some(other), other_amount)
+        ])
     };
-    let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("a", "b"))));
-    let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch("b", "a"))));
-    // Both have run what they won and wait, each in one seat, for `gate` and the other's key.
+    let (a, b) = (("a", 1), ("b", 2));
+    let x = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch(a, b))));
+    let y = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", &batch(b, a))));
     metric_reaches(&proxy.admin_url, "idemproxy_waiting_requests", &[], 2.0).await;
     service.control("/release?key=gate").await;
     held.await.unwrap();
-    let started = std::time::Instant::now();
     for (name, batch) in [("x", x), ("y", y)] {
         let answered = answers(&batch.await.unwrap());
         let refused: Vec<&Value> = answered.iter().filter(|a| a.get("result").is_none()).collect();
-        assert!(
-            refused.is_empty(),
-            "batch {name}, after {:?}: {refused:?}",
-            started.elapsed()
-        );
+        assert!(refused.is_empty(), "batch {name}: {refused:?}");
     }
-    let counts = service.counts().await;
-    assert_eq!(
-        (
-            &counts["keys"]["gate"],
-            &counts["keys"]["a"],
-            &counts["keys"]["b"]
-        ),
-        (&json!(1), &json!(1), &json!(1))
-    );
+    assert_eq!(service.counts().await["keys"], json!({"gate": 1, "a": 1, "b": 1}));
 }
 
 #[tokio::test]
@@ -1345,29 +1359,74 @@ async fn batches_graphql_queries_and_unkeyed_mutations_pass_through_untouched() 
     );
 }
 
-#[tokio::test]
-async fn batches_graphql_an_unparseable_document_is_forwarded_where_keys_are_optional_and_refused_where_required()
- {
+/// A document that does not parse, sent where keys are optional (`/graphql`) and where they are required
+/// (`/graphql-required`): the service's own answer, or `400` `graphql-request` before the service.
+async fn send_unparseable(query: &str) -> (Reply, Reply, Vec<Value>) {
     let service = Service::graphql().await;
     let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
-    let broken = graphql(
-        r#"mutation { charge(amount: 1 @idempotent(key: "broken") { execution }"#,
-        json!({}),
-    );
-    let forwarded = Reply::of(post(&proxy.url, "/graphql", &broken)).await;
+    let broken = graphql(query, json!({}));
+    let optional = Reply::of(post(&proxy.url, "/graphql", &broken)).await;
+    let required = Reply::of(post(&proxy.url, "/graphql-required", &broken)).await;
+    (optional, required, posts(&service).await)
+}
+
+/// The service's syntax error: the answer of a service that got the document as sent.
+fn assert_service_syntax_error(reply: &Reply) {
     assert!(
-        forwarded.json()["errors"][0]["message"]
+        reply.json()["errors"][0]["message"]
             .as_str()
             .is_some_and(|m| m.starts_with("Syntax Error")),
         "the service's own answer: {}",
-        forwarded.text()
+        reply.text()
     );
-    assert_eq!(posts(&service).await, std::slice::from_ref(&broken));
+}
 
-    Reply::of(post(&proxy.url, "/graphql-required", &broken))
+#[tokio::test]
+async fn batches_graphql_an_unparseable_document_is_forwarded_where_keys_are_optional_and_refused_where_required()
+ {
+    let query = r#"mutation { charge(amount: 1 { execution }"#;
+    let (optional, required, posts) = send_unparseable(query).await;
+    assert_service_syntax_error(&optional);
+    required.assert_problem(400, "graphql-request");
+    assert_eq!(
+        posts,
+        [graphql(query, json!({}))],
+        "once, where keys are optional"
+    );
+}
+
+/// As the issue has it: a document that does not parse is forwarded unprotected where keys are optional,
+/// whatever it holds (`@idempotent` included).
+#[tokio::test]
+async fn batches_graphql_an_unparseable_document_naming_idempotent_is_forwarded_where_keys_are_optional() {
+    let query = r#"mutation { charge(amount: 1 @idempotent(key: "broken") { execution }"#;
+    let (optional, required, posts) = send_unparseable(query).await;
+    required.assert_problem(400, "graphql-request");
+    assert_service_syntax_error(&optional);
+    assert_eq!(posts, [graphql(query, json!({}))]);
+}
+
+/// A JSON array of GraphQL requests (Apollo's batching) cannot be split into keyed fields: it is
+/// forwarded as it came where it names no `@idempotent`, and refused where it does, so a keyed field is
+/// never run unprotected.
+#[tokio::test]
+async fn batches_graphql_a_batched_array_of_requests_passes_unless_it_names_idempotent() {
+    let service = Service::graphql().await;
+    let (_env, proxy) = proxy_for(Backend::Sqlite, &service, GRAPHQL_ROUTES).await;
+    let plain = json!([graphql("{ hello }", json!({})), graphql("{ hello }", json!({}))]);
+    let forwarded = Reply::of(post(&proxy.url, "/graphql", &plain)).await;
+    assert_eq!(
+        forwarded.json(),
+        json!([{"data": {"hello": "hello world"}}, {"data": {"hello": "hello world"}}])
+    );
+    let keyed = json!([graphql(
+        r#"mutation { charge(amount: 1, ref: "arr") @idempotent(key: "arr") { execution } }"#,
+        json!({})
+    )]);
+    Reply::of(post(&proxy.url, "/graphql", &keyed))
         .await
         .assert_problem(400, "graphql-request");
-    assert_eq!(posts(&service).await.len(), 1, "refused before the service");
+    assert_eq!(posts(&service).await, [plain]);
 }
 
 #[tokio::test]

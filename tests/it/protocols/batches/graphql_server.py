@@ -12,7 +12,8 @@ Mutations (each counts its executions per `ref`):
 - `slow(ref)`: says it has arrived (`GET /arrived?ref=R` returns once it has); the first call for a ref
   then waits until `POST /release?ref=R`, a later one answers at once.
 - `vanish(ref)`: runs, then the connection is closed without an answer (an outcome nobody can know).
-Query: `hello(name)`, counted under the ref `query`.
+Query: `hello(name)`, counted under the ref `query`. A JSON array of requests (Apollo's batching) is
+answered with an array of their answers.
 
 `GET /counts`: `{"executions": {ref: n}, "posts": [every GraphQL request body received, in order]}`.
 """
@@ -166,26 +167,35 @@ class Handler(BaseHTTPRequestHandler):
             return self.send(400, b'{"errors":[{"message":"the body is not JSON"}]}')
         with LOCK:
             STATE["posts"].append(request)
+        if isinstance(request, list):
+            answers = [execute(r if isinstance(r, dict) else {}, {}) for r in request]
+            return self.send(200, json.dumps([answer for _, answer in answers]).encode())
         context = {}
-        result = graphql_sync(
-            SCHEMA,
-            request.get("query") or "",
-            root_value=Root,
-            context_value=context,
-            variable_values=request.get("variables"),
-            operation_name=request.get("operationName"),
-        )
+        result, answer = execute(request, context)
         if any(isinstance(e.original_error, Unavailable) for e in result.errors or []):
             return self.send(503, b'{"errors":[{"message":"service unavailable"}]}')
         if context.get("vanish"):
             self.close_connection = True
             return
-        answer = {}
-        if result.errors is not None:
-            answer["errors"] = [e.formatted for e in result.errors]
-        if result.data is not None or result.errors is None or any(e.path for e in result.errors):
-            answer["data"] = result.data
         return self.send(200, json.dumps(answer).encode())
+
+
+def execute(request, context):
+    """Runs one GraphQL request; its result, and the answer GraphQL-over-HTTP gives for it."""
+    result = graphql_sync(
+        SCHEMA,
+        request.get("query") or "",
+        root_value=Root,
+        context_value=context,
+        variable_values=request.get("variables"),
+        operation_name=request.get("operationName"),
+    )
+    answer = {}
+    if result.errors is not None:
+        answer["errors"] = [e.formatted for e in result.errors]
+    if result.data is not None or result.errors is None or any(e.path for e in result.errors):
+        answer["data"] = result.data
+    return result, answer
 
 
 def main():
