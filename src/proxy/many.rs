@@ -16,16 +16,13 @@ pub mod graphql;
 pub mod item;
 pub mod jsonrpc;
 
-/// How many of a request's claim statements, or of its items' writes, are in flight at once.
-pub(crate) const CLAIMS_AT_ONCE: usize = 32;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures_util::{StreamExt, stream};
 use tokio::time::Instant;
 
-use self::item::{Claimed, Run, Won};
+use self::item::{CLAIMS_AT_ONCE, Claimed, Run, Won};
 use super::answer::Answer;
 use super::claim::{Attempt, Claims, Decision, decide, in_flight_retry_after};
 use super::execute::heartbeat::Heartbeat;

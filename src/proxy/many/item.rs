@@ -27,6 +27,9 @@ use crate::store::{RecordId, StoredResponse};
 /// be taken apart, its bytes charged to `server.max_buffered_responses` as a capture's are.
 const MAX_ANSWER: usize = 64 * 1024 * 1024;
 
+/// How many of a request's claim statements, or of its items' writes, are in flight at once.
+pub(crate) const CLAIMS_AT_ONCE: usize = 32;
+
 /// What an item's claim came to.
 pub(crate) enum Claimed {
     /// No key: it goes upstream every time.

@@ -25,8 +25,7 @@ use serde_json::Value;
 
 use futures_util::future::join_all;
 
-use super::CLAIMS_AT_ONCE;
-use super::item::{Claimed, Exchanged, Run, Won, overall, record, respond, stored_body};
+use super::item::{CLAIMS_AT_ONCE, Claimed, Exchanged, Run, Won, overall, record, respond, stored_body};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
