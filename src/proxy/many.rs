@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use futures_util::{StreamExt, stream};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use self::item::{CLAIMS_AT_ONCE, Claimed, Run, Won};
 use super::answer::Answer;
@@ -31,7 +32,7 @@ use super::intake::many::{ItemKey, Items, Many};
 use super::passthrough::Forward;
 use super::permit::KeyedPermit;
 use super::settle::Settle;
-use super::wait::Waits;
+use super::wait::{Waiting, Waits};
 use crate::config::Route;
 use crate::error::ProxyError;
 use crate::headers::REPLAYED_HEADER;
@@ -86,7 +87,6 @@ impl<'a> ManyKeys<'a> {
             items,
         } = many;
         let deadline = Instant::now() + route.policy.claim.wait_timeout;
-        let claimed = self.claim_all(&route, &scope, &items.keys()).await;
         let run = Run {
             executor: self.executor,
             settle: self.settle,
@@ -97,26 +97,54 @@ impl<'a> ManyKeys<'a> {
             parts: &parts,
             series: &series,
         };
-        // A round answers what it can; items in flight elsewhere wait only after it, holding no key.
-        let mut claimed = claimed;
-        let mut handled = match items {
+        let mut waiting = Seat::Unasked;
+        let mut answer = answer;
+        let mut handled = match &items {
+            // A round answers what it can; the calls in flight elsewhere then wait one at a time, the
+            // request holding no key meanwhile, each sent on its own as soon as it is won.
             Items::JsonRpc(calls) => {
+                let mut claimed = self.claim_all(&route, &scope, &items.keys()).await;
                 let mut replies = jsonrpc::Replies::new(calls.len());
-                jsonrpc::round(&run, &body, &calls, &mut claimed, &mut replies).await;
-                if self.wait_pending(&route, &mut claimed, deadline).await {
-                    jsonrpc::round(&run, &body, &calls, &mut claimed, &mut replies).await;
+                jsonrpc::round(&run, &body, calls, &mut claimed, &mut replies).await;
+                while let Some(n) = claimed
+                    .iter()
+                    .position(|item| matches!(item, Claimed::Pending(..)))
+                {
+                    let pending = std::mem::replace(&mut claimed[n], Claimed::Done);
+                    claimed[n] = self
+                        .wait_one(&route, pending, deadline, (&mut waiting, &mut answer))
+                        .await;
+                    jsonrpc::round(&run, &body, calls, &mut claimed, &mut replies).await;
                 }
-                jsonrpc::finish(&run, &calls, &claimed, replies)
+                jsonrpc::finish(&run, calls, &claimed, replies)
             }
+            // Root mutation fields run one after the other: each is claimed only once the one before
+            // it has run, so a field in flight elsewhere waits holding no key, and none runs early.
             Items::GraphQl(fields) => {
+                let keys = items.keys();
+                let mut claimed: Vec<Claimed> = keys.iter().map(|_| Claimed::Done).collect();
                 let mut answers = graphql::Answers::new(fields.len());
-                graphql::round(&run, &body, &fields, &mut claimed, &mut answers).await;
-                if self.wait_pending(&route, &mut claimed, deadline).await {
-                    graphql::round(&run, &body, &fields, &mut claimed, &mut answers).await;
+                for (n, keyed) in keys.iter().enumerate() {
+                    claimed[n] = match keyed {
+                        None => Claimed::Unkeyed,
+                        Some((key, fingerprint)) => {
+                            let claim = claim_request(&route, &scope, key, fingerprint);
+                            match self.claim_one(&route, claim, None, None).await {
+                                Pass::InFlight(claim, lease) if route.policy.claim.on_in_flight.waits() => {
+                                    let pending = Claimed::Pending(claim, lease);
+                                    self.wait_one(&route, pending, deadline, (&mut waiting, &mut answer))
+                                        .await
+                                }
+                                pass => self.resolved(&route, pass),
+                            }
+                        }
+                    };
+                    graphql::round(&run, &body, fields, &mut claimed, &mut answers).await;
                 }
-                graphql::finish(&run, &fields, &claimed, answers)
+                graphql::finish(&run, fields, &claimed, answers)
             }
         };
+        drop(waiting);
         // Every keyed item answered from the store, nothing sent: the whole answer is a replay.
         if let Ok((response, Outcome::Replayed)) = &mut handled {
             let replayed = http::HeaderValue::from_static("true");
@@ -147,21 +175,12 @@ impl<'a> ManyKeys<'a> {
                 continue;
             }
             first.insert(key, (n, fingerprint));
-            planned.push(Err(ClaimRequest {
-                id: RecordId {
-                    scope: scope.to_owned(),
-                    key: key.clone(),
-                    token: uuid::Uuid::new_v4(),
-                },
-                fingerprint: *fingerprint,
-                lease: policy.claim.lock_timeout,
-                ttl: policy.claim.ttl,
-            }));
+            planned.push(Err(claim_request(route, scope, key, fingerprint)));
         }
         let claiming = planned.into_iter().map(|item| async move {
             match item {
                 Ok(claimed) => Pass::Done(claimed),
-                Err(claim) => self.claim_one(route, claim, None).await,
+                Err(claim) => self.claim_one(route, claim, None, None).await,
             }
         });
         let passes: Vec<Pass> = stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
@@ -175,39 +194,46 @@ impl<'a> ManyKeys<'a> {
             .collect()
     }
 
-    /// Waits for the items left pending (in flight elsewhere, on a route that waits) once the first
-    /// round has answered the rest and written their records, so this request holds no key while it
-    /// waits; all in one of `server.max_waiting`'s seats, until the request's `wait_timeout`. Each is
-    /// claimed again as it settles; whether any is left for a second round.
-    async fn wait_pending(&self, route: &Route, claimed: &mut [Claimed], deadline: Instant) -> bool {
-        if !claimed.iter().any(|item| matches!(item, Claimed::Pending(..))) {
-            return false;
-        }
-        let seat = self.waits.seat(deadline);
-        let pending: Vec<(usize, Claimed)> = claimed
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, item)| matches!(item, Claimed::Pending(..)))
-            .map(|(n, item)| (n, std::mem::replace(item, Claimed::Done)))
-            .collect();
-        let seated = seat.is_some();
-        let waiting = pending.into_iter().map(|(n, item)| async move {
-            let Claimed::Pending(claim, lease_remaining) = item else {
-                return (n, item);
+    /// Waits for a `pending` item (in flight elsewhere, on a route that waits) until its record
+    /// settles, claiming it again each time, until `deadline` (the request's `wait_timeout`), its client
+    /// leaving, or shutdown; in the request's one seat among the waiters (taken at its first wait; none
+    /// free: refused at once). What it comes to.
+    async fn wait_one(
+        &self,
+        route: &Route,
+        pending: Claimed,
+        deadline: Instant,
+        (seat, answer): (&mut Seat, &mut Answer),
+    ) -> Claimed {
+        let Claimed::Pending(claim, lease_remaining) = pending else {
+            return pending;
+        };
+        if let Seat::Unasked = seat {
+            *seat = match self.waits.seat(deadline) {
+                Some(waiting) => Seat::Held { _waiting: waiting },
+                None => Seat::Refused,
             };
-            if !seated {
-                return (n, self.resolved(route, Pass::InFlight(claim, lease_remaining)));
-            }
-            let waited = self.claim_one(route, claim, Some(deadline)).await;
-            self.waits.ended(waited.wait_result());
-            (n, self.resolved(route, waited))
-        });
-        let settled: Vec<(usize, Claimed)> = stream::iter(waiting).buffered(CLAIMS_AT_ONCE).collect().await;
-        drop(seat);
-        for (n, item) in settled {
-            claimed[n] = item;
         }
-        true
+        if let Seat::Refused = seat {
+            return self.resolved(route, Pass::InFlight(claim, lease_remaining));
+        }
+        let stop = self.waits.shutdown().child_token();
+        let watching = async {
+            answer.closed().await;
+            stop.cancel();
+            std::future::pending::<()>().await;
+        };
+        let waited = tokio::select! {
+            waited = self.claim_one(route, claim, Some(deadline), Some(&stop)) => waited,
+            () = watching => unreachable!("watching never ends"),
+        };
+        let result = match (&waited, stop.is_cancelled()) {
+            (Pass::InFlight(..), true) if self.waits.shutdown().is_cancelled() => WaitResult::Shutdown,
+            (Pass::InFlight(..), true) => WaitResult::ClientGone,
+            _ => waited.wait_result(),
+        };
+        self.waits.ended(result);
+        self.resolved(route, waited)
     }
 
     /// What an item comes to once its claim is decided: a store that did not answer leaves it to
@@ -231,8 +257,15 @@ impl<'a> ManyKeys<'a> {
     }
 
     /// One item's claim. Found in flight: handed back without a `deadline`; with one, claimed again each
-    /// time its record settles (or its lease runs out) until then, the request's `wait_timeout`.
-    async fn claim_one(&self, route: &Route, claim: ClaimRequest, deadline: Option<Instant>) -> Pass {
+    /// time its record settles (or its lease runs out) until then, the request's `wait_timeout`, or until
+    /// `stop` (handed back then).
+    async fn claim_one(
+        &self,
+        route: &Route,
+        claim: ClaimRequest,
+        deadline: Option<Instant>,
+        stop: Option<&CancellationToken>,
+    ) -> Pass {
         let policy = &route.policy;
         let mut waiter = deadline.is_some().then(|| {
             self.waiters
@@ -270,9 +303,16 @@ impl<'a> ManyKeys<'a> {
                 && Instant::now() < deadline
             {
                 let until = (Instant::now() + lease_remaining).min(deadline);
+                let stopped = async {
+                    match stop {
+                        Some(stop) => stop.cancelled().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     () = waiter.woken() => {}
                     () = tokio::time::sleep_until(until) => {}
+                    () = stopped => return Pass::InFlight(claim, lease_remaining),
                 }
                 continue;
             }
@@ -305,6 +345,31 @@ impl<'a> ManyKeys<'a> {
         });
         Won::new(claim.id, attempt, task.abort_handle())
     }
+}
+
+/// The claim of an item keyed `key` with `fingerprint`, in the request's `scope`, under its route's
+/// lease and time to live.
+fn claim_request(route: &Route, scope: &str, key: &str, fingerprint: &[u8; 32]) -> ClaimRequest {
+    ClaimRequest {
+        id: RecordId {
+            scope: scope.to_owned(),
+            key: key.to_owned(),
+            token: uuid::Uuid::new_v4(),
+        },
+        fingerprint: *fingerprint,
+        lease: route.policy.claim.lock_timeout,
+        ttl: route.policy.claim.ttl,
+    }
+}
+
+/// A request's one seat among the waiters, taken at its first wait.
+enum Seat {
+    /// Not needed yet.
+    Unasked,
+    /// Held until the request ends.
+    Held { _waiting: Waiting },
+    /// None was free: the items that would wait are refused.
+    Refused,
 }
 
 /// What an item's first claim statement found.

@@ -120,6 +120,11 @@ impl Waits {
         Some(Waiting::enter(&self.metrics, permit, deadline))
     }
 
+    /// Cancelled when the proxy begins shutting down.
+    pub(crate) fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
     /// Counts a wait by how it ended.
     pub(crate) fn ended(&self, result: WaitResult) {
         self.metrics.wait_ended(result);

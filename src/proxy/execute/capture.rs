@@ -139,18 +139,56 @@ impl Reservation {
         }
     }
 
-    /// Takes `bytes` more, if the budget and the scope's share have them now (never waited for); a
+    /// How long one response may wait for room, in all (`server.capture_wait`).
+    pub(crate) fn patience(&self) -> Duration {
+        self.budget.patience
+    }
+
+    /// Takes `bytes` more, waiting for room while `patience` lasts (what is left of it stays in it); a
     /// refusal is counted as a capture's is.
-    pub(crate) fn try_grow(&mut self, bytes: usize) -> bool {
-        match self.budget.try_take(&self.scope, bytes) {
-            Ok(()) => {
-                self.bytes += bytes;
-                true
-            }
+    pub(crate) async fn grow(
+        &mut self,
+        bytes: usize,
+        (patience, waited): (&mut Duration, &mut bool),
+    ) -> bool {
+        match self.room(bytes, (patience, waited)).await {
+            Ok(()) => true,
             Err(short) => {
                 self.budget.count_give_up(short);
                 false
             }
+        }
+    }
+
+    /// Takes `bytes` of the budget for the scope, waiting while there is `patience` left (counting the
+    /// first wait, `waited`, once).
+    async fn room(
+        &mut self,
+        bytes: usize,
+        (patience, waited): (&mut Duration, &mut bool),
+    ) -> Result<(), Short> {
+        let budget = self.budget.clone();
+        loop {
+            let freed = budget.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the ledger is read, so room given back meanwhile wakes this wait.
+            freed.as_mut().enable();
+            let short = match budget.try_take(&self.scope, bytes) {
+                Ok(()) => {
+                    self.bytes += bytes;
+                    return Ok(());
+                }
+                Err(short) => short,
+            };
+            if patience.is_zero() {
+                return Err(short);
+            }
+            if !std::mem::replace(waited, true) {
+                budget.metrics.capture_budget_waits.inc();
+            }
+            let started = Instant::now();
+            let _ = tokio::time::timeout(*patience, freed).await;
+            *patience = patience.saturating_sub(started.elapsed());
         }
     }
 
@@ -265,29 +303,9 @@ impl Capture {
 
     /// Takes `bytes` of the budget for the capture's scope, waiting while there is patience left.
     async fn room(&mut self, bytes: usize) -> Result<(), Short> {
-        let budget = self.reservation.budget.clone();
-        loop {
-            let freed = budget.freed.notified();
-            tokio::pin!(freed);
-            // Registered before the ledger is read, so room given back meanwhile wakes this wait.
-            freed.as_mut().enable();
-            let short = match budget.try_take(&self.reservation.scope, bytes) {
-                Ok(()) => {
-                    self.reservation.bytes += bytes;
-                    return Ok(());
-                }
-                Err(short) => short,
-            };
-            if self.patience.is_zero() {
-                return Err(short);
-            }
-            if !std::mem::replace(&mut self.waited, true) {
-                budget.metrics.capture_budget_waits.inc();
-            }
-            let started = Instant::now();
-            let _ = tokio::time::timeout(self.patience, freed).await;
-            self.patience = self.patience.saturating_sub(started.elapsed());
-        }
+        self.reservation
+            .room(bytes, (&mut self.patience, &mut self.waited))
+            .await
     }
 
     /// Stops capturing: the body will not be retained, its share of the budget goes back, and the log

@@ -218,12 +218,14 @@ fn batch_calls(
             key::source::describe(&policy.key.source)
         )));
     }
-    for (n, call) in items.iter().enumerate() {
+    let mut seen = std::collections::HashSet::with_capacity(items.len());
+    for call in &items {
         if let Some(id) = &call.id
-            && items[..n].iter().any(|earlier| earlier.id.as_ref() == Some(id))
+            && !seen.insert(batch::id_value(id))
         {
             return Err(ProxyError::JsonRpcBatch(format!(
-                "two of its calls have the id {}, so their answers could not be told apart",
+                "two of its calls have the id {} (or the same number spelt otherwise), so their answers \
+                 could not be told apart",
                 id.as_json()
             )));
         }

@@ -313,18 +313,23 @@ fn released(status: StatusCode) -> ProxyError {
     ProxyError::UpstreamUnreachable(format!("the service answered {status}"))
 }
 
-/// `body` read whole, each frame charged to `held` first; `None` once it passes [`MAX_ANSWER`] or the
-/// budget has no room (read no further).
+/// `body` read whole, each frame charged to `held` first (waiting for room up to `server.capture_wait`
+/// in all, as a capture does); `None` once it passes [`MAX_ANSWER`] or the budget stays without room
+/// (read no further).
 async fn read_whole<B>(mut body: B, held: &mut capture::Reservation) -> Result<Option<Bytes>, B::Error>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
 {
     let mut whole = bytes::BytesMut::new();
+    let (mut patience, mut waited) = (held.patience(), false);
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame?.into_data() else {
             continue;
         };
-        if whole.len() + data.len() > MAX_ANSWER || !held.try_grow(data.len()) {
+        if whole.len() + data.len() > MAX_ANSWER {
+            return Ok(None);
+        }
+        if !held.grow(data.len(), (&mut patience, &mut waited)).await {
             return Ok(None);
         }
         whole.extend_from_slice(&data);

@@ -245,6 +245,21 @@ fn answer(
     }
     if items.is_empty() {
         return match exchanged {
+            // Notifications of a batch the service refused whole: its refusal, as it came.
+            Some(Exchanged::Answered {
+                status,
+                headers,
+                body,
+                ..
+            }) if refused_whole_batch(headers, body) => {
+                let mut response = respond(*status, "", body.to_vec());
+                if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, content_type.clone());
+                }
+                response
+            }
             Some(
                 Exchanged::Released(_, Some((status, headers, body)))
                 | Exchanged::Answered {
@@ -278,6 +293,14 @@ fn answer(
         "application/json",
         batch::join(items.iter().map(String::as_str)),
     )
+}
+
+/// Whether the service's answer refuses the whole batch (one error answering `null`).
+fn refused_whole_batch(headers: &http::HeaderMap, body: &Bytes) -> bool {
+    let event_stream = headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| is_event_stream(value.as_bytes()));
+    matches!(batch::read_answer(body, event_stream), BatchAnswer::Refused(_))
 }
 
 /// The call's text as it goes upstream.
@@ -314,6 +337,10 @@ fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (Write<'
     match (exchanged, answered.read) {
         (Exchanged::Answered { status, headers, .. }, Some(read)) => {
             let Some(id) = &call.id else {
+                // A notification: it ran, unless the service refused the whole batch.
+                if let BatchAnswer::Refused(_) = read {
+                    return (Write::Release, Reply::Nothing);
+                }
                 let stored = record(StatusCode::ACCEPTED, None, Bytes::new(), run.max_stored());
                 return (Write::Complete(stored), Reply::Nothing);
             };

@@ -131,13 +131,53 @@ impl Answers {
         }
     }
 
+    /// Takes `item` if it is a response (a `result` or an `error`, no `method`): a request the server
+    /// makes of the client in an event stream may carry an `id` of its own numbering.
     fn add(&mut self, item: Box<RawValue>) {
+        if !is_response(&item) {
+            return;
+        }
         if let Some(id) = id_of(&item) {
             self.by_id
                 .entry(id)
                 .and_modify(|seen| *seen = None)
                 .or_insert(Some(item));
         }
+    }
+}
+
+/// The shape of a message, as far as telling a response from a request goes.
+#[derive(Deserialize)]
+struct Shape<'a> {
+    #[serde(borrow, default)]
+    method: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    result: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    error: Option<&'a RawValue>,
+}
+
+fn shape(item: &RawValue) -> Option<Shape<'_>> {
+    serde_json::from_str(item.get()).ok()
+}
+
+/// Whether a message is a response: a `result` or an `error`, and no `method`.
+fn is_response(item: &RawValue) -> bool {
+    shape(item)
+        .is_some_and(|shape| shape.method.is_none() && (shape.result.is_some() || shape.error.is_some()))
+}
+
+/// An `id` as its duplicates are told: a number by its value (`1` and `1.0`, `0` and `-0`, and integers
+/// past a double's precision that round to one are one id, since a server may answer them as one), a
+/// string and `null` by their one spelling. Two calls of a keyed batch may not share one.
+pub fn id_value(id: &CallId) -> String {
+    match number(id.as_json()) {
+        Some(0.0) => "n:0".into(),
+        Some(value) => format!("n:{value:e}"),
+        None if id.as_json().starts_with(|c: char| c == '-' || c.is_ascii_digit()) => {
+            format!("n:{}", id.as_json())
+        }
+        None => format!("s:{}", id.as_json()),
     }
 }
 
@@ -159,20 +199,21 @@ pub fn read_answer(body: &[u8], event_stream: bool) -> BatchAnswer {
     };
     let mut answers = Answers::default();
     let mut refused = None;
-    let mut read = false;
+    let mut array = false;
     for text in texts {
         if let Ok(items) = serde_json::from_slice::<Vec<Box<RawValue>>>(&text) {
             items.into_iter().for_each(|item| answers.add(item));
-            read = true;
+            array = true;
         } else if let Ok(item) = serde_json::from_slice::<Box<RawValue>>(&text) {
             match refusal(&item) {
                 true => refused = Some(item.get().to_owned()),
-                false => answers.add(item),
+                // A lone response answers a batch only among the events of a stream.
+                false if event_stream => answers.add(item),
+                false => {}
             }
-            read |= event_stream;
         }
     }
-    match (read, refused) {
+    match (array || !answers.by_id.is_empty(), refused) {
         (true, _) => BatchAnswer::Answers(answers),
         (false, Some(error)) => BatchAnswer::Refused(error),
         (false, None) => BatchAnswer::Unreadable,
@@ -182,12 +223,16 @@ pub fn read_answer(body: &[u8], event_stream: bool) -> BatchAnswer {
 /// Whether a response refuses a whole batch: an error answering `id` `null`.
 fn refusal(item: &RawValue) -> bool {
     #[derive(Deserialize)]
-    struct Shape<'a> {
-        #[serde(borrow)]
-        error: Option<&'a RawValue>,
+    struct Error {
+        code: i64,
     }
-    let shape: Option<Shape<'_>> = serde_json::from_str(item.get()).ok();
-    shape.is_some_and(|shape| shape.error.is_some()) && id_of(item).is_some_and(|id| id.as_json() == "null")
+    let Some(error) = shape(item).and_then(|shape| shape.error) else {
+        return false;
+    };
+    // Parse error or invalid request: the batch was not read. Any other error answering `null` (an
+    // internal error after the calls ran) says nothing of what ran.
+    let code = serde_json::from_str::<Error>(error.get()).map(|error| error.code);
+    matches!(code, Ok(-32700 | -32600)) && id_of(item).is_some_and(|id| id.as_json() == "null")
 }
 
 /// The error object of a response refusing a whole batch (`text`), answering the call `id`.
@@ -297,6 +342,27 @@ mod tests {
         );
         let refused = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"x"}}"#;
         assert!(matches!(read_answer(refused, false), BatchAnswer::Refused(_)));
+        let in_a_stream =
+            b"data: {\"jsonrpc\":\"2.0\",\"id\":null,\"error\":{\"code\":-32700,\"message\":\"x\"}}\n\n";
+        assert!(matches!(read_answer(in_a_stream, true), BatchAnswer::Refused(_)));
+        let internal = br#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"x"}}"#;
+        assert!(
+            matches!(read_answer(internal, false), BatchAnswer::Unreadable),
+            "an internal error may come after the calls ran"
+        );
+        let request = b"data: {\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"sampling/createMessage\"}\n\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":7}\n\n";
+        assert_eq!(
+            answers(request, true).get(&id("1")).map(RawValue::get),
+            Some(r#"{"jsonrpc":"2.0","id":1,"result":7}"#),
+            "the server's own request with the same id is no response"
+        );
+        assert_eq!(id_value(&id("1")), id_value(&id("1.0")));
+        assert_eq!(id_value(&id("0")), id_value(&id("-0")));
+        assert_eq!(
+            id_value(&id("12345678901234567890123")),
+            id_value(&id("12345678901234567890124"))
+        );
+        assert_ne!(id_value(&id("1")), id_value(&id(r#""1""#)));
         assert!(matches!(read_answer(b"<html>", false), BatchAnswer::Unreadable));
         assert!(matches!(
             read_answer(br#"{"jsonrpc":"2.0","id":1,"result":1}"#, false),
