@@ -19,6 +19,8 @@
 //!   again, it is replayed and never runs.
 //! - A mutation waiting for its first field's key runs its second field first (GraphQL runs root
 //!   mutation fields one after the other).
+//! - Under `fail_open` on PostgreSQL, a completed call queued behind a blocked claim times out with it
+//!   and runs again.
 //! - A batch whose client has gone on waiting for a key in flight elsewhere still sends that call upstream
 //!   once the key is given back (a lone waiter stops: `client_gone`).
 
@@ -500,5 +502,49 @@ async fn many_keys_again_a_mutation_waiting_for_its_first_field_does_not_run_the
         "the service saw {log:?}: the second field ran while the first was still running; answers {} and {}",
         original.text(),
         both.text()
+    );
+}
+
+/// Under `store.on_error = "fail_open"` on PostgreSQL, a batch whose first call's claim waits on a row
+/// another session holds (a stuck transaction) past `store.timeout`, and whose second call's key another
+/// replica completed: the second claim is queued behind the first on the store's connection and times
+/// out with it, so the completed call is sent upstream unprotected and runs again. (The first attack's
+/// test had the completed call first, and answered by the replay cache of the proxy that completed it.)
+#[tokio::test]
+async fn many_keys_again_fail_open_does_not_rerun_a_completed_call_queued_behind_a_blocked_claim() {
+    let env = TestEnv::on(Backend::Postgres).await;
+    let service = Service::start().await;
+    let config = config(&env, &service)
+        .set("store.on_error", "fail_open")
+        .set("store.timeout", "1s");
+    let replica_a = InProcessProxy::start(&config).await;
+    let replica_b = InProcessProxy::start(&config).await;
+    let first = Reply::of(post(&replica_a.url, "/rpc", format!("[{}]", call("1", "a", "done")))).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let mut holder = env.db().client().await;
+    let scope: String = holder
+        .query_one("SELECT scope FROM idemproxy.records WHERE key = 'done'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let blocking = holder.transaction().await.unwrap();
+    blocking
+        .execute(
+            "INSERT INTO idemproxy.records (scope, key, fingerprint, status, token, attempt, claim_kind,
+                 locked_until, created_at, expires_at, updated_at)
+             VALUES ($1, 'blocked', '\\x00', 'processing', gen_random_uuid(), 1, 'new', now(), now(),
+                 now() + interval '1 day', now())",
+            &[&scope],
+        )
+        .await
+        .unwrap();
+    let batch = format!("[{},{}]", call("1", "b", "blocked"), call("2", "a", "done"));
+    let answer = Reply::of(post(&replica_b.url, "/rpc", batch)).await;
+    blocking.rollback().await.unwrap();
+    assert_eq!(
+        service.executions("done"),
+        1,
+        "a call completed on another replica ran again because the claim before it was slow: {}",
+        answer.text()
     );
 }
