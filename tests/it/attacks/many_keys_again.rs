@@ -21,6 +21,8 @@
 //!   mutation fields one after the other).
 //! - Under `fail_open` on PostgreSQL, a completed call queued behind a blocked claim times out with it
 //!   and runs again.
+//! - A batch that wins a key while it waits for another (given back by its original) holds it, unsent,
+//!   until the other settles or `wait_timeout`: a request for that key waits as long.
 //! - A batch whose client has gone on waiting for a key in flight elsewhere still sends that call upstream
 //!   once the key is given back (a lone waiter stops: `client_gone`).
 
@@ -133,6 +135,9 @@ async fn serve(
         // Busy: nothing runs, the key is given back.
         tokio::time::sleep(Duration::from_secs(3)).await;
         return Ok(reply(503, "text/plain", "busy".into()));
+    }
+    if mode == "very-slow" {
+        tokio::time::sleep(Duration::from_secs(30)).await;
     }
     let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if mode == "nobatch" && message.is_array() {
@@ -546,5 +551,41 @@ async fn many_keys_again_fail_open_does_not_rerun_a_completed_call_queued_behind
         1,
         "a call completed on another replica ran again because the claim before it was slow: {}",
         answer.text()
+    );
+}
+
+/// A request never waits while it holds keys, the fix said. A batch of `x` and `w`, both in flight
+/// elsewhere, waits for both; `x`'s original is refused by the service (`503`, nothing ran) at 3 s and
+/// gives it back: the batch wins `x` and holds it, unsent, while it goes on waiting for `w` (whose
+/// original is stuck until its lease runs out after the upstream timeout, about 12 s). A lone request
+/// for `x` sent at 4 s waits all that time for a call that runs in no time.
+#[tokio::test]
+async fn many_keys_again_a_batch_does_not_hold_a_key_it_won_while_waiting_for_another() {
+    let (_env, service, proxy) = start().await;
+    let x_original = tokio::spawn(Reply::of(
+        post(&proxy.url, "/rpc-wait", call("1", "a", "held-x")).header("x-mode", "slow-then-503"),
+    ));
+    let w_original = tokio::spawn(Reply::of(
+        post(&proxy.url, "/rpc-wait", call("1", "w", "held-w")).header("x-mode", "very-slow"),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let batch = format!("[{},{}]", call("1", "a", "held-x"), call("2", "w", "held-w"));
+    let waiting = tokio::spawn(Reply::of(post(&proxy.url, "/rpc-wait", batch)));
+    tokio::time::sleep(Duration::from_millis(3700)).await;
+    let sent = std::time::Instant::now();
+    let lone = Reply::of(post(&proxy.url, "/rpc-wait", call("7", "a", "held-x"))).await;
+    let took = sent.elapsed();
+    let (batch, _, _) = (
+        waiting.await.unwrap(),
+        x_original.await.unwrap(),
+        w_original.await.unwrap(),
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "a lone request for held-x waited {took:?} (answered {}), while the batch held the key it had won \
+         and waited for another (answered {}); held-x ran {} time(s)",
+        lone.text(),
+        batch.text(),
+        service.executions("held-x")
     );
 }
