@@ -23,6 +23,9 @@
 //!   and runs again.
 //! - A batch that wins a key while it waits for another (given back by its original) holds it, unsent,
 //!   until the other settles or `wait_timeout`: a request for that key waits as long.
+//! - A whole-batch refusal (`id` `null`, nothing ran) sent as an event stream leaves every key unknown:
+//!   held for good on a route that holds.
+//! - An event stream that breaks off after every response came in full leaves every call unknown.
 //! - A batch whose client has gone on waiting for a key in flight elsewhere still sends that call upstream
 //!   once the key is given back (a lone waiter stops: `client_gone`).
 
@@ -52,6 +55,13 @@ methods = ["POST"]
 key = "jsonrpc"
 
 [[routes]]
+name = "rpc-hold"
+path = "/rpc-hold"
+methods = ["POST"]
+key = "jsonrpc"
+on_unknown_outcome = "hold"
+
+[[routes]]
 name = "rpc-wait"
 path = "/rpc-wait"
 methods = ["POST"]
@@ -68,7 +78,7 @@ on_in_flight = "wait"
 wait_timeout = "20s"
 "#;
 
-type Body = BoxBody<Bytes, std::convert::Infallible>;
+type Body = BoxBody<Bytes, std::io::Error>;
 
 /// A service on 127.0.0.1:0 that executes every JSON-RPC call it gets (counting them by
 /// `params._meta.idempotencyKey`, answering `{"key", "method", "execution"}`) and answers as the
@@ -146,6 +156,16 @@ async fn serve(
             "error": {"code": -32600, "message": "batches are not supported"}});
         return Ok(reply(200, "application/json", refusal.to_string()));
     }
+    if mode == "sse-nobatch" && message.is_array() {
+        // The same, in an event stream, as an MCP server answering on Streamable HTTP may.
+        let refusal = json!({"jsonrpc": "2.0", "id": null,
+            "error": {"code": -32600, "message": "batches are not supported"}});
+        return Ok(reply(
+            200,
+            "text/event-stream",
+            format!("event: message\ndata: {refusal}\n\n"),
+        ));
+    }
     let execute = |call: &Value| -> Option<Value> {
         let key = call["params"]["_meta"]["idempotencyKey"].as_str()?.to_owned();
         let n = {
@@ -188,6 +208,22 @@ async fn serve(
                 "error": {"code": -32603, "message": "Internal error"}});
             reply(200, "application/json", error.to_string())
         }
+        "sse-break" => {
+            // Every response in full, then the stream breaks off (the connection is reset).
+            let events: String = answers
+                .iter()
+                .map(|answer| format!("event: message\ndata: {answer}\n\n"))
+                .collect();
+            let stream = futures_util::stream::iter([
+                Ok(Frame::data(Bytes::from(events))),
+                Err(std::io::Error::other("reset")),
+            ]);
+            Response::builder()
+                .status(200)
+                .header("content-type", "text/event-stream")
+                .body(BodyExt::boxed(StreamBody::new(stream)))
+                .unwrap()
+        }
         "sse-server-request" => {
             // Before each response, a request of the server's own (sampling), numbered by the server,
             // whose id happens to equal the call's.
@@ -214,7 +250,7 @@ async fn serve(
                     tokio::time::sleep(Duration::from_secs(3)).await;
                     tail
                 }))
-                .map(|chunk| Ok::<_, std::convert::Infallible>(Frame::data(chunk)));
+                .map(|chunk| Ok::<_, std::io::Error>(Frame::data(chunk)));
             Response::builder()
                 .status(200)
                 .header("content-type", "application/json")
@@ -271,7 +307,9 @@ fn reply(status: u16, content_type: &str, body: String) -> Response<Body> {
         response = response.header("content-type", content_type);
     }
     response
-        .body(BodyExt::boxed(Full::new(Bytes::from(body))))
+        .body(BodyExt::boxed(
+            Full::new(Bytes::from(body)).map_err(|never| match never {}),
+        ))
         .unwrap()
 }
 
@@ -503,7 +541,7 @@ async fn many_keys_again_a_mutation_waiting_for_its_first_field_does_not_run_the
     let end_order = log.iter().position(|entry| entry == "end:order");
     let start_pay = log.iter().position(|entry| entry == "start:pay");
     assert!(
-        start_pay > end_order,
+        start_pay.is_none() || start_pay > end_order,
         "the service saw {log:?}: the second field ran while the first was still running; answers {} and {}",
         original.text(),
         both.text()
@@ -524,7 +562,12 @@ async fn many_keys_again_fail_open_does_not_rerun_a_completed_call_queued_behind
         .set("store.timeout", "1s");
     let replica_a = InProcessProxy::start(&config).await;
     let replica_b = InProcessProxy::start(&config).await;
-    let first = Reply::of(post(&replica_a.url, "/rpc", format!("[{}]", call("1", "a", "done")))).await;
+    let first = Reply::of(post(
+        &replica_a.url,
+        "/rpc",
+        format!("[{}]", call("1", "a", "done")),
+    ))
+    .await;
     assert_eq!(first.status, 200, "{}", first.text());
     let mut holder = env.db().client().await;
     let scope: String = holder
@@ -587,5 +630,48 @@ async fn many_keys_again_a_batch_does_not_hold_a_key_it_won_while_waiting_for_an
         lone.text(),
         batch.text(),
         service.executions("held-x")
+    );
+}
+
+/// A service that does not take batches and says so in an event stream (one `-32600` error, `id`
+/// `null`; nothing ran), as an MCP server answering on Streamable HTTP may. Sent as JSON, the same
+/// refusal gives every key back; as an event stream, every call is left unknown, and on a route that
+/// holds, each key is held until an operator releases it: the calls can never run.
+#[tokio::test]
+async fn many_keys_again_a_whole_batch_refusal_in_an_event_stream_holds_no_key() {
+    let (_env, service, proxy) = start().await;
+    let batch = format!(
+        "[{},{}]",
+        call("1", "a", "sse-refused-a"),
+        call("2", "b", "sse-refused-b")
+    );
+    let first = Reply::of(post(&proxy.url, "/rpc-hold", batch).header("x-mode", "sse-nobatch")).await;
+    let alone = Reply::of(post(&proxy.url, "/rpc-hold", call("1", "a", "sse-refused-a"))).await;
+    assert_eq!(
+        service.executions("sse-refused-a"),
+        1,
+        "nothing ran (the batch was refused: {}), and the call sent again alone was answered {} {}",
+        first.text(),
+        alone.status,
+        alone.text()
+    );
+}
+
+/// A batch answered as an event stream carrying every call's response in full, after which the
+/// connection breaks off. Each response arrived, but the proxy drops them all: every call is answered
+/// "unknown", and on a route that holds, held until an operator releases it.
+#[tokio::test]
+async fn many_keys_again_responses_that_came_in_full_before_a_stream_broke_off_are_kept() {
+    let (_env, service, proxy) = start().await;
+    let batch = format!("[{},{}]", call("1", "a", "broken-a"), call("2", "b", "broken-b"));
+    let first = Reply::of(post(&proxy.url, "/rpc-hold", batch.clone()).header("x-mode", "sse-break")).await;
+    let retry = Reply::of(post(&proxy.url, "/rpc-hold", batch)).await;
+    assert!(
+        retry.text().contains(r#""execution":1"#),
+        "the responses came in full before the stream broke off; the batch was answered {} and its retry {}; \
+         broken-a ran {} time(s)",
+        first.text(),
+        retry.text(),
+        service.executions("broken-a")
     );
 }
