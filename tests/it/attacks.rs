@@ -7,5 +7,6 @@ mod differential;
 mod history;
 mod hostile;
 mod many_keys;
+mod many_keys_again;
 mod seams;
 mod storm;
