@@ -194,6 +194,11 @@ impl Claims {
         )
     }
 
+    /// Bound on one store operation (`store.timeout`).
+    pub(crate) fn store_timeout(&self) -> Duration {
+        self.store_timeout
+    }
+
     /// A claim whose statement failed, which may still commit: given back later, as [`Orphan`] says.
     pub(crate) fn orphaned(&self, claim: &ClaimRequest) {
         let orphan = Orphan {

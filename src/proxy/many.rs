@@ -183,7 +183,8 @@ impl<'a> ManyKeys<'a> {
                 Err(claim) => self.claim_one(route, claim, None, None).await,
             }
         });
-        let passes: Vec<Pass> = stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
+        let mut passes: Vec<Pass> = stream::iter(claiming).buffered(CLAIMS_AT_ONCE).collect().await;
+        self.claim_again_alone(route, &mut passes).await;
         let waits = policy.claim.on_in_flight.waits();
         passes
             .into_iter()
@@ -192,6 +193,30 @@ impl<'a> ManyKeys<'a> {
                 other => self.resolved(route, other),
             })
             .collect()
+    }
+
+    /// The items whose claims failed, claimed again one at a time, in the client's order, each begun
+    /// within two store timeouts: a store that batches statements (PostgreSQL) sends a request's claims
+    /// as one, so one claim held up (a row another session locks) times out its neighbours too, which
+    /// alone are answered at once. Each is sent anew (a new token: the timed-out one is given back as
+    /// an orphan). What is still unanswered stays to `on_store_error`.
+    async fn claim_again_alone(&self, route: &Route, passes: &mut [Pass]) {
+        let store_timeout = self.claims.store_timeout();
+        let end = Instant::now() + store_timeout * 2;
+        for pass in passes.iter_mut() {
+            let Pass::StoreDown(claim, error) = pass else {
+                continue;
+            };
+            if matches!(error, StoreError::NotOpen) {
+                return;
+            }
+            if Instant::now() >= end {
+                return;
+            }
+            let mut again = claim.clone();
+            again.id.token = uuid::Uuid::new_v4();
+            *pass = self.claim_one(route, again, None, None).await;
+        }
     }
 
     /// Waits for a `pending` item (in flight elsewhere, on a route that waits) until its record
@@ -247,12 +272,12 @@ impl<'a> ManyKeys<'a> {
                 let retry_after = in_flight_retry_after(lease_remaining, hint);
                 Claimed::Refused(ProxyError::KeyInFlight { retry_after })
             }
-            Pass::StoreDown(error) if self.forward.fails_open() => {
+            Pass::StoreDown(_, error) if self.forward.fails_open() => {
                 self.metrics.unprotected.inc();
                 tracing::warn!(%error, "store unavailable; an item forwarded without idempotency (fail_open)");
                 Claimed::Unkeyed
             }
-            Pass::StoreDown(error) => Claimed::Refused(ProxyError::StoreUnavailable(error.to_string())),
+            Pass::StoreDown(_, error) => Claimed::Refused(ProxyError::StoreUnavailable(error.to_string())),
         }
     }
 
@@ -286,7 +311,7 @@ impl<'a> ManyKeys<'a> {
                     if !matches!(error, StoreError::NotOpen) {
                         self.claims.orphaned(&claim);
                     }
-                    return Pass::StoreDown(error);
+                    return Pass::StoreDown(claim, error);
                 }
             };
             let in_flight = match &result {
@@ -379,7 +404,7 @@ enum Pass {
     /// In flight elsewhere: the claim to send again, and the lease left on the record.
     InFlight(ClaimRequest, std::time::Duration),
     /// The store did not answer.
-    StoreDown(StoreError),
+    StoreDown(ClaimRequest, StoreError),
 }
 
 impl Pass {
@@ -389,7 +414,7 @@ impl Pass {
             Pass::Done(Claimed::Replayed(_)) => WaitResult::Replayed,
             Pass::Done(Claimed::Won(_)) => WaitResult::Executed,
             Pass::Done(Claimed::Refused(ProxyError::KeyInFlight { .. })) => WaitResult::Timeout,
-            Pass::Done(_) | Pass::InFlight(..) | Pass::StoreDown(_) => WaitResult::Refused,
+            Pass::Done(_) | Pass::InFlight(..) | Pass::StoreDown(..) => WaitResult::Refused,
         }
     }
 }

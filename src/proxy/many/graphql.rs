@@ -21,7 +21,7 @@ use bytes::Bytes;
 use http::{StatusCode, header};
 use serde_json::Value;
 
-use super::item::{Claimed, Exchanged, Run, overall, record, respond, stored_body};
+use super::item::{Claimed, Exchanged, Run, Salvage, overall, record, respond, stored_body};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
@@ -67,13 +67,15 @@ pub(crate) async fn round(
         let answer = match std::mem::replace(&mut claimed[n], Claimed::Done) {
             Claimed::Unkeyed => {
                 answers.sent = true;
-                let exchanged = run.exchange(body.part(field.body.clone()), None).await;
+                let exchanged = run
+                    .exchange(body.part(field.body.clone()), None, Salvage::Nothing)
+                    .await;
                 answered(run, key, &exchanged)
             }
             Claimed::Won(won) => {
                 answers.sent = true;
                 let exchanged = run
-                    .exchange(body.part(field.body.clone()), Some(won.attempt))
+                    .exchange(body.part(field.body.clone()), Some(won.attempt), Salvage::Nothing)
                     .await;
                 let write = write_of(run, &exchanged);
                 run.settle(&won, write.as_write(run.holds_unknown())).await;

@@ -147,7 +147,12 @@ impl Run<'_> {
     /// `Idempotency-Attempt` of the first item it carries, where any), and reads the answer to its
     /// `items` whole, up to `max_stored_response` for each (and [`MAX_ANSWER`] in all): a longer answer
     /// is read no further, and its items' outcome is unknown.
-    pub(crate) async fn exchange(&self, body: ReservedBody, attempt: Option<Attempt>) -> Exchanged {
+    pub(crate) async fn exchange(
+        &self,
+        body: ReservedBody,
+        attempt: Option<Attempt>,
+        salvage: Salvage,
+    ) -> Exchanged {
         let executor = self.executor;
         let mut request = executor.request(head(self.parts), body, (self.peer, &Dialect::Http));
         if let Some(attempt) = attempt {
@@ -171,7 +176,10 @@ impl Run<'_> {
         let decided = Dialect::Http.on_head(rules, status, &headers);
         let timeout = executor.upstream().timeout();
         let mut held = executor.answer_hold(self.scope);
-        let reading = tokio::time::timeout(timeout, read_whole(response.into_body(), &mut held));
+        // Room in the response budget is waited for as long as half the upstream's time allows: an
+        // answer it cannot hold is completed without it, and lost to the client too.
+        let patience = (timeout / 2).max(held.patience());
+        let reading = tokio::time::timeout(timeout, read_whole(response.into_body(), &mut held, patience));
         let body = match reading.await {
             Ok(Ok(Some(body))) => body,
             Ok(Ok(None)) => {
@@ -187,7 +195,17 @@ impl Run<'_> {
                     }
                 };
             }
-            Ok(Err(error)) => {
+            // An event stream's whole events came before it broke: their responses stand (the items
+            // without one are unknown).
+            Ok(Err((_, partial)))
+                if salvage == Salvage::EventStream
+                    && matches!(decided, OnHead::Relay)
+                    && status.is_success()
+                    && crate::proxy::dialect::sse::is_event_stream(&headers) =>
+            {
+                partial
+            }
+            Ok(Err((error, _))) => {
                 let why = format!("upstream body broke off: {error}");
                 return Exchanged::Unknown(ProxyError::UpstreamBroken(why.clone()), why);
             }
@@ -313,17 +331,34 @@ fn released(status: StatusCode) -> ProxyError {
     ProxyError::UpstreamUnreachable(format!("the service answered {status}"))
 }
 
-/// `body` read whole, each frame charged to `held` first (waiting for room up to `server.capture_wait`
-/// in all, as a capture does); `None` once it passes [`MAX_ANSWER`] or the budget stays without room
-/// (read no further).
-async fn read_whole<B>(mut body: B, held: &mut capture::Reservation) -> Result<Option<Bytes>, B::Error>
+/// Whether an answer that breaks off keeps what came before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Salvage {
+    /// Nothing: the items' outcome is unknown.
+    Nothing,
+    /// An event stream's whole events (a JSON-RPC batch answered as MCP's Streamable HTTP does).
+    EventStream,
+}
+
+/// `body` read whole, each frame charged to `held` first (waiting for room up to `patience` in all, as
+/// a capture does); `None` once it passes [`MAX_ANSWER`] or the budget stays without room (read no
+/// further). A body that breaks off: its error, and what came before.
+async fn read_whole<B>(
+    mut body: B,
+    held: &mut capture::Reservation,
+    mut patience: std::time::Duration,
+) -> Result<Option<Bytes>, (B::Error, Bytes)>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
 {
     let mut whole = bytes::BytesMut::new();
-    let (mut patience, mut waited) = (held.patience(), false);
+    let mut waited = false;
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => return Err((error, whole.freeze())),
+        };
+        let Ok(data) = frame.into_data() else {
             continue;
         };
         if whole.len() + data.len() > MAX_ANSWER {

@@ -25,7 +25,9 @@ use serde_json::Value;
 
 use futures_util::future::join_all;
 
-use super::item::{CLAIMS_AT_ONCE, Claimed, Exchanged, Run, Won, overall, record, respond, stored_body};
+use super::item::{
+    CLAIMS_AT_ONCE, Claimed, Exchanged, Run, Salvage, Won, overall, record, respond, stored_body,
+};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::proxy::answer::Handled;
@@ -96,7 +98,8 @@ pub(crate) async fn round(
         true => None,
         false => {
             let joined = batch::join(sent.iter().map(|&n| text(&calls[n])));
-            Some(run.exchange(body.part(joined.into()), attempt(claimed)).await)
+            let sent = body.part(joined.into());
+            Some(run.exchange(sent, attempt(claimed), Salvage::EventStream).await)
         }
     };
     replies.sent |= exchanged.is_some();

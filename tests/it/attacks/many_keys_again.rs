@@ -214,10 +214,17 @@ async fn serve(
                 .iter()
                 .map(|answer| format!("event: message\ndata: {answer}\n\n"))
                 .collect();
-            let stream = futures_util::stream::iter([
-                Ok(Frame::data(Bytes::from(events))),
-                Err(std::io::Error::other("reset")),
-            ]);
+            // The break comes a moment after the events, as on a real connection: written, then reset.
+            let stream = futures_util::stream::unfold(Some(events), |events| async move {
+                match events {
+                    Some(events) => Some((Ok(Frame::data(Bytes::from(events))), None)),
+                    None => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Some((Err(std::io::Error::other("reset")), None))
+                    }
+                }
+            })
+            .take(2);
             Response::builder()
                 .status(200)
                 .header("content-type", "text/event-stream")
