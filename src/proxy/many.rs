@@ -9,8 +9,10 @@
 //! completed, released or held as its own answer says, and whoever waits for it is told (`settle.rs`).
 //! The client gets one answer, merged in its order.
 //!
-//! A store that does not answer a claim leaves the whole request to `on_store_error`, as for a lone
-//! request: what this request won so far is given back first.
+//! A request never waits while it holds keys (another request could be waiting for them): a batch's
+//! calls in flight elsewhere wait after the rest have run, one at a time, each sent as soon as it is
+//! won; a mutation's fields are claimed one at a time, in document order, each after the one before has
+//! run. A store that does not answer an item's claim leaves that item alone to `on_store_error`.
 
 pub mod graphql;
 pub mod item;
