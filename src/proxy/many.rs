@@ -493,11 +493,12 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_store_that_fails_one_claim_refuses_that_call_alone_and_gives_its_claim_back_later() {
+    async fn a_store_that_fails_one_claim_twice_refuses_that_call_alone_and_gives_its_claims_back_later() {
         let store = StubStore::new();
         store
             .then(Op::Claim, won())
             .then(Op::Claim, won())
+            .then(Op::Claim, Reply::Fail(StoreError::Backend("reset".into())))
             .then(Op::Claim, Reply::Fail(StoreError::Backend("reset".into())))
             .always(Op::Release, Reply::Done(true));
         let toml = "[upstream]\nurl = \"http://127.0.0.1:1\"\n[store]\ntimeout = \"1s\"\n";
@@ -522,16 +523,21 @@ mod tests {
             "the two won calls went upstream (refused there); the third is refused (fail_closed)"
         );
         assert_eq!(
+            store.count(Op::Claim),
+            4,
+            "the failed claim is sent again, alone, once"
+        );
+        assert_eq!(
             store.count(Op::Release),
             2,
             "the two calls never delivered are given back"
         );
         assert_eq!(store.count(Op::Complete), 0);
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
         assert_eq!(
             store.count(Op::Release),
-            3,
-            "and the unanswered claim after a store timeout"
+            4,
+            "and both unanswered claims after a store timeout"
         );
     }
 
