@@ -74,7 +74,13 @@ impl PostgresStore {
     /// Builds the pool; connections open lazily, so this succeeds while the database is down.
     pub fn connect(config: &StoreConfig) -> Result<PostgresStore, StoreError> {
         let layout = Layout::default();
-        let db = Arc::new(Db::new(connect::pool(config, &layout)?, config.timeout, layout));
+        let pg = connect::pg_config(config)?;
+        let db = Arc::new(Db::new(
+            connect::pool(config, &layout)?,
+            config.timeout,
+            layout,
+            pg,
+        ));
         let addresses = Arc::new(Addresses::default());
         if config.max_batch <= 1 {
             return Ok(PostgresStore {

@@ -13,6 +13,7 @@ mod keys_cli;
 mod keys_oncall;
 mod processes;
 mod roles;
+mod store_errors;
 mod sweeper;
 mod telemetry;
 #[cfg(feature = "otlp")]

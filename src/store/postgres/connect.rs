@@ -110,6 +110,42 @@ pub(super) fn connect_failure(error: &tokio_postgres::Error, pg: &tokio_postgres
     format!("{text} (create it with `{}`)", createdb(pg))
 }
 
+/// A failure to get a pooled connection on one line, with the server's own reason (the driver's error
+/// chain, not the pool's summary) and, where one exists, what mends it: the `createdb` for a missing
+/// database, `idemproxy migrate` for a missing key table (the new connection's check found none), the
+/// `GRANT` for a login without rights on the schema, the URL for a refused login.
+pub(super) fn pool_failure(error: &deadpool_postgres::PoolError, pg: &tokio_postgres::Config) -> String {
+    use deadpool_postgres::PoolError;
+    match error {
+        PoolError::Backend(error) => with_fix(connect_failure(error, pg), error, pg),
+        PoolError::PostCreateHook(HookError::Backend(error)) => with_fix(error_chain(error), error, pg),
+        other => error_chain(other),
+    }
+}
+
+/// `text`, followed by what mends the error where the server's code names a cause an operator fixes
+/// (beyond a missing database, which [`connect_failure`] names).
+pub(super) fn with_fix(text: String, error: &tokio_postgres::Error, pg: &tokio_postgres::Config) -> String {
+    let user = pg.get_user().unwrap_or("the store.url user");
+    let fix = match error.code() {
+        Some(code) if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::INVALID_SCHEMA_NAME => {
+            "the key table is not there: apply the migrations with `idemproxy migrate`".to_owned()
+        }
+        Some(code) if *code == SqlState::INSUFFICIENT_PRIVILEGE => format!(
+            "grant the user its rights: `GRANT USAGE ON SCHEMA idemproxy TO {user}; GRANT SELECT, INSERT, \
+             UPDATE, DELETE ON ALL TABLES IN SCHEMA idemproxy TO {user}`, or run `idemproxy migrate` as it"
+        ),
+        Some(code)
+            if *code == SqlState::INVALID_PASSWORD
+                || *code == SqlState::INVALID_AUTHORIZATION_SPECIFICATION =>
+        {
+            format!("the server refused the login of {user}: check the user and password in store.url")
+        }
+        _ => return text,
+    };
+    format!("{text} ({fix})")
+}
+
 /// `createdb` naming the server, port, user and database `pg` names (libpq's defaults where it does not).
 fn createdb(pg: &tokio_postgres::Config) -> String {
     let mut command = vec!["createdb".to_owned()];

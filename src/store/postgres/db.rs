@@ -23,15 +23,19 @@ pub(super) struct Db {
     pool: Pool,
     timeout: Duration,
     layout: Layout,
+    /// Where the pool connects, for the commands its errors name.
+    pg: tokio_postgres::Config,
 }
 
 impl Db {
-    /// `layout` is the one the pool's connections report to (`connect::pool`).
-    pub(super) fn new(pool: Pool, timeout: Duration, layout: Layout) -> Db {
+    /// `layout` is the one the pool's connections report to (`connect::pool`); `pg`, where they
+    /// connect.
+    pub(super) fn new(pool: Pool, timeout: Duration, layout: Layout, pg: tokio_postgres::Config) -> Db {
         Db {
             pool,
             timeout,
             layout,
+            pg,
         }
     }
 
@@ -55,7 +59,7 @@ impl Db {
     pub(super) async fn client(&self) -> Result<Object, StoreError> {
         match timeout(self.timeout, self.pool.get()).await {
             Ok(Ok(client)) => Ok(client),
-            Ok(Err(e)) => Err(StoreError::Backend(e.to_string())),
+            Ok(Err(e)) => Err(StoreError::Backend(super::connect::pool_failure(&e, &self.pg))),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         }
     }
@@ -69,7 +73,11 @@ impl Db {
     ) -> Result<T, StoreError> {
         match result {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(backend(e)),
+            Ok(Err(e)) => Err(StoreError::Backend(super::connect::with_fix(
+                error_chain(&e),
+                &e,
+                &self.pg,
+            ))),
             Err(_) => {
                 drop(Object::take(client));
                 Err(StoreError::Timeout(self.timeout))
@@ -282,7 +290,8 @@ mod tests {
         };
         let manager = Manager::from_config(pg, NoTls, manager_config);
         let pool = Pool::builder(manager).max_size(0).build().unwrap();
-        Db::new(pool, timeout, Layout::default())
+        let pg = "postgres://idemproxy@127.0.0.1/idemproxy".parse().unwrap();
+        Db::new(pool, timeout, Layout::default(), pg)
     }
 
     #[tokio::test(start_paused = true)]
