@@ -163,11 +163,12 @@ impl Fate {
 /// What becomes of one item's record of a request that carries many keys ([`Executor::write_item`]).
 pub(crate) enum ItemWrite<'a> {
     /// Its answer is stored.
-    Complete(&'a StoredResponse),
+    Complete(StoredResponse),
     /// Its key is given back: a retry executes it.
     Release,
-    /// It may have run without an answer coming back (`why`): held where `hold`, else left to its lease.
-    Unknown { hold: bool, why: &'a str },
+    /// It may have run without an answer coming back (why, for the log): held where the route holds
+    /// unknown outcomes, else left to its lease.
+    Unknown(&'a str),
 }
 
 /// How the exchange with the upstream ended, before the record is written.
@@ -558,7 +559,12 @@ impl Executor {
     /// fence, trying for up to its `lease` while the store does not answer: its answer stored, its key
     /// given back, or its outcome unknown (held with `on_unknown_outcome = "hold"`, else left to its
     /// lease). Counted and logged as a lone request's write is.
-    pub(crate) async fn write_item(&self, id: &RecordId, lease: Duration, write: ItemWrite<'_>) -> Fate {
+    pub(crate) async fn write_item(
+        &self,
+        id: &RecordId,
+        (lease, hold): (Duration, bool),
+        write: &ItemWrite<'_>,
+    ) -> Fate {
         let (name, writing) = match write {
             ItemWrite::Complete(stored) => {
                 if stored.body.is_none() {
@@ -570,7 +576,7 @@ impl Executor {
                 )
             }
             ItemWrite::Release => ("release", until_answered(lease, || self.store.release(id)).await),
-            ItemWrite::Unknown { hold, why } => {
+            ItemWrite::Unknown(why) => {
                 self.metrics.unknown_outcomes.inc();
                 let key_hash = id.key_hash();
                 if !hold {

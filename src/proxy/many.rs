@@ -349,7 +349,7 @@ impl<'a> ManyKeys<'a> {
                     // Its heartbeat could come after the lease ran out: given back, as a lone claim is.
                     tracing::warn!(key_hash = %claim.id.key_hash(), "claim answered after more than half its lease; given back");
                     self.executor
-                        .write_item(&claim.id, claim.lease, ItemWrite::Release)
+                        .write_item(&claim.id, (claim.lease, false), &ItemWrite::Release)
                         .await;
                     self.settle.settled(route, &claim.id).await;
                     Claimed::Refused(ProxyError::StoreUnavailable(

@@ -78,7 +78,7 @@ pub(crate) async fn round(
                     .exchange(body.part(field.body.clone()), Some(won.attempt), Salvage::Nothing)
                     .await;
                 let write = write_of(run, &exchanged);
-                run.settle(&won, write.as_write(run.holds_unknown())).await;
+                run.settle(&won, &write).await;
                 run.count(exchanged.outcome());
                 answered(run, key, &exchanged)
             }
@@ -129,23 +129,7 @@ pub(crate) fn finish(run: &Run<'_>, fields: &[Field], claimed: &[Claimed], mut a
 }
 
 /// What a won field's record becomes after its exchange.
-enum Write<'a> {
-    Complete(crate::store::StoredResponse),
-    Release,
-    Unknown(&'a str),
-}
-
-impl Write<'_> {
-    fn as_write(&self, hold: bool) -> ItemWrite<'_> {
-        match self {
-            Write::Complete(stored) => ItemWrite::Complete(stored),
-            Write::Release => ItemWrite::Release,
-            Write::Unknown(why) => ItemWrite::Unknown { hold, why },
-        }
-    }
-}
-
-fn write_of<'a>(run: &Run<'_>, exchanged: &'a Exchanged) -> Write<'a> {
+fn write_of<'a>(run: &Run<'_>, exchanged: &'a Exchanged) -> ItemWrite<'a> {
     match exchanged {
         Exchanged::Answered {
             status,
@@ -154,19 +138,19 @@ fn write_of<'a>(run: &Run<'_>, exchanged: &'a Exchanged) -> Write<'a> {
             ..
         } => {
             if run.route.policy.store.release_graphql_errors && graphql::field_failed(body) {
-                return Write::Release;
+                return ItemWrite::Release;
             }
             let content_type = headers.get(header::CONTENT_TYPE);
-            Write::Complete(record(*status, content_type, body.clone(), run.max_stored()))
+            ItemWrite::Complete(record(*status, content_type, body.clone(), run.max_stored()))
         }
         // It ran and was answered; the answer is not kept, as a lone one over the limit is not.
         Exchanged::TooLarge { status, headers } => {
             let mut stored = record(*status, headers.get(header::CONTENT_TYPE), Bytes::new(), 0);
             stored.body = None;
-            Write::Complete(stored)
+            ItemWrite::Complete(stored)
         }
-        Exchanged::Released(..) => Write::Release,
-        Exchanged::Unknown(_, why) => Write::Unknown(why),
+        Exchanged::Released(..) => ItemWrite::Release,
+        Exchanged::Unknown(_, why) => ItemWrite::Unknown(why),
     }
 }
 

@@ -232,19 +232,15 @@ impl Run<'_> {
 
     /// Writes what became of a won item's record, stops its heartbeat, tells whoever waits for it, and
     /// counts the item (executed, or as `refused` says for one answered with the proxy's error).
-    pub(crate) async fn settle(&self, won: &Won, write: ItemWrite<'_>) -> Fate {
+    pub(crate) async fn settle(&self, won: &Won, write: &ItemWrite<'_>) -> Fate {
         won.beat.0.abort();
         let lease = self.route.policy.claim.lock_timeout;
-        let fate = self.executor.write_item(&won.id, lease, write).await;
+        let hold = self.route.policy.store.on_unknown_outcome == OnUnknownOutcome::Hold;
+        let fate = self.executor.write_item(&won.id, (lease, hold), write).await;
         if fate.wakes() {
             self.settle.settled(self.route, &won.id).await;
         }
         fate
-    }
-
-    /// Whether an unknown outcome holds the item's key (`on_unknown_outcome = "hold"`).
-    pub(crate) fn holds_unknown(&self) -> bool {
-        self.route.policy.store.on_unknown_outcome == OnUnknownOutcome::Hold
     }
 
     /// The largest answer an item's record keeps.

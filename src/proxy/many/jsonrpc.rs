@@ -121,7 +121,7 @@ pub(crate) async fn round(
         exchanged: exchanged.as_ref(),
         read: read.as_ref(),
     };
-    let mut writes: Vec<(Won, Write<'_>)> = Vec::new();
+    let mut writes: Vec<(Won, ItemWrite<'_>)> = Vec::new();
     for (n, call) in calls.iter().enumerate() {
         if !claimed[n].is_answered_now() {
             continue;
@@ -152,11 +152,10 @@ pub(crate) async fn round(
     }
     // Every record is written before the client has its answer: a retry sent the moment it is read
     // finds them stored.
-    let hold = run.holds_unknown();
     for chunk in writes.chunks(CLAIMS_AT_ONCE) {
         let mut writing = Vec::with_capacity(chunk.len());
         for (won, write) in chunk {
-            writing.push(run.settle(won, write.as_write(hold)));
+            writing.push(run.settle(won, write));
         }
         join_all(writing).await;
     }
@@ -332,24 +331,24 @@ fn unkeyed(run: &Run<'_>, call: &Call, answered: &Answered<'_>) -> Reply {
 }
 
 /// What a won call's record becomes, and its reply.
-fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (Write<'a>, Reply) {
+fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (ItemWrite<'a>, Reply) {
     let Some(exchanged) = answered.exchanged else {
         // Never happens: a won call is always sent.
-        return (Write::Release, Reply::Nothing);
+        return (ItemWrite::Release, Reply::Nothing);
     };
     match (exchanged, answered.read) {
         (Exchanged::Answered { status, headers, .. }, Some(read)) => {
             let Some(id) = &call.id else {
                 // A notification: it ran, unless the service refused the whole batch.
                 if let BatchAnswer::Refused(_) = read {
-                    return (Write::Release, Reply::Nothing);
+                    return (ItemWrite::Release, Reply::Nothing);
                 }
                 let stored = record(StatusCode::ACCEPTED, None, Bytes::new(), run.max_stored());
-                return (Write::Complete(stored), Reply::Nothing);
+                return (ItemWrite::Complete(stored), Reply::Nothing);
             };
             let found = match read {
                 BatchAnswer::Answers(answers) => answers.get(id),
-                BatchAnswer::Refused(error) => return (Write::Release, refused_whole(run, error, id)),
+                BatchAnswer::Refused(error) => return (ItemWrite::Release, refused_whole(run, error, id)),
                 BatchAnswer::Unreadable => None,
             };
             match found {
@@ -366,12 +365,12 @@ fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (Write<'
                         text.clone(),
                         run.max_stored(),
                     );
-                    (Write::Complete(stored), Reply::Response(text))
+                    (ItemWrite::Complete(stored), Reply::Response(text))
                 }
                 None => {
                     let why = "the service's batch answer has no response for this call";
                     let error = ProxyError::UpstreamBroken(why.into());
-                    (Write::Unknown(why), error_reply(run, &error))
+                    (ItemWrite::Unknown(why), error_reply(run, &error))
                 }
             }
         }
@@ -387,7 +386,7 @@ fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (Write<'
             let content_type = headers.get(header::CONTENT_TYPE);
             let stored = record(*status, content_type, body.clone(), run.max_stored());
             (
-                Write::Complete(stored),
+                ItemWrite::Complete(stored),
                 error_reply(run, &service_status(*status)),
             )
         }
@@ -399,10 +398,10 @@ fn executed<'a>(run: &Run<'_>, call: &Call, answered: &Answered<'a>) -> (Write<'
             let error = ProxyError::ResponseNotRetained {
                 status: status.as_u16(),
             };
-            (Write::Complete(stored), error_reply(run, &error))
+            (ItemWrite::Complete(stored), error_reply(run, &error))
         }
-        (Exchanged::Released(error, _), _) => (Write::Release, error_reply(run, error)),
-        (Exchanged::Unknown(error, why), _) => (Write::Unknown(why), error_reply(run, error)),
+        (Exchanged::Released(error, _), _) => (ItemWrite::Release, error_reply(run, error)),
+        (Exchanged::Unknown(error, why), _) => (ItemWrite::Unknown(why), error_reply(run, error)),
     }
 }
 
@@ -415,23 +414,6 @@ fn refused_whole(run: &Run<'_>, error: &str, id: &CallId) -> Reply {
             run,
             &ProxyError::UpstreamBroken("the service refused the batch".into()),
         ),
-    }
-}
-
-/// What a won call's record becomes.
-enum Write<'a> {
-    Complete(crate::store::StoredResponse),
-    Release,
-    Unknown(&'a str),
-}
-
-impl Write<'_> {
-    fn as_write(&self, hold: bool) -> ItemWrite<'_> {
-        match self {
-            Write::Complete(stored) => ItemWrite::Complete(stored),
-            Write::Release => ItemWrite::Release,
-            Write::Unknown(why) => ItemWrite::Unknown { hold, why },
-        }
     }
 }
 

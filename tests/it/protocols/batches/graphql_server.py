@@ -20,11 +20,10 @@ answered with an array of their answers.
 
 import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 from graphql import GraphQLError, build_schema, graphql_sync
+
+from service import LOCK, Service, gate, serve
 
 SCHEMA = build_schema(
     """
@@ -47,20 +46,12 @@ SCHEMA = build_schema(
     """
 )
 
-LOCK = threading.Lock()
 STATE = {"executions": {}, "posts": []}
 FAILS = {}
-ARRIVED = {}
-RELEASED = {}
 
 
 class Unavailable(Exception):
     """The service cannot run the request now: its answer is `503`."""
-
-
-def event(table, ref):
-    with LOCK:
-        return table.setdefault(ref, threading.Event())
 
 
 def count(ref):
@@ -87,12 +78,7 @@ def refuse(info, amount, ref=None):
 
 def slow(info, ref):
     execution = count(ref)
-    arrived = event(ARRIVED, ref)
-    with LOCK:
-        first = not arrived.is_set()
-        arrived.set()
-    if first:
-        event(RELEASED, ref).wait(300)
+    gate(ref)
     return {"ref": ref, "amount": 0, "execution": execution}
 
 
@@ -114,52 +100,14 @@ class Root:
     hello = staticmethod(hello)
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(Service):
+    NAME = "ref"
+    STATE = STATE
 
-    def log_message(self, *args):
-        pass
-
-    def send(self, status, body, content_type="application/json"):
-        self.send_response(status)
-        self.send_header("content-type", content_type)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def body(self):
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
-            data = b""
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                if size == 0:
-                    while self.rfile.readline().strip():
-                        pass
-                    return data
-                data += self.rfile.read(size)
-                self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("content-length") or 0))
-
-    def do_GET(self):
-        url = urlparse(self.path)
-        if url.path == "/counts":
-            with LOCK:
-                return self.send(200, json.dumps(STATE).encode())
-        if url.path == "/arrived":
-            arrived = event(ARRIVED, parse_qs(url.query)["ref"][0]).wait(50)
-            return self.send(200 if arrived else 504, b"{}")
-        return self.send(404, b"{}")
-
-    def do_POST(self):
-        url = urlparse(self.path)
-        body = self.body()
-        query = parse_qs(url.query)
+    def post(self, url, query, body):
         if url.path == "/fail":
             with LOCK:
                 FAILS[query["ref"][0]] = int(query.get("times", ["1"])[0])
-            return self.send(200, b"{}")
-        if url.path == "/release":
-            event(RELEASED, query["ref"][0]).set()
             return self.send(200, b"{}")
         try:
             request = json.loads(body)
@@ -198,13 +146,5 @@ def execute(request, context):
     return result, answer
 
 
-def main():
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    print(f"PORT {server.server_address[1]}", flush=True)
-    server.serve_forever()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve(Handler))

@@ -17,22 +17,13 @@ number of JSON-RPC requests, every executed call as `[method, key]` in order); `
 
 import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 from jsonrpcserver import Success, dispatch, method
 
-LOCK = threading.Lock()
+from service import LOCK, Service, gate, serve
+
 STATE = {"executions": 0, "keys": {}, "batches": [], "requests": 0, "calls": []}
-ARRIVED = {}
-RELEASED = {}
 FAILURES = {"next": 0}
-
-
-def event(table, key):
-    with LOCK:
-        return table.setdefault(str(key), threading.Event())
 
 
 def key_of(meta):
@@ -68,12 +59,7 @@ def note(_meta=None):
 def slow(_meta=None):
     key = key_of(_meta)
     total, _ = count("slow", _meta)
-    arrived = event(ARRIVED, key)
-    with LOCK:
-        first = not arrived.is_set()
-        arrived.set()
-    if first:
-        event(RELEASED, key).wait(300)
+    gate(key)
     return Success({"slow": True, "execution": total})
 
 
@@ -100,50 +86,11 @@ def without(answer, ids):
     return json.dumps(kept) if kept else ""
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(Service):
+    NAME = "key"
+    STATE = STATE
 
-    def log_message(self, *args):
-        pass
-
-    def send(self, status, body=b"", content_type="application/json"):
-        self.send_response(status)
-        if body:
-            self.send_header("content-type", content_type)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def body(self):
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
-            data = b""
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                if size == 0:
-                    while self.rfile.readline().strip():
-                        pass
-                    return data
-                data += self.rfile.read(size)
-                self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("content-length") or 0))
-
-    def do_GET(self):
-        url = urlparse(self.path)
-        if url.path == "/counts":
-            with LOCK:
-                return self.send(200, json.dumps(STATE).encode())
-        if url.path == "/arrived":
-            key = parse_qs(url.query)["key"][0]
-            arrived = event(ARRIVED, key).wait(50)
-            return self.send(200 if arrived else 504, b"{}")
-        return self.send(404, b"{}")
-
-    def do_POST(self):
-        url = urlparse(self.path)
-        body = self.body()
-        if url.path == "/release":
-            event(RELEASED, parse_qs(url.query)["key"][0]).set()
-            return self.send(200, b"{}")
+    def post(self, url, query, body):
         if url.path == "/fail-next":
             with LOCK:
                 FAILURES["next"] += 1
@@ -172,13 +119,5 @@ class Handler(BaseHTTPRequestHandler):
         return self.send(200, answer.encode())
 
 
-def main():
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    print(f"PORT {server.server_address[1]}", flush=True)
-    server.serve_forever()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve(Handler))
