@@ -1,14 +1,18 @@
-//! The admin listener's three endpoints: `/metrics` (Prometheus text), `/healthz` (the process runs) and
-//! `/readyz` (the store is open, answers, and no shutdown has begun). Reads metrics and pings the store,
-//! at most about once a second however many probes come; never touches the request path.
+//! The admin listener's endpoints: `/metrics` (Prometheus text), `/healthz` (the process runs),
+//! `/readyz` (the store is open, answers, and no shutdown has begun), and `POST /-/reload` (read the
+//! configuration again, as SIGHUP does: `reload.rs` does it and answers what it applied). Reads metrics
+//! and pings the store, at most about once a second however many probes come; never touches the
+//! request path.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
-use tokio::sync::Mutex;
+use serde::Serialize;
+use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -28,7 +32,31 @@ pub struct Admin {
     store: StoreHandle,
     shutdown: CancellationToken,
     readiness: Arc<Readiness>,
-    key_sets: Arc<KeySets>,
+    key_sets: Arc<ArcSwap<KeySets>>,
+    /// Where `POST /-/reload` asks for a reload; `None` when nothing reloads (a proxy run in-process).
+    reloads: Option<mpsc::Sender<ReloadAsk>>,
+}
+
+/// A reload asked for by `POST /-/reload`: where its outcome goes, or why the configuration was refused
+/// (one line, secrets masked).
+pub type ReloadAsk = oneshot::Sender<Result<Reloaded, String>>;
+
+/// What a reload did: the settings it applied to new requests, and those that differ from the running
+/// ones but wait for a restart (dotted keys, as `check-config` prints them).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Reloaded {
+    /// Applied to requests that arrive from now on.
+    pub applied: Vec<String>,
+    /// Changed, but only a restart applies them.
+    pub restart: Vec<String>,
+}
+
+/// Reloads asked for but not yet taken up: one runs at a time, and a few more may queue behind it.
+const RELOADS_QUEUED: usize = 4;
+
+/// The channel `POST /-/reload` asks on, and `reload.rs` hears.
+pub fn reload_channel() -> (mpsc::Sender<ReloadAsk>, mpsc::Receiver<ReloadAsk>) {
+    mpsc::channel(RELOADS_QUEUED)
 }
 
 /// The last store ping's answer, shared by every admin connection. A probe that comes while a ping runs
@@ -110,17 +138,29 @@ impl Admin {
             shutdown,
             readiness: Arc::default(),
             key_sets: Arc::default(),
+            reloads: None,
         }
     }
 
-    /// `/readyz` also waits for the first read of each of these key sets (`scope_jwt`): until then,
-    /// keyed requests on their routes are refused.
-    pub fn waiting_for_keys(self, key_sets: Arc<KeySets>) -> Admin {
+    /// `/readyz` also waits for the first read of each of the key sets in force (`scope_jwt`): until
+    /// then, keyed requests on their routes are refused. A reload replaces them.
+    pub fn waiting_for_keys(self, key_sets: Arc<ArcSwap<KeySets>>) -> Admin {
         Admin { key_sets, ..self }
+    }
+
+    /// `POST /-/reload` asks `reloads` for a reload and answers its outcome.
+    pub fn reloading(self, reloads: mpsc::Sender<ReloadAsk>) -> Admin {
+        Admin {
+            reloads: Some(reloads),
+            ..self
+        }
     }
 
     /// Answers one admin request.
     pub async fn handle(self, request: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+        if request.uri().path() == "/-/reload" {
+            return Ok(self.reload(request.method()).await);
+        }
         if request.method() != Method::GET && request.method() != Method::HEAD {
             return Ok(text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"));
         }
@@ -140,6 +180,50 @@ impl Admin {
         Ok(response)
     }
 
+    /// `POST /-/reload`: 200 with what was applied and what waits for a restart, 500 with the reason
+    /// when the configuration does not load (the running one is kept), 404 where nothing reloads.
+    async fn reload(&self, method: &Method) -> Response<ProxyBody> {
+        if method != Method::POST {
+            let mut response = text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "POST to reload the configuration\n",
+            );
+            response
+                .headers_mut()
+                .insert(header::ALLOW, header::HeaderValue::from_static("POST"));
+            return response;
+        }
+        let Some(reloads) = &self.reloads else {
+            return text(
+                StatusCode::NOT_FOUND,
+                "this process does not reload its configuration\n",
+            );
+        };
+        let (ask, answer) = oneshot::channel();
+        let outcome = match reloads.send(ask).await {
+            Ok(()) => answer.await.ok(),
+            Err(_) => None,
+        };
+        let (status, body) = match outcome {
+            Some(Ok(reloaded)) => (
+                StatusCode::OK,
+                serde_json::json!({"reloaded": true, "applied": reloaded.applied, "restart": reloaded.restart}),
+            ),
+            Some(Err(error)) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                serde_json::json!({"reloaded": false, "error": error}),
+            ),
+            None => return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n"),
+        };
+        let mut response = Response::new(body::full(format!("{body}\n")));
+        *response.status_mut() = status;
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+
     /// Not ready from the moment shutdown begins, whatever the last ping said; otherwise ready while the
     /// store answers, by a ping at most [`READINESS_TTL`] old and not contradicted by a failure since.
     /// Before the store has opened, the ping fails at once (and is counted, as the store-unavailable
@@ -148,7 +232,7 @@ impl Admin {
         if self.shutdown.is_cancelled() {
             return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
         }
-        if self.key_sets.waiting_for().is_some() {
+        if self.key_sets.load().waiting_for().is_some() {
             return text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "waiting for the first read of a JWKS (scope_jwt)\n",

@@ -5,6 +5,7 @@
 
 pub mod health;
 pub mod keys;
+pub mod reload;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -39,6 +40,11 @@ pub enum Command {
     /// Probe a running proxy's admin listener (for a container HEALTHCHECK): exit 0 when `/readyz`
     /// (or with --live `/healthz`) answers 200, else 1 with one line saying what failed.
     Health(HealthArgs),
+    /// Ask a running proxy to read its configuration again, as SIGHUP does (`POST /-/reload` on its
+    /// admin listener): routes, policies, signature secrets and upstream settings apply to new
+    /// requests; prints what was applied and what waits for a restart. Exit 1 when the configuration
+    /// is refused (the running one is kept) or the proxy cannot be asked.
+    Reload(ReloadArgs),
     /// Run a tiny demo service to try the proxy on (not for production): it answers every request 201
     /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds.
     DemoUpstream(DemoArgs),
@@ -52,6 +58,7 @@ impl Command {
             Command::CheckConfig(args) => (args.config.config.as_deref(), args.config.overrides()),
             Command::Keys(args) => (args.config.as_deref(), args.overrides()),
             Command::Health(args) => (args.config.as_deref(), args.overrides()),
+            Command::Reload(args) => (args.config.as_deref(), args.overrides()),
             Command::DemoUpstream(_) => (None, Overrides::default()),
         }
     }
@@ -240,6 +247,30 @@ impl HealthArgs {
     /// The endpoint to probe.
     pub fn probe(&self) -> Probe {
         if self.live { Probe::Live } else { Probe::Ready }
+    }
+}
+
+/// `idemproxy reload`: where the admin listener is, read from the same layers as `serve`.
+#[derive(Debug, Args)]
+pub struct ReloadArgs {
+    /// TOML configuration file.
+    #[arg(long, short, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Admin listen address (server.admin_listen); 0.0.0.0 and [::] are asked on loopback.
+    #[arg(long, value_name = "ADDR")]
+    pub admin_listen: Option<String>,
+    /// How long to wait for the answer, e.g. `30s`.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+impl ReloadArgs {
+    /// The flags as the top configuration layer.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            admin_listen: self.admin_listen.clone(),
+            ..Overrides::default()
+        }
     }
 }
 

@@ -4,8 +4,10 @@
 //! token waiting for that one read (a few seconds at most; then, or when the read fails, 503). A read
 //! that fails keeps the last good set and is logged; until a set's first read succeeds, `/readyz` says
 //! not ready and keyed requests on its routes get 503 at once.
-//! Built by `lib.rs` from the configuration; the refresh tasks stop with the proxy. Touches the key
-//! files and the network (the set's URL) only.
+//! Built by `lib.rs` from the configuration; the refresh tasks stop with the proxy. A reload
+//! (`reload.rs`) keeps each set the new configuration still names with the same timings (its keys and
+//! its refresh task), reads the key files again, and stops the refresh of a set no longer named.
+//! Touches the key files and the network (the set's URL) only.
 
 mod fetch;
 
@@ -37,6 +39,41 @@ impl KeySets {
     /// The sets the configuration's routes name, none read yet but those from files (which the
     /// configuration has just read, so they are read again here at once).
     pub fn of(config: &Config) -> Arc<KeySets> {
+        let sets = KeySets::named(config);
+        for set in sets.values() {
+            set.read_file();
+        }
+        Arc::new(KeySets { sets })
+    }
+
+    /// The sets of a reloaded configuration: each of these sets it still names with the same timings is
+    /// kept as it is (its keys, its refresh), a key file read again; a set it names anew is read as at
+    /// start, its refresh started until `shutdown`; the refresh of a set it no longer names stops.
+    pub fn again(&self, config: &Config, shutdown: &CancellationToken) -> Arc<KeySets> {
+        let mut sets = KeySets::named(config);
+        let mut new = Vec::new();
+        for (source, set) in sets.iter_mut() {
+            match self.sets.get(source) {
+                Some(kept) if (kept.refresh, kept.min_refetch) == (set.refresh, set.min_refetch) => {
+                    *set = kept.clone();
+                }
+                _ => new.push(set.clone()),
+            }
+            set.read_file();
+        }
+        for (source, old) in &self.sets {
+            if !sets.get(source).is_some_and(|set| Arc::ptr_eq(set, old)) {
+                old.stop.cancel();
+            }
+        }
+        for set in new {
+            tokio::spawn(set.refresh(shutdown.clone()));
+        }
+        Arc::new(KeySets { sets })
+    }
+
+    /// A set, not read yet, for each source the configuration's routes name.
+    fn named(config: &Config) -> HashMap<JwksSource, Arc<KeySet>> {
         let mut sets: HashMap<JwksSource, Arc<KeySet>> = HashMap::new();
         let routes = config
             .routes
@@ -56,18 +93,7 @@ impl KeySets {
                 }
             }
         }
-        for set in sets.values() {
-            if let JwksSource::File(path) = &set.source {
-                match std::fs::read(path)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| Keys::parse(&b))
-                {
-                    Ok(keys) => set.keep(keys),
-                    Err(e) => tracing::warn!(jwks = %set.source, error = %e, "cannot read the key set"),
-                }
-            }
-        }
-        Arc::new(KeySets { sets })
+        sets
     }
 
     /// The set of this source.
@@ -102,6 +128,8 @@ pub struct KeySet {
     last_read: tokio::sync::Mutex<Option<Instant>>,
     /// Whether the last read failed (the keys kept are older than the source's).
     failing: AtomicBool,
+    /// Stops its refresh when a reload no longer names it.
+    stop: CancellationToken,
 }
 
 impl KeySet {
@@ -113,6 +141,21 @@ impl KeySet {
             current: RwLock::new(None),
             last_read: tokio::sync::Mutex::new(None),
             failing: AtomicBool::new(false),
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// Reads a set from a file now (the configuration has just read it, so it is there); a set from a
+    /// URL is read by its refresh.
+    fn read_file(&self) {
+        if let JwksSource::File(path) = &self.source {
+            match std::fs::read(path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| Keys::parse(&b))
+            {
+                Ok(keys) => self.keep(keys),
+                Err(e) => tracing::warn!(jwks = %self.source, error = %e, "cannot read the key set"),
+            }
         }
     }
 
@@ -210,6 +253,7 @@ impl KeySet {
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
+                () = self.stop.cancelled() => return,
                 () = tokio::time::sleep(wait) => {}
             }
             let mut last = self.last_read.lock().await;

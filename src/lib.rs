@@ -42,7 +42,8 @@
 //! - `config.rs` loads the configuration, one file per section under `config/` (`config/tls.rs` reads
 //!   every PEM file); `cmd.rs` is the command line, with the operator's commands beside it;
 //!   `shutdown.rs` turns signals into cancellation (and hands SIGHUP to `reload.rs`, which reads the
-//!   configuration again); `logging.rs` sets up the log lines; `cmd/keys.rs` is the operator's runbook
+//!   configuration again, as `POST /-/reload` and `cmd/reload.rs` ask it to, and gives every worker a
+//!   new generation of the request path through `server/generations.rs`); `logging.rs` sets up the log lines; `cmd/keys.rs` is the operator's runbook
 //!   (`idemproxy keys ...`: `cmd/keys/client.rs` finds a client's scope from its credential,
 //!   `cmd/keys/list.rs` pages through records, `cmd/keys/forget.rs` deletes one); `demo.rs` is
 //!   `idemproxy demo-upstream`, a service to try the proxy on.
@@ -70,6 +71,9 @@ pub mod server;
 pub mod shutdown;
 pub mod store;
 
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -80,8 +84,10 @@ use crate::admin::Admin;
 use crate::config::ListenAddr;
 use crate::jwks::KeySets;
 use crate::metrics::Metrics;
-use crate::proxy::Proxy;
+use crate::proxy::Grounds;
 use crate::reload::Reload;
+use crate::server::Generations;
+use crate::shutdown::Hangups;
 use crate::store::StoreError;
 use crate::store::wake::Waiters;
 
@@ -244,41 +250,51 @@ async fn serve(
 ) -> Result<(), RunError> {
     announce_config(&config);
     let metrics = Metrics::new();
-    if let Some(reload) = reload {
-        reload.spawn(&config, metrics.clone(), shutdown.clone());
-    }
+    // Heard from now on, not once the store is open: a SIGHUP meanwhile waits for the reload task.
+    let hangups = reload.as_ref().map(|_| Hangups::listen());
     let tracker = TaskTracker::new();
     let waiters = Waiters::new();
     let serving = store::serve(&config, &waiters, &metrics, &tracker, &shutdown).await?;
     let key_sets = KeySets::of(&config);
     key_sets.spawn_refresh(&shutdown);
-    let proxy = Proxy::new(
+    let grounds = Grounds::new(
         &config,
-        (&serving, &key_sets),
+        &serving,
         metrics.clone(),
-        tracker,
-        waiters,
+        (tracker, waiters),
         shutdown.clone(),
     );
-    let admin = Admin::new(metrics, serving.store, shutdown.clone()).waiting_for_keys(key_sets);
+    let generations = Generations::new(&grounds.proxy(&config, &key_sets), config.server.workers);
+    let key_sets = Arc::new(ArcSwap::new(key_sets));
+    let certificates = Arc::new(tokio::sync::Notify::new());
+    let mut admin =
+        Admin::new(metrics.clone(), serving.store, shutdown.clone()).waiting_for_keys(key_sets.clone());
     tracing::info!(addr = %listeners.proxy.local_addr()?, upstream = %config.upstream.address, "proxy listening");
     tracing::info!(addr = %listeners.admin.local_addr()?, "admin listening");
     let proxy = server::ProxyListener {
         listener: listeners.proxy,
         tls: config.server.tls.clone(),
         limits: server::Limits::from(&config.server),
-        workers: config.server.workers,
-        proxy,
+        generations: generations.clone(),
+        certificates: certificates.clone(),
     };
-    server::serve(
-        proxy,
-        listeners.admin,
-        admin,
-        shutdown,
-        config.server.shutdown_grace,
-    )
-    .await
-    .map_err(RunError::Workers)
+    let grace = config.server.shutdown_grace;
+    if let (Some(reload), Some(hangups)) = (reload, hangups) {
+        let (asks, heard) = admin::reload_channel();
+        admin = admin.reloading(asks);
+        let running = reload::Running {
+            config,
+            grounds,
+            generations,
+            key_sets,
+            certificates,
+            metrics,
+        };
+        reload.spawn((hangups, heard), running, shutdown.clone());
+    }
+    server::serve(proxy, listeners.admin, admin, shutdown, grace)
+        .await
+        .map_err(RunError::Workers)
 }
 
 /// Logs what a reader of the start-up log should know about the configuration: the Kubernetes

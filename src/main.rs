@@ -1,12 +1,13 @@
 //! The `idemproxy` binary: parse the command line, load the configuration, start logging, and hand over to
 //! the library. Exit codes: 0 done, 1 runtime failure (or a `keys` command that found nothing to act on or
-//! refused, or a `health` probe that failed, bad configuration included), 64 bad configuration (or, for
+//! refused, a `health` probe that failed or a `reload` that was refused or could not be asked, bad
+//! configuration included), 64 bad configuration (or, for
 //! `check-config --deny-warnings`, a risky one).
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use idemproxy::cmd::{Cli, Command, DemoArgs, HealthArgs, KeysArgs};
+use idemproxy::cmd::{Cli, Command, DemoArgs, HealthArgs, KeysArgs, ReloadArgs};
 use idemproxy::config::{Config, mask_passwords};
 use idemproxy::logging;
 use idemproxy::reload::Reload;
@@ -27,6 +28,9 @@ fn main() -> ExitCode {
     }
     if let Command::DemoUpstream(args) = &cli.command {
         return demo_upstream(args);
+    }
+    if let Command::Reload(args) = &cli.command {
+        return reload(&cli.command, args);
     }
     let (file, overrides) = cli.command.overrides();
     let config = match Config::load(file, &overrides) {
@@ -143,6 +147,39 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("idemproxy health: {}", mask_passwords(&error.to_string()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Asks a running proxy to reload its configuration and prints what it applied; exit 1 when it refused
+/// the configuration or could not be asked.
+fn reload(command: &Command, args: &ReloadArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("idemproxy reload: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (file, overrides) = command.overrides();
+    match runtime.block_on(idemproxy::cmd::reload::run(file, &overrides, args.timeout)) {
+        Ok(answer) => {
+            let list = |keys: &[String]| {
+                if keys.is_empty() {
+                    "none".to_owned()
+                } else {
+                    keys.join(", ")
+                }
+            };
+            println!("reloaded; applied to new requests: {}", list(&answer.applied));
+            if !answer.restart.is_empty() {
+                println!("take effect only after a restart: {}", list(&answer.restart));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("idemproxy reload: {}", mask_passwords(&error.to_string()));
             ExitCode::FAILURE
         }
     }

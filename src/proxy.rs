@@ -41,17 +41,21 @@ use std::time::{Instant, SystemTime};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use self::answer::{Answer, Handled};
 use self::attach::Attachments;
+use self::budget::BodyBudget;
 use self::cache::ReplayCache;
 use self::claim::{Claims, ClaimsParts};
 use self::dialect::Dialect;
 use self::downstream::Downstream;
+use self::execute::capture::CaptureBudget;
 use self::execute::{Executor, ExecutorParts};
+use self::intake::examine::Examiners;
 use self::intake::many::Many;
 use self::intake::{Intake, Taken};
 use self::keyed::KeyedTask;
@@ -102,35 +106,80 @@ pub struct Proxy {
     keyed: Arc<KeyedTask>,
 }
 
-impl Proxy {
-    /// Assembles the request path over the store `serving` opens; `tracker` owns the forwarding tasks
-    /// so shutdown can wait for them, `waiters` is where waiting requests are woken, and `shutdown` ends
-    /// their waits.
+/// What every generation of the request path is built over, made once at start: the store, the
+/// metrics, the tasks shutdown waits for, the wake-ups, shutdown itself, and the process's budgets,
+/// seats and permits (`server.max_buffered_bodies`, `server.max_waiting`, `server.max_keyed_in_flight`,
+/// `server.max_buffered_responses`), the replay cache and the executions duplicates attach to. A
+/// reload (`reload.rs`) builds a new [`Proxy`] from a new configuration over the same grounds, so a
+/// bound is never counted twice, and a retry finds what a request of the older generation left.
+#[derive(Clone)]
+pub struct Grounds {
+    serving: Serving,
+    metrics: Metrics,
+    tracker: TaskTracker,
+    waiters: Arc<Waiters>,
+    shutdown: CancellationToken,
+    cache: Arc<ReplayCache>,
+    permits: KeyedPermits,
+    bodies: BodyBudget,
+    examiners: Examiners,
+    seats: Arc<Semaphore>,
+    captures: Arc<CaptureBudget>,
+    attachments: Arc<Attachments>,
+}
+
+impl Grounds {
+    /// The grounds as `config` sizes them, over the store `serving` opens; `tracker` owns the forwarding
+    /// tasks so shutdown can wait for them, `waiters` is where waiting requests are woken, and
+    /// `shutdown` ends their waits.
     pub fn new(
         config: &Config,
-        (serving, key_sets): (&Serving, &Arc<KeySets>),
+        serving: &Serving,
         metrics: Metrics,
-        tracker: TaskTracker,
-        waiters: Arc<Waiters>,
+        (tracker, waiters): (TaskTracker, Arc<Waiters>),
         shutdown: CancellationToken,
-    ) -> Proxy {
+    ) -> Grounds {
         let server = &config.server;
+        Grounds {
+            serving: serving.clone(),
+            tracker,
+            shutdown,
+            cache: Arc::new(ReplayCache::new(
+                config.replay_cache.max_size,
+                config.replay_cache.max_age,
+            )),
+            permits: KeyedPermits::new(server.max_keyed_in_flight),
+            bodies: BodyBudget::new(server.max_buffered_bodies, metrics.clone()),
+            examiners: Examiners::per_cpu(),
+            seats: Arc::new(Semaphore::new(server.max_waiting)),
+            captures: Arc::new(CaptureBudget::new(
+                server.max_buffered_responses,
+                server.max_buffered_responses_per_scope,
+                server.capture_wait,
+                metrics.clone(),
+            )),
+            attachments: Attachments::new(
+                server.attach_buffer,
+                server.write_timeout,
+                waiters.clone(),
+                metrics.clone(),
+            ),
+            waiters,
+            metrics,
+        }
+    }
+
+    /// The request path as `config` routes and forwards, over these grounds; `key_sets` are the sets
+    /// its `scope_jwt` routes verify tokens with. What the grounds hold is sized by the configuration
+    /// they were made with: a reload leaves those settings (and the store's, the listeners') as they were.
+    pub fn proxy(&self, config: &Config, key_sets: &Arc<KeySets>) -> Proxy {
+        let server = &config.server;
+        let metrics = self.metrics.clone();
         let upstream = Upstream::new(&config.upstream, metrics.clone()).traced(otlp::traced(&config.traces));
-        let cache = Arc::new(ReplayCache::new(
-            config.replay_cache.max_size,
-            config.replay_cache.max_age,
-        ));
-        let permits = KeyedPermits::new(server.max_keyed_in_flight);
         let trailers = TrailerRules::new(config);
         let forward = Forward::new(config, upstream.clone(), metrics.clone(), trailers.clone());
-        let stages = Stages {
-            config,
-            serving,
-            metrics: &metrics,
-            cache: &cache,
-            permits: &permits,
-        };
-        let keyed = stages.keyed(upstream, forward.clone(), waiters, shutdown);
+        let keyed = self.keyed(config, upstream, forward.clone());
+        let pools = (self.bodies.clone(), self.examiners.clone());
         Proxy {
             routes: Arc::new(config.routes.clone()),
             paths: server.paths,
@@ -138,20 +187,57 @@ impl Proxy {
                 config.routes.routes.iter().map(|route| route.name.as_str()),
                 &config.routes.default.name,
             )),
-            tracker,
+            tracker: self.tracker.clone(),
             keyed: Arc::new(keyed),
-            cache,
-            permits,
+            cache: self.cache.clone(),
+            permits: self.permits.clone(),
             keyed_per_connection: server.max_keyed_per_connection,
             access_log: config.log.access,
             traced: otlp::traced(&config.traces),
             problem_base: server.problem_type_base.as_str().into(),
-            intake: Intake::new(config, metrics.clone(), trailers, key_sets.clone()),
+            intake: Intake::new(config, metrics.clone(), (trailers, key_sets.clone()), pools),
             forward,
             metrics,
         }
     }
 
+    /// The keyed task and the stages it runs: claim, wait, execute and settle.
+    fn keyed(&self, config: &Config, upstream: Upstream, forward: Forward) -> KeyedTask {
+        let (metrics, store) = (&self.metrics, self.serving.store.clone());
+        let waiters = self.waiters.clone();
+        let settle = Settle::new(waiters.clone(), store.clone(), self.serving.capabilities.shared);
+        let executor = Executor::new(
+            config,
+            ExecutorParts {
+                store: store.clone(),
+                upstream,
+                cache: self.cache.clone(),
+                metrics: metrics.clone(),
+                attachments: self.attachments.clone(),
+                captures: self.captures.clone(),
+            },
+        );
+        let parts = ClaimsParts {
+            store,
+            cache: self.cache.clone(),
+            permits: self.permits.clone(),
+            waiters,
+            metrics: metrics.clone(),
+            executor,
+            forward,
+        };
+        let waits = Waits::new(
+            self.seats.clone(),
+            self.cache.clone(),
+            self.attachments.clone(),
+            metrics.clone(),
+            self.shutdown.clone(),
+        );
+        KeyedTask::new(Claims::new(config, parts), waits, settle)
+    }
+}
+
+impl Proxy {
     /// The same request path for another worker thread: everything shared but the pool of upstream
     /// connections, which stays with the thread that uses it.
     pub fn for_worker(&self) -> Proxy {
@@ -475,57 +561,6 @@ fn key_of(request: &Request<Incoming>, route: &Route) -> Result<Option<Option<St
         // Verified before it goes anywhere: intake reads its body, then forwards it unkeyed.
         None if policy.signature.is_some() => Ok(Some(None)),
         None => Ok(None),
-    }
-}
-
-/// What the stages are built from, beside the upstream and the forward stage of a worker.
-struct Stages<'a> {
-    config: &'a Config,
-    serving: &'a Serving,
-    metrics: &'a Metrics,
-    cache: &'a Arc<ReplayCache>,
-    permits: &'a KeyedPermits,
-}
-
-impl Stages<'_> {
-    /// The keyed task and the stages it runs: claim, wait, execute and settle.
-    fn keyed(
-        &self,
-        upstream: Upstream,
-        forward: Forward,
-        waiters: Arc<Waiters>,
-        shutdown: CancellationToken,
-    ) -> KeyedTask {
-        let (config, metrics, store) = (self.config, self.metrics, self.serving.store.clone());
-        let server = &config.server;
-        let settle = Settle::new(waiters.clone(), store.clone(), self.serving.capabilities.shared);
-        let attachments = Attachments::new(
-            server.attach_buffer,
-            server.write_timeout,
-            waiters.clone(),
-            metrics.clone(),
-        );
-        let executor = Executor::new(
-            config,
-            ExecutorParts {
-                store: store.clone(),
-                upstream,
-                cache: self.cache.clone(),
-                metrics: metrics.clone(),
-                attachments: attachments.clone(),
-            },
-        );
-        let parts = ClaimsParts {
-            store,
-            cache: self.cache.clone(),
-            permits: self.permits.clone(),
-            waiters,
-            metrics: metrics.clone(),
-            executor,
-            forward,
-        };
-        let waits = Waits::new(config, self.cache.clone(), attachments, metrics.clone(), shutdown);
-        KeyedTask::new(Claims::new(config, parts), waits, settle)
     }
 }
 

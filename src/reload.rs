@@ -1,29 +1,57 @@
-//! SIGHUP: what changes without a restart. Runs beside `serve` for as long as it does, started by
-//! `lib.rs` when `main.rs` hands it a [`Reload`]. At each SIGHUP it reads the configuration again from
-//! where it came (the file, the `IDEMPROXY_` environment, the flags) and validates all of it:
+//! Reloading the configuration without a restart, at each SIGHUP and each `POST /-/reload` on the admin
+//! listener (which `idemproxy reload` sends). Runs beside `serve` for as long as it does, started by
+//! `lib.rs` when `main.rs` hands it a [`Reload`]; one reload at a time. Each reads the configuration
+//! again from where it came (the file, the `IDEMPROXY_` environment, the flags) and validates all of it:
 //!
 //! - a configuration that does not load is refused whole: one error naming the file and the key, the
 //!   running configuration kept, `idemproxy_config_last_reload_successful` 0;
+//! - otherwise a new generation of the request path is built from it over the same grounds (store,
+//!   budgets, permits, replay cache, attachments: `proxy.rs`'s `Grounds`) and every worker is given it at
+//!   once (`server/generations.rs`): requests that arrive from then on run under the new routes,
+//!   policies, signature secrets, key sets and upstream settings; a request in flight finishes under the
+//!   generation it started with. Files the configuration names (signature secrets, JWKS files, the
+//!   upstream's TLS files) are read again, so a rotated secret takes effect;
 //! - `log.filter` takes effect at once (unless `RUST_LOG` overrides it);
-//! - every other changed setting (routes, upstream, store, listeners, limits, `log.format`, ...) is named
-//!   in one warning: it takes effect at the next restart. Settings are compared as `check-config` prints
-//!   them, with secrets masked, so a changed password is not seen;
+//! - the settings in [`APPLIED`] take effect; every other changed setting (listeners, the store, worker
+//!   threads, the process-wide budgets, `log.format`, traces, ...) is named: it takes effect at the next
+//!   restart, and until then the running value stays in force ([`keep_running`]). Settings are compared
+//!   as `check-config` prints them, with secrets masked;
 //! - the listener certificate files are read again by `server/cert_reload.rs`, which hears the same
-//!   SIGHUP.
+//!   SIGHUP, and is told of a reload asked on the admin listener.
 //!
-//! Never stops the process. Touches the configuration sources, the log filter and the reload metrics.
+//! Never stops the process. Touches the configuration sources, the log filter, the workers' request
+//! paths, the key sets and the reload metrics.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use arc_swap::ArcSwap;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, Overrides, mask_passwords};
+use crate::admin::{ReloadAsk, Reloaded};
+use crate::config::{Config, ConfigError, Overrides, mask_passwords};
+use crate::jwks::KeySets;
 use crate::logging::{self, FilterHandle};
 use crate::metrics::Metrics;
+use crate::proxy::Grounds;
+use crate::server::Generations;
 use crate::shutdown::Hangups;
 
-/// The only setting a SIGHUP applies to the running process (the certificate files are not settings).
-const RELOADABLE: &str = "log.filter";
+/// The settings a reload applies to new requests: a dotted key, or a section every key under which is
+/// applied. Every other setting keeps its running value until a restart ([`keep_running`] says why
+/// for each).
+pub const APPLIED: [&str; 9] = [
+    "routes",
+    "idempotency",
+    "upstream",
+    "log.filter",
+    "log.access",
+    "server.paths",
+    "server.body_read_timeout",
+    "server.max_keyed_per_connection",
+    "store.on_error",
+];
 
 /// Where the configuration came from, to read it again, and the running log filter.
 pub struct Reload {
@@ -35,29 +63,86 @@ pub struct Reload {
     pub filter: FilterHandle,
 }
 
+/// What a reload replaces or builds on: the running request path and what it was built from.
+pub(crate) struct Running {
+    /// The configuration in force: the last one loaded, with the settings that need a restart kept as
+    /// they started.
+    pub(crate) config: Config,
+    /// What every generation is built over.
+    pub(crate) grounds: Grounds,
+    /// Each worker's request path.
+    pub(crate) generations: Arc<Generations>,
+    /// The key sets the running generation verifies tokens with; `/readyz` reads the same.
+    pub(crate) key_sets: Arc<ArcSwap<KeySets>>,
+    /// Has the listener's certificate files read again (`server/cert_reload.rs`, which hears SIGHUP
+    /// itself).
+    pub(crate) certificates: Arc<tokio::sync::Notify>,
+    pub(crate) metrics: Metrics,
+}
+
+/// The settings as loaded at start and at the last reload, as `check-config` prints them.
+struct Seen {
+    started: toml::Table,
+    last: toml::Table,
+}
+
 impl Reload {
-    /// Reads the configuration again at each SIGHUP until `stop`, on a task of its own; `running` is the
-    /// configuration the process started with.
-    pub(crate) fn spawn(self, running: &Config, metrics: Metrics, stop: CancellationToken) {
-        let mut running = settings(running);
-        // Listening starts now, not when the task first runs: a SIGHUP from here on is heard.
-        let mut hangups = Hangups::listen();
+    /// Reloads at each SIGHUP `hangups` hears and at each ask on `asks`, one at a time, until `stop`,
+    /// on a task of its own.
+    pub(crate) fn spawn(
+        self,
+        (mut hangups, mut asks): (Hangups, mpsc::Receiver<ReloadAsk>),
+        mut running: Running,
+        stop: CancellationToken,
+    ) {
+        let settings = settings(&running.config);
+        let mut seen = Seen {
+            started: settings.clone(),
+            last: settings,
+        };
         tokio::spawn(async move {
             loop {
-                tokio::select! {
+                let mut answers = tokio::select! {
                     _ = stop.cancelled() => return,
-                    () = hangups.next() => {}
+                    () = hangups.next() => Vec::new(),
+                    Some(ask) = asks.recv() => vec![ask],
+                };
+                let why = if answers.is_empty() {
+                    "SIGHUP"
+                } else {
+                    "POST /-/reload"
+                };
+                if !answers.is_empty() {
+                    running.certificates.notify_one();
                 }
-                self.hangup(&mut running, &metrics);
+                // Asked again before this reload reads the configuration: this reload answers them too.
+                while let Ok(ask) = asks.try_recv() {
+                    answers.push(ask);
+                }
+                let outcome = self
+                    .reload(&mut running, &mut seen, &stop, why)
+                    .map_err(|error| mask_passwords(&error.to_string()));
+                for answer in answers {
+                    let _ = answer.send(outcome.clone());
+                }
             }
         });
     }
 
-    fn hangup(&self, running: &mut toml::Table, metrics: &Metrics) {
-        match self.reload(running) {
-            Ok(()) => {
+    /// One reload: counted, logged, and its outcome returned for the admin endpoint.
+    fn reload(
+        &self,
+        running: &mut Running,
+        seen: &mut Seen,
+        stop: &CancellationToken,
+        why: &'static str,
+    ) -> Result<Reloaded, ConfigError> {
+        let metrics = running.metrics.clone();
+        match self.apply(running, seen, stop, why) {
+            Ok(reloaded) => {
                 metrics.config_reloads.ok.inc();
                 metrics.config_last_reload_successful.set(1);
+                Ok(reloaded)
             }
             Err(error) => {
                 metrics.config_reloads.error.inc();
@@ -66,49 +151,109 @@ impl Reload {
                 tracing::error!(
                     file = file.as_deref(),
                     error = %mask_passwords(&error.to_string()),
-                    "SIGHUP: configuration not reloaded, it does not load; the running one is kept"
+                    "{why}: configuration not reloaded, it does not load; the running one is kept"
                 );
+                Err(error)
             }
         }
     }
 
-    /// Reads and validates the configuration, applies what can be, and names what needs a restart.
-    fn reload(&self, running: &mut toml::Table) -> Result<(), crate::config::ConfigError> {
-        let config = Config::load(self.file.as_deref(), &self.overrides)?;
-        let read = settings(&config);
+    /// Reads and validates the configuration, installs a new generation of the request path built from
+    /// it, and names what was applied and what needs a restart.
+    fn apply(
+        &self,
+        running: &mut Running,
+        seen: &mut Seen,
+        stop: &CancellationToken,
+        why: &'static str,
+    ) -> Result<Reloaded, ConfigError> {
+        let loaded = Config::load(self.file.as_deref(), &self.overrides)?;
+        let read = settings(&loaded);
         let mut changed = Vec::new();
-        differences("", running, &read, &mut changed);
-        let (filter, restart): (Vec<String>, Vec<String>) =
-            changed.into_iter().partition(|key| key == RELOADABLE);
-        if !filter.is_empty() {
-            self.apply_filter(&config.log.filter, running);
+        differences("", &seen.last, &read, &mut changed);
+        let mut pending = Vec::new();
+        differences("", &seen.started, &read, &mut pending);
+        let applied: Vec<String> = changed.into_iter().filter(|key| applies(key)).collect();
+        let restart: Vec<String> = pending.into_iter().filter(|key| !applies(key)).collect();
+        if applied.iter().any(|key| key == "log.filter") {
+            self.apply_filter(&loaded.log.filter);
         }
-        if restart.is_empty() {
-            tracing::info!("SIGHUP: configuration read again; nothing else changed that needs a restart");
+        let config = keep_running(&running.config, loaded);
+        let key_sets = running.key_sets.load().again(&config, stop);
+        let proxy = running.grounds.proxy(&config, &key_sets);
+        running.generations.install(&proxy);
+        running.key_sets.store(key_sets);
+        running.config = config;
+        seen.last = read;
+        if applied.is_empty() {
+            tracing::info!(
+                "{why}: configuration reloaded; no setting changed (files it names, such as signature \
+                 secrets, were read again)"
+            );
         } else {
-            tracing::warn!(
-                settings = restart.join(", "),
-                "SIGHUP: configuration read again; these changed settings take effect only after a restart"
+            tracing::info!(
+                settings = applied.join(", "),
+                "{why}: configuration reloaded; applied to new requests"
             );
         }
-        Ok(())
+        if !restart.is_empty() {
+            tracing::warn!(
+                settings = restart.join(", "),
+                "{why}: these settings differ from the running ones and take effect only after a restart"
+            );
+        }
+        Ok(Reloaded { applied, restart })
     }
 
-    fn apply_filter(&self, filter: &str, running: &mut toml::Table) {
+    fn apply_filter(&self, filter: &str) {
         if logging::filter_from_environment() {
-            tracing::warn!("SIGHUP: log.filter changed, but RUST_LOG is set and overrides it");
+            tracing::warn!("reload: log.filter changed, but RUST_LOG is set and overrides it");
             return;
         }
         match self.filter.set(filter) {
-            Ok(()) => {
-                if let Some(toml::Value::Table(log)) = running.get_mut("log") {
-                    log.insert("filter".into(), filter.into());
-                }
-                tracing::info!(filter, "SIGHUP: log filter changed");
-            }
-            Err(error) => tracing::error!(%error, "SIGHUP: log filter not changed"),
+            Ok(()) => tracing::info!(filter, "reload: log filter changed"),
+            Err(error) => tracing::error!(%error, "reload: log filter not changed"),
         }
     }
+}
+
+/// Whether a reload applies the setting at `key` (a dotted key, as [`differences`] names it).
+fn applies(key: &str) -> bool {
+    APPLIED.iter().any(|applied| {
+        key == *applied
+            || key
+                .strip_prefix(applied)
+                .is_some_and(|rest| rest.starts_with('.'))
+    })
+}
+
+/// `loaded`, with every setting a reload does not apply kept as `running` has it, each for its reason:
+///
+/// - `server`: the listeners are bound, the worker threads started, the connection limits and the
+///   listener's TLS set up at start; the process-wide budgets, seats and permits, the attachments'
+///   buffer and the problem type base belong to the grounds every generation shares. Only
+///   `server.paths`, `server.body_read_timeout` and `server.max_keyed_per_connection` are the request
+///   path's own.
+/// - `store` (but `store.on_error`), `encryption`, `sweeper`: the store is opened once.
+/// - `replay_cache`: one cache is shared by every generation.
+/// - `traces`: the exporter is set up at start.
+/// - `log.format`: the log's output is set up at start (`log.filter` and `log.access` are applied).
+fn keep_running(running: &Config, loaded: Config) -> Config {
+    let mut config = loaded;
+    let mut server = running.server.clone();
+    server.paths = config.server.paths;
+    server.body_read_timeout = config.server.body_read_timeout;
+    server.max_keyed_per_connection = config.server.max_keyed_per_connection;
+    config.server = server;
+    let on_error = config.store.on_error;
+    config.store = running.store.clone();
+    config.store.on_error = on_error;
+    config.encryption = running.encryption.clone();
+    config.sweeper = running.sweeper.clone();
+    config.replay_cache = running.replay_cache.clone();
+    config.traces = running.traces.clone();
+    config.log.format = running.log.format;
+    config
 }
 
 /// The settings of `config` as `check-config` prints them (secrets masked), as a table.
@@ -159,5 +304,49 @@ mod tests {
         );
         let route = "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n";
         assert_eq!(changed("", route), ["routes"]);
+    }
+
+    #[test]
+    fn a_reload_applies_the_request_path_settings_and_keeps_the_others_running() {
+        let running = Config::from_toml_str(
+            "[server]\nmax_waiting = 64\nbody_read_timeout = \"30s\"\n[store]\ntimeout = \"1s\"\n",
+        )
+        .unwrap();
+        let loaded = Config::from_toml_str(
+            "[server]\nmax_waiting = 2\nbody_read_timeout = \"5s\"\n[store]\ntimeout = \"9s\"\n\
+             on_error = \"fail_open\"\n[upstream]\ntimeout = \"7s\"\n[log]\nformat = \"json\"\naccess = false\n",
+        )
+        .unwrap();
+        let config = keep_running(&running, loaded);
+        assert_eq!(
+            config.server.max_waiting, 64,
+            "a process-wide seat count waits for a restart"
+        );
+        assert_eq!(config.server.body_read_timeout, std::time::Duration::from_secs(5));
+        assert_eq!(config.store.timeout, std::time::Duration::from_secs(1));
+        assert_eq!(config.store.on_error, crate::config::OnStoreError::FailOpen);
+        assert_eq!(config.upstream.timeout, std::time::Duration::from_secs(7));
+        assert_eq!(config.log.format, running.log.format);
+        assert!(!config.log.access);
+
+        for key in [
+            "routes",
+            "upstream.timeout",
+            "upstream.tls.ca_file",
+            "idempotency.lock_timeout",
+            "store.on_error",
+        ] {
+            assert!(applies(key), "{key}");
+        }
+        for key in [
+            "server.max_waiting",
+            "store.timeout",
+            "log.format",
+            "upstreams",
+            "traces.enabled",
+            "store",
+        ] {
+            assert!(!applies(key), "{key}");
+        }
     }
 }

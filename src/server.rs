@@ -8,6 +8,7 @@
 //! files change (`server/cert_reload.rs`).
 
 mod cert_reload;
+mod generations;
 mod slots;
 mod socket;
 mod write_deadline;
@@ -32,6 +33,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use self::generations::Generations;
 use self::slots::{Clock, Evictable, Guarded, Slot, Slots, Tracked};
 use self::socket::Accepted;
 pub use self::socket::ProxySocket;
@@ -40,7 +42,6 @@ use crate::admin::Admin;
 use crate::body::ProxyBody;
 use crate::config::{ListenerTls, ServerConfig};
 use crate::error::{Busy, ProxyError};
-use crate::proxy::Proxy;
 use crate::proxy::downstream::{Downstream, Peer};
 use crate::proxy::key::client_cert::ClientCert;
 
@@ -68,10 +69,12 @@ pub struct ProxyListener {
     pub tls: Option<ListenerTls>,
     /// What one client may hold.
     pub limits: Limits,
-    /// Threads serving its connections.
-    pub workers: usize,
-    /// The request path; each worker gets its own copy, with its own upstream connections.
-    pub proxy: Proxy,
+    /// The request path of each worker thread serving its connections, with its own upstream
+    /// connections; a reload replaces it.
+    pub generations: Arc<Generations>,
+    /// Notified when `POST /-/reload` asks for a reload: the certificate files are read again then, as
+    /// at SIGHUP.
+    pub certificates: Arc<tokio::sync::Notify>,
 }
 
 /// Bounds on the proxy listener's connections, and how far its clients are trusted, from `[server]`.
@@ -148,9 +151,12 @@ pub async fn serve(
         listener,
         tls,
         limits,
-        workers,
-        proxy,
+        generations,
+        certificates,
     } = proxy;
+    // What every generation shares (metrics, the tracker of forwarding tasks) and what only a restart
+    // changes (the problem type base of the listener's own refusals) are read off the first.
+    let proxy = generations.worker(0);
     let tracker = proxy.tracker.clone();
     let clock = Clock::new();
     let slots = Slots::new(
@@ -174,9 +180,10 @@ pub async fn serve(
     // The workers (and the certificate reload) stop when this function ends however it ends: an error,
     // or its future dropped.
     let _stop_workers = finished.clone().drop_guard();
-    let mut workers = Workers::start(workers, &proxy, &serving, &clock, &finished)?;
+    let mut workers = Workers::start(&generations, &serving, &clock, &finished)?;
     if let Some(tls) = tls {
-        tokio::spawn(cert_reload::watch(tls, proxy.metrics.clone(), finished.clone()));
+        let watched = (proxy.metrics.clone(), certificates);
+        tokio::spawn(cert_reload::watch(tls, watched, finished.clone()));
     }
     let admin_stop = CancellationToken::new();
     let admin_slots = Slots::new(ADMIN_MAX_CONNECTIONS, limits.header_read_timeout, clock, None);
@@ -330,7 +337,7 @@ enum StdStream {
 }
 
 /// The worker threads, each a single-threaded runtime serving the connections handed to it with its
-/// own [`Proxy`] (and so its own upstream connections): a request, its upstream exchange and their
+/// own [`Proxy`](crate::proxy::Proxy) (and so its own upstream connections): a request, its upstream exchange and their
 /// wake-ups stay on one thread, as in nginx's worker processes.
 struct Workers {
     queues: Vec<mpsc::UnboundedSender<InTransit>>,
@@ -340,12 +347,12 @@ struct Workers {
 
 impl Workers {
     fn start(
-        count: usize,
-        proxy: &Proxy,
+        generations: &Arc<Generations>,
         serving: &Serving,
         clock: &Arc<Clock>,
         finished: &CancellationToken,
     ) -> std::io::Result<Workers> {
+        let count = generations.len();
         let mut workers = Workers {
             queues: Vec::with_capacity(count),
             done: Vec::with_capacity(count),
@@ -361,7 +368,7 @@ impl Workers {
                 .thread_name(format!("idemproxy-blk-{index}"))
                 .build()?;
             let work = work(
-                Arc::new(proxy.for_worker()),
+                (generations.clone(), index),
                 serving.clone(),
                 handoffs,
                 clock.clone(),
@@ -418,7 +425,7 @@ impl Workers {
 /// A worker's life: serve each connection handed over, then keep running (connection tasks, relays,
 /// heartbeats, store connections opened here) until the whole server has `finished`.
 async fn work(
-    proxy: Arc<Proxy>,
+    (generations, index): (Arc<Generations>, usize),
     serving: Serving,
     mut handoffs: mpsc::UnboundedReceiver<InTransit>,
     clock: Arc<Clock>,
@@ -443,7 +450,7 @@ async fn work(
         let downstream = Downstream::new(
             peer,
             serving.tls.is_some(),
-            proxy.keyed_per_connection,
+            generations.worker(index).keyed_per_connection,
             Some(slot.tracked()),
         );
         let stream = match stream {
@@ -453,7 +460,7 @@ async fn work(
                 continue;
             }
         };
-        let proxy = proxy.clone();
+        let generations = generations.clone();
         let connection = Connection {
             builder: serving.builder.clone(),
             tls: serving.tls.clone(),
@@ -461,7 +468,8 @@ async fn work(
             deadline: serving.deadline.clone(),
             problem_base: serving.problem_base.clone(),
         };
-        let handler = move |request| proxy.clone().handle(request, downstream.clone());
+        // Each request is served by the generation current when it arrives, and keeps it to its end.
+        let handler = move |request| generations.worker(index).handle(request, downstream.clone());
         match stream {
             Either::Left(tcp) => tokio::spawn(connection.serve(tcp, slot, handler)),
             Either::Right(unix) => tokio::spawn(connection.serve(unix, slot, handler)),

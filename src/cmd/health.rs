@@ -7,8 +7,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
 
-use http::{HeaderValue, Request, StatusCode, Uri, header};
+use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body_util::Empty;
+use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
@@ -98,15 +99,25 @@ pub async fn run(
 pub async fn check(admin: SocketAddr, probe: Probe, timeout: Duration) -> Result<(), HealthError> {
     let addr = reachable(admin);
     let url = format!("http://{addr}{}", probe.path());
-    match tokio::time::timeout(timeout, get(addr, probe.path(), &url)).await {
-        Ok(Ok(StatusCode::OK)) => Ok(()),
-        Ok(Ok(status)) => Err(HealthError::Status { url, status }),
+    match tokio::time::timeout(timeout, call(addr, Method::GET, probe.path(), &url)).await {
+        Ok(Ok(response)) if response.status() == StatusCode::OK => Ok(()),
+        Ok(Ok(response)) => Err(HealthError::Status {
+            url,
+            status: response.status(),
+        }),
         Ok(Err(error)) => Err(error),
         Err(_) => Err(HealthError::Timeout { url, timeout }),
     }
 }
 
-async fn get(addr: SocketAddr, path: &'static str, url: &str) -> Result<StatusCode, HealthError> {
+/// Sends `method` `path` to the admin listener at `addr` (`url` names it in errors) and returns the
+/// answer, its body unread.
+pub(crate) async fn call(
+    addr: SocketAddr,
+    method: Method,
+    path: &'static str,
+    url: &str,
+) -> Result<Response<Incoming>, HealthError> {
     let stream = TcpStream::connect(addr)
         .await
         .map_err(|source| HealthError::Connect {
@@ -122,12 +133,12 @@ async fn get(addr: SocketAddr, path: &'static str, url: &str) -> Result<StatusCo
         .map_err(http)?;
     tokio::spawn(connection);
     let mut request = Request::new(Empty::<bytes::Bytes>::new());
+    *request.method_mut() = method;
     *request.uri_mut() = Uri::from_static(path);
     if let Ok(host) = HeaderValue::from_str(&addr.to_string()) {
         request.headers_mut().insert(header::HOST, host);
     }
-    let response = sender.send_request(request).await.map_err(http)?;
-    Ok(response.status())
+    sender.send_request(request).await.map_err(http)
 }
 
 #[cfg(test)]

@@ -80,6 +80,8 @@ pub(crate) struct ExecutorParts {
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) metrics: Metrics,
     pub(crate) attachments: Arc<Attachments>,
+    /// Bytes of keyed responses being captured, and each scope's share: one budget for the process.
+    pub(crate) captures: Arc<CaptureBudget>,
 }
 
 /// A won claim: the record it holds, fenced by its token, and the lease it was claimed with. The
@@ -212,15 +214,8 @@ impl Executor {
             cache,
             metrics,
             attachments,
+            captures,
         } = parts;
-        let server = &config.server;
-        // Bytes of keyed responses being captured, and each scope's share: one budget for every worker.
-        let captures = Arc::new(CaptureBudget::new(
-            server.max_buffered_responses,
-            server.max_buffered_responses_per_scope,
-            server.capture_wait,
-            metrics.clone(),
-        ));
         Executor {
             relay: Relay::new(config.server.write_timeout, upstream.timeout(), metrics.clone()),
             captures,

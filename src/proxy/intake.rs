@@ -88,16 +88,18 @@ pub(crate) struct Unkeyed {
 }
 
 impl Intake {
+    /// The intake stage as `config` sets it, drawing on the process's body budget and examiners
+    /// (`pools`), which every generation of the request path shares.
     pub(crate) fn new(
         config: &Config,
         metrics: Metrics,
-        trailers: Arc<TrailerRules>,
-        key_sets: Arc<KeySets>,
+        (trailers, key_sets): (Arc<TrailerRules>, Arc<KeySets>),
+        (budget, examiners): (BodyBudget, Examiners),
     ) -> Intake {
         Intake {
-            budget: BodyBudget::new(config.server.max_buffered_bodies, metrics.clone()),
+            budget,
             body_read_timeout: config.server.body_read_timeout,
-            examiners: Examiners::per_cpu(),
+            examiners,
             trailers,
             key_sets,
             verified: Arc::default(),

@@ -60,7 +60,8 @@ impl Stages {
     /// The keyed task over these stages, its waits ended by `shutdown`.
     pub(crate) fn keyed(&self, shutdown: CancellationToken) -> Arc<KeyedTask> {
         let (cache, metrics) = (self.cache.clone(), self.metrics.clone());
-        let waits = Waits::new(&self.config, cache, self.attachments.clone(), metrics, shutdown);
+        let seats = Arc::new(tokio::sync::Semaphore::new(self.config.server.max_waiting));
+        let waits = Waits::new(seats, cache, self.attachments.clone(), metrics, shutdown);
         Arc::new(KeyedTask::new(self.claims.clone(), waits, self.settle.clone()))
     }
 }
@@ -89,6 +90,12 @@ pub(crate) fn stages(toml: &str, store: &Arc<StubStore>) -> Stages {
             cache: cache.clone(),
             metrics: metrics.clone(),
             attachments: attachments.clone(),
+            captures: Arc::new(super::execute::capture::CaptureBudget::new(
+                config.server.max_buffered_responses,
+                config.server.max_buffered_responses_per_scope,
+                config.server.capture_wait,
+                metrics.clone(),
+            )),
         },
     );
     let permits = KeyedPermits::new(4);

@@ -32,7 +32,7 @@ use super::claim::{InFlight, in_flight_retry_after};
 use super::dialect::sse::{self, Resume};
 use super::replay;
 use crate::body::ProxyBody;
-use crate::config::{Config, OnInFlight};
+use crate::config::OnInFlight;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome, WaitResult};
 
@@ -80,15 +80,16 @@ enum Woken {
 }
 
 impl Waits {
+    /// The waits over `waiting`, the process's seats for waiting requests (`server.max_waiting`).
     pub(crate) fn new(
-        config: &Config,
+        waiting: Arc<Semaphore>,
         cache: Arc<ReplayCache>,
         attachments: Arc<Attachments>,
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> Waits {
         Waits {
-            waiting: Arc::new(Semaphore::new(config.server.max_waiting)),
+            waiting,
             shutdown,
             cache,
             attachments,

@@ -13,9 +13,11 @@
 //! acted on once: a broken pair is logged and counted once, not at every tick, and the next change is
 //! tried again.
 //!
-//! SIGHUP reads the files at once and takes a changed pair without waiting for a second read: the
+//! SIGHUP (or a reload asked on the admin listener, `POST /-/reload`) reads the files at once and takes a changed pair without waiting for a second read: the
 //! operator who sends it says the files are complete. `idemproxy_tls_last_reload_successful` is 0 from a
 //! refused pair until a pair is taken again.
+
+use std::sync::Arc;
 
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
@@ -28,8 +30,13 @@ use crate::shutdown::Hangups;
 /// What the two files held when last read: their contents, or why they could not be read.
 type Seen = Result<(Vec<u8>, Vec<u8>), String>;
 
-/// Watches the files until `stop`.
-pub(super) async fn watch(tls: ListenerTls, metrics: Metrics, stop: CancellationToken) {
+/// Watches the files until `stop`; a SIGHUP or `asked` (a reload asked on the admin listener) has them
+/// read at once.
+pub(super) async fn watch(
+    tls: ListenerTls,
+    (metrics, asked): (Metrics, Arc<tokio::sync::Notify>),
+    stop: CancellationToken,
+) {
     let mut taken: Seen = Ok(tls.loaded_pem.as_ref().clone());
     let mut last = taken.clone();
     let mut ticks = tokio::time::interval_at(
@@ -43,13 +50,14 @@ pub(super) async fn watch(tls: ListenerTls, metrics: Metrics, stop: Cancellation
             _ = stop.cancelled() => return,
             _ = ticks.tick() => false,
             () = hangups.next() => true,
+            () = asked.notified() => true,
         };
         let now = read(&tls).await;
         if (asked || now == last) && now != taken {
             reload(&tls, &now, &metrics);
             taken = now.clone();
         } else if asked {
-            tracing::info!(cert_file = %tls.cert_file.display(), "SIGHUP: listener certificate unchanged");
+            tracing::info!(cert_file = %tls.cert_file.display(), "reload: listener certificate unchanged");
         }
         last = now;
     }
@@ -136,7 +144,11 @@ mod tests {
         let tls = config.server.tls.unwrap();
         let metrics = Metrics::new();
         let stop = CancellationToken::new();
-        let task = tokio::spawn(watch(tls.clone(), metrics.clone(), stop.clone()));
+        let task = tokio::spawn(watch(
+            tls.clone(),
+            (metrics.clone(), Arc::default()),
+            stop.clone(),
+        ));
         let first = current(&tls.cert);
 
         let b = pair("b.test");

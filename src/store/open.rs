@@ -81,6 +81,7 @@ pub async fn migrate(config: &StoreConfig) -> Result<usize, StoreError> {
 }
 
 /// `serve`'s store as [`serve`] returns it: its handle, open or still opening, and what the store can do.
+#[derive(Clone)]
 pub struct Serving {
     /// The store as the request path uses it.
     pub store: StoreHandle,

@@ -2,8 +2,8 @@
 //! (`cli.rs`, `config_errors.rs`), the `health` and `keys` commands (`health_cli.rs`, `keys_cli.rs`,
 //! `keys_oncall.rs`), the admin port, access log, metrics, logs and traces (`admin.rs`, `access_log.rs`,
 //! `telemetry.rs`, `traces.rs`), a process that dies or is asked to stop (`processes.rs`), the sweeper
-//! (`sweeper.rs`), the PostgreSQL roles the guide recommends (`roles.rs`) and what the store's refusals
-//! read (`store_errors.rs`). One file per task.
+//! (`sweeper.rs`), the PostgreSQL roles the guide recommends (`roles.rs`), what the store's refusals
+//! read (`store_errors.rs`), and a reload without a restart (`reload.rs`). One file per task.
 
 mod access_log;
 mod admin;
@@ -13,6 +13,7 @@ mod health_cli;
 mod keys_cli;
 mod keys_oncall;
 mod processes;
+mod reload;
 mod roles;
 mod store_errors;
 mod sweeper;

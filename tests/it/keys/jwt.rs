@@ -416,6 +416,82 @@ scope_jwt = {{ jwks_file = "{}", audiences = ["{AUDIENCE}"] }}
     assert_eq!(env.upstream.executions(), 1);
 }
 
+/// A key set from a file is read again at a reload (`idemproxy reload`, as at SIGHUP): a key rotated in
+/// the file is taken without a restart, and a route that names a set for the first time verifies with it.
+#[tokio::test]
+async fn a_key_file_rotated_is_read_again_at_a_reload() {
+    let minted = Minted::new().await;
+    let env = TestEnv::on(crate::support::Backend::Sqlite).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("jwks.json");
+    std::fs::write(&file, &minted.jwks_1).unwrap();
+    let route = format!(
+        "name = \"payments\"\npath = \"/payments\"\nscope_jwt = {{ jwks_file = \"{}\", audiences = [\"{AUDIENCE}\"] }}",
+        file.display()
+    );
+    let config = env.config();
+    let proxy = ProxyProcess::spawn(&config.clone().route(&route)).await;
+    pay(&proxy.url, minted.token("alice_rotated"), Some("file-r1"), "{}")
+        .await
+        .assert_problem(401, "invalid-token");
+
+    std::fs::write(&file, &minted.jwks_2).unwrap();
+    let reload = |proxy: &ProxyProcess| {
+        let admin = proxy.admin_url.trim_start_matches("http://").to_owned();
+        async move { crate::support::cli::idemproxy(&["reload", "--admin-listen", &admin], &[]).await }
+    };
+    let output = reload(&proxy).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        crate::support::cli::stderr(&output)
+    );
+    let rotated = pay(&proxy.url, minted.token("alice_rotated"), Some("file-r1"), "{}").await;
+    assert_eq!(
+        rotated.status,
+        201,
+        "the rotated key is taken: {}",
+        rotated.text()
+    );
+    assert_eq!(env.upstream.executions(), 1);
+
+    // A second route naming another set, added by a reload, verifies with it at once.
+    let other = dir.path().join("other.json");
+    std::fs::write(&other, &minted.jwks_1).unwrap();
+    let second = route.replace(
+        "payments\"\npath = \"/payments\"",
+        "refunds\"\npath = \"/refunds\"",
+    );
+    let second = second.replace(&file.display().to_string(), &other.display().to_string());
+    std::fs::write(proxy.config_file(), config.route(&route).route(&second).to_toml()).unwrap();
+    let output = reload(&proxy).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        crate::support::cli::stderr(&output)
+    );
+    let refund = Reply::of(
+        client()
+            .post(format!("{}/refunds", proxy.url))
+            .header("authorization", format!("Bearer {}", minted.token("alice")))
+            .header("idempotency-key", "refund-1")
+            .header("content-type", "application/json")
+            .body("{}"),
+    )
+    .await;
+    assert_eq!(refund.status, 201, "{}", refund.text());
+    let forged = Reply::of(
+        client()
+            .post(format!("{}/refunds", proxy.url))
+            .header("authorization", format!("Bearer {}", minted.token("forged")))
+            .header("idempotency-key", "refund-2")
+            .header("content-type", "application/json")
+            .body("{}"),
+    )
+    .await;
+    forged.assert_problem(401, "invalid-token");
+}
+
 /// A set may hold two keys under one kid (an issuer rotating a key in under the old one's kid): a token
 /// signed by either verifies, and names the same client.
 #[tokio::test]

@@ -131,7 +131,7 @@ async fn json_logs_are_flat_and_begin_with_the_version_and_the_configuration() {
 }
 
 #[tokio::test]
-async fn sighup_applies_a_new_log_filter_and_names_what_needs_a_restart() {
+async fn sighup_applies_a_new_log_filter_and_upstream_and_names_what_needs_a_restart() {
     let env = TestEnv::on(Backend::Sqlite).await;
     let config = env.config();
     let proxy = ProxyProcess::spawn(&config).await;
@@ -151,16 +151,19 @@ async fn sighup_applies_a_new_log_filter_and_names_what_needs_a_restart() {
     let other = crate::support::Upstream::start().await;
     let changed = config
         .set("log.filter", "info,idemproxy=debug")
-        .set("upstream.url", other.url());
+        .set("upstream.url", other.url())
+        .set("server.max_waiting", 7);
     std::fs::write(proxy.config_file(), changed.to_toml()).unwrap();
     proxy.hangup();
     let restart = logged(
         &proxy,
-        "SIGHUP: configuration read again; these changed settings take effect only after a restart",
+        "SIGHUP: these settings differ from the running ones and take effect only after a restart",
     )
     .await;
-    assert_eq!(restart["settings"], "upstream.url", "{restart}");
-    logged(&proxy, "SIGHUP: log filter changed").await;
+    assert_eq!(restart["settings"], "server.max_waiting", "{restart}");
+    let applied = logged(&proxy, "SIGHUP: configuration reloaded; applied to new requests").await;
+    assert_eq!(applied["settings"], "log.filter, upstream.url", "{applied}");
+    logged(&proxy, "reload: log filter changed").await;
 
     assert_eq!(
         Reply::of(keyed_post(&proxy.url, "/orders", "h2", "{}"))
@@ -173,11 +176,11 @@ async fn sighup_applies_a_new_log_filter_and_names_what_needs_a_restart() {
     })
     .await;
     assert_eq!(
-        env.upstream.executions_for_key("h2"),
+        other.executions_for_key("h2"),
         1,
-        "the upstream changes at a restart only"
+        "the new upstream takes new requests"
     );
-    assert_eq!(other.executions_for_key("h2"), 0);
+    assert_eq!(env.upstream.executions_for_key("h2"), 0);
     let reloads = [("result", "ok")];
     assert_eq!(
         metric(&proxy.admin_url, "idemproxy_config_reloads_total", &reloads).await,
