@@ -61,6 +61,7 @@ pub mod error;
 pub mod error_chain;
 pub mod headers;
 pub mod jwks;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;
@@ -244,6 +245,7 @@ async fn serve(
 ) -> Result<(), RunError> {
     announce_config(&config);
     let metrics = Metrics::new();
+    limits::apply(&config, &metrics);
     if let Some(reload) = reload {
         reload.spawn(&config, metrics.clone(), shutdown.clone());
     }
