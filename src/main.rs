@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use idemproxy::cmd::{Cli, Command, DemoArgs, HealthArgs, KeysArgs};
 use idemproxy::config::{Config, mask_passwords};
 use idemproxy::logging;
@@ -27,6 +27,15 @@ fn main() -> ExitCode {
     }
     if let Command::DemoUpstream(args) = &cli.command {
         return demo_upstream(args);
+    }
+    if let Command::Completions { shell } = cli.command {
+        return print_with(|out| {
+            clap_complete::generate(shell, &mut Cli::command(), "idemproxy", out);
+            Ok(())
+        });
+    }
+    if let Command::Man = cli.command {
+        return print_with(|out| clap_mangen::Man::new(Cli::command()).render(out));
     }
     let (file, overrides) = cli.command.overrides();
     let config = match Config::load(file, &overrides) {
@@ -143,6 +152,18 @@ fn health(command: &Command, args: &HealthArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("idemproxy health: {}", mask_passwords(&error.to_string()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes what `write` makes to standard output (`completions`, `man`).
+fn print_with(write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match write(&mut out).and_then(|()| std::io::Write::flush(&mut out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("idemproxy: cannot write to standard output: {error}");
             ExitCode::FAILURE
         }
     }
