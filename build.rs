@@ -39,12 +39,11 @@ fn watch_head() {
     let Some(common) = path(&["rev-parse", "--git-common-dir"]) else {
         return;
     };
-    // A path that does not exist would rerun the script at every build.
-    let packed = common.join("packed-refs");
-    if packed.exists() {
-        println!("cargo:rerun-if-changed={}", packed.display());
-    }
-    if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
-        println!("cargo:rerun-if-changed={}", common.join(branch).display());
+    let branch = git(&["symbolic-ref", "-q", "HEAD"]).map(|branch| common.join(branch));
+    // A path that does not exist would rerun the script, and rebuild the crate, at every build.
+    for file in [Some(common.join("packed-refs")), branch].into_iter().flatten() {
+        if file.exists() {
+            println!("cargo:rerun-if-changed={}", file.display());
+        }
     }
 }
