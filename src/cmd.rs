@@ -1,13 +1,16 @@
 //! The command line: `serve`, `migrate`, `check-config`, each taking the config file and the override
 //! flags that form the top configuration layer, `keys`, the operator's runbook for single records
-//! (`cmd/keys.rs`), `health`, the probe for a container's HEALTHCHECK (`cmd/health.rs`), and
-//! `demo-upstream`, a service to try the proxy on. Parsed once by `main.rs`, which runs the command.
+//! (`cmd/keys.rs`), `health`, the probe for a container's HEALTHCHECK (`cmd/health.rs`),
+//! `demo-upstream`, a service to try the proxy on, and `completions` and `man`, which print a shell's
+//! completion script and the manual page. Parsed once by `main.rs`, which runs the command. `--version`
+//! names the build ([`version`]).
 
 pub mod health;
 pub mod keys;
 pub mod reload;
 
 use std::path::PathBuf;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -18,7 +21,7 @@ use health::Probe;
 
 /// Idempotency sidecar: executes each keyed request once and replays its response to retries.
 #[derive(Debug, Parser)]
-#[command(name = "idemproxy", version, about)]
+#[command(name = "idemproxy", version = version(), about)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -48,6 +51,15 @@ pub enum Command {
     /// Run a tiny demo service to try the proxy on (not for production): it answers every request 201
     /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds.
     DemoUpstream(DemoArgs),
+    /// Print a completion script for SHELL on standard output (for example
+    /// `idemproxy completions bash > /etc/bash_completion.d/idemproxy`).
+    Completions {
+        /// The shell to complete in.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff) on standard output (`idemproxy man | man -l -`).
+    Man,
 }
 
 impl Command {
@@ -59,9 +71,42 @@ impl Command {
             Command::Keys(args) => (args.config.as_deref(), args.overrides()),
             Command::Health(args) => (args.config.as_deref(), args.overrides()),
             Command::Reload(args) => (args.config.as_deref(), args.overrides()),
-            Command::DemoUpstream(_) => (None, Overrides::default()),
+            Command::DemoUpstream(_) | Command::Completions { .. } | Command::Man => {
+                (None, Overrides::default())
+            }
         }
     }
+}
+
+/// The cargo features a build may enable, and whether this one did.
+const FEATURES: [(&str, bool); 1] = [("otlp", cfg!(feature = "otlp"))];
+
+/// What `--version` prints after the name: the crate's version, the git commit it was built from
+/// (`build.rs`; `unknown` outside a git checkout), the profile, and the cargo features enabled.
+pub fn version() -> &'static str {
+    static VERSION: LazyLock<String> = LazyLock::new(|| {
+        let commit = option_env!("IDEMPROXY_COMMIT").unwrap_or("unknown");
+        let profile = if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        };
+        let enabled: Vec<&str> = FEATURES
+            .iter()
+            .filter(|(_, on)| *on)
+            .map(|(name, _)| *name)
+            .collect();
+        let features = if enabled.is_empty() {
+            "none".to_owned()
+        } else {
+            enabled.join(",")
+        };
+        format!(
+            "{} (commit {commit}, {profile} build, features: {features})",
+            env!("CARGO_PKG_VERSION")
+        )
+    });
+    VERSION.as_str()
 }
 
 /// `idemproxy keys`: works against the configured store, beside a running proxy.

@@ -62,6 +62,7 @@ pub mod error;
 pub mod error_chain;
 pub mod headers;
 pub mod jwks;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;
@@ -250,6 +251,7 @@ async fn serve(
 ) -> Result<(), RunError> {
     announce_config(&config);
     let metrics = Metrics::new();
+    limits::apply(&config, &metrics);
     // Heard from now on, not once the store is open: a SIGHUP meanwhile waits for the reload task.
     let hangups = reload.as_ref().map(|_| Hangups::listen());
     let tracker = TaskTracker::new();

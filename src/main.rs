@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use idemproxy::cmd::{Cli, Command, DemoArgs, HealthArgs, KeysArgs, ReloadArgs};
 use idemproxy::config::{Config, mask_passwords};
 use idemproxy::logging;
@@ -31,6 +31,15 @@ fn main() -> ExitCode {
     }
     if let Command::Reload(args) = &cli.command {
         return reload(&cli.command, args);
+    }
+    if let Command::Completions { shell } = cli.command {
+        return print_with(|out| {
+            clap_complete::generate(shell, &mut Cli::command(), "idemproxy", out);
+            Ok(())
+        });
+    }
+    if let Command::Man = cli.command {
+        return print_with(|out| clap_mangen::Man::new(Cli::command()).render(out));
     }
     let (file, overrides) = cli.command.overrides();
     let config = match Config::load(file, &overrides) {
@@ -180,6 +189,18 @@ fn reload(command: &Command, args: &ReloadArgs) -> ExitCode {
         }
         Err(error) => {
             eprintln!("idemproxy reload: {}", mask_passwords(&error.to_string()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes what `write` makes to standard output (`completions`, `man`).
+fn print_with(write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match write(&mut out).and_then(|()| std::io::Write::flush(&mut out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("idemproxy: cannot write to standard output: {error}");
             ExitCode::FAILURE
         }
     }

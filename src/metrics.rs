@@ -325,6 +325,16 @@ families! {
             label::VERSION,
             label::PROFILE,
         ),
+        pub open_files_limit: IntGauge = gauge(
+            "idemproxy_open_files_limit",
+            "The soft limit on open files (RLIMIT_NOFILE) after serve raised it to the hard limit at start.",
+        ),
+        pub open_files_needed: IntGauge = gauge(
+            "idemproxy_open_files_needed",
+            "Files and sockets the configuration may hold open at once (server.max_connections, \
+            upstream.max_connections per worker, store.pool_size and a margin); above \
+            idemproxy_open_files_limit, connections fail under load.",
+        ),
         pub config_reloads: Reloads = reloads(
             "idemproxy_config_reloads_total",
             "Times SIGHUP read the configuration again, by whether it was valid (ok) or refused, the running \

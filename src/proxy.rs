@@ -283,7 +283,7 @@ impl Proxy {
             otel.kind = tracing::field::Empty,
             otel.name = tracing::field::Empty,
         );
-        let line = self.open_line(&request, &span);
+        let line = self.open_line(&request, &peer, &span);
         // The proxy's own answers are written as the request's dialect reads them.
         let dialect = Dialect::of(request.headers());
         // A refused path is counted under the default route, as a path no route matches is.
@@ -392,9 +392,14 @@ impl Proxy {
         (Ok(()), route)
     }
 
-    /// Puts the caller's trace context on the request's span, and opens its access line while the access
-    /// log is on. With the span disabled and the log off, does nothing.
-    fn open_line(&self, request: &Request<Incoming>, span: &tracing::Span) -> Option<Line> {
+    /// Puts the caller's trace context on the request's span, and opens its access line, from `peer`,
+    /// while the access log is on. With the span disabled and the log off, does nothing.
+    fn open_line(
+        &self,
+        request: &Request<Incoming>,
+        peer: &Downstream,
+        span: &tracing::Span,
+    ) -> Option<Line> {
         if span.is_disabled() && !self.access_log {
             return None;
         }
@@ -403,8 +408,10 @@ impl Proxy {
             span.record("trace_id", trace.trace_id);
             span.record("parent_id", trace.parent_id);
         }
-        self.access_log
-            .then(|| Line::open(request.method(), request.uri().path(), trace.map(|t| t.trace_id)))
+        self.access_log.then(|| {
+            let client = peer.logged_client(request.headers());
+            Line::open(request, client, trace.map(|t| t.trace_id))
+        })
     }
 
     /// The lifecycle after `normal`, the path's normalisation (`path::normalise`), which a refused path

@@ -182,6 +182,7 @@ impl Reload {
         let key_sets = running.key_sets.load().again(&config, stop);
         let proxy = running.grounds.proxy(&config, &key_sets);
         running.generations.install(&proxy);
+        crate::limits::reassess(&config, &running.metrics);
         running.key_sets.store(key_sets);
         running.config = config;
         seen.last = read;

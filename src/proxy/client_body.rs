@@ -21,6 +21,7 @@ use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
 use super::trailers::{TrailerRules, connection_named};
+use crate::access::{self, Ledger};
 use crate::body::BoxError;
 use crate::error::{Busy, ProxyError};
 
@@ -169,6 +170,8 @@ pub struct GuardedBody {
     client: ClientSide,
     /// Bytes since the body last reported progress.
     unreported: usize,
+    /// The request's access-log ledger, which counts the bytes read (`access.rs`), while the log is on.
+    ledger: Option<Arc<Ledger>>,
 }
 
 /// The rules a body's trailers are cleaned by (`trailers.rs`), and the fields its head's `Connection`
@@ -240,6 +243,7 @@ impl GuardedBody {
             idle: None,
             client: ClientSide::new(watch),
             unreported: 0,
+            ledger: access::current(),
         }
     }
 
@@ -258,6 +262,9 @@ impl GuardedBody {
             && let Some(data) = frame.data_ref()
         {
             self.unreported += data.len();
+            if let Some(ledger) = &self.ledger {
+                ledger.body_read(data.len());
+            }
             if self.unreported >= PROGRESS {
                 self.unreported = 0;
                 self.client.progressed();

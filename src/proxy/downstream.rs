@@ -1,14 +1,16 @@
 //! The client side of a connection, made once per connection and shared by its requests and their
 //! detached work: what the upstream is told about the client (`X-Forwarded-For`, `X-Forwarded-Proto`),
-//! the connection's share of keyed slots, and what its connection is told of its bodies.
+//! the address the access log gives it (`access.rs`), the connection's share of keyed slots, and what its
+//! connection is told of its bodies.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use http::header::{Entry, HeaderMap, HeaderName, HeaderValue};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::client_body::BodyWatch;
+use crate::access::Client as LoggedClient;
 
 pub(crate) const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub(crate) const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -20,6 +22,8 @@ pub(crate) const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwa
 pub struct Downstream(Arc<Client>);
 
 struct Client {
+    /// How the client reached the proxy.
+    peer: Peer,
     /// What `X-Forwarded-For` says of the client.
     forwarded_for: ForwardedFor,
     /// Whether the client connected over TLS.
@@ -79,11 +83,25 @@ impl Downstream {
             Peer::Unix { trusted: false } => ForwardedFor::Removed,
         };
         Downstream(Arc::new(Client {
+            peer,
             forwarded_for,
             tls,
             keyed: Arc::new(Semaphore::new(keyed_share.min(Semaphore::MAX_PERMITS))),
             watch,
         }))
+    }
+
+    /// Where a request with `headers` came from, for its access line: the TCP peer's address (whatever
+    /// `X-Forwarded-For` it sent: no TCP client is trusted to write one), or on the unix socket, when its
+    /// client is trusted (`server.trust_unix_forwarded_for`), the last address in its `X-Forwarded-For`,
+    /// the one that proxy added for its own client (the first address it does not vouch for).
+    pub(crate) fn logged_client(&self, headers: &HeaderMap) -> LoggedClient {
+        let ip = match self.0.peer {
+            Peer::Tcp(addr) => Some(addr.ip()),
+            Peer::Unix { trusted: true } => last_forwarded(headers),
+            Peer::Unix { trusted: false } => None,
+        };
+        ip.map_or(LoggedClient::Unix, LoggedClient::Ip)
     }
 
     /// What the connection is told of its requests' bodies.
@@ -124,6 +142,16 @@ impl Downstream {
             None => headers.remove(X_FORWARDED_HOST),
         };
     }
+}
+
+/// The last address in the last `X-Forwarded-For` line, with or without a port; none when it is no
+/// address (`unknown`, an obfuscated name).
+fn last_forwarded(headers: &HeaderMap) -> Option<IpAddr> {
+    let line = headers.get_all(X_FORWARDED_FOR).iter().next_back()?;
+    let last = line.to_str().ok()?.rsplit(',').next()?.trim();
+    last.parse::<IpAddr>()
+        .ok()
+        .or_else(|| last.parse::<SocketAddr>().ok().map(|addr| addr.ip()))
 }
 
 /// `prior`, then `ip`, as one `X-Forwarded-For` value.
@@ -174,5 +202,24 @@ mod tests {
             forwarded(&Downstream::new(Peer::Unix { trusted: true }, false, 1, None)).unwrap(),
             "10.0.0.1"
         );
+    }
+
+    #[test]
+    fn the_logged_client_is_the_tcp_peer_or_what_a_trusted_unix_client_adds_last() {
+        let mut headers = HeaderMap::new();
+        headers.append(X_FORWARDED_FOR, HeaderValue::from_static("203.0.113.9"));
+        headers.append(
+            X_FORWARDED_FOR,
+            HeaderValue::from_static("10.0.0.1, [2001:db8::7]:4711"),
+        );
+        let tcp = Downstream::new(Peer::Tcp("192.0.2.1:5000".parse().unwrap()), false, 1, None);
+        assert_eq!(tcp.logged_client(&headers).to_string(), "192.0.2.1");
+        let trusted = Downstream::new(Peer::Unix { trusted: true }, false, 1, None);
+        assert_eq!(trusted.logged_client(&headers).to_string(), "2001:db8::7");
+        let untrusted = Downstream::new(Peer::Unix { trusted: false }, false, 1, None);
+        assert_eq!(untrusted.logged_client(&headers), LoggedClient::Unix);
+        headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1, unknown"));
+        assert_eq!(trusted.logged_client(&headers), LoggedClient::Unix);
+        assert_eq!(trusted.logged_client(&HeaderMap::new()), LoggedClient::Unix);
     }
 }

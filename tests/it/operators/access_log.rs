@@ -1,11 +1,13 @@
-//! The access log (`log.access`) read from the real binary's stderr, in JSON and text, and the W3C trace
-//! context: passed through to the upstream, on the request's line, never part of the fingerprint.
+//! The access log (`log.access`) read from the real binary's stderr, in JSON and text: what each line
+//! says of its request (client address, host, user agent, protocol, bytes in and out, times), the client
+//! address a trusted proxy on the unix socket gives and a spoofed `X-Forwarded-For` does not, and the W3C
+//! trace context: passed through to the upstream, on the request's line, never part of the fingerprint.
 
 use std::collections::BTreeMap;
 
 use rstest::rstest;
 
-use crate::support::proxy::strip_ansi;
+use crate::support::proxy::{binary, strip_ansi};
 use crate::support::{
     Backend, ProxyConfig, ProxyProcess, Reply, TestEnv, http::client, keyed_post, poll_until, settled,
 };
@@ -14,6 +16,9 @@ const KEY: &str = "key-that-must-not-be-logged";
 const SECRET: &str = "query-secret-value";
 const TRACE_A: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const TRACE_B: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+const AGENT: &str = "orders-client/1.0";
+/// An address a client claims in `X-Forwarded-For`, which only a trusted proxy may give.
+const SPOOFED: &str = "203.0.113.9";
 
 /// One access line's fields, as strings.
 type Fields = BTreeMap<String, String>;
@@ -44,16 +49,21 @@ fn json_access(line: &str) -> Option<Fields> {
     Some(fields.map(|(k, v)| (k.clone(), text(v))).collect())
 }
 
-/// `... INFO idemproxy::access: access method=POST path=/orders route="default" ...`
+/// `... INFO idemproxy::access: access method=POST path=/orders route="default" ...`; a quoted value
+/// may hold spaces.
 fn text_access(line: &str) -> Option<Fields> {
     let line = strip_ansi(line);
-    let (_, fields) = line.split_once(" idemproxy::access: access ")?;
-    let pairs = fields.split(' ').filter_map(|pair| pair.split_once('='));
-    Some(
-        pairs
-            .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
-            .collect(),
-    )
+    let (_, mut rest) = line.split_once(" idemproxy::access: access ")?;
+    let mut fields = Fields::new();
+    while let Some((key, after)) = rest.trim_start().split_once('=') {
+        let (value, next) = match after.strip_prefix('"') {
+            Some(quoted) => quoted.split_once('"').unwrap_or((quoted, "")),
+            None => after.split_once(' ').unwrap_or((after, "")),
+        };
+        fields.insert(key.to_owned(), value.to_owned());
+        rest = next;
+    }
+    Some(fields)
 }
 
 /// Waits until a line has been written for each `(path, outcome)`, and returns all lines so far.
@@ -98,7 +108,11 @@ async fn one_access_line_per_request_names_what_happened(
     let proxy = ProxyProcess::spawn(&config).await;
     let orders = format!("/orders?token={SECRET}");
 
-    let executed = Reply::of(keyed_post(&proxy.url, &orders, KEY, "{}").header("traceparent", TRACE_A)).await;
+    let executed = keyed_post(&proxy.url, &orders, KEY, "{}")
+        .header("traceparent", TRACE_A)
+        .header("user-agent", AGENT)
+        .header("x-forwarded-for", SPOOFED);
+    let executed = Reply::of(executed).await;
     assert_eq!(executed.status, 201);
     let replay = settled(|| keyed_post(&proxy.url, &orders, KEY, "{}").header("traceparent", TRACE_B)).await;
     assert!(replay.is_replay());
@@ -112,6 +126,22 @@ async fn one_access_line_per_request_names_what_happened(
     assert_eq!(slow.await.expect("slow request").status, 201);
     let passthrough = Reply::of(client().get(format!("{}/items?token={SECRET}", proxy.url))).await;
     assert_eq!(passthrough.status, 201);
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let over_h2 = Reply::of(
+        h2.get(format!("{}/h2", proxy.url))
+            .header("user-agent", "h2 client"),
+    )
+    .await;
+    assert_eq!(over_h2.status, 201);
+    let replies = [
+        (&executed, "2"),
+        (&replay, "2"),
+        (&mismatch, "11"),
+        (&passthrough, "0"),
+    ];
 
     let expected = [
         ("/orders", "executed"),
@@ -120,6 +150,7 @@ async fn one_access_line_per_request_names_what_happened(
         ("/slow", "conflict"),
         ("/slow", "executed"),
         ("/items", "passthrough"),
+        ("/h2", "passthrough"),
     ];
     let lines = wait_for_lines(&proxy, &expected).await;
     let executed = line_for(&lines, "/orders", "executed");
@@ -128,6 +159,7 @@ async fn one_access_line_per_request_names_what_happened(
     let conflict = line_for(&lines, "/slow", "conflict");
     let slow = line_for(&lines, "/slow", "executed");
     let passthrough = line_for(&lines, "/items", "passthrough");
+    let over_h2_line = line_for(&lines, "/h2", "passthrough");
     let statuses = [(executed, "201"), (replayed, "201"), (mismatch, "422")];
     let statuses = statuses
         .into_iter()
@@ -140,6 +172,34 @@ async fn one_access_line_per_request_names_what_happened(
         assert_ms(line, "duration_ms");
     }
     assert_eq!(passthrough["method"], "GET");
+
+    let host = proxy.url.trim_start_matches("http://");
+    for (line, (reply, bytes_in)) in [executed, replayed, mismatch, passthrough]
+        .into_iter()
+        .zip(replies)
+    {
+        assert_eq!(
+            line["client"], "127.0.0.1",
+            "the peer, never a spoofed chain: {line:?}"
+        );
+        assert_eq!(line["host"], host, "{line:?}");
+        assert_eq!(line["protocol"], "HTTP/1.1", "{line:?}");
+        assert_eq!(line["bytes_in"], bytes_in, "the request body's bytes: {line:?}");
+        assert_eq!(
+            line["bytes_out"],
+            reply.body.len().to_string(),
+            "the response body's bytes: {line:?}"
+        );
+    }
+    assert_eq!(executed["user_agent"], AGENT);
+    assert!(!passthrough.contains_key("user_agent"), "{passthrough:?}");
+    assert_eq!(over_h2_line["protocol"], "HTTP/2", "{over_h2_line:?}");
+    assert_eq!(
+        over_h2_line["host"], host,
+        "HTTP/2's :authority: {over_h2_line:?}"
+    );
+    assert_eq!(over_h2_line["user_agent"], "h2 client", "{over_h2_line:?}");
+    assert_eq!(over_h2_line["bytes_out"], over_h2.body.len().to_string());
 
     let hash = &executed["key_hash"];
     assert_eq!(hash.len(), 16, "{executed:?}");
@@ -179,6 +239,87 @@ async fn one_access_line_per_request_names_what_happened(
         assert!(!line.contains(SECRET), "the query string was logged: {line}");
         assert!(!line.contains(KEY), "the key was logged: {line}");
     }
+}
+
+/// A POST through a proxy on the unix socket: the real binary serving `config` on `socket`, a
+/// forwarded chain naming `chain`; the process is stopped once answered, and its access lines returned
+/// with the response's body.
+async fn through_the_unix_socket(
+    config: &ProxyConfig,
+    socket: &std::path::Path,
+    chain: &str,
+) -> (Vec<Fields>, usize) {
+    let file = crate::support::cli::config_file(&config.to_toml());
+    let child = binary()
+        .arg("serve")
+        .arg("--config")
+        .arg(file.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the idemproxy binary");
+    let stream = poll_until("the unix socket accepting", || async {
+        tokio::net::UnixStream::connect(socket).await.ok()
+    })
+    .await;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("HTTP/1.1 handshake");
+    tokio::spawn(connection);
+    let request = http::Request::post("/items")
+        .header("host", "items.internal")
+        .header("user-agent", AGENT)
+        .header("x-forwarded-for", chain)
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(b"hello")))
+        .unwrap();
+    let response = sender.send_request(request).await.expect("a response");
+    assert_eq!(response.status(), 201);
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let pid = child.id().expect("running").to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let output = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("idemproxy exits after SIGTERM")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    (stderr.lines().filter_map(json_access).collect(), body.len())
+}
+
+#[rstest]
+#[tokio::test]
+async fn the_client_on_a_unix_socket_is_what_a_trusted_proxy_says_else_unix(
+    #[values(true, false)] trusted: bool,
+) {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("proxy.sock");
+    let config = env
+        .config()
+        .set("server.listen", format!("unix:{}", socket.display()))
+        .set("server.trust_unix_forwarded_for", trusted)
+        .set("log.access", true);
+    // The ingress in front appended the address it saw last; what came before, its client wrote.
+    let (lines, body) = through_the_unix_socket(&config, &socket, &format!("{SPOOFED}, 198.51.100.7")).await;
+    let [line] = lines.as_slice() else {
+        panic!("one access line: {lines:#?}")
+    };
+    let client = if trusted { "198.51.100.7" } else { "unix" };
+    assert_eq!(line["client"], client, "{line:?}");
+    assert_eq!(line["host"], "items.internal", "{line:?}");
+    assert_eq!(line["user_agent"], AGENT, "{line:?}");
+    assert_eq!(line["protocol"], "HTTP/1.1", "{line:?}");
+    assert_eq!(line["bytes_in"], "5", "{line:?}");
+    assert_eq!(line["bytes_out"], body.to_string(), "{line:?}");
 }
 
 #[tokio::test]

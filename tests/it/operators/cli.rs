@@ -183,3 +183,115 @@ async fn an_environment_value_that_is_not_utf8_exits_64_naming_the_key() {
         .expect("the binary runs");
     assert_one_line_naming(&output, &["server.listen"]);
 }
+
+/// Runs `program` with `args`, `input` on its standard input, to its exit.
+fn run_with_input(program: &str, args: &[&str], input: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run {program}: {e}"));
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// The checkout's commit as `git rev-parse --short HEAD` gives it, when built in one.
+fn checkout_commit() -> Option<String> {
+    let output = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+#[tokio::test]
+async fn version_names_the_commit_the_profile_and_the_features() {
+    let output = idemproxy(&["--version"], &[]).await;
+    assert!(output.status.success(), "{output:?}");
+    let printed = String::from_utf8(output.stdout).unwrap();
+    let commit = checkout_commit().unwrap_or_else(|| "unknown".to_owned());
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let features = if cfg!(feature = "otlp") { "otlp" } else { "none" };
+    let version = env!("CARGO_PKG_VERSION");
+    let clean = format!("idemproxy {version} (commit {commit}, {profile} build, features: {features})\n");
+    let dirty =
+        format!("idemproxy {version} (commit {commit}-dirty, {profile} build, features: {features})\n");
+    assert!(printed == clean || printed == dirty, "{printed:?}, not {clean:?}");
+}
+
+#[tokio::test]
+async fn bash_completions_parse_and_name_the_subcommands() {
+    let output = idemproxy(&["completions", "bash"], &[]).await;
+    assert!(output.status.success(), "{output:?}");
+    let script = String::from_utf8(output.stdout).unwrap();
+    let checked = run_with_input("bash", &["-n"], script.as_bytes());
+    assert!(
+        checked.status.success(),
+        "bash -n: {}",
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    for subcommand in [
+        "serve",
+        "migrate",
+        "check-config",
+        "keys",
+        "health",
+        "completions",
+        "man",
+    ] {
+        assert!(
+            script.contains(subcommand),
+            "{subcommand} in the bash completions"
+        );
+    }
+    assert!(script.contains("complete -F"), "registers a completion function");
+    let refused = idemproxy(&["completions", "tcsh"], &[]).await;
+    assert_eq!(
+        refused.status.code(),
+        Some(2),
+        "clap refuses a shell it has no generator for"
+    );
+}
+
+#[tokio::test]
+async fn the_man_page_renders_with_the_subcommands() {
+    let output = idemproxy(&["man"], &[]).await;
+    assert!(output.status.success(), "{output:?}");
+    let roff = String::from_utf8(output.stdout).unwrap();
+    assert!(roff.contains(".TH idemproxy 1"), "a section-1 page: {roff}");
+    let rendered = if std::process::Command::new("man")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        let man = run_with_input("man", &["-P", "cat", "-l", "-"], roff.as_bytes());
+        assert!(
+            man.status.success(),
+            "man -l: {}",
+            String::from_utf8_lossy(&man.stderr)
+        );
+        String::from_utf8_lossy(&man.stdout).into_owned()
+    } else {
+        roff
+    };
+    for named in [
+        "idemproxy",
+        "serve",
+        "check-config",
+        "completions",
+        "Idempotency sidecar",
+    ] {
+        assert!(rendered.contains(named), "{named} on the page: {rendered}");
+    }
+}
