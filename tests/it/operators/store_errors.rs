@@ -1,6 +1,6 @@
-//! What an operator reads when the store refuses the proxy after start and in every `keys` command, run
-//! for real with the binary against PostgreSQL: the server's own reason (not the pool's "error occurred
-//! while creating a new object"), and the command that mends it where one exists.
+//! What an operator reads when the store refuses the proxy after start, in every `keys` command and in
+//! `idemproxy migrate`, run for real with the binary against PostgreSQL: the server's own reason (not the
+//! pool's "error occurred while creating a new object"), and the command that mends it where one exists.
 
 use url::Url;
 
@@ -116,6 +116,96 @@ async fn a_revoked_login_and_a_login_without_rights_say_so_and_what_mends_them()
     drop(db);
     client
         .batch_execute(&format!("DROP ROLE IF EXISTS \"{revoked}\", \"{rightless}\""))
+        .await
+        .expect("drop the roles");
+}
+
+/// `idemproxy migrate --store url`'s failure: its stderr, which must hold every one of `expected`.
+async fn migrate_says(url: &str, expected: &[&str]) {
+    let out = idemproxy(&["migrate", "--store", url], &[]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "migrate against {url}:\n{stderr}");
+    for text in expected {
+        assert!(
+            stderr.contains(text),
+            "migrate against {url} said:\n{stderr}\nwithout {text:?}"
+        );
+    }
+}
+
+/// `idemproxy migrate --store url` succeeds.
+async fn migrates(url: &str) {
+    let out = idemproxy(&["migrate", "--store", url], &[]).await;
+    assert!(
+        out.status.success(),
+        "migrate against {url}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `idemproxy migrate` as a login refused, as a login without `CREATE` on the database, and as one
+/// that may create schemas but finds the key table's schema another's: PostgreSQL's reason, and the
+/// `GRANT` or the role that mends it; the `GRANT` it names does.
+#[tokio::test]
+async fn migrate_without_the_login_or_the_rights_says_the_server_reason_and_the_fix() {
+    let db = TestDb::create().await;
+    let (revoked, newcomer) = (
+        format!("{}_revoked", db.name()),
+        format!("{}_newcomer", db.name()),
+    );
+    let admin = crate::support::pg::connect(&base_url()).await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{revoked}\" NOLOGIN; CREATE ROLE \"{newcomer}\" LOGIN;"
+        ))
+        .await
+        .expect("create the roles");
+
+    migrate_says(
+        &with(&db.url(), Some(&revoked), db.name()),
+        &[
+            "is not permitted to log in",
+            &format!("the server refused the login of {revoked}"),
+            "check the user and password in store.url",
+        ],
+    )
+    .await;
+    let grant = format!("GRANT CREATE ON DATABASE {} TO {newcomer}", db.name());
+    let as_newcomer = with(&db.url(), Some(&newcomer), db.name());
+    migrate_says(
+        &as_newcomer,
+        &[
+            &format!("permission denied for database {}", db.name()),
+            &format!("`{grant}`"),
+        ],
+    )
+    .await;
+
+    migrates(&db.url()).await;
+    admin.batch_execute(&grant).await.expect("the GRANT it named");
+    migrate_says(
+        &as_newcomer,
+        &[
+            "permission denied for schema idemproxy",
+            "run `idemproxy migrate` as the schema's owner",
+        ],
+    )
+    .await;
+    let db_client = db.client().await;
+    db_client
+        .batch_execute(&format!(
+            "ALTER SCHEMA idemproxy OWNER TO \"{newcomer}\"; \
+             ALTER TABLE idemproxy.records OWNER TO \"{newcomer}\"; \
+             ALTER TABLE idemproxy.schema_history OWNER TO \"{newcomer}\";"
+        ))
+        .await
+        .expect("give the schema to the newcomer");
+    migrates(&as_newcomer).await;
+
+    drop(db_client);
+    drop(db);
+    admin
+        .batch_execute(&format!("DROP ROLE IF EXISTS \"{revoked}\", \"{newcomer}\""))
         .await
         .expect("drop the roles");
 }
