@@ -146,6 +146,44 @@ pub(super) fn with_fix(text: String, error: &tokio_postgres::Error, pg: &tokio_p
     format!("{text} ({fix})")
 }
 
+/// A migration's failure on one line, followed by what mends it where the server's code names a cause
+/// an operator fixes: for a user without the rights migrating takes, the `GRANT` that gives them (to
+/// create the schema, `CREATE` on the database) or the role to migrate as (the schema's owner, which
+/// owns its tables); for a refused login, as [`with_fix`] says.
+pub(super) fn with_migration_fix(
+    text: String,
+    error: &tokio_postgres::Error,
+    pg: &tokio_postgres::Config,
+) -> String {
+    let login = [
+        SqlState::INVALID_PASSWORD,
+        SqlState::INVALID_AUTHORIZATION_SPECIFICATION,
+    ];
+    if error.code().is_some_and(|code| login.contains(code)) {
+        return with_fix(text, error, pg);
+    }
+    let Some(db_error) = error
+        .as_db_error()
+        .filter(|e| *e.code() == SqlState::INSUFFICIENT_PRIVILEGE)
+    else {
+        return text;
+    };
+    let user = pg.get_user().unwrap_or("the store.url user");
+    let fix = if db_error.message().starts_with("permission denied for database") {
+        let database = pg.get_dbname().or(pg.get_user()).unwrap_or("the database");
+        format!(
+            "{user} may not create the idemproxy schema: `GRANT CREATE ON DATABASE {database} TO {user}`, \
+             or run `idemproxy migrate` as the database's owner"
+        )
+    } else {
+        format!(
+            "{user} may not change the idemproxy schema: run `idemproxy migrate` as the schema's owner, \
+             or give {user} the schema (`ALTER SCHEMA idemproxy OWNER TO {user}`, and its tables)"
+        )
+    };
+    format!("{text} ({fix})")
+}
+
 /// `createdb` naming the server, port, user and database `pg` names (libpq's defaults where it does not).
 fn createdb(pg: &tokio_postgres::Config) -> String {
     let mut command = vec!["createdb".to_owned()];

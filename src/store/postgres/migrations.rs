@@ -12,7 +12,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{NoTls, Socket};
 
-use super::connect::{connect_failure, pg_config, tls_connector};
+use super::connect::{connect_failure, pg_config, tls_connector, with_migration_fix};
 use crate::config::StoreConfig;
 use crate::error_chain::error_chain;
 use crate::store::StoreError;
@@ -64,16 +64,16 @@ where
     T: MakeTlsConnect<Socket>,
     T::Stream: Send + 'static,
 {
-    let (mut client, connection) = pg
-        .connect(tls)
-        .await
-        .map_err(|e| sorted(&e, StoreError::Backend(connect_failure(&e, &pg))))?;
+    let (mut client, connection) = pg.connect(tls).await.map_err(|e| {
+        let text = with_migration_fix(connect_failure(&e, &pg), &e, &pg);
+        sorted(&e, StoreError::Backend(text))
+    })?;
     let driver = tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::warn!(%error, "migration connection ended");
         }
     });
-    let applied = migrate_locked(&mut client, lock_wait).await;
+    let applied = migrate_locked(&mut client, lock_wait, &pg).await;
     drop(client);
     let _ = driver.await;
     applied
@@ -82,8 +82,9 @@ where
 async fn migrate_locked(
     client: &mut tokio_postgres::Client,
     lock_wait: Duration,
+    pg: &tokio_postgres::Config,
 ) -> Result<usize, Unmigrated> {
-    let db_failed = |e: tokio_postgres::Error| failed(&e, lock_wait);
+    let db_failed = |e: tokio_postgres::Error| failed(&e, lock_wait, pg);
     // Set on the session, so it bounds refinery's statements too.
     let lock_timeout = format!("SET lock_timeout = {}", lock_wait.as_millis().max(1));
     client.batch_execute(&lock_timeout).await.map_err(db_failed)?;
@@ -99,7 +100,7 @@ async fn migrate_locked(
         .set_migration_table_name(MIGRATION_TABLE)
         .run_async(client)
         .await
-        .map_err(|e| failed(&e, lock_wait));
+        .map_err(|e| failed(&e, lock_wait, pg));
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_ID])
         .await
@@ -117,14 +118,22 @@ fn lock_held(error: &tokio_postgres::Error, lock_wait: Duration) -> Option<Unmig
     })
 }
 
-/// `error` (a driver error, or refinery's around one), as unavailable or refused.
-fn failed(error: &(dyn std::error::Error + 'static), lock_wait: Duration) -> Unmigrated {
+/// `error` (a driver error, or refinery's around one), as unavailable or refused, with what mends it
+/// where the server's reason names a fix ([`with_migration_fix`]).
+fn failed(
+    error: &(dyn std::error::Error + 'static),
+    lock_wait: Duration,
+    pg: &tokio_postgres::Config,
+) -> Unmigrated {
     let mut text = error_chain(error);
-    let lock_timeout = std::iter::successors(Some(error), |e| e.source())
-        .filter_map(|e| e.downcast_ref::<tokio_postgres::Error>())
-        .any(|e| e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE));
-    if lock_timeout {
-        text = format!("{text} (a lock stayed taken for {lock_wait:?}, store.timeout)");
+    let cause = std::iter::successors(Some(error), |e| e.source())
+        .find_map(|e| e.downcast_ref::<tokio_postgres::Error>());
+    if let Some(cause) = cause {
+        if cause.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+            text = format!("{text} (a lock stayed taken for {lock_wait:?}, store.timeout)");
+        } else {
+            text = with_migration_fix(text, cause, pg);
+        }
     }
     sorted(error, StoreError::Migration(text))
 }

@@ -182,11 +182,14 @@ impl Redis {
             Ok(values) => values
                 .into_iter()
                 .map(|value| match value {
-                    Value::ServerError(error) => Err(StoreError::Backend(format!(
-                        "Redis refused the script: {} {}",
-                        error.code(),
-                        error.details().unwrap_or_default()
-                    ))),
+                    Value::ServerError(error) => Err(with_fix(
+                        format!(
+                            "Redis refused the script: {} {}",
+                            error.code(),
+                            error.details().unwrap_or_default()
+                        ),
+                        None,
+                    )),
                     value => Ok(value),
                 })
                 .collect(),
@@ -434,8 +437,48 @@ fn pem_certificate(der: &[u8]) -> String {
     pem
 }
 
-fn backend(e: RedisError) -> StoreError {
-    StoreError::Backend(crate::error_chain::error_chain(&e))
+/// A Redis failure on one line: the client's reason, or the server's as Redis wrote it (`NOAUTH`,
+/// `NOPERM` and the rest), followed by what mends it where the cause is the operator's ([`fix`]).
+pub(super) fn backend(e: RedisError) -> StoreError {
+    let text = crate::error_chain::error_chain(&e);
+    with_fix(text, Some(&e))
+}
+
+/// `text`, followed by what mends the failure it says (and `e`'s kind, where there is a client error),
+/// if the cause is the operator's.
+fn with_fix(text: String, e: Option<&RedisError>) -> StoreError {
+    StoreError::Backend(match fix(e, &text) {
+        Some(fix) => format!("{text} ({fix})"),
+        None => text,
+    })
+}
+
+/// What mends a Redis failure whose cause is the configuration or the server's setup: the login
+/// (`store.url`'s user and password, refused or missing), an ACL permission the store's commands need,
+/// or the address, where nothing accepts connections.
+fn fix(e: Option<&RedisError>, text: &str) -> Option<&'static str> {
+    let kind = e.map(RedisError::kind);
+    if kind == Some(ErrorKind::AuthenticationFailed) || text.contains("WRONGPASS") {
+        Some(
+            "Redis refused the user and password in store.url (AUTH): check the user and the \
+             password that store.url gives before its host",
+        )
+    } else if text.contains("NOAUTH") {
+        Some(
+            "Redis requires a password (requirepass, or ACL users): give the user and password in \
+             store.url, before its host",
+        )
+    } else if kind == Some(ErrorKind::Server(ServerErrorKind::NoPerm)) || text.contains("NOPERM") {
+        Some(
+            "the store.url user lacks an ACL permission the store needs: give it the store's commands, \
+             keys and channel, `ACL SETUSER <user> +@scripting +@hash +@keyspace +@pubsub +@connection \
+             +time +cluster|nodes ~<key_prefix>:* &<key_prefix>:*` (store.redis.key_prefix)",
+        )
+    } else if e.is_some_and(RedisError::is_connection_refusal) {
+        Some("nothing accepts connections at store.url's address: start Redis there, or correct store.url")
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]

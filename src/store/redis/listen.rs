@@ -8,8 +8,7 @@
 use futures_util::StreamExt;
 use tokio::time::timeout;
 
-use super::connect::Redis;
-use crate::error_chain::error_chain;
+use super::connect::{Redis, backend};
 use crate::metrics::Metrics;
 use crate::store::StoreError;
 use crate::store::listen::{self, Ended, now_listening};
@@ -59,8 +58,4 @@ fn ended(listened: bool, error: StoreError) -> Ended {
         listened,
         why: error.to_string(),
     }
-}
-
-fn backend(e: redis::RedisError) -> StoreError {
-    StoreError::Backend(error_chain(&e))
 }

@@ -3,7 +3,7 @@
 //! by the test's), against the real proxy on SQLite and the stub upstream. Each sends a key and gets the
 //! one execution, takes a retry's replay as the original answer, waits out a `409` and comes back with
 //! the same key, and does not retry a `422`. Skipped, saying so, where `python3`, `node` or `go` is not
-//! installed (`.ci/run` installs Go).
+//! installed, and failed instead where `CI` is set (`.ci/run` installs them).
 
 use std::process::Stdio;
 
@@ -19,6 +19,8 @@ const README_ADDRESS: &str = "http://localhost:8080";
 /// calls the test makes instead, which print one line per answer: `label status replayed`.
 struct Snippet {
     program: &'static str,
+    /// The Debian line that installs `program`, said when it is missing.
+    install: &'static str,
     args: &'static [&'static str],
     /// For a compiled language: the file the program is written to (in a scratch directory) and the
     /// arguments that build it into `./snippet` there, which then runs. The build finishes before the
@@ -33,6 +35,7 @@ struct Snippet {
 
 const PYTHON: Snippet = Snippet {
     program: "python3",
+    install: "apt-get install python3",
     args: &["-"],
     build: None,
     fence: "```python\n",
@@ -58,6 +61,7 @@ except ValueError:
 
 const JAVASCRIPT: Snippet = Snippet {
     program: "node",
+    install: "apt-get install nodejs",
     args: &["--input-type=module", "-"],
     build: None,
     fence: "```js\n",
@@ -80,6 +84,7 @@ try {
 
 const GO: Snippet = Snippet {
     program: "go",
+    install: "apt-get install golang-go",
     args: &[],
     build: Some(("main.go", &["build", "-o", "snippet", "main.go"])),
     fence: "```go\n",
@@ -138,7 +143,7 @@ fn snippet_code(snippet: &Snippet) -> String {
 }
 
 /// Runs the snippet against `base` and returns the lines it printed, or `None` if its interpreter is
-/// not installed. Opens the stub's `slow` gate once the proxy has answered a duplicate `409`.
+/// not installed (said, and a failure under CI: [`crate::support::tools::skip`]). Opens the stub's `slow` gate once the proxy has answered a duplicate `409`.
 async fn run(snippet: &Snippet, env: &TestEnv, base: &str, admin: &str) -> Option<Vec<String>> {
     let version = if snippet.program == "go" {
         "version"
@@ -147,7 +152,7 @@ async fn run(snippet: &Snippet, env: &TestEnv, base: &str, admin: &str) -> Optio
     };
     let installed = Command::new(snippet.program).arg(version).output().await;
     if !installed.is_ok_and(|out| out.status.success()) {
-        eprintln!("skipped: {} is not installed", snippet.program);
+        crate::support::tools::skip_missing(snippet.program, snippet.install);
         return None;
     }
     let program = format!(

@@ -1,6 +1,7 @@
 //! The store over TLS (`sslmode=require`): the server's certificate and name are verified, and keyed
-//! requests work over the encrypted connection. Needs the local PostgreSQL to have TLS on and a
-//! certificate for `localhost` (Debian's default cluster does); otherwise these tests say so and stop.
+//! requests work over the encrypted connection. Needs the server under test to have TLS on and a
+//! certificate for `localhost` (Debian's default cluster does, and so does the server the tests start
+//! themselves); otherwise these tests say so and stop, or fail where `CI` is set.
 
 use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, settled};
 
@@ -9,7 +10,10 @@ async fn server_certificate(env: &TestEnv) -> Option<String> {
     let client = env.db().client().await;
     let ssl: String = client.query_one("SHOW ssl", &[]).await.unwrap().get(0);
     if ssl != "on" {
-        eprintln!("skipped: the PostgreSQL server under test has ssl = off");
+        crate::support::tools::skip(
+            "the PostgreSQL server under test has ssl = off",
+            "turn ssl on, or let the tests start their own server with IDEMPROXY_TEST_PG=own",
+        );
         return None;
     }
     let row = client
@@ -63,11 +67,16 @@ async fn store_over_tls_serves_keyed_requests_on_encrypted_connections() {
 #[tokio::test]
 async fn store_certificate_for_another_name_is_refused() {
     let env = TestEnv::new().await;
-    if server_certificate(&env).await.is_none() {
+    let Some(certificate) = server_certificate(&env).await else {
         return;
-    }
-    // The certificate names localhost, not 127.0.0.1: the connection must not be trusted.
-    let config = env.config().set("store.url", tls_url(&env, "127.0.0.1"));
+    };
+    let ca = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca.path(), certificate).unwrap();
+    // The certificate, trusted, names localhost, not 127.0.0.1: the connection must not be trusted.
+    let config = env
+        .config()
+        .set("store.url", tls_url(&env, "127.0.0.1"))
+        .set("store.tls_ca_file", ca.path().to_str().unwrap());
     let listeners = idemproxy::Listeners {
         proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().into(),
         admin: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),

@@ -2,7 +2,7 @@
 //! itself: `initdb` into a temporary directory, a free port on 127.0.0.1, stopped and removed on drop.
 //!
 //! The server binaries are found on `PATH`, else in the newest `/usr/lib/postgresql/<n>/bin` (Debian's
-//! layout). PostgreSQL refuses to run as root, so when the tests run as root the cluster runs as the
+//! layout), else in `/usr/local/bin` or `/usr/local/pgsql/bin` (a build from source). PostgreSQL refuses to run as root, so when the tests run as root the cluster runs as the
 //! `postgres` OS user through `runuser`.
 
 use std::{
@@ -31,7 +31,7 @@ impl Cluster {
     /// Creates and starts a cluster that trusts local connections as user `postgres`.
     pub async fn start() -> Cluster {
         let bin = server_bin_dir().unwrap_or_else(|| panic!("no initdb found; {HOW_TO}"));
-        let as_postgres = running_as_root().await;
+        let as_postgres = running_as_root();
         let dir = tempfile::Builder::new()
             .prefix("idemproxy-pg-")
             .tempdir()
@@ -170,11 +170,17 @@ impl Drop for Cluster {
     }
 }
 
-fn server_bin_dir() -> Option<PathBuf> {
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path).find(|dir| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file())
-    });
-    on_path.or_else(newest_debian_bin_dir)
+/// Where `initdb` and `pg_ctl` are (see the module's header), if anywhere.
+pub fn server_bin_dir() -> Option<PathBuf> {
+    let has_both = |dir: &Path| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file();
+    let on_path =
+        std::env::var_os("PATH").and_then(|path| std::env::split_paths(&path).find(|dir| has_both(dir)));
+    on_path.or_else(newest_debian_bin_dir).or_else(|| {
+        ["/usr/local/bin", "/usr/local/pgsql/bin"]
+            .map(PathBuf::from)
+            .into_iter()
+            .find(|dir| has_both(dir))
+    })
 }
 
 fn newest_debian_bin_dir() -> Option<PathBuf> {
@@ -190,13 +196,17 @@ fn newest_debian_bin_dir() -> Option<PathBuf> {
         .map(|(_, bin)| bin)
 }
 
-async fn running_as_root() -> bool {
-    let output = Command::new("id").arg("-u").output().await.expect("run id -u");
+/// Whether the tests run as root (`id -u` says 0); blocking, briefly.
+pub fn running_as_root() -> bool {
+    let output = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .expect("run id -u");
     String::from_utf8_lossy(&output.stdout).trim() == "0"
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     listener.local_addr().expect("local address").port()
 }

@@ -1,14 +1,35 @@
-//! A fresh PostgreSQL database per test, dropped when the test ends.
-//!
-//! The server is found through `DATABASE_URL`, else `postgres://postgres@localhost:5432/postgres`.
+//! A fresh PostgreSQL database per test, dropped when the test ends, on the server the test process
+//! found once: `DATABASE_URL` when set; else the server answering on 127.0.0.1:5432
+//! (`postgres://postgres@localhost:5432/postgres`); else one this process starts for itself from the
+//! installed server binaries (`initdb`, `pg_ctl`, found as [`super::cluster`] finds them), shared by
+//! every test of the process: a temporary directory, a free loopback port, `max_connections` 300, TLS on
+//! with a self-signed certificate for `localhost`. `IDEMPROXY_TEST_PG=own` starts that server even when
+//! 5432 answers (a machine whose server is busy or short of connections). Like the Redis servers of
+//! [`super::redis`], it runs under a small shell that stops it and removes its directory when this
+//! process goes away (its stdin closes), so it never outlives the tests, even when they are killed.
 
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use url::Url;
 
 const DEFAULT_URL: &str = "postgres://postgres@localhost:5432/postgres";
-const HOW_TO: &str = "integration tests need PostgreSQL: \
-    set DATABASE_URL=postgres://user@host:port/db or start PostgreSQL on localhost:5432";
+const HOW_TO: &str = "integration tests need PostgreSQL: set DATABASE_URL=postgres://user@host:port/db, \
+    start PostgreSQL on localhost:5432, or install its server binaries (initdb, pg_ctl) so the tests \
+    start their own (docs/development.md, Prerequisites)";
+
+/// Set to `own`, the tests start their own server even when one answers on 127.0.0.1:5432.
+pub const OWN_SERVER: &str = "IDEMPROXY_TEST_PG";
+
+/// The connection limit of the server the tests start: the suite's tests run side by side, each with a
+/// proxy's pool or two and its own clients.
+const OWN_MAX_CONNECTIONS: u32 = 300;
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
@@ -138,10 +159,186 @@ async fn drop_database(admin_url: &Url, name: &str) {
     }
 }
 
-/// The server's URL as the tests find it (`DATABASE_URL`, else localhost), naming its admin database.
+/// The server's URL as the tests find it (see the module's header), naming its admin database. The
+/// first call finds it, starting the process's own server if it comes to that (blocking, a few seconds);
+/// every call after returns the same URL, or fails with the same reason.
 pub fn base_url() -> Url {
-    let text = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_string());
-    Url::parse(&text).unwrap_or_else(|e| panic!("DATABASE_URL is not a URL ({e}); {HOW_TO}"))
+    static FOUND: OnceLock<Result<Found, String>> = OnceLock::new();
+    match FOUND.get_or_init(find_server) {
+        Ok(found) => found.url.clone(),
+        Err(reason) => panic!("{reason}"),
+    }
+}
+
+/// The server the process uses, and the one it started, if it started one (kept until it exits).
+struct Found {
+    url: Url,
+    _own: Option<OwnServer>,
+}
+
+fn find_server() -> Result<Found, String> {
+    let found = |url| Found { url, _own: None };
+    if let Some(text) = std::env::var("DATABASE_URL").ok().filter(|text| !text.is_empty()) {
+        return Url::parse(&text)
+            .map(found)
+            .map_err(|e| format!("DATABASE_URL is not a URL ({e}); {HOW_TO}"));
+    }
+    let own = match std::env::var(OWN_SERVER).unwrap_or_default().as_str() {
+        "" => false,
+        "own" => true,
+        other => {
+            return Err(format!(
+                "{OWN_SERVER}={other:?}: the one value it takes is \"own\""
+            ));
+        }
+    };
+    let local = SocketAddr::from(([127, 0, 0, 1], 5432));
+    if !own && TcpStream::connect_timeout(&local, Duration::from_secs(2)).is_ok() {
+        return Ok(found(Url::parse(DEFAULT_URL).expect("the default URL")));
+    }
+    let server = OwnServer::start()?;
+    Ok(Found {
+        url: server.url.clone(),
+        _own: Some(server),
+    })
+}
+
+/// The server this process started; it stops when the process exits (the shell's stdin closes).
+struct OwnServer {
+    url: Url,
+    _shell: Child,
+    _stdin: ChildStdin,
+}
+
+/// Run by the watching shell: starts the server and says `ready`, or prints its log; once its stdin
+/// closes, stops the server at once and removes its directory. Signals from a terminal do not reach it
+/// (its own process group); the end of this process does.
+const WATCH: &str = r#"bin=$1 dir=$2 options=$3
+if ! "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 -o "$options" start >/dev/null 2>&1; then
+  cat "$dir/server.log"; rm -rf "$dir"; exit 1
+fi
+echo ready
+read line
+"$bin/pg_ctl" -D "$dir/data" -m immediate -w stop >/dev/null 2>&1
+rm -rf "$dir""#;
+
+impl OwnServer {
+    fn start() -> Result<OwnServer, String> {
+        let no_server = "no PostgreSQL answers on 127.0.0.1:5432 and DATABASE_URL is not set";
+        let bin = super::cluster::server_bin_dir().ok_or_else(|| {
+            format!(
+                "{no_server}, and no initdb and pg_ctl were found to start one (on PATH, in \
+                 /usr/lib/postgresql/<n>/bin, /usr/local/bin or /usr/local/pgsql/bin); {HOW_TO}"
+            )
+        })?;
+        let as_postgres = super::cluster::running_as_root();
+        let dir = tempfile::Builder::new()
+            .prefix("idemproxy-pg-shared-")
+            .tempdir()
+            .map_err(|e| format!("create the test server's directory: {e}"))?
+            .keep();
+        let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])
+            .map_err(|e| format!("make the test server's certificate: {e}"))?;
+        write_private(&dir.join("server.crt"), &certified.cert.pem())?;
+        write_private(&dir.join("server.key"), &certified.signing_key.serialize_pem())?;
+        if as_postgres {
+            run(
+                false,
+                Path::new("chown"),
+                &["-R".as_ref(), "postgres:".as_ref(), dir.as_os_str()],
+            )?;
+        }
+        let data = dir.join("data");
+        let mut initdb = vec!["-D".as_ref(), data.as_os_str()];
+        initdb.extend(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"].map(OsStr::new));
+        run(as_postgres, &bin.join("initdb"), &initdb)?;
+        let port = super::cluster::free_port();
+        let dir_text = dir.display();
+        let options = format!(
+            "-p {port} -k {dir_text} -c listen_addresses=127.0.0.1 -c max_connections={OWN_MAX_CONNECTIONS} \
+             -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c ssl=on \
+             -c ssl_cert_file={dir_text}/server.crt -c ssl_key_file={dir_text}/server.key"
+        );
+        let mut shell = if as_postgres {
+            let mut runuser = Command::new("runuser");
+            runuser.args(["-u", "postgres", "--", "sh"]);
+            runuser
+        } else {
+            Command::new("sh")
+        };
+        let mut shell = std::os::unix::process::CommandExt::process_group(
+            shell
+                .arg("-c")
+                .arg(WATCH)
+                .arg("sh")
+                .arg(&bin)
+                .arg(&dir)
+                .arg(&options),
+            0,
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("start the test server's shell: {e}"))?;
+        let stdin = shell.stdin.take().expect("piped stdin");
+        let mut out = BufReader::new(shell.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        let _ = out.read_line(&mut line);
+        if line.trim() != "ready" {
+            let mut log = line;
+            let _ = out.read_to_string(&mut log);
+            let _ = shell.wait();
+            return Err(format!(
+                "{no_server}, and the server the tests started failed; its log:\n{log}"
+            ));
+        }
+        let url = Url::parse(&format!("postgres://postgres@127.0.0.1:{port}/postgres")).expect("a URL");
+        Ok(OwnServer {
+            url,
+            _shell: shell,
+            _stdin: stdin,
+        })
+    }
+}
+
+/// Writes `text` to `path`, readable by its owner alone (PostgreSQL refuses a key others may read).
+fn write_private(path: &Path, text: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .map_err(|e| format!("write {}: {e}", path.display()))
+}
+
+/// Runs `program` with `args`, through `runuser -u postgres` when `as_postgres`; its output when it
+/// fails.
+fn run(as_postgres: bool, program: &Path, args: &[&OsStr]) -> Result<(), String> {
+    let mut command = Command::new(if as_postgres {
+        Path::new("runuser")
+    } else {
+        program
+    });
+    if as_postgres {
+        command.args(["-u", "postgres", "--"]).arg(program);
+    }
+    let output = command
+        .args(args)
+        .output()
+        .map_err(|e| format!("run {command:?}: {e}; {HOW_TO}"))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    Err(format!(
+        "{command:?} failed ({}): {}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    ))
 }
 
 fn unique_name() -> String {
