@@ -39,10 +39,8 @@ mod traces;
 mod upstream;
 mod warnings;
 
-use std::path::Path;
-
 use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+use figment::providers::Serialized;
 use serde::{Deserialize, Serialize};
 
 pub use encryption::{
@@ -147,49 +145,6 @@ pub struct Overrides {
 }
 
 impl Config {
-    /// Defaults < the given TOML text. No `IDEMPROXY_` environment, no flags: for tests and embedding.
-    /// Signature secrets are still read from the files and variables the text names.
-    pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
-        Self::from_toml_str_with(toml, &ProcessSecrets)
-    }
-
-    /// [`Config::from_toml_str`], reading signature secrets through `secrets`.
-    pub fn from_toml_str_with(toml: &str, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
-        let figment = Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
-        let mut config = load::collect(&figment, &|_| None, secrets)?;
-        config.upstream_named = load::names_upstream(&figment);
-        Ok(config)
-    }
-
-    /// Defaults < TOML file (if given) < `IDEMPROXY_…` environment < command-line overrides. Every
-    /// problem found is reported, each on its own line ([`ConfigError::problems`]).
-    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
-        if let Some(path) = file {
-            load::readable(path)?;
-            figment = figment.merge(Toml::file_exact(path));
-        }
-        let vars: Vec<(String, String)> = std::env::vars_os()
-            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
-            .collect();
-        let links = service_links::service_links(vars.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-        let mut ignored: Vec<&str> = links
-            .iter()
-            .map(|name| &name[service_links::PREFIX.len()..])
-            .collect();
-        ignored.push(load::CONFIG_VARIABLE_KEY);
-        let env = Env::prefixed(service_links::PREFIX)
-            .ignore(&ignored)
-            .split("__")
-            .lowercase(true);
-        figment = figment.merge(env).merge(overrides.figment());
-        let source = |path: &[String]| load::source(&figment, overrides, &vars, &links, path);
-        let mut config = load::collect(&figment, &source, &ProcessSecrets)?;
-        config.upstream_named = load::names_upstream(&figment);
-        config.service_links = links;
-        Ok(config)
-    }
-
     /// The effective configuration as TOML, with secrets masked: every encryption key, and every
     /// password in a URL or a `password=` setting anywhere in the text ([`mask_passwords`]).
     pub fn to_masked_toml(&self) -> String {

@@ -5,6 +5,12 @@
 use std::ffi::OsString;
 use std::fmt;
 
+use figment::Figment;
+use figment::providers::Serialized;
+use figment::value::{Dict, Value};
+
+use super::RawConfig;
+
 /// A configuration error: the first problem found, and every further one the same load found, each one
 /// line naming the key and what is wrong with it.
 #[derive(Debug)]
@@ -315,7 +321,7 @@ pub(super) fn unknown_variable(
 /// underscore into a known table and a key known in it (or near one), as deep as the tables go.
 fn split_where_meant(parents: &[String], unknown: &str) -> Option<Vec<String>> {
     let here: Vec<&str> = parents.iter().map(String::as_str).collect();
-    let known = super::load::known_keys(&here)?;
+    let known = known_keys(&here)?;
     for (at, _) in unknown.match_indices('_') {
         let (table, rest) = (&unknown[..at], &unknown[at + 1..]);
         if !known.contains(&table) {
@@ -323,8 +329,7 @@ fn split_where_meant(parents: &[String], unknown: &str) -> Option<Vec<String>> {
         }
         let mut deeper = parents.to_vec();
         deeper.push(table.to_owned());
-        let Some(inner) = super::load::known_keys(&deeper.iter().map(String::as_str).collect::<Vec<_>>())
-        else {
+        let Some(inner) = known_keys(&deeper.iter().map(String::as_str).collect::<Vec<_>>()) else {
             continue;
         };
         if inner.contains(&rest) {
@@ -340,6 +345,26 @@ fn split_where_meant(parents: &[String], unknown: &str) -> Option<Vec<String>> {
         }
     }
     None
+}
+
+/// The keys a table of the configuration knows (`[]` for the sections, `["server"]` for `[server]`'s),
+/// as serde lists them; `None` for a path that is not a table of fixed keys.
+pub(super) fn known_keys(path: &[&str]) -> Option<&'static [&'static str]> {
+    const PROBE: &str = "\u{1}";
+    let mut tree = Value::from(Dict::from([(PROBE.to_owned(), Value::from(0u8))]));
+    for part in path.iter().rev() {
+        tree = Value::from(Dict::from([((*part).to_owned(), tree)]));
+    }
+    let error = Figment::from(Serialized::defaults(&tree))
+        .extract::<RawConfig>()
+        .err()?;
+    let at = error_path(&error);
+    match error.kind {
+        figment::error::Kind::UnknownField(field, known) if field == PROBE && at[..at.len() - 1] == *path => {
+            Some(known)
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -423,5 +448,14 @@ mod tests {
             "\"http3\" is not one of \"http1\", \"h2c\"; did you mean \"http1\"?"
         );
         assert!(!describe(&figment::error::Kind::Message("expected `a` or `b`".into())).contains('`'));
+    }
+
+    #[test]
+    fn the_known_keys_of_a_table_are_serdes_own() {
+        let sections = known_keys(&[]).expect("the top level has fixed keys");
+        assert!(sections.contains(&"server") && sections.contains(&"upstream"));
+        let server = known_keys(&["server"]).expect("server has fixed keys");
+        assert!(server.contains(&"listen") && server.contains(&"admin_listen"));
+        assert_eq!(known_keys(&["encryption", "keys"]), None, "a map takes any key");
     }
 }

@@ -9,11 +9,11 @@
 use std::path::Path;
 
 use figment::Figment;
-use figment::providers::Serialized;
-use figment::value::{Dict, Value};
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::Value;
 
 use super::error::error_path;
-use super::{Config, ConfigError, Overrides, RawConfig, SecretReader, service_links};
+use super::{Config, ConfigError, Overrides, ProcessSecrets, RawConfig, SecretReader, service_links};
 
 /// The variable naming the configuration file (`IDEMPROXY_CONFIG`, read by the command line), as the
 /// `IDEMPROXY_` layer sees it: not a configuration key, so that layer leaves it out.
@@ -25,6 +25,51 @@ const MOST_ROUNDS: usize = 100;
 
 /// Which file, variable or flag set the key at a path, if one did.
 pub(super) type Source<'a> = dyn Fn(&[String]) -> Option<String> + 'a;
+
+impl Config {
+    /// Defaults < the given TOML text. No `IDEMPROXY_` environment, no flags: for tests and embedding.
+    /// Signature secrets are still read from the files and variables the text names.
+    pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
+        Self::from_toml_str_with(toml, &ProcessSecrets)
+    }
+
+    /// [`Config::from_toml_str`], reading signature secrets through `secrets`.
+    pub fn from_toml_str_with(toml: &str, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
+        let figment = Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
+        let mut config = collect(&figment, &|_| None, secrets)?;
+        config.upstream_named = names_upstream(&figment);
+        Ok(config)
+    }
+
+    /// Defaults < TOML file (if given) < `IDEMPROXY_…` environment < command-line overrides. Every
+    /// problem found is reported, each on its own line ([`ConfigError::problems`]).
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
+        if let Some(path) = file {
+            readable(path)?;
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        let vars: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+            .collect();
+        let links = service_links::service_links(vars.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+        let mut ignored: Vec<&str> = links
+            .iter()
+            .map(|name| &name[service_links::PREFIX.len()..])
+            .collect();
+        ignored.push(CONFIG_VARIABLE_KEY);
+        let env = Env::prefixed(service_links::PREFIX)
+            .ignore(&ignored)
+            .split("__")
+            .lowercase(true);
+        figment = figment.merge(env).merge(overrides.figment());
+        let source = |path: &[String]| source(&figment, overrides, &vars, &links, path);
+        let mut config = collect(&figment, &source, &ProcessSecrets)?;
+        config.upstream_named = names_upstream(&figment);
+        config.service_links = links;
+        Ok(config)
+    }
+}
 
 /// The configuration file can be read; if not, why not, as the OS says it, and where.
 pub(super) fn readable(path: &Path) -> Result<(), ConfigError> {
@@ -112,26 +157,6 @@ pub(super) fn key_path(key: &str) -> Vec<String> {
     path
 }
 
-/// The keys a table of the configuration knows (`[]` for the sections, `["server"]` for `[server]`'s),
-/// as serde lists them; `None` for a path that is not a table of fixed keys.
-pub(super) fn known_keys(path: &[&str]) -> Option<&'static [&'static str]> {
-    const PROBE: &str = "\u{1}";
-    let mut tree = Value::from(Dict::from([(PROBE.to_owned(), Value::from(0u8))]));
-    for part in path.iter().rev() {
-        tree = Value::from(Dict::from([((*part).to_owned(), tree)]));
-    }
-    let error = Figment::from(Serialized::defaults(&tree))
-        .extract::<RawConfig>()
-        .err()?;
-    let at = error_path(&error);
-    match error.kind {
-        figment::error::Kind::UnknownField(field, known) if field == PROBE && at[..at.len() - 1] == *path => {
-            Some(known)
-        }
-        _ => None,
-    }
-}
-
 /// Whether a layer above the defaults (the file, a variable, a flag) set `upstream.url`.
 pub(super) fn names_upstream(figment: &Figment) -> bool {
     figment
@@ -180,6 +205,7 @@ fn variable_for<'a>(vars: &'a [(String, String)], links: &[String], path: &[Stri
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
 
     #[test]
@@ -189,15 +215,6 @@ mod tests {
             key_path("routes[2].signature.secret"),
             ["routes", "2", "signature", "secret"]
         );
-    }
-
-    #[test]
-    fn the_known_keys_of_a_table_are_serdes_own() {
-        let sections = known_keys(&[]).expect("the top level has fixed keys");
-        assert!(sections.contains(&"server") && sections.contains(&"upstream"));
-        let server = known_keys(&["server"]).expect("server has fixed keys");
-        assert!(server.contains(&"listen") && server.contains(&"admin_listen"));
-        assert_eq!(known_keys(&["encryption", "keys"]), None, "a map takes any key");
     }
 
     #[test]
