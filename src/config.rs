@@ -226,8 +226,9 @@ impl RawConfig {
         keep(&mut found, self.sweeper.validate());
         let encryption = keep(&mut found, self.encryption.validate());
         let traces = keep(&mut found, self.traces.validate());
+        // A section without its value has left its problem in `found`.
         let (Some(mut server), Some(routes)) = (server, routes) else {
-            return Err(ConfigError::all(found).unwrap_or_else(|| ConfigError::new("config", "invalid")));
+            return Err(ConfigError::all(found).unwrap_or_else(unchecked));
         };
         found.extend(self.check_buffers(&routes, &mut server));
         found.extend(check_client_certs(&routes, &server));
@@ -237,7 +238,7 @@ impl RawConfig {
         let (Some(upstream), Some(store), Some(encryption), Some(traces)) =
             (upstream, store, encryption, traces)
         else {
-            return Err(ConfigError::new("config", "invalid"));
+            return Err(unchecked());
         };
         let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
         Ok(Config {
@@ -255,6 +256,12 @@ impl RawConfig {
             raw: self,
         })
     }
+}
+
+/// What a load that found no problem but lacks a section's value says; never expected, since a section
+/// without its value has its problem in the list.
+fn unchecked() -> ConfigError {
+    ConfigError::new("config", "a section could not be checked")
 }
 
 /// The value of a section's check, its problem kept in `found`.
