@@ -112,8 +112,8 @@ pub fn version() -> &'static str {
 /// `idemproxy keys`: works against the configured store, beside a running proxy.
 #[derive(Debug, Args)]
 pub struct KeysArgs {
-    /// TOML configuration file.
-    #[arg(long, short, value_name = "FILE", global = true)]
+    /// TOML configuration file (or the file IDEMPROXY_CONFIG names; the flag wins).
+    #[arg(long, short, value_name = "FILE", env = "IDEMPROXY_CONFIG", global = true)]
     pub config: Option<PathBuf>,
     /// Store URL (store.url).
     #[arg(long, value_name = "URL", global = true)]
@@ -266,8 +266,8 @@ impl clap::ValueEnum for RecordState {
 /// `idemproxy health`: where the admin listener is, read from the same layers as `serve`.
 #[derive(Debug, Args)]
 pub struct HealthArgs {
-    /// TOML configuration file.
-    #[arg(long, short, value_name = "FILE")]
+    /// TOML configuration file (or the file IDEMPROXY_CONFIG names; the flag wins).
+    #[arg(long, short, value_name = "FILE", env = "IDEMPROXY_CONFIG")]
     pub config: Option<PathBuf>,
     /// Admin listen address (server.admin_listen); 0.0.0.0 and [::] are probed on loopback.
     #[arg(long, value_name = "ADDR")]
@@ -344,8 +344,8 @@ pub struct DemoArgs {
 /// Where the configuration comes from.
 #[derive(Debug, Args)]
 pub struct ConfigArgs {
-    /// TOML configuration file.
-    #[arg(long, short, value_name = "FILE")]
+    /// TOML configuration file (or the file IDEMPROXY_CONFIG names; the flag wins).
+    #[arg(long, short, value_name = "FILE", env = "IDEMPROXY_CONFIG")]
     pub config: Option<PathBuf>,
     /// Proxy listen address (server.listen).
     #[arg(long, value_name = "ADDR")]

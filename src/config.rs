@@ -1,6 +1,7 @@
 //! Configuration, loaded once at start-up: figment layers defaults < TOML file < `IDEMPROXY_` env < flags
-//! into [`RawConfig`], then `validate()` turns it into the typed [`Config`] the proxy runs with. Nothing
-//! here is read again after start; the typed config is passed down, never global.
+//! into [`RawConfig`], then `validate()` turns it into the typed [`Config`] the proxy runs with; `load.rs`
+//! keeps going past each mistake so that one run reports them all. Nothing here is read again after
+//! start; the typed config is passed down, never global.
 //!
 //! Each TOML section lives in its own file under `config/`, with its structs, defaults, checks and tests:
 //! `server.rs` (and the listener's TLS files), `upstream.rs` (and the upstream's TLS files), `store.rs` (and the PostgreSQL URL),
@@ -20,6 +21,7 @@ mod idempotency;
 pub mod jwk_set;
 mod jwt;
 mod key_source;
+mod load;
 mod log;
 mod mask;
 mod parse;
@@ -37,10 +39,8 @@ mod traces;
 mod upstream;
 mod warnings;
 
-use std::path::Path;
-
 use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+use figment::providers::Serialized;
 use serde::{Deserialize, Serialize};
 
 pub use encryption::{
@@ -66,7 +66,7 @@ pub use signature::{
     Algorithm, Encoding, GenericHmac, ProcessSecrets, RawSignature, Scheme, SchemeName, Secret, SecretReader,
     SignatureConfig,
 };
-pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, StoreBackend, StoreConfig};
+pub use store::{DEFAULT_STORE_URL, OnStoreError, RawStore, SslMode, StoreBackend, StoreConfig, driver_url};
 pub use sweeper::SweeperConfig;
 pub use traces::{DEFAULT_SERVICE_NAME, HTTP_PROTOBUF, RawTraces, TracesConfig};
 pub use upstream::{RawUpstream, RawUpstreamTls, UpstreamAddress, UpstreamConfig, UpstreamProtocol};
@@ -123,6 +123,9 @@ pub struct Config {
     /// The Kubernetes service-link variables (`IDEMPROXY_PORT`, `IDEMPROXY_SERVICE_HOST`, ...) the
     /// environment layer left out, by name; empty unless loaded with [`Config::load`].
     pub service_links: Vec<String>,
+    /// Whether any layer (the file, a variable, `--upstream`) named the upstream; without one the
+    /// proxy forwards to the default `http://127.0.0.1:3000`, and [`Config::warnings`] says so.
+    pub upstream_named: bool,
     raw: RawConfig,
 }
 
@@ -142,54 +145,6 @@ pub struct Overrides {
 }
 
 impl Config {
-    /// Defaults < the given TOML text. No `IDEMPROXY_` environment, no flags: for tests and embedding.
-    /// Signature secrets are still read from the files and variables the text names.
-    pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
-        Self::from_toml_str_with(toml, &ProcessSecrets)
-    }
-
-    /// [`Config::from_toml_str`], reading signature secrets through `secrets`.
-    pub fn from_toml_str_with(toml: &str, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
-        let figment = Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
-        let raw: RawConfig = figment.extract().map_err(ConfigError::from_figment)?;
-        raw.validate_with(secrets)
-    }
-
-    /// Defaults < TOML file (if given) < `IDEMPROXY_…` environment < command-line overrides.
-    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
-        if let Some(path) = file {
-            if !path.is_file() {
-                return Err(ConfigError::new(
-                    "config",
-                    format!("cannot read file {}", path.display()),
-                ));
-            }
-            figment = figment.merge(Toml::file_exact(path));
-        }
-        let vars: Vec<(String, String)> = std::env::vars_os()
-            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
-            .collect();
-        let links = service_links::service_links(vars.iter().map(|(n, v)| (n.as_str(), v.as_str())));
-        let ignored: Vec<&str> = links
-            .iter()
-            .map(|name| &name[service_links::PREFIX.len()..])
-            .collect();
-        let env = Env::prefixed(service_links::PREFIX)
-            .ignore(&ignored)
-            .split("__")
-            .lowercase(true);
-        figment = figment.merge(env).merge(overrides.figment());
-        let mut config = Self::from_figment(figment)?;
-        config.service_links = links;
-        Ok(config)
-    }
-
-    fn from_figment(figment: Figment) -> Result<Config, ConfigError> {
-        let raw: RawConfig = figment.extract().map_err(ConfigError::from_figment)?;
-        raw.validate()
-    }
-
     /// The effective configuration as TOML, with secrets masked: every encryption key, and every
     /// password in a URL or a `password=` setting anywhere in the text ([`mask_passwords`]).
     pub fn to_masked_toml(&self) -> String {
@@ -208,6 +163,19 @@ impl Config {
 }
 
 impl Overrides {
+    /// The flag that set `key` (`server.listen` by `--listen`), when it was given.
+    fn flag_for(&self, key: &str) -> Option<&'static str> {
+        let (flag, set) = match key {
+            "server.listen" => ("--listen", self.listen.is_some()),
+            "server.admin_listen" => ("--admin-listen", self.admin_listen.is_some()),
+            "upstream.url" => ("--upstream", self.upstream.is_some()),
+            "store.url" => ("--store", self.store.is_some()),
+            "store.migrate" => ("--no-migrate", self.no_migrate),
+            _ => return None,
+        };
+        set.then_some(flag)
+    }
+
     fn figment(&self) -> Figment {
         let mut figment = Figment::new();
         let mut set = |key: &str, value: &Option<String>| {
@@ -227,31 +195,52 @@ impl Overrides {
 }
 
 impl RawConfig {
-    /// Checks every value and converts it to its typed form; the first problem found is returned.
-    /// Signature secrets are read from the process's environment and files.
+    /// Checks every value and converts it to its typed form; every problem found is returned, each
+    /// section checked whatever another's problems. Signature secrets are read from the process's
+    /// environment and files.
     pub fn validate(self) -> Result<Config, ConfigError> {
         self.validate_with(&ProcessSecrets)
     }
 
     /// [`RawConfig::validate`], reading signature secrets through `secrets`.
     pub fn validate_with(self, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
-        let mut server = self.server.validate()?;
-        let upstream = self.upstream.validate(&server)?;
-        let store = self.store.validate()?;
-        let idempotency = self.idempotency.validate_section(secrets)?;
-        let routes = RouteTable::new(
-            &self.idempotency,
-            idempotency,
-            &self.routes,
-            &server.paths,
-            secrets,
-        )?;
-        self.check_buffers(&routes, &mut server)?;
-        check_client_certs(&routes, &server)?;
-        self.sweeper.validate()?;
-        let encryption = self.encryption.validate()?;
+        let mut found = Vec::new();
+        let server = keep(&mut found, self.server.validate());
+        // The sections that read `[server]` are still checked when it has a problem, under its path
+        // settings and defaults for the rest, so one mistake there does not hide theirs.
+        let fallback = || self.server.paths_only().validate().ok();
+        let read = server.clone().or_else(fallback);
+        let upstream = match &read {
+            Some(s) => keep(&mut found, self.upstream.validate(s)),
+            None => None,
+        };
+        let store = keep(&mut found, self.store.validate());
+        let idempotency = keep(&mut found, self.idempotency.validate_section(secrets));
+        let routes = match (&read, idempotency) {
+            (Some(read), Some(idempotency)) => keep(
+                &mut found,
+                RouteTable::new(&self.idempotency, idempotency, &self.routes, &read.paths, secrets),
+            ),
+            _ => None,
+        };
+        keep(&mut found, self.sweeper.validate());
+        let encryption = keep(&mut found, self.encryption.validate());
+        let traces = keep(&mut found, self.traces.validate());
+        // A section without its value has left its problem in `found`.
+        let (Some(mut server), Some(routes)) = (server, routes) else {
+            return Err(ConfigError::all(found).unwrap_or_else(unchecked));
+        };
+        found.extend(self.check_buffers(&routes, &mut server));
+        found.extend(check_client_certs(&routes, &server));
+        if let Some(error) = ConfigError::all(found) {
+            return Err(error);
+        }
+        let (Some(upstream), Some(store), Some(encryption), Some(traces)) =
+            (upstream, store, encryption, traces)
+        else {
+            return Err(unchecked());
+        };
         let encryption = encryption.map(|e| e.with_lifetimes(record_lifetimes(&routes, &store)));
-        let traces = self.traces.validate()?;
         Ok(Config {
             server,
             upstream,
@@ -263,32 +252,45 @@ impl RawConfig {
             encryption,
             traces,
             service_links: Vec::new(),
+            upstream_named: true,
             raw: self,
         })
     }
 }
 
+/// What a load that found no problem but lacks a section's value says; never expected, since a section
+/// without its value has its problem in the list.
+fn unchecked() -> ConfigError {
+    ConfigError::new("config", "a section could not be checked")
+}
+
+/// The value of a section's check, its problem kept in `found`.
+fn keep<T>(found: &mut Vec<ConfigError>, result: Result<T, ConfigError>) -> Option<T> {
+    result.map_err(|e| found.push(e)).ok()
+}
+
 /// A route that scopes by client certificate needs a listener that takes them (`server.tls.client_ca`).
-fn check_client_certs(routes: &RouteTable, server: &ServerConfig) -> Result<(), ConfigError> {
+fn check_client_certs(routes: &RouteTable, server: &ServerConfig) -> Vec<ConfigError> {
     let takes_certs = server.tls.as_ref().is_some_and(|tls| tls.client_certs);
     let all = routes
         .routes
         .iter()
         .enumerate()
         .map(|(i, route)| (Some(i), route));
+    let mut found = Vec::new();
     for (index, route) in all.chain(std::iter::once((None, &routes.default))) {
         if route.policy.key.scope_client_cert && !takes_certs {
             let key = match index {
                 Some(i) => format!("routes[{i}].scope_client_cert"),
                 None => "idempotency.scope_client_cert".to_owned(),
             };
-            return Err(ConfigError::new(
+            found.push(ConfigError::new(
                 &key,
                 "needs [server.tls] with client_ca: without it no client presents a certificate",
             ));
         }
     }
-    Ok(())
+    found
 }
 
 /// How long a record of each route's scope can live after its completion is sealed.
@@ -305,31 +307,33 @@ impl RawConfig {
     /// The buffers every request shares must hold the largest body and response of any one route, and so
     /// must one scope's share of the responses' buffer: a written share that cannot is refused, the
     /// default share is raised to it.
-    fn check_buffers(&self, routes: &RouteTable, server: &mut ServerConfig) -> Result<(), ConfigError> {
+    fn check_buffers(&self, routes: &RouteTable, server: &mut ServerConfig) -> Vec<ConfigError> {
         let named = |route: &Route, field: &str| match route.name.as_str() {
             DEFAULT_ROUTE => format!("idempotency.{field}"),
             name => format!("the {field} of route {name:?}"),
         };
+        let mut found = Vec::new();
         let all = routes.routes.iter().chain(std::iter::once(&routes.default));
         for route in all {
             if self.server.max_buffered_bodies.as_u64() < route.policy.key.max_request_body {
                 let msg = format!("must be at least {}", named(route, "max_request_body"));
-                return Err(ConfigError::new("server.max_buffered_bodies", msg));
+                found.push(ConfigError::new("server.max_buffered_bodies", msg));
             }
             if self.server.max_buffered_responses.as_u64() < route.policy.store.max_stored_response {
                 let msg = format!("must be at least {}", named(route, "max_stored_response"));
-                return Err(ConfigError::new("server.max_buffered_responses", msg));
+                found.push(ConfigError::new("server.max_buffered_responses", msg));
             }
             let largest = usize::try_from(route.policy.store.max_stored_response).unwrap_or(usize::MAX);
             if server.max_buffered_responses_per_scope < largest {
                 if self.server.max_buffered_responses_per_scope.is_some() {
                     let msg = format!("must be at least {}", named(route, "max_stored_response"));
-                    return Err(ConfigError::new("server.max_buffered_responses_per_scope", msg));
+                    found.push(ConfigError::new("server.max_buffered_responses_per_scope", msg));
+                } else {
+                    server.max_buffered_responses_per_scope = largest;
                 }
-                server.max_buffered_responses_per_scope = largest;
             }
         }
-        Ok(())
+        found
     }
 }
 
@@ -383,14 +387,46 @@ mod tests {
     }
 
     #[test]
-    fn sections_are_checked_in_file_order_and_the_first_problem_is_named() {
+    fn every_section_is_checked_and_every_problem_named_in_section_order() {
         let err = Config::from_toml_str(
             "[upstream]\nurl = \"bad\"\n[store]\nurl = \"bad\"\n[sweeper]\nbatch_size = 0\n",
         )
         .unwrap_err();
-        assert_eq!(err.key, "upstream.url");
-        let err = Config::from_toml_str("[sweeper]\nbatch_size = 0\n[encryption]\nactive_key = \"k\"\n")
-            .unwrap_err();
-        assert_eq!(err.key, "sweeper.batch_size");
+        let keys: Vec<&str> = err.problems().map(|(key, _)| key).collect();
+        assert_eq!(keys, ["upstream.url", "store.url", "sweeper.batch_size"]);
+        assert_eq!(err.to_string().lines().count(), 3, "one line each: {err}");
+    }
+
+    #[test]
+    fn wrong_types_and_unknown_keys_do_not_hide_each_other_or_a_bad_value() {
+        let err = Config::from_toml_str(
+            "[server]\nlisen = 1\nlistn = 2\nmax_headers = \"many\"\n\
+             [store]\npool_size = -1\n[sweeper]\nbatch_size = 0\n[[routes]]\nname = \"a\"\npath = \"/a\"\nttl = 5\n",
+        )
+        .unwrap_err();
+        let keys: Vec<&str> = err.problems().map(|(key, _)| key).collect();
+        for key in [
+            "server.lisen",
+            "server.listn",
+            "server.max_headers",
+            "store.pool_size",
+            "sweeper.batch_size",
+            "routes[0].ttl",
+        ] {
+            assert!(keys.contains(&key), "{key} in {keys:?}");
+        }
+        assert!(!err.to_string().contains("usize"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_server_section_does_not_hide_a_bad_route() {
+        let err = Config::from_toml_str(
+            "[server]\nlisten = \"nowhere\"\n[[routes]]\nname = \"a\"\npath = \"/a\"\nmatch_methods = [\"B@D\"]\n",
+        )
+        .unwrap_err();
+        let keys: Vec<&str> = err.problems().map(|(key, _)| key).collect();
+        assert_eq!(keys.len(), 2, "{err}");
+        assert_eq!(keys[0], "server.listen");
+        assert!(keys[1].starts_with("routes[0]"), "{err}");
     }
 }

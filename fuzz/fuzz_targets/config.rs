@@ -1,4 +1,5 @@
-//! Any text as the config file: a valid configuration or one line naming a key; never a panic.
+//! Any text as the config file: a valid configuration or one line per problem, each naming a key; never a
+//! panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -8,8 +9,11 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     if let Err(error) = idemproxy::Config::from_toml_str(text) {
-        let line = error.to_string();
-        assert!(!error.key.is_empty());
-        assert!(!line.contains('\n'));
+        let lines = error.to_string();
+        assert_eq!(lines.lines().count(), error.problems().count());
+        for (key, message) in error.problems() {
+            assert!(!key.is_empty());
+            assert!(!message.contains('\n'));
+        }
     }
 });

@@ -9,11 +9,22 @@ use http::HeaderName;
 
 use super::error::ConfigError;
 
-/// A listener address like `0.0.0.0:8080`.
+/// A listener address: `0.0.0.0:8080`, `[::1]:8080`, or as Go and Caddy write them `:8080` (every IPv4
+/// interface, 0.0.0.0; IPv6 needs `[::]:8080`) and `localhost:8080` (127.0.0.1).
 pub(super) fn parse_addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
-    value
-        .parse()
-        .map_err(|_| ConfigError::new(key, format!("{value:?} is not an address like 0.0.0.0:8080")))
+    let spelled = if let Some(port) = value.strip_prefix(':') {
+        format!("0.0.0.0:{port}")
+    } else if let Some(port) = value.strip_prefix("localhost:") {
+        format!("127.0.0.1:{port}")
+    } else {
+        value.to_owned()
+    };
+    spelled.parse().map_err(|_| {
+        ConfigError::new(
+            key,
+            format!("{value:?} is not an address like 0.0.0.0:8080, :8080 or localhost:8080"),
+        )
+    })
 }
 
 /// One header name, lower-cased as `http` keeps it.
@@ -83,5 +94,25 @@ pub(super) mod bytes {
         deserializer: D,
     ) -> Result<u64, D::Error> {
         ByteSize::deserialize(deserializer).map(|size| size.as_u64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listen_address_may_be_a_bare_port_or_localhost() {
+        let addr = |text: &str| parse_addr("server.listen", text).map(|a| a.to_string());
+        assert_eq!(addr(":8080").unwrap(), "0.0.0.0:8080");
+        assert_eq!(addr(":0").unwrap(), "0.0.0.0:0");
+        assert_eq!(addr("localhost:9090").unwrap(), "127.0.0.1:9090");
+        assert_eq!(addr("[::]:8080").unwrap(), "[::]:8080");
+        assert_eq!(addr("10.0.0.1:80").unwrap(), "10.0.0.1:80");
+        for bad in [":", ":http", "localhost", "localhost:", "example.com:80", "8080"] {
+            let err = addr(bad).unwrap_err();
+            assert_eq!(err.key, "server.listen", "{bad}");
+            assert!(err.message.contains(":8080 or localhost:8080"), "{bad}: {err}");
+        }
     }
 }

@@ -336,7 +336,7 @@ impl RawRoute {
                 figment::error::Kind::UnknownField(field, known) => {
                     ConfigError::new(&key, super::error::unknown_key(field, known))
                 }
-                kind => ConfigError::new(&key, kind),
+                kind => ConfigError::new(&key, super::error::describe(kind)),
             }
         })?;
         raw.validate_with(prefix, secrets)

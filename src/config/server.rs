@@ -271,6 +271,17 @@ pub struct ServerConfig {
 }
 
 impl RawServer {
+    /// This section's path settings with every other key at its default: what the routes are checked
+    /// under when another key here has a problem.
+    pub(super) fn paths_only(&self) -> RawServer {
+        RawServer {
+            paths: self.paths,
+            escaped_slashes: self.escaped_slashes,
+            path_parameters: self.path_parameters,
+            ..RawServer::default()
+        }
+    }
+
     /// Checks the section and converts it; the first problem found is returned.
     pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
         Ok(ServerConfig {

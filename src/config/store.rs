@@ -38,8 +38,8 @@ pub struct RawStore {
     pub on_error: OnStoreError,
     /// Apply pending migrations when `serve` starts.
     pub migrate: bool,
-    /// PEM file of CA certificates trusted for the store's TLS (with `sslmode=require` in the URL), in
-    /// addition to the system's.
+    /// PEM file of CA certificates trusted for the store's TLS (with `sslmode=verify-full`, `verify-ca`,
+    /// `require`, `prefer` or `allow` in the URL, or a `rediss://` URL), in addition to the system's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_ca_file: Option<PathBuf>,
     /// `[store.redis]`: only read with a Redis `url`.
@@ -96,6 +96,94 @@ impl StoreBackend {
     }
 }
 
+/// The `sslmode` of a PostgreSQL `store.url`: libpq's six values, as idemproxy can honour them with
+/// tokio-postgres and rustls (docs/stores.md has the table). Wherever TLS is used the server's
+/// certificate chain is verified against the system's CA certificates and `store.tls_ca_file`, and its
+/// host name too except under `verify-ca`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SslMode {
+    /// `disable`, or no `sslmode` (libpq's default is `prefer`; idemproxy's stays clear text, as before):
+    /// clear text.
+    #[default]
+    Disable,
+    /// `allow`: TLS when the server offers it, else clear text (tokio-postgres cannot start in clear
+    /// text and switch, so TLS is asked for first, as under `prefer`).
+    Allow,
+    /// `prefer`: TLS when the server offers it, else clear text.
+    Prefer,
+    /// `require`: TLS always; chain and host name verified (stricter than libpq, which verifies nothing
+    /// under `require` without a root certificate file).
+    Require,
+    /// `verify-ca`: TLS always; the chain is verified, the host name is not.
+    VerifyCa,
+    /// `verify-full`: TLS always; chain and host name verified.
+    VerifyFull,
+}
+
+impl SslMode {
+    /// The mode libpq spells `text`, if it is one.
+    fn parse(text: &str) -> Option<SslMode> {
+        Some(match text {
+            "disable" => SslMode::Disable,
+            "allow" => SslMode::Allow,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            _ => return None,
+        })
+    }
+
+    /// Whether a connection may be made in clear text: yes under `disable`, and under `allow` and
+    /// `prefer` whenever the server does not offer TLS (which an attacker on the path can arrange).
+    pub fn may_be_clear(self) -> bool {
+        matches!(self, SslMode::Disable | SslMode::Allow | SslMode::Prefer)
+    }
+
+    /// Whether the connection may use TLS, so needs a TLS connector.
+    pub fn may_use_tls(self) -> bool {
+        self != SslMode::Disable
+    }
+
+    /// Whether the server's certificate must carry the host name connected to.
+    pub fn verifies_host_name(self) -> bool {
+        self != SslMode::VerifyCa
+    }
+
+    /// The `sslmode` tokio-postgres is given, which knows only `disable`, `prefer` and `require`: what
+    /// it cannot tell apart is told apart by the TLS connector.
+    fn driver_value(self) -> &'static str {
+        match self {
+            SslMode::Disable => "disable",
+            SslMode::Allow | SslMode::Prefer => "prefer",
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => "require",
+        }
+    }
+}
+
+/// `url` as tokio-postgres reads it: each libpq `sslmode` replaced by the one the driver knows
+/// ([`SslMode`]); everything else as written.
+pub fn driver_url(url: &str) -> String {
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return url.to_owned();
+    };
+    if !parsed.query_pairs().any(|(name, _)| name == "sslmode") {
+        return url.to_owned();
+    }
+    let pairs: Vec<(String, String)> = parsed
+        .query_pairs()
+        .map(|(name, value)| {
+            let value = match SslMode::parse(&value) {
+                Some(mode) if name == "sslmode" => mode.driver_value().to_owned(),
+                _ => value.into_owned(),
+            };
+            (name.into_owned(), value)
+        })
+        .collect();
+    parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    parsed.into()
+}
+
 /// Validated `[store]`.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -114,8 +202,10 @@ pub struct StoreConfig {
     pub on_error: OnStoreError,
     /// Migrate at `serve` start.
     pub migrate: bool,
-    /// Whether the URL asks for TLS (`sslmode=require`, `rediss://`).
+    /// Whether every connection uses TLS (`sslmode=require`, `verify-ca`, `verify-full`; `rediss://`).
     pub tls: bool,
+    /// A PostgreSQL URL's `sslmode` ([`SslMode::Disable`] for the other stores).
+    pub ssl_mode: SslMode,
     /// Extra trusted CA certificates for the store's TLS.
     pub tls_ca_file: Option<PathBuf>,
 }
@@ -145,21 +235,24 @@ impl RawStore {
             ));
         }
         // tokio-postgres reads a URL without sslmode as `prefer`, so what the URL wrote is read here.
-        let tls = store_tls(&url)?;
-        self.url
+        let mode = ssl_mode(&url)?;
+        driver_url(&self.url)
             .parse::<tokio_postgres::Config>()
             .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
-        self.check_ca_file(tls, "add sslmode=require to store.url")?;
+        self.check_ca_file(mode.may_use_tls(), "add sslmode=verify-full to store.url")?;
         if self.pool_size == 0 {
             return Err(ConfigError::new("store.pool_size", "must be at least 1"));
         }
         positive("store.timeout", self.timeout)?;
-        self.config(StoreBackend::Postgres, self.pool_size, tls)
+        let mut config = self.config(StoreBackend::Postgres, self.pool_size, !mode.may_be_clear())?;
+        config.ssl_mode = mode;
+        Ok(config)
     }
 
     /// The validated section for `backend`, whose URL (and TLS) has been checked.
     fn config(&self, backend: StoreBackend, pool_size: usize, tls: bool) -> Result<StoreConfig, ConfigError> {
         Ok(StoreConfig {
+            ssl_mode: SslMode::Disable,
             backend,
             url: self.url.clone(),
             pool_size,
@@ -255,47 +348,29 @@ impl RawStore {
     }
 }
 
-/// Whether a PostgreSQL `store.url` asks for TLS, by the `sslmode` it writes (the last one, as the driver
-/// reads it): `require` does, `disable` or none does not. Other modes are refused rather than read as
-/// they are in libpq: `prefer` and `allow` would connect in clear text whenever the server does not offer
-/// TLS, which an attacker on the path can arrange; `verify-ca` and `verify-full` are what `require`
-/// already does here.
-fn store_tls(url: &url::Url) -> Result<bool, ConfigError> {
-    let mut tls = false;
-    for (_, mode) in url.query_pairs().filter(|(name, _)| name == "sslmode") {
-        tls = match mode.as_ref() {
-            "disable" => false,
-            "require" => true,
-            "verify-ca" | "verify-full" => {
-                return Err(ConfigError::new(
-                    "store.url",
-                    format!(
-                        "sslmode={mode} is not read by idemproxy; write sslmode=require, which verifies \
-                         the server's certificate and host name (against the system's CA certificates and \
-                         store.tls_ca_file) as libpq's verify-full does"
-                    ),
-                ));
-            }
-            _ => {
-                return Err(ConfigError::new(
-                    "store.url",
-                    format!(
-                        "sslmode={mode} is not supported: it would connect in clear text whenever the \
-                         server does not offer TLS; write sslmode=require for TLS (certificate and host \
-                         name verified) or sslmode=disable for clear text"
-                    ),
-                ));
-            }
-        };
+/// The `sslmode` a PostgreSQL `store.url` writes (the last one, as the driver reads it); none is
+/// [`SslMode::Disable`]. A value libpq does not know is refused, naming the six it does.
+fn ssl_mode(url: &url::Url) -> Result<SslMode, ConfigError> {
+    let mut mode = SslMode::Disable;
+    for (_, text) in url.query_pairs().filter(|(name, _)| name == "sslmode") {
+        mode = SslMode::parse(&text).ok_or_else(|| {
+            ConfigError::new(
+                "store.url",
+                format!(
+                    "sslmode={text} is not one of libpq's: write verify-full (TLS, certificate and host \
+                     name verified), verify-ca (certificate only), require, prefer, allow or disable"
+                ),
+            )
+        })?;
     }
-    Ok(tls)
+    Ok(mode)
 }
 
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
 
-    use super::StoreBackend;
+    use super::{SslMode, StoreBackend, driver_url};
     use crate::config::{Config, ConfigError};
 
     #[test]
@@ -362,25 +437,47 @@ mod tests {
     }
 
     #[test]
-    fn sslmodes_that_may_fall_back_to_clear_text_are_refused() {
-        for mode in ["prefer", "allow", "Require", "bogus"] {
+    fn every_libpq_sslmode_is_read_with_its_meaning_and_others_are_refused() {
+        for (mode, want, tls) in [
+            ("disable", SslMode::Disable, false),
+            ("allow", SslMode::Allow, false),
+            ("prefer", SslMode::Prefer, false),
+            ("require", SslMode::Require, true),
+            ("verify-ca", SslMode::VerifyCa, true),
+            ("verify-full", SslMode::VerifyFull, true),
+        ] {
+            let store = store_url(&format!("postgres://db/idem?sslmode={mode}"))
+                .unwrap()
+                .store;
+            assert_eq!(store.ssl_mode, want, "{mode}");
+            assert_eq!(store.tls, tls, "{mode}: TLS on every connection");
+            assert_eq!(want.may_use_tls(), mode != "disable", "{mode}");
+            assert_eq!(want.verifies_host_name(), mode != "verify-ca", "{mode}");
+        }
+        for mode in ["Require", "bogus", "verify_full"] {
             let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
             assert_eq!(err.key, "store.url", "{mode}");
-            assert!(err.message.contains("clear text"), "{mode}: {err}");
-            assert!(err.message.contains("sslmode=require"), "{mode}: {err}");
+            assert!(err.message.contains("verify-full"), "{mode}: {err}");
         }
-        let err = store_url("postgres://db/idem?sslmode=require&sslmode=prefer").unwrap_err();
-        assert_eq!(err.key, "store.url");
     }
 
     #[test]
-    fn sslmode_verify_full_and_verify_ca_point_to_require() {
-        for mode in ["verify-full", "verify-ca"] {
-            let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
-            assert_eq!(err.key, "store.url", "{mode}");
-            assert!(err.message.contains("write sslmode=require"), "{mode}: {err}");
-            assert!(err.message.contains("host name"), "{mode}: {err}");
+    fn the_driver_is_given_the_sslmode_it_knows_and_the_rest_of_the_url_as_written() {
+        for (mode, driver) in [
+            ("verify-full", "require"),
+            ("verify-ca", "require"),
+            ("require", "require"),
+            ("prefer", "prefer"),
+            ("allow", "prefer"),
+            ("disable", "disable"),
+        ] {
+            let url = format!("postgres://u:p@db:5433/idem?application_name=a&sslmode={mode}");
+            assert_eq!(
+                driver_url(&url),
+                format!("postgres://u:p@db:5433/idem?application_name=a&sslmode={driver}")
+            );
         }
+        assert_eq!(driver_url("postgres://db/idem"), "postgres://db/idem");
     }
 
     #[test]

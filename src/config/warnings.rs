@@ -26,6 +26,7 @@ impl Config {
     /// The risky settings in this configuration, in file order.
     pub fn warnings(&self) -> Vec<Warning> {
         let mut found = Vec::new();
+        no_upstream(self, &mut found);
         fail_open(self, &mut found);
         store_in_clear(self, &mut found);
         let routes = self.routes.routes.iter().map(|r| &**r);
@@ -107,6 +108,23 @@ fn route_key(index: usize, route: &Route, field: &str) -> String {
     }
 }
 
+/// No layer named the upstream: every request goes to the default, `http://127.0.0.1:3000`, which is
+/// right only beside a service there (the quickstart's demo). A warning, not an error: tests and
+/// examples start the proxy with only a store, and the default is documented.
+fn no_upstream(config: &Config, found: &mut Vec<Warning>) {
+    if !config.upstream_named {
+        warn(
+            found,
+            "upstream.url",
+            format!(
+                "not set, so requests go to the default {}; set upstream.url in the file, --upstream or \
+                 IDEMPROXY_UPSTREAM__URL",
+                super::RawUpstream::default().url
+            ),
+        );
+    }
+}
+
 fn fail_open(config: &Config, found: &mut Vec<Warning>) {
     if config.store.on_error == OnStoreError::FailOpen {
         warn(
@@ -139,7 +157,11 @@ fn store_in_clear(config: &Config, found: &mut Vec<Warning>) {
     if let Some(host) = hosts.iter().find(|host| is_remote(host)) {
         let ask = match store.backend {
             StoreBackend::Redis(_) => "use rediss://",
-            _ => "add sslmode=require (or verify-full) to the URL",
+            _ if store.ssl_mode.may_use_tls() => {
+                "write sslmode=verify-full in the URL: allow and prefer fall back to clear text whenever the \
+                 server offers no TLS, which an attacker on the path can arrange"
+            }
+            _ => "add sslmode=verify-full to the URL (TLS, the server's certificate and host name verified)",
         };
         warn(
             found,
@@ -260,14 +282,30 @@ fn unscoped_without_signature(index: usize, route: &Route, found: &mut Vec<Warni
 mod tests {
     use super::*;
 
+    /// The keys warned about, the upstream's own warning aside (`toml` names no upstream).
     fn keys(toml: &str) -> Vec<String> {
         let config = Config::from_toml_str(toml).expect("valid");
-        config.warnings().into_iter().map(|w| w.key).collect()
+        let keys = config.warnings().into_iter().map(|w| w.key);
+        keys.filter(|key| key != "upstream.url").collect()
     }
 
     #[test]
     fn the_defaults_are_not_risky() {
         assert!(keys("").is_empty());
+    }
+
+    #[test]
+    fn a_configuration_naming_no_upstream_is_warned_about_and_one_naming_it_is_not() {
+        let warned = Config::from_toml_str("[store]\nmax_batch = 8\n")
+            .unwrap()
+            .warnings();
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert_eq!(warned[0].key, "upstream.url");
+        for words in ["http://127.0.0.1:3000", "--upstream", "IDEMPROXY_UPSTREAM__URL"] {
+            assert!(warned[0].message.contains(words), "{}", warned[0]);
+        }
+        let named = Config::from_toml_str("[upstream]\nurl = \"http://127.0.0.1:3000\"\n").unwrap();
+        assert!(named.warnings().is_empty(), "the default, written, is named");
     }
 
     #[test]

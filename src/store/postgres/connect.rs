@@ -74,8 +74,7 @@ pub(super) fn pool(config: &StoreConfig, layout: &Layout) -> Result<Pool, StoreE
 /// `store.url`, with what it leaves unset: a connect timeout of `store.timeout` and the application
 /// name `idemproxy`; TCP keepalives always on.
 pub(super) fn pg_config(config: &StoreConfig) -> Result<tokio_postgres::Config, StoreError> {
-    let mut pg: tokio_postgres::Config = config
-        .url
+    let mut pg: tokio_postgres::Config = crate::config::driver_url(&config.url)
         .parse()
         .map_err(|e: tokio_postgres::Error| StoreError::Backend(e.to_string()))?;
     if pg.get_connect_timeout().is_none() {
@@ -88,14 +87,17 @@ pub(super) fn pg_config(config: &StoreConfig) -> Result<tokio_postgres::Config, 
     Ok(pg)
 }
 
-/// The TLS connector when the URL says `sslmode=require`: rustls, verifying the server's certificate and
-/// name against the system's CA certificates plus `store.tls_ca_file`. `sslmode=disable` or none connects in
-/// clear text; config validation refuses every other mode.
+/// The TLS connector when the URL's `sslmode` may use TLS (all but `disable`, or none): rustls, verifying
+/// the server's certificate against the system's CA certificates plus `store.tls_ca_file`, and its host
+/// name unless the mode is `verify-ca`. The driver is given `prefer` or `require` ([`driver_url`]), so
+/// `allow` and `prefer` connect in clear text when the server offers no TLS.
+///
+/// [`driver_url`]: crate::config::driver_url
 pub(super) fn tls_connector(config: &StoreConfig) -> Result<Option<MakeRustlsConnect>, StoreError> {
-    if !config.tls {
+    if !config.ssl_mode.may_use_tls() {
         return Ok(None);
     }
-    let client = super::tls::client_config(config.tls_ca_file.as_deref())
+    let client = super::tls::client_config(config.tls_ca_file.as_deref(), config.ssl_mode)
         .map_err(|e| StoreError::Backend(format!("store TLS: {e}")))?;
     Ok(Some(MakeRustlsConnect::new(client)))
 }
@@ -259,6 +261,20 @@ mod tests {
             "postgres://db.internal/keys?sslmode=disable",
         ] {
             assert!(tls_connector(&store(url)).unwrap().is_none(), "{url}");
+        }
+    }
+
+    #[test]
+    fn every_sslmode_but_disable_gets_a_tls_connector_and_the_driver_reads_the_url() {
+        for mode in ["allow", "prefer", "require", "verify-ca", "verify-full"] {
+            let config = store(&format!("postgres://db.internal/keys?sslmode={mode}"));
+            assert!(tls_connector(&config).unwrap().is_some(), "{mode}");
+            let pg = pg_config(&config).expect("the driver reads the URL");
+            let want = match mode {
+                "allow" | "prefer" => tokio_postgres::config::SslMode::Prefer,
+                _ => tokio_postgres::config::SslMode::Require,
+            };
+            assert_eq!(pg.get_ssl_mode(), want, "{mode}");
         }
     }
 

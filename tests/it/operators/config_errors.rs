@@ -1,13 +1,16 @@
 //! Errors that say what to do, from the real binary: Kubernetes service-link variables are left out of
 //! the configuration (and a misspelt variable is still an error), an unknown key gets the one meant, a
-//! listener that cannot bind is named, and `check-config` warns about risky settings.
+//! listener that cannot bind is named, and `check-config` warns about risky settings. Every mistake of a
+//! run is reported in that run, one line each, types in words; a missing file gives the OS's reason;
+//! `IDEMPROXY_CONFIG` names the file; a configuration naming no upstream is warned about; `store.url`
+//! takes libpq's sslmodes; `:PORT` and `localhost:PORT` listen.
 
 use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::support::cli::{assert_one_line_naming, config_file, idemproxy, stderr};
+use crate::support::cli::{assert_one_line_naming, config_file, idemproxy, stderr, stdout};
 use crate::support::proxy::binary;
 use crate::support::{Backend, Reply, TestEnv, keyed_post};
 
@@ -183,7 +186,8 @@ async fn check_config_warns_about_risky_settings_and_fails_on_them_only_when_ask
          [[routes]]\nname = \"b\"\npath = \"/b\"\nscope = \"shared\"\nfingerprint_body = \"json\"\n",
     );
     let path = risky.path().to_str().unwrap();
-    let output = idemproxy(&["check-config", "--config", path], &[]).await;
+    let named = ["--upstream", "http://127.0.0.1:3000"];
+    let output = idemproxy(&["check-config", "--config", path, named[0], named[1]], &[]).await;
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let printed = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
@@ -199,12 +203,27 @@ async fn check_config_warns_about_risky_settings_and_fails_on_them_only_when_ask
         .parse::<toml::Table>()
         .expect("still the effective config as TOML");
 
-    let denied = idemproxy(&["check-config", "--config", path, "--deny-warnings"], &[]).await;
+    let denied = idemproxy(
+        &[
+            "check-config",
+            "--config",
+            path,
+            "--deny-warnings",
+            named[0],
+            named[1],
+        ],
+        &[],
+    )
+    .await;
     assert_eq!(denied.status.code(), Some(64));
     assert!(stderr(&denied).contains("2 warning(s)"), "{}", stderr(&denied));
 
-    let plain = idemproxy(&["check-config", "--deny-warnings"], &[]).await;
-    assert_eq!(plain.status.code(), Some(0), "the defaults warn about nothing");
+    let plain = idemproxy(&["check-config", "--deny-warnings", named[0], named[1]], &[]).await;
+    assert_eq!(
+        plain.status.code(),
+        Some(0),
+        "the defaults, with an upstream, warn about nothing"
+    );
     assert!(!String::from_utf8_lossy(&plain.stdout).contains("# warning"));
 
     let links = idemproxy(&["check-config"], &SERVICE_LINKS).await;
@@ -259,4 +278,247 @@ async fn a_value_of_the_wrong_type_is_named_by_its_key_and_never_echoed() {
     let output = idemproxy(&["check-config"], &[("IDEMPROXY_ENCRYPTION__KEYS", secret)]).await;
     assert_one_line_naming(&output, &["encryption.keys"]);
     assert!(!stderr(&output).contains(secret), "{}", stderr(&output));
+}
+
+/// A configuration the binary refuses with several problems: exit 64 and one line for each of `wanted`
+/// (each line holding every text of its entry), and no other line.
+fn assert_lines_naming(output: &std::process::Output, wanted: &[&[&str]]) {
+    assert_eq!(output.status.code(), Some(64), "{}", stderr(output));
+    let said = stderr(output);
+    let lines: Vec<&str> = said.trim_end().lines().collect();
+    assert_eq!(lines.len(), wanted.len(), "one line per problem: {said}");
+    for texts in wanted {
+        assert!(
+            lines.iter().any(|line| texts.iter().all(|t| line.contains(t))),
+            "a line says {texts:?}: {said}"
+        );
+    }
+    for word in ["usize", "u64", "u16", "i64", "``"] {
+        assert!(
+            !said.contains(word),
+            "no Rust type or doubled quote {word}: {said}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn every_mistake_in_a_file_is_reported_in_one_run_each_on_its_own_line_naming_the_file() {
+    let file = config_file(
+        "[server]\nlisen = \"127.0.0.1:0\"\nwrokers = 2\n\
+         [store]\npool_size = \"many\"\n\
+         [upstream]\nprotocol = \"http3\"\n\
+         [sweeper]\nbatch_size = 0\n",
+    );
+    let path = file.path().to_str().unwrap();
+    for command in ["check-config", "serve"] {
+        let output = idemproxy(&[command, "--config", path], &[]).await;
+        assert_lines_naming(
+            &output,
+            &[
+                &["server.lisen", "did you mean \"listen\"?", path],
+                &["server.wrokers", "did you mean \"workers\"?", path],
+                &["store.pool_size", "expected a whole number (0 or more)", path],
+                &[
+                    "upstream.protocol",
+                    "\"http3\" is not one of \"http1\", \"h2c\", \"auto\"",
+                    path,
+                ],
+                &["sweeper.batch_size", "must be", path],
+            ],
+        );
+    }
+}
+
+#[tokio::test]
+async fn mistakes_from_variables_and_flags_are_reported_with_the_files_and_name_where_each_came_from() {
+    let file = config_file("[idempotency]\nttl = 5\n");
+    let path = file.path().to_str().unwrap();
+    let output = idemproxy(
+        &["check-config", "--config", path, "--listen", "nowhere"],
+        &[
+            ("IDEMPROXY_SERVER_LISTEN", "127.0.0.1:0"),
+            ("IDEMPROXY_STORE__MAX_BATCH", "0"),
+            ("IDEMPROXY_REPLAY_CACHE_MAX_SIZE", "1MiB"),
+        ],
+    )
+    .await;
+    assert_lines_naming(
+        &output,
+        &[
+            &["idempotency.ttl", "expected a duration", path],
+            &[
+                "IDEMPROXY_SERVER_LISTEN",
+                "did you mean IDEMPROXY_SERVER__LISTEN?",
+            ],
+            &[
+                "IDEMPROXY_REPLAY_CACHE_MAX_SIZE",
+                "did you mean IDEMPROXY_REPLAY_CACHE__MAX_SIZE?",
+            ],
+            &["server.listen", "\"nowhere\"", "(from --listen)"],
+            &["store.max_batch", "(from IDEMPROXY_STORE__MAX_BATCH)"],
+        ],
+    );
+}
+
+#[tokio::test]
+async fn a_missing_config_file_is_named_with_the_reason_the_os_gives() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let missing = dir.path().join("idemproxy.toml");
+    let missing = missing.to_str().unwrap();
+    let output = idemproxy(&["check-config", "--config", missing], &[]).await;
+    assert_one_line_naming(&output, &[missing, "No such file or directory (os error 2)"]);
+    let output = idemproxy(&["serve"], &[("IDEMPROXY_CONFIG", missing)]).await;
+    assert_one_line_naming(&output, &[missing, "No such file or directory (os error 2)"]);
+    let output = idemproxy(&["check-config", "--config", dir.path().to_str().unwrap()], &[]).await;
+    assert_one_line_naming(&output, &["Is a directory (os error 21)"]);
+}
+
+#[tokio::test]
+async fn idemproxy_config_names_the_file_unless_config_is_given() {
+    let from_variable = config_file("[upstream]\nurl = \"http://127.0.0.1:4001\"\n");
+    let from_flag = config_file("[upstream]\nurl = \"http://127.0.0.1:4002\"\n");
+    let variable = [("IDEMPROXY_CONFIG", from_variable.path().to_str().unwrap())];
+    let output = idemproxy(&["check-config"], &variable).await;
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(stdout(&output).contains("127.0.0.1:4001"), "{}", stdout(&output));
+    let flag = from_flag.path().to_str().unwrap();
+    let output = idemproxy(&["check-config", "--config", flag], &variable).await;
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(
+        stdout(&output).contains("127.0.0.1:4002"),
+        "the flag wins: {}",
+        stdout(&output)
+    );
+}
+
+#[tokio::test]
+async fn a_configuration_naming_no_upstream_is_a_check_config_warning() {
+    let output = idemproxy(&["check-config"], &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let printed = stdout(&output);
+    assert!(
+        printed.starts_with(
+            "# warning: upstream.url: not set, so requests go to the default http://127.0.0.1:3000"
+        ),
+        "{printed}"
+    );
+    for fix in ["--upstream", "IDEMPROXY_UPSTREAM__URL"] {
+        assert!(printed.contains(fix), "{printed}");
+    }
+    let denied = idemproxy(&["check-config", "--deny-warnings"], &[]).await;
+    assert_eq!(denied.status.code(), Some(64), "{}", stderr(&denied));
+    for named in [
+        idemproxy(&["check-config", "--upstream", "http://127.0.0.1:3000"], &[]).await,
+        idemproxy(
+            &["check-config"],
+            &[("IDEMPROXY_UPSTREAM__URL", "http://127.0.0.1:3000")],
+        )
+        .await,
+    ] {
+        assert!(
+            !stdout(&named).contains("upstream.url: not set"),
+            "{}",
+            stdout(&named)
+        );
+    }
+}
+
+#[tokio::test]
+async fn store_url_takes_libpqs_sslmodes_and_refuses_others() {
+    for mode in [
+        "disable",
+        "allow",
+        "prefer",
+        "require",
+        "verify-ca",
+        "verify-full",
+    ] {
+        let url = format!("postgres://app@127.0.0.1/idem?sslmode={mode}");
+        let output = idemproxy(&["check-config", "--store", &url], &[]).await;
+        assert_eq!(output.status.code(), Some(0), "{mode}: {}", stderr(&output));
+    }
+    let remote = "postgres://app@db.example.com/idem?sslmode=prefer";
+    let output = idemproxy(&["check-config", "--store", remote], &[]).await;
+    let printed = stdout(&output);
+    assert!(
+        printed.contains("# warning: store.url: the store at db.example.com is reached without TLS"),
+        "{printed}"
+    );
+    assert!(printed.contains("write sslmode=verify-full"), "{printed}");
+    let verified = "postgres://app@db.example.com/idem?sslmode=verify-full";
+    let output = idemproxy(&["check-config", "--store", verified], &[]).await;
+    assert!(
+        !stdout(&output).contains("# warning: store.url"),
+        "{}",
+        stdout(&output)
+    );
+    let output = idemproxy(
+        &[
+            "check-config",
+            "--store",
+            "postgres://app@db/idem?sslmode=verify_full",
+        ],
+        &[],
+    )
+    .await;
+    assert_one_line_naming(&output, &["store.url", "(from --store)", "verify-full"]);
+}
+
+#[tokio::test]
+async fn a_bare_port_and_localhost_listen_and_serve_and_no_upstream_is_warned_about_at_start() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = format!("sqlite://{}", dir.path().join("idemproxy.db").display());
+    let mut command = binary();
+    command
+        .args([
+            "serve",
+            "--listen",
+            ":0",
+            "--admin-listen",
+            "localhost:0",
+            "--store",
+            &store,
+        ])
+        .env("IDEMPROXY_LOG__FORMAT", "json")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn().expect("the binary starts");
+    let mut lines = BufReader::new(child.stderr.take().expect("piped")).lines();
+    let mut seen = Vec::new();
+    let started = tokio::time::timeout(BOUND, async {
+        let (mut proxy, mut admin, mut warned) = (None, None, false);
+        while let Ok(Some(line)) = lines.next_line().await {
+            seen.push(line.clone());
+            if line.contains("proxy listening") {
+                proxy = json_field(&line, "addr").map(str::to_owned);
+            }
+            if line.contains("admin listening") {
+                admin = json_field(&line, "addr").map(str::to_owned);
+            }
+            warned |= line.contains("WARN") && line.contains("upstream.url");
+            if let (Some(proxy), Some(admin), true) = (&proxy, &admin, warned) {
+                return Some((proxy.clone(), admin.clone()));
+            }
+        }
+        None
+    })
+    .await;
+    let Ok(Some((proxy, admin))) = started else {
+        panic!("no listeners and upstream warning at start:\n{}", seen.join("\n"));
+    };
+    let port = proxy
+        .strip_prefix("0.0.0.0:")
+        .unwrap_or_else(|| panic!(":0 is every IPv4 interface: {proxy}"));
+    assert!(admin.starts_with("127.0.0.1:"), "localhost is 127.0.0.1: {admin}");
+    let health = reqwest::get(format!("http://{admin}/healthz"))
+        .await
+        .expect("the admin listener on localhost answers");
+    assert_eq!(health.status(), 200);
+    let answer = reqwest::get(format!("http://127.0.0.1:{port}/"))
+        .await
+        .expect("the proxy on :0 answers on loopback");
+    assert!(answer.status().as_u16() >= 200, "{}", answer.status());
+    child.start_kill().expect("stop the proxy");
 }

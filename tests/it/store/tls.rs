@@ -1,7 +1,8 @@
 //! The store over TLS (`sslmode=require`): the server's certificate and name are verified, and keyed
-//! requests work over the encrypted connection. Needs the server under test to have TLS on and a
-//! certificate for `localhost` (Debian's default cluster does, and so does the server the tests start
-//! themselves); otherwise these tests say so and stop, or fail where `CI` is set.
+//! requests work over the encrypted connection; `verify-full` verifies the name too, `verify-ca` only the
+//! chain. Needs the server under test to have TLS on and a certificate for `localhost` (Debian's default
+//! cluster does, and so does the server the tests start themselves); otherwise these tests say so and
+//! stop, or fail where `CI` is set.
 
 use crate::support::{InProcessProxy, Reply, TestEnv, keyed_post, settled};
 
@@ -24,10 +25,64 @@ async fn server_certificate(env: &TestEnv) -> Option<String> {
 }
 
 fn tls_url(env: &TestEnv, host: &str) -> String {
+    tls_url_with(env, host, "require")
+}
+
+fn tls_url_with(env: &TestEnv, host: &str, mode: &str) -> String {
     let mut url = url::Url::parse(&env.db().url()).unwrap();
     url.set_host(Some(host)).unwrap();
-    url.set_query(Some("sslmode=require"));
+    url.set_query(Some(&format!("sslmode={mode}")));
     url.to_string()
+}
+
+/// Starts the in-process proxy on `config`, or returns why it did not start.
+async fn start(config: &crate::support::ProxyConfig) -> Result<(), String> {
+    let listeners = idemproxy::Listeners {
+        proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().into(),
+        admin: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let config = idemproxy::Config::from_toml_str(&config.to_toml()).unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let run = idemproxy::run(config, listeners, shutdown.clone());
+    match tokio::time::timeout(std::time::Duration::from_secs(3), run).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Ok(()),
+    }
+}
+
+#[tokio::test]
+async fn verify_full_checks_the_host_name_and_verify_ca_only_the_chain() {
+    let env = TestEnv::new().await;
+    let Some(certificate) = server_certificate(&env).await else {
+        return;
+    };
+    let ca = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca.path(), certificate).unwrap();
+    let ca = ca.path().to_str().unwrap();
+    // The certificate names localhost, not 127.0.0.1.
+    let chain_only = env
+        .config()
+        .set("store.url", tls_url_with(&env, "127.0.0.1", "verify-ca"))
+        .set("store.tls_ca_file", ca);
+    let proxy = InProcessProxy::start(&chain_only).await;
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "verify-ca", "{}")).await;
+    assert_eq!(first.status, 201, "verify-ca trusts the chain: {}", first.text());
+
+    let full = env
+        .config()
+        .set("store.url", tls_url_with(&env, "127.0.0.1", "verify-full"))
+        .set("store.tls_ca_file", ca);
+    let error = start(&full).await.expect_err("verify-full refuses another name");
+    assert!(error.contains("certificate not valid for name"), "{error}");
+
+    let by_name = env
+        .config()
+        .set("store.url", tls_url_with(&env, "localhost", "verify-full"))
+        .set("store.tls_ca_file", ca);
+    let proxy = InProcessProxy::start(&by_name).await;
+    let first = Reply::of(keyed_post(&proxy.url, "/orders", "verify-full", "{}")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
 }
 
 #[tokio::test]
@@ -77,17 +132,8 @@ async fn store_certificate_for_another_name_is_refused() {
         .config()
         .set("store.url", tls_url(&env, "127.0.0.1"))
         .set("store.tls_ca_file", ca.path().to_str().unwrap());
-    let listeners = idemproxy::Listeners {
-        proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().into(),
-        admin: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
-    };
-    let config = idemproxy::Config::from_toml_str(&config.to_toml()).unwrap();
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let error = idemproxy::run(config, listeners, shutdown)
+    let error = start(&config)
         .await
         .expect_err("start-up must fail on an untrusted store certificate");
-    assert!(
-        error.to_string().contains("certificate not valid for name"),
-        "{error}"
-    );
+    assert!(error.contains("certificate not valid for name"), "{error}");
 }

@@ -1,0 +1,236 @@
+//! How the layers become one [`Config`] with every mistake reported at once, run by `Config::load` (and
+//! `Config::from_toml_str`) at start-up and at each SIGHUP. Serde stops at the first value of the wrong
+//! type or the first unknown key, so the merged layers are read as a plain tree first; each such problem
+//! is noted, its key taken out of the tree (its default then applies) and the tree read again, until it
+//! reads. Then every section is validated ([`RawConfig::validate_with`]), each whatever another's
+//! problems. Each problem names its key and the file, variable or flag that set it. Touches the
+//! configuration file (to say why it cannot be read) and the process's environment (to name a variable).
+
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::Value;
+
+use super::error::error_path;
+use super::{Config, ConfigError, Overrides, ProcessSecrets, RawConfig, SecretReader, service_links};
+
+/// The variable naming the configuration file (`IDEMPROXY_CONFIG`, read by the command line), as the
+/// `IDEMPROXY_` layer sees it: not a configuration key, so that layer leaves it out.
+pub(super) const CONFIG_VARIABLE_KEY: &str = "CONFIG";
+
+/// Most keys taken out of the tree before giving up: more mistakes than this in one file are not read
+/// one by one.
+const MOST_ROUNDS: usize = 100;
+
+/// Which file, variable or flag set the key at a path, if one did.
+pub(super) type Source<'a> = dyn Fn(&[String]) -> Option<String> + 'a;
+
+impl Config {
+    /// Defaults < the given TOML text. No `IDEMPROXY_` environment, no flags: for tests and embedding.
+    /// Signature secrets are still read from the files and variables the text names.
+    pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
+        Self::from_toml_str_with(toml, &ProcessSecrets)
+    }
+
+    /// [`Config::from_toml_str`], reading signature secrets through `secrets`.
+    pub fn from_toml_str_with(toml: &str, secrets: &dyn SecretReader) -> Result<Config, ConfigError> {
+        let figment = Figment::from(Serialized::defaults(RawConfig::default())).merge(Toml::string(toml));
+        let mut config = collect(&figment, &|_| None, secrets)?;
+        config.upstream_named = names_upstream(&figment);
+        Ok(config)
+    }
+
+    /// Defaults < TOML file (if given) < `IDEMPROXY_…` environment < command-line overrides. Every
+    /// problem found is reported, each on its own line ([`ConfigError::problems`]).
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
+        if let Some(path) = file {
+            readable(path)?;
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        let vars: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+            .collect();
+        let links = service_links::service_links(vars.iter().map(|(n, v)| (n.as_str(), v.as_str())));
+        let mut ignored: Vec<&str> = links
+            .iter()
+            .map(|name| &name[service_links::PREFIX.len()..])
+            .collect();
+        ignored.push(CONFIG_VARIABLE_KEY);
+        let env = Env::prefixed(service_links::PREFIX)
+            .ignore(&ignored)
+            .split("__")
+            .lowercase(true);
+        figment = figment.merge(env).merge(overrides.figment());
+        let source = |path: &[String]| source(&figment, overrides, &vars, &links, path);
+        let mut config = collect(&figment, &source, &ProcessSecrets)?;
+        config.upstream_named = names_upstream(&figment);
+        config.service_links = links;
+        Ok(config)
+    }
+}
+
+/// The configuration file can be read; if not, why not, as the OS says it, and where.
+pub(super) fn readable(path: &Path) -> Result<(), ConfigError> {
+    match std::fs::read(path) {
+        Ok(_) => Ok(()),
+        Err(error) => Err(ConfigError::new(
+            "config",
+            format!("cannot read the configuration file {}: {error}", path.display()),
+        )),
+    }
+}
+
+/// The configuration of `figment`'s layers, or every problem found in them.
+pub(super) fn collect(
+    figment: &Figment,
+    source: &Source<'_>,
+    secrets: &dyn SecretReader,
+) -> Result<Config, ConfigError> {
+    let mut tree: Value = figment
+        .extract()
+        .map_err(|e| ConfigError::from_figment(&e, source))?;
+    let mut found = Vec::new();
+    for _ in 0..MOST_ROUNDS {
+        match Figment::from(Serialized::defaults(&tree)).extract::<RawConfig>() {
+            Ok(raw) => return finish(raw.validate_with(secrets), found, source),
+            Err(error) => {
+                found.push(ConfigError::from_figment(&error, source));
+                if !remove(&mut tree, &error_path(&error)) {
+                    break;
+                }
+            }
+        }
+    }
+    Err(all(found))
+}
+
+/// The validated configuration if nothing was found before validating, else every problem.
+fn finish(
+    validated: Result<Config, ConfigError>,
+    mut found: Vec<ConfigError>,
+    source: &Source<'_>,
+) -> Result<Config, ConfigError> {
+    match validated {
+        Ok(config) if found.is_empty() => Ok(config),
+        Ok(_) => Err(all(found)),
+        Err(errors) => {
+            for error in errors.into_list() {
+                let from = source(&key_path(&error.key));
+                found.push(error.naming_source(from));
+            }
+            Err(all(found))
+        }
+    }
+}
+
+fn all(found: Vec<ConfigError>) -> ConfigError {
+    ConfigError::all(found).unwrap_or_else(|| ConfigError::new("config", "cannot be read"))
+}
+
+/// Takes the value at `path` out of the tree; false when there is none, or it is an item of a list
+/// (taking it out would renumber the items after it).
+fn remove(tree: &mut Value, path: &[String]) -> bool {
+    match (tree, path) {
+        (Value::Dict(_, dict), [last]) => dict.remove(last).is_some(),
+        (Value::Dict(_, dict), [first, rest @ ..]) => dict.get_mut(first).is_some_and(|v| remove(v, rest)),
+        (Value::Array(_, items), [index, rest @ ..]) if !rest.is_empty() => index
+            .parse::<usize>()
+            .ok()
+            .and_then(|i| items.get_mut(i))
+            .is_some_and(|v| remove(v, rest)),
+        _ => false,
+    }
+}
+
+/// A key as errors name it (`routes[0].signature.secret`) as a path (`routes`, `0`, `signature`, …).
+pub(super) fn key_path(key: &str) -> Vec<String> {
+    let mut path = Vec::new();
+    for part in key.split('.') {
+        let mut pieces = part.split('[');
+        if let Some(name) = pieces.next() {
+            path.push(name.to_owned());
+        }
+        path.extend(pieces.map(|index| index.trim_end_matches(']').to_owned()));
+    }
+    path
+}
+
+/// Whether a layer above the defaults (the file, a variable, a flag) set `upstream.url`.
+pub(super) fn names_upstream(figment: &Figment) -> bool {
+    figment
+        .find_metadata("upstream.url")
+        .is_some_and(|m| m.name != std::any::type_name::<RawConfig>())
+}
+
+/// Which layer set the key at `path`: its flag, its `IDEMPROXY_` variable or the file, by name.
+pub(super) fn source(
+    figment: &Figment,
+    overrides: &Overrides,
+    vars: &[(String, String)],
+    links: &[String],
+    path: &[String],
+) -> Option<String> {
+    if path.is_empty() {
+        return None;
+    }
+    if let Some(flag) = overrides.flag_for(&path.join(".")) {
+        return Some(flag.to_owned());
+    }
+    if let Some(variable) = variable_for(vars, links, path) {
+        return Some(variable.to_owned());
+    }
+    let metadata = figment.find_metadata(&path.join("."))?;
+    match &metadata.source {
+        Some(figment::Source::File(file)) => Some(file.display().to_string()),
+        _ => None,
+    }
+}
+
+/// The `IDEMPROXY_` variable that sets the key at `path` (or a key under it).
+fn variable_for<'a>(vars: &'a [(String, String)], links: &[String], path: &[String]) -> Option<&'a str> {
+    let prefix = service_links::PREFIX;
+    vars.iter().map(|(name, _)| name.as_str()).find(|name| {
+        let Some(rest) = name.strip_prefix(prefix) else {
+            return false;
+        };
+        if rest == CONFIG_VARIABLE_KEY || links.iter().any(|l| l == name) {
+            return false;
+        }
+        let parts: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+        parts.len() >= path.len() && parts[..path.len()] == *path
+    })
+}
+
+#[cfg(test)]
+mod tests {
+
+    use super::*;
+
+    #[test]
+    fn a_key_as_errors_write_it_is_a_path() {
+        assert_eq!(key_path("server.listen"), ["server", "listen"]);
+        assert_eq!(
+            key_path("routes[2].signature.secret"),
+            ["routes", "2", "signature", "secret"]
+        );
+    }
+
+    #[test]
+    fn a_value_is_taken_out_of_a_table_but_not_out_of_a_list() {
+        let mut tree: Value = Figment::from(figment::providers::Serialized::defaults(toml::toml! { [server]
+        listen = 1
+        [[routes]]
+        name = "a" }))
+        .extract()
+        .unwrap();
+        assert!(remove(&mut tree, &key_path("server.listen")));
+        assert!(!remove(&mut tree, &key_path("server.listen")), "already gone");
+        assert!(remove(&mut tree, &key_path("routes[0].name")));
+        assert!(
+            !remove(&mut tree, &key_path("routes[0]")),
+            "items keep their numbers"
+        );
+    }
+}
