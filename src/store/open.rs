@@ -115,6 +115,7 @@ pub async fn serve(
     };
     if !migrate {
         opened.install();
+        tracker.spawn(answers_at_start(serving.store.clone()));
         return Ok(serving);
     }
     match PostgresStore::try_migrate(&config.store).await {
@@ -235,6 +236,18 @@ impl Opened {
         for task in self.beside {
             self.tracker.spawn(task);
         }
+    }
+}
+
+/// Asks a store with nothing to migrate (Redis, or PostgreSQL with `store.migrate = false`) once at
+/// start whether it answers, so that an unreachable server, a refused login or a missing permission is
+/// said at start, with the server's reason and the fix, and not first at the first keyed request.
+async fn answers_at_start(store: StoreHandle) {
+    if let Err(error) = store.ping().await {
+        tracing::warn!(
+            error = %crate::config::mask_passwords(&error.to_string()),
+            "the store does not answer at start; keyed requests follow store.on_error until it does"
+        );
     }
 }
 

@@ -308,8 +308,19 @@ async fn redis_refusals_say_the_server_reason_and_the_fix() {
     )
     .await;
 
-    // After start, a keyed request is refused 503 and the proxy's log line says why and what mends it.
+    // At start, before any request, the proxy says the store does not answer, why, and what mends it.
     let proxy = ProxyProcess::spawn_serving(&ProxyConfig::new(&wrong, &env.upstream.url())).await;
+    let at_start = poll_until("the line at start with the refused login and its fix", || async {
+        proxy
+            .stderr()
+            .lines()
+            .find(|line| line.contains("the store does not answer at start"))
+            .map(str::to_owned)
+    })
+    .await;
+    assert!(at_start.contains(refused_login), "{at_start}");
+    assert!(!at_start.contains("wrong"), "the password is masked: {at_start}");
+    // After start, a keyed request is refused 503 and the proxy's log line says why and what mends it.
     let refused = Reply::of(keyed_post(&proxy.url, "/orders", "auth", "{}")).await;
     assert_eq!(refused.status, 503, "{}", refused.text());
     poll_until(
