@@ -92,6 +92,9 @@ pub struct Proxy {
     permits: KeyedPermits,
     /// How many of those one client connection may hold (`server.max_keyed_per_connection`).
     pub(crate) keyed_per_connection: usize,
+    /// The TCP peers whose `X-Forwarded-For` names the client in the access log
+    /// (`server.trusted_proxies`).
+    pub(crate) trusted_proxies: Arc<[ipnet::IpNet]>,
     /// Whether each request writes an access line (`log.access`).
     access_log: bool,
     /// Whether requests are traced (`traces.enabled`, `otlp.rs`): off, no span beyond the log's is made.
@@ -192,6 +195,7 @@ impl Grounds {
             cache: self.cache.clone(),
             permits: self.permits.clone(),
             keyed_per_connection: server.max_keyed_per_connection,
+            trusted_proxies: server.trusted_proxies.clone(),
             access_log: config.log.access,
             traced: otlp::traced(&config.traces),
             problem_base: server.problem_type_base.as_str().into(),
@@ -253,6 +257,7 @@ impl Proxy {
             cache: self.cache.clone(),
             permits: self.permits.clone(),
             keyed_per_connection: self.keyed_per_connection,
+            trusted_proxies: self.trusted_proxies.clone(),
             access_log: self.access_log,
             traced: self.traced,
             problem_base: self.problem_base.clone(),

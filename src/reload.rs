@@ -41,7 +41,7 @@ use crate::shutdown::Hangups;
 /// The settings a reload applies to new requests: a dotted key, or a section every key under which is
 /// applied. Every other setting keeps its running value until a restart ([`keep_running`] says why
 /// for each).
-pub const APPLIED: [&str; 9] = [
+pub const APPLIED: [&str; 10] = [
     "routes",
     "idempotency",
     "upstream",
@@ -50,6 +50,7 @@ pub const APPLIED: [&str; 9] = [
     "server.paths",
     "server.body_read_timeout",
     "server.max_keyed_per_connection",
+    "server.trusted_proxies",
     "store.on_error",
 ];
 
@@ -233,8 +234,8 @@ fn applies(key: &str) -> bool {
 /// - `server`: the listeners are bound, the worker threads started, the connection limits and the
 ///   listener's TLS set up at start; the process-wide budgets, seats and permits, the attachments'
 ///   buffer and the problem type base belong to the grounds every generation shares. Only
-///   `server.paths`, `server.body_read_timeout` and `server.max_keyed_per_connection` are the request
-///   path's own.
+///   `server.paths`, `server.body_read_timeout`, `server.max_keyed_per_connection` and
+///   `server.trusted_proxies` are the request path's own (the last two taken by each new connection).
 /// - `store` (but `store.on_error`), `encryption`, `sweeper`: the store is opened once.
 /// - `replay_cache`: one cache is shared by every generation.
 /// - `traces`: the exporter is set up at start.
@@ -245,6 +246,7 @@ fn keep_running(running: &Config, loaded: Config) -> Config {
     server.paths = config.server.paths;
     server.body_read_timeout = config.server.body_read_timeout;
     server.max_keyed_per_connection = config.server.max_keyed_per_connection;
+    server.trusted_proxies = config.server.trusted_proxies.clone();
     config.server = server;
     let on_error = config.store.on_error;
     config.store = running.store.clone();

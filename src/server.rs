@@ -447,12 +447,15 @@ async fn work(
                 },
             ),
         };
+        let now = generations.worker(index);
         let downstream = Downstream::new(
             peer,
             serving.tls.is_some(),
-            generations.worker(index).keyed_per_connection,
+            now.keyed_per_connection,
             Some(slot.tracked()),
-        );
+        )
+        .trusting(&now.trusted_proxies);
+        drop(now);
         let stream = match stream {
             Ok(stream) => stream,
             Err(error) => {

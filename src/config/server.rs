@@ -6,12 +6,13 @@
 //! rustls config whose certificate `server.rs` can swap when the files change.
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytesize::ByteSize;
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
@@ -44,6 +45,9 @@ pub struct RawServer {
     /// Whether a unix-socket client's own `X-Forwarded-For` goes upstream as it came. Such a client has
     /// no address to append, so by default its chain is removed rather than passed off as the proxy's.
     pub trust_unix_forwarded_for: bool,
+    /// The TCP peers (addresses or CIDR blocks) trusted to say in `X-Forwarded-For` whom they forward
+    /// for: the access log names the client they name instead of them. Empty by default.
+    pub trusted_proxies: Vec<String>,
     /// Admin listener address (`/metrics`, `/healthz`, `/readyz`); TCP only.
     pub admin_listen: String,
     /// How long in-flight requests may run to completion after a shutdown signal.
@@ -129,6 +133,7 @@ impl Default for RawServer {
             listen: "0.0.0.0:8080".into(),
             socket_mode: "0660".into(),
             trust_unix_forwarded_for: false,
+            trusted_proxies: Vec::new(),
             admin_listen: "127.0.0.1:9090".into(),
             shutdown_grace: Duration::from_secs(30),
             tls: None,
@@ -227,6 +232,8 @@ pub struct ServerConfig {
     pub listen: ListenAddr,
     /// Whether a unix-socket client's `X-Forwarded-For` goes upstream as it came.
     pub trust_unix_forwarded_for: bool,
+    /// The TCP peers whose `X-Forwarded-For` names the client in the access log.
+    pub trusted_proxies: Arc<[IpNet]>,
     /// Admin listener address.
     pub admin_listen: SocketAddr,
     /// Drain bound after a shutdown signal.
@@ -287,6 +294,7 @@ impl RawServer {
         Ok(ServerConfig {
             listen: self.listen()?,
             trust_unix_forwarded_for: self.trust_unix_forwarded_for,
+            trusted_proxies: trusted_proxies(&self.trusted_proxies)?,
             admin_listen: self.admin_listen()?,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
@@ -428,6 +436,28 @@ fn default_keyed_per_connection(max_keyed_in_flight: usize) -> usize {
 /// A memory budget in bytes; past what the platform can address it is as good as unbounded.
 fn memory(size: ByteSize) -> usize {
     usize::try_from(size.as_u64()).unwrap_or(usize::MAX)
+}
+
+/// `server.trusted_proxies`: each an IP address (one host) or a CIDR block.
+fn trusted_proxies(entries: &[String]) -> Result<Arc<[IpNet]>, ConfigError> {
+    entries
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| {
+            let entry = entry.trim();
+            entry
+                .parse::<IpNet>()
+                .or_else(|_| entry.parse::<IpAddr>().map(IpNet::from))
+                .map_err(|_| {
+                    ConfigError::new(
+                        &format!("server.trusted_proxies[{index}]"),
+                        format!(
+                            "{entry:?} is not an IP address or a CIDR block (like \"10.0.0.0/8\" or \"192.0.2.7\")"
+                        ),
+                    )
+                })
+        })
+        .collect()
 }
 
 /// `server.socket_mode`: octal permission bits, at most `0777`.
@@ -725,6 +755,32 @@ mod tests {
         ] {
             let err = Config::from_toml_str(&format!("[server]\n{text}\n")).unwrap_err();
             assert_eq!(err.key, key, "{err}");
+        }
+    }
+
+    #[test]
+    fn trusted_proxies_are_addresses_or_cidr_blocks() {
+        let config = Config::from_toml_str(
+            "[server]\ntrusted_proxies = [\"10.0.0.0/8\", \"192.0.2.7\", \"2001:db8::/32\"]\n",
+        )
+        .unwrap();
+        let nets: Vec<String> = config
+            .server
+            .trusted_proxies
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(nets, ["10.0.0.0/8", "192.0.2.7/32", "2001:db8::/32"]);
+        for bad in ["10.0.0.0/33", "example.com", ""] {
+            let err = Config::from_toml_str(&format!(
+                "[server]\ntrusted_proxies = [\"10.0.0.1\", \"{bad}\"]\n"
+            ))
+            .unwrap_err();
+            assert_eq!(err.key, "server.trusted_proxies[1]", "{err}");
+            assert!(
+                err.to_string().contains("is not an IP address or a CIDR block"),
+                "{err}"
+            );
         }
     }
 

@@ -7,6 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use http::header::{Entry, HeaderMap, HeaderName, HeaderValue};
+use ipnet::IpNet;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::client_body::BodyWatch;
@@ -32,6 +33,9 @@ struct Client {
     keyed: Arc<Semaphore>,
     /// What the connection is told of its requests' bodies (`server/slots.rs`), if anything.
     watch: Option<Arc<dyn BodyWatch>>,
+    /// The proxies trusted to name their client in `X-Forwarded-For` (`server.trusted_proxies`), when
+    /// this TCP peer is one of them.
+    trusted: Option<Arc<[IpNet]>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -88,16 +92,34 @@ impl Downstream {
             tls,
             keyed: Arc::new(Semaphore::new(keyed_share.min(Semaphore::MAX_PERMITS))),
             watch,
+            trusted: None,
         }))
     }
 
-    /// Where a request with `headers` came from, for its access line: the TCP peer's address (whatever
-    /// `X-Forwarded-For` it sent: no TCP client is trusted to write one), or on the unix socket, when its
+    /// The same client, whose `X-Forwarded-For` names the client in the access log when its TCP peer is
+    /// one of `proxies` (`server.trusted_proxies`). Made before the connection's requests share it.
+    pub fn trusting(mut self, proxies: &Arc<[IpNet]>) -> Downstream {
+        if let Peer::Tcp(addr) = self.0.peer
+            && trusted(proxies, addr.ip())
+            && let Some(client) = Arc::get_mut(&mut self.0)
+        {
+            client.trusted = Some(proxies.clone());
+        }
+        self
+    }
+
+    /// Where a request with `headers` came from, for its access line: the TCP peer's address, unless
+    /// the peer is a trusted proxy (`server.trusted_proxies`): then, walking its `X-Forwarded-For` from
+    /// the right, the first address that is not itself a trusted proxy (the peer when the chain is
+    /// missing or unreadable, its first address when every one is trusted). On the unix socket, when its
     /// client is trusted (`server.trust_unix_forwarded_for`), the last address in its `X-Forwarded-For`,
     /// the one that proxy added for its own client (the first address it does not vouch for).
     pub(crate) fn logged_client(&self, headers: &HeaderMap) -> LoggedClient {
         let ip = match self.0.peer {
-            Peer::Tcp(addr) => Some(addr.ip()),
+            Peer::Tcp(addr) => match &self.0.trusted {
+                Some(proxies) => Some(beyond_trusted(headers, proxies).unwrap_or(addr.ip())),
+                None => Some(addr.ip()),
+            },
             Peer::Unix { trusted: true } => last_forwarded(headers),
             Peer::Unix { trusted: false } => None,
         };
@@ -148,10 +170,40 @@ impl Downstream {
 /// address (`unknown`, an obfuscated name).
 fn last_forwarded(headers: &HeaderMap) -> Option<IpAddr> {
     let line = headers.get_all(X_FORWARDED_FOR).iter().next_back()?;
-    let last = line.to_str().ok()?.rsplit(',').next()?.trim();
-    last.parse::<IpAddr>()
+    address(line.to_str().ok()?.rsplit(',').next()?)
+}
+
+/// An `X-Forwarded-For` entry's address: an IP address, or one with a port.
+fn address(entry: &str) -> Option<IpAddr> {
+    let entry = entry.trim();
+    entry
+        .parse::<IpAddr>()
         .ok()
-        .or_else(|| last.parse::<SocketAddr>().ok().map(|addr| addr.ip()))
+        .or_else(|| entry.parse::<SocketAddr>().ok().map(|addr| addr.ip()))
+}
+
+/// Whether `ip` is one of the trusted `proxies`.
+fn trusted(proxies: &[IpNet], ip: IpAddr) -> bool {
+    let ip = ip.to_canonical();
+    proxies.iter().any(|net| net.contains(&ip))
+}
+
+/// Walking the `X-Forwarded-For` chain (every line, in order) from the right, the first address that is
+/// not a trusted proxy; when an entry cannot be read (or every one is trusted), the last one read, the
+/// nearest to the client the trusted proxies vouch for; `None` without a readable entry.
+fn beyond_trusted(headers: &HeaderMap, proxies: &[IpNet]) -> Option<IpAddr> {
+    let mut nearest = None;
+    for line in headers.get_all(X_FORWARDED_FOR).iter().rev() {
+        let Ok(line) = line.to_str() else { return nearest };
+        for entry in line.rsplit(',') {
+            let Some(ip) = address(entry) else { return nearest };
+            if !trusted(proxies, ip) {
+                return Some(ip);
+            }
+            nearest = Some(ip);
+        }
+    }
+    nearest
 }
 
 /// `prior`, then `ip`, as one `X-Forwarded-For` value.
@@ -221,5 +273,40 @@ mod tests {
         headers.insert(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.1, unknown"));
         assert_eq!(trusted.logged_client(&headers), LoggedClient::Unix);
         assert_eq!(trusted.logged_client(&HeaderMap::new()), LoggedClient::Unix);
+    }
+
+    #[test]
+    fn a_trusted_proxy_s_chain_names_the_client_beyond_the_trusted_hops() {
+        let proxies: Arc<[IpNet]> = ["10.0.0.0/8".parse().unwrap(), "192.0.2.7/32".parse().unwrap()].into();
+        let logged = |peer: &str, chain: &[&str]| {
+            let mut headers = HeaderMap::new();
+            for line in chain {
+                headers.append(X_FORWARDED_FOR, HeaderValue::from_str(line).unwrap());
+            }
+            let client = Downstream::new(Peer::Tcp(peer.parse().unwrap()), false, 1, None).trusting(&proxies);
+            match client.logged_client(&headers) {
+                LoggedClient::Ip(ip) => ip.to_string(),
+                LoggedClient::Unix => "unix".into(),
+            }
+        };
+        // A peer not trusted: its own chain is never believed.
+        assert_eq!(logged("203.0.113.9:5000", &["198.51.100.1"]), "203.0.113.9");
+        // A trusted peer: the first untrusted address from the right, across lines.
+        assert_eq!(
+            logged("10.1.1.1:5000", &["198.51.100.1, 10.2.2.2"]),
+            "198.51.100.1"
+        );
+        assert_eq!(
+            logged("10.1.1.1:5000", &["6.6.6.6, 198.51.100.1", "192.0.2.7"]),
+            "198.51.100.1"
+        );
+        assert_eq!(
+            logged("[::ffff:10.1.1.1]:5000", &["198.51.100.1:4711"]),
+            "198.51.100.1"
+        );
+        // Nothing readable: the peer; an unreadable entry: the nearest hop read.
+        assert_eq!(logged("10.1.1.1:5000", &[]), "10.1.1.1");
+        assert_eq!(logged("10.1.1.1:5000", &["junk, 10.3.3.3"]), "10.3.3.3");
+        assert_eq!(logged("10.1.1.1:5000", &["10.3.3.3, 10.4.4.4"]), "10.3.3.3");
     }
 }

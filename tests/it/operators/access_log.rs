@@ -423,3 +423,59 @@ async fn a_trace_header_in_fingerprint_headers_is_refused_at_load() {
     assert!(stderr.contains("idempotency.fingerprint_headers"), "{stderr}");
     assert!(stderr.contains("traceparent"), "{stderr}");
 }
+
+/// A POST to `path` with the forwarded chain `chain`, on a connection of its own.
+async fn forwarded_post(proxy: &ProxyProcess, path: &str, chain: &str) {
+    let fresh = reqwest::Client::builder().build().unwrap();
+    let reply = Reply::of(
+        fresh
+            .post(format!("{}{path}", proxy.url))
+            .header("x-forwarded-for", chain),
+    )
+    .await;
+    assert_eq!(reply.status, 201);
+}
+
+#[tokio::test]
+async fn a_trusted_proxy_over_tcp_names_the_client_and_a_reload_applies_the_list_to_new_connections() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let config = env
+        .config()
+        .set("log.access", true)
+        .set("server.trusted_proxies", vec!["10.0.0.0/8"]);
+    let proxy = ProxyProcess::spawn(&config).await;
+    // The test's own address (127.0.0.1) is not trusted: its chain is never believed.
+    forwarded_post(&proxy, "/untrusted", &format!("{SPOOFED}, 198.51.100.7")).await;
+
+    let trusting = config.set("server.trusted_proxies", vec!["127.0.0.0/8", "10.0.0.0/8"]);
+    std::fs::write(proxy.config_file(), trusting.to_toml()).unwrap();
+    let admin = proxy.admin_url.trim_start_matches("http://").to_owned();
+    let reloaded = crate::support::cli::idemproxy(&["reload", "--admin-listen", &admin], &[]).await;
+    assert!(
+        crate::support::cli::stdout(&reloaded).contains("server.trusted_proxies"),
+        "{}",
+        crate::support::cli::stderr(&reloaded)
+    );
+    // Walking from the right past every trusted hop: the client the first untrusted one names.
+    forwarded_post(&proxy, "/trusted", &format!("{SPOOFED}, 198.51.100.7, 10.9.9.9")).await;
+    forwarded_post(&proxy, "/all-trusted", "10.1.1.1, 10.2.2.2").await;
+
+    let expected = [
+        ("/untrusted", "passthrough"),
+        ("/trusted", "passthrough"),
+        ("/all-trusted", "passthrough"),
+    ];
+    let lines = wait_for_lines(&proxy, &expected).await;
+    assert_eq!(
+        line_for(&lines, "/untrusted", "passthrough")["client"],
+        "127.0.0.1"
+    );
+    assert_eq!(
+        line_for(&lines, "/trusted", "passthrough")["client"],
+        "198.51.100.7"
+    );
+    assert_eq!(
+        line_for(&lines, "/all-trusted", "passthrough")["client"],
+        "10.1.1.1"
+    );
+}
