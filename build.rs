@@ -1,15 +1,20 @@
 //! Names the git commit the binary is built from, for `idemproxy --version` (`src/cmd.rs`):
-//! `IDEMPROXY_COMMIT` is the short hash, with `-dirty` when tracked files had changes, or is left unset
+//! `BUILD_COMMIT` is the short hash, with `-dirty` when tracked files had changes, or is left unset
 //! outside a git checkout (a source tarball, the container build context, which has no `.git`). Set
-//! `IDEMPROXY_COMMIT` in the build's environment to name it there. Reruns when HEAD or the branch moves.
+//! `GIT_COMMIT` in the build's environment to name it there (CI systems such as Jenkins set it). Reruns
+//! when HEAD or the branch moves.
+//!
+//! Neither name starts with `IDEMPROXY_`: cargo gives the variables a build script sets to the programs
+//! `cargo run` and `cargo test` start, and the proxy they start would read an `IDEMPROXY_` one as a
+//! configuration key.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=IDEMPROXY_COMMIT");
-    if let Ok(given) = std::env::var("IDEMPROXY_COMMIT") {
-        println!("cargo:rustc-env=IDEMPROXY_COMMIT={given}");
+    println!("cargo:rerun-if-env-changed=GIT_COMMIT");
+    if let Ok(given) = std::env::var("GIT_COMMIT") {
+        println!("cargo:rustc-env=BUILD_COMMIT={given}");
         return;
     }
     let Some(hash) = git(&["rev-parse", "--short", "HEAD"]) else {
@@ -18,7 +23,7 @@ fn main() {
     watch_head();
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     let suffix = if dirty { "-dirty" } else { "" };
-    println!("cargo:rustc-env=IDEMPROXY_COMMIT={hash}{suffix}");
+    println!("cargo:rustc-env=BUILD_COMMIT={hash}{suffix}");
 }
 
 /// Git's trimmed output, when git runs and succeeds here.

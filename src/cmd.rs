@@ -85,7 +85,7 @@ const FEATURES: [(&str, bool); 1] = [("otlp", cfg!(feature = "otlp"))];
 /// (`build.rs`; `unknown` outside a git checkout), the profile, and the cargo features enabled.
 pub fn version() -> &'static str {
     static VERSION: LazyLock<String> = LazyLock::new(|| {
-        let commit = option_env!("IDEMPROXY_COMMIT").unwrap_or("unknown");
+        let commit = option_env!("BUILD_COMMIT").unwrap_or("unknown");
         let profile = if cfg!(debug_assertions) {
             "debug"
         } else {
