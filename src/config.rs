@@ -293,6 +293,49 @@ fn check_client_certs(routes: &RouteTable, server: &ServerConfig) -> Vec<ConfigE
     found
 }
 
+/// A reloaded configuration's routes against the server settings the process keeps until a restart
+/// (`reload.rs`): each route's bodies and responses must fit the buffers the process has, and a route
+/// may scope by client certificate only if the running listener takes them. What a start checks on the
+/// file's own server settings, checked here on the running ones, so a reload never applies routes
+/// with settings a start would refuse (a response kept by the route's rules but not by the budget
+/// would be replayed as 410; a route needing certificates would refuse every keyed request).
+pub(crate) fn check_routes_against(routes: &RouteTable, server: &ServerConfig) -> Vec<ConfigError> {
+    let restart = "which waits for a restart: restart the proxy to apply both";
+    let mut found = Vec::new();
+    for route in routes.routes.iter().chain(std::iter::once(&routes.default)) {
+        let field = |name: &str| match route.name.as_str() {
+            DEFAULT_ROUTE => format!("idempotency.{name}"),
+            route => format!("the {name} of route {route:?}"),
+        };
+        let body = usize::try_from(route.policy.key.max_request_body).unwrap_or(usize::MAX);
+        if body > server.max_buffered_bodies {
+            let msg = format!(
+                "is above the running server.max_buffered_bodies ({} bytes), {restart}",
+                server.max_buffered_bodies
+            );
+            found.push(ConfigError::new(&field("max_request_body"), msg));
+        }
+        let response = usize::try_from(route.policy.store.max_stored_response).unwrap_or(usize::MAX);
+        let buffers = server
+            .max_buffered_responses
+            .min(server.max_buffered_responses_per_scope);
+        if response > buffers {
+            let msg = format!(
+                "is above the running server.max_buffered_responses (or its per-scope share, {buffers} \
+                 bytes), {restart}"
+            );
+            found.push(ConfigError::new(&field("max_stored_response"), msg));
+        }
+    }
+    for mut error in check_client_certs(routes, server) {
+        error.message = format!(
+            "needs the running listener to take client certificates (server.tls with client_ca), {restart}"
+        );
+        found.push(error);
+    }
+    found
+}
+
 /// How long a record of each route's scope can live after its completion is sealed.
 fn record_lifetimes(routes: &RouteTable, store: &StoreConfig) -> RecordLifetimes {
     let all = routes.routes.iter().chain(std::iter::once(&routes.default));

@@ -57,7 +57,14 @@ impl KeySets {
                 Some(kept) if (kept.refresh, kept.min_refetch) == (set.refresh, set.min_refetch) => {
                     *set = kept.clone();
                 }
-                _ => new.push(set.clone()),
+                // Other timings: a set and a refresh of its own, which starts from the keys the kept one
+                // holds (else the routes would wait for a read, refused, and the proxy not ready).
+                Some(kept) => {
+                    *set.current.write().unwrap_or_else(|e| e.into_inner()) = kept.current();
+                    set.failing.store(kept.failing(), Ordering::Relaxed);
+                    new.push(set.clone());
+                }
+                None => new.push(set.clone()),
             }
             set.read_file();
         }

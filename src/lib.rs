@@ -206,6 +206,11 @@ impl BindError {
                 "no network interface of this machine has that address: use 0.0.0.0 (every interface), \
                  127.0.0.1, or one of this machine's addresses in {key} ({settings})"
             ),
+            // EMFILE, ENFILE: no address is wrong; the process has no descriptor left for the socket.
+            _ if matches!(self.error.raw_os_error(), Some(23 | 24)) => format!(
+                "the open files limit (RLIMIT_NOFILE) is used up before {key} could be bound: raise it \
+                 (`ulimit -n`, LimitNOFILE= in the systemd unit; docs/operations.md, \"Open files\")"
+            ),
             _ => format!("check {key} ({settings})"),
         }
     }

@@ -337,13 +337,14 @@ families! {
         ),
         pub config_reloads: Reloads = reloads(
             "idemproxy_config_reloads_total",
-            "Times SIGHUP read the configuration again, by whether it was valid (ok) or refused, the running \
-            configuration kept (error).",
+            "Times a reload (SIGHUP, POST /-/reload, idemproxy reload) read the configuration again, by \
+            whether it was applied (ok) or refused, the running configuration kept (error); asks that come \
+            while one runs are answered by the next, counted once.",
             label::RESULT,
         ),
         pub config_last_reload_successful: IntGauge = gauge_at(
             "idemproxy_config_last_reload_successful",
-            "0 when the configuration read at the last SIGHUP was refused, else 1.",
+            "0 when the configuration read at the last reload (SIGHUP or POST /-/reload) was refused, else 1.",
             1,
         ),
         // Webhook signatures.

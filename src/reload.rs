@@ -3,8 +3,10 @@
 //! `lib.rs` when `main.rs` hands it a [`Reload`]; one reload at a time. Each reads the configuration
 //! again from where it came (the file, the `IDEMPROXY_` environment, the flags) and validates all of it:
 //!
-//! - a configuration that does not load is refused whole: one error naming the file and the key, the
-//!   running configuration kept, `idemproxy_config_last_reload_successful` 0;
+//! - a configuration that does not load, or whose routes do not fit the settings that keep their running
+//!   values (`config::check_routes_against`: the buffers, the listener's client certificates), is refused
+//!   whole: one error naming the file and the key, the running configuration kept,
+//!   `idemproxy_config_last_reload_successful` 0;
 //! - otherwise a new generation of the request path is built from it over the same grounds (store,
 //!   budgets, permits, replay cache, attachments: `proxy.rs`'s `Grounds`) and every worker is given it at
 //!   once (`server/generations.rs`): requests that arrive from then on run under the new routes,
@@ -30,7 +32,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{ReloadAsk, Reloaded};
-use crate::config::{Config, ConfigError, Overrides, mask_passwords};
+use crate::config::{Config, ConfigError, Overrides, check_routes_against, mask_passwords};
 use crate::jwks::KeySets;
 use crate::logging::{self, FilterHandle};
 use crate::metrics::Metrics;
@@ -176,10 +178,19 @@ impl Reload {
         differences("", &seen.started, &read, &mut pending);
         let applied: Vec<String> = changed.into_iter().filter(|key| applies(key)).collect();
         let restart: Vec<String> = pending.into_iter().filter(|key| !applies(key)).collect();
+        if let Some(error) = ConfigError::all(check_routes_against(&loaded.routes, &running.config.server)) {
+            return Err(error);
+        }
         if applied.iter().any(|key| key == "log.filter") {
             self.apply_filter(&loaded.log.filter);
         }
         let config = keep_running(&running.config, loaded);
+        // A risky setting the reload brings is said as a start says it (`check-config`'s warnings): an
+        // upstream no longer named, `fail_open`, a route whose scope is shared.
+        let before = running.config.warnings();
+        for warning in config.warnings().into_iter().filter(|w| !before.contains(w)) {
+            tracing::warn!(key = %warning.key, "{why}: {}", warning.message);
+        }
         let key_sets = running.key_sets.load().again(&config, stop);
         let proxy = running.grounds.proxy(&config, &key_sets);
         running.generations.install(&proxy);
@@ -236,7 +247,9 @@ fn applies(key: &str) -> bool {
 ///   buffer and the problem type base belong to the grounds every generation shares. Only
 ///   `server.paths`, `server.body_read_timeout`, `server.max_keyed_per_connection` and
 ///   `server.trusted_proxies` are the request path's own (the last two taken by each new connection).
-/// - `store` (but `store.on_error`), `encryption`, `sweeper`: the store is opened once.
+/// - `store` (but `store.on_error`), `encryption`, `sweeper`: the store is opened once. The lives its
+///   seals give records (`ttl` and `lock_timeout`'s) are lengthened to the reloaded routes', never
+///   shortened.
 /// - `replay_cache`: one cache is shared by every generation.
 /// - `traces`: the exporter is set up at start.
 /// - `log.format`: the log's output is set up at start (`log.filter` and `log.access` are applied).
@@ -251,6 +264,10 @@ fn keep_running(running: &Config, loaded: Config) -> Config {
     let on_error = config.store.on_error;
     config.store = running.store.clone();
     config.store.on_error = on_error;
+    // The keys wait for a restart, but the lives sealed records are given follow the routes' `ttl`s.
+    if let (Some(kept), Some(reloaded)) = (&running.encryption, &config.encryption) {
+        kept.lifetimes().extend(reloaded.lifetimes());
+    }
     config.encryption = running.encryption.clone();
     config.sweeper = running.sweeper.clone();
     config.replay_cache = running.replay_cache.clone();

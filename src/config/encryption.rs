@@ -7,6 +7,7 @@
 //! `[encryption]` without keys means encryption is off.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use base64::Engine;
@@ -91,15 +92,24 @@ pub struct EncryptionConfig {
 /// `store.timeout` (a heartbeat that commits after the seal extends the expiry to a lease past it). Routes
 /// that share a scope name share the longest; a scope no route names (its route was removed) gets the
 /// longest of all. Without routes (a config built by hand) a record's life is unbounded.
-#[derive(Debug, Clone)]
-pub struct RecordLifetimes {
+///
+/// Every clone shares one table, so the store's keyring seals with what a reload makes of it
+/// ([`RecordLifetimes::extend`]): a reload that lengthens a route's `ttl` lengthens the life its new
+/// records are sealed with (else their replays would be refused as rows put back once the life the
+/// proxy started with had passed).
+#[derive(Debug, Clone, Default)]
+pub struct RecordLifetimes(Arc<RwLock<Lives>>);
+
+/// The lives themselves.
+#[derive(Debug)]
+struct Lives {
     by_scope: BTreeMap<String, Duration>,
     longest: Duration,
 }
 
-impl Default for RecordLifetimes {
+impl Default for Lives {
     fn default() -> Self {
-        RecordLifetimes {
+        Lives {
             by_scope: BTreeMap::new(),
             longest: Duration::MAX,
         }
@@ -115,13 +125,30 @@ impl RecordLifetimes {
             *longest = (*longest).max(life);
         }
         let longest = by_scope.values().copied().max().unwrap_or(Duration::MAX);
-        RecordLifetimes { by_scope, longest }
+        RecordLifetimes(Arc::new(RwLock::new(Lives { by_scope, longest })))
     }
 
     /// The longest a record of `scope` (`name:hash`, as the store keeps it) can live after its seal.
     pub fn of(&self, scope: &str) -> Duration {
         let name = scope.rsplit_once(':').map_or(scope, |(name, _)| name);
-        self.by_scope.get(name).copied().unwrap_or(self.longest)
+        let lives = self.0.read().unwrap_or_else(|e| e.into_inner());
+        lives.by_scope.get(name).copied().unwrap_or(lives.longest)
+    }
+
+    /// Takes the lives of a reloaded configuration's routes into this table (and so into every clone's):
+    /// each scope's life becomes the longer of the two, as does the longest. Never shortened: a record
+    /// claimed under the longer `ttl` before the reload may still be sealed after it.
+    pub fn extend(&self, reloaded: &RecordLifetimes) {
+        if Arc::ptr_eq(&self.0, &reloaded.0) {
+            return;
+        }
+        let reloaded = reloaded.0.read().unwrap_or_else(|e| e.into_inner());
+        let mut lives = self.0.write().unwrap_or_else(|e| e.into_inner());
+        for (scope, life) in &reloaded.by_scope {
+            let kept = lives.by_scope.entry(scope.clone()).or_default();
+            *kept = (*kept).max(*life);
+        }
+        lives.longest = lives.longest.max(reloaded.longest);
     }
 }
 
@@ -286,10 +313,12 @@ fn decode_key(id: &str, secret: &str) -> Result<EncryptionKey, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use base64::Engine;
     use base64::engine::general_purpose::STANDARD as BASE64;
 
-    use super::{RawEncryption, is_key_id};
+    use super::{RawEncryption, RecordLifetimes, is_key_id};
     use crate::config::Config;
 
     fn raw(active: Option<&str>, keys: &[(&str, &str)], accept_plaintext: bool) -> RawEncryption {
@@ -367,6 +396,32 @@ mod tests {
             let err = with(extra).unwrap_err();
             assert_eq!(err.key, key, "{extra}: {err}");
         }
+    }
+
+    #[test]
+    fn a_reload_lengthens_the_lives_every_clone_seals_with_and_never_shortens_them() {
+        let hours = |h: u64| Duration::from_secs(h * 3600);
+        let running = RecordLifetimes::new([("default", hours(1)), ("hooks", hours(48))]);
+        let keyring = running.clone();
+        running.extend(&RecordLifetimes::new([
+            ("default", hours(24)),
+            ("hooks", hours(2)),
+            ("new", hours(72)),
+        ]));
+        assert_eq!(
+            keyring.of("default:ab"),
+            hours(24),
+            "lengthened, and seen by the keyring's clone"
+        );
+        assert_eq!(keyring.of("hooks:ab"), hours(48), "never shortened");
+        assert_eq!(keyring.of("new:ab"), hours(72), "a route the reload adds");
+        assert_eq!(
+            keyring.of("gone:ab"),
+            hours(72),
+            "an unknown scope gets the longest"
+        );
+        running.extend(&keyring);
+        assert_eq!(keyring.of("default:ab"), hours(24));
     }
 
     #[test]

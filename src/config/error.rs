@@ -51,7 +51,7 @@ impl ConfigError {
     }
 
     /// One error holding `problems` (none repeated), `None` when there are none.
-    pub(super) fn all(problems: Vec<ConfigError>) -> Option<ConfigError> {
+    pub(crate) fn all(problems: Vec<ConfigError>) -> Option<ConfigError> {
         let mut flat: Vec<ConfigError> = Vec::new();
         for problem in problems.into_iter().flat_map(ConfigError::into_list) {
             if !flat

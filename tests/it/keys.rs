@@ -7,7 +7,7 @@
 
 mod client_cert;
 mod header;
-mod jwt;
+pub(crate) mod jwt;
 mod multipart;
 mod repeatability;
 mod routes;

@@ -81,15 +81,15 @@ impl Minted {
 /// An issuer's JWKS endpoint on a real socket: serves what it is told (as slowly as it is told), counts
 /// its reads.
 #[derive(Clone)]
-struct JwksServer {
-    url: String,
+pub(crate) struct JwksServer {
+    pub(crate) url: String,
     answer: Arc<Mutex<(StatusCode, String)>>,
     delay: Arc<Mutex<Duration>>,
     reads: Arc<AtomicUsize>,
 }
 
 impl JwksServer {
-    async fn start(body: &str) -> JwksServer {
+    pub(crate) async fn start(body: &str) -> JwksServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let server = JwksServer {
             url: format!("http://{}/.well-known/jwks.json", listener.local_addr().unwrap()),
@@ -125,7 +125,7 @@ impl JwksServer {
         server
     }
 
-    fn serve(&self, status: StatusCode, body: &str) {
+    pub(crate) fn serve(&self, status: StatusCode, body: &str) {
         *self.answer.lock().unwrap() = (status, body.to_owned());
     }
 

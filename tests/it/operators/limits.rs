@@ -123,3 +123,35 @@ async fn a_low_open_files_limit_is_raised_logged_and_warned_of(#[case] ulimit: &
     assert_eq!(served.status, 201, "it serves under the limit");
     let _ = child.start_kill();
 }
+
+#[tokio::test]
+async fn a_limit_too_low_to_bind_the_listeners_is_named_not_the_address() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let file = crate::support::cli::config_file(&env.config().to_toml());
+    let mut command = tokio::process::Command::new("sh");
+    without_test_env(&mut command)
+        .arg("-c")
+        .arg("ulimit -n 9 && exec \"$0\" serve --config \"$1\"")
+        .arg(env!("CARGO_BIN_EXE_idemproxy"))
+        .arg(file.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let run = command.output();
+    let output = tokio::time::timeout(std::time::Duration::from_secs(30), run)
+        .await
+        .expect("the proxy stops at once")
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stopped = stderr
+        .lines()
+        .find(|line| line.contains("cannot listen on"))
+        .unwrap_or_else(|| panic!("no listener error: {stderr}"));
+    assert!(stopped.contains("RLIMIT_NOFILE"), "{stopped}");
+    assert!(
+        !stopped.contains("check server."),
+        "no address is wrong: {stopped}"
+    );
+}
