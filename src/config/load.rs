@@ -6,11 +6,12 @@
 //! problems. Each problem names its key and the file, variable or flag that set it. Touches the
 //! configuration file (to say why it cannot be read) and the process's environment (to name a variable).
 
-use std::path::Path;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
-use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
-use figment::value::Value;
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
 
 use super::error::error_path;
 use super::{Config, ConfigError, Overrides, ProcessSecrets, RawConfig, SecretReader, service_links};
@@ -22,6 +23,10 @@ pub(super) const CONFIG_VARIABLE_KEY: &str = "CONFIG";
 /// Most keys taken out of the tree before giving up: more mistakes than this in one file are not read
 /// one by one.
 const MOST_ROUNDS: usize = 100;
+
+/// Largest configuration file read: a file past it (or an endless one, `/dev/zero`) is refused rather
+/// than read into memory until the process is killed.
+const MOST_FILE_BYTES: u64 = 16 << 20;
 
 /// Which file, variable or flag set the key at a path, if one did.
 pub(super) type Source<'a> = dyn Fn(&[String]) -> Option<String> + 'a;
@@ -46,8 +51,11 @@ impl Config {
     pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
         if let Some(path) = file {
-            readable(path)?;
-            figment = figment.merge(Toml::file_exact(path));
+            // Read once: a pipe (`--config <(…)`, `/dev/stdin`) gives its text only to the first read.
+            figment = figment.merge(FileText {
+                path: path.to_owned(),
+                text: read(path)?,
+            });
         }
         let vars: Vec<(String, String)> = std::env::vars_os()
             .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
@@ -71,14 +79,39 @@ impl Config {
     }
 }
 
-/// The configuration file can be read; if not, why not, as the OS says it, and where.
-pub(super) fn readable(path: &Path) -> Result<(), ConfigError> {
-    match std::fs::read(path) {
-        Ok(_) => Ok(()),
-        Err(error) => Err(ConfigError::new(
+/// The configuration file's text, read once and at most [`MOST_FILE_BYTES`]; if it cannot be read, why
+/// not, as the OS says it, and where.
+pub(super) fn read(path: &Path) -> Result<String, ConfigError> {
+    let refused = |why: String| {
+        ConfigError::new(
             "config",
-            format!("cannot read the configuration file {}: {error}", path.display()),
-        )),
+            format!("cannot read the configuration file {}: {why}", path.display()),
+        )
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|file| file.take(MOST_FILE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| refused(e.to_string()))?;
+    if bytes.len() as u64 > MOST_FILE_BYTES {
+        return Err(refused(format!("larger than {} MiB", MOST_FILE_BYTES >> 20)));
+    }
+    String::from_utf8(bytes).map_err(|e| refused(format!("not UTF-8 text ({e})")))
+}
+
+/// The configuration file's TOML as read by [`read`], named by its path as `Toml::file_exact` names it
+/// (so each problem says `(from FILE)`).
+struct FileText {
+    path: PathBuf,
+    text: String,
+}
+
+impl Provider for FileText {
+    fn metadata(&self) -> Metadata {
+        Metadata::from("TOML file", self.path.as_path())
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        Toml::string(&self.text).data()
     }
 }
 
@@ -97,7 +130,7 @@ pub(super) fn collect(
             Ok(raw) => return finish(raw.validate_with(secrets), found, source),
             Err(error) => {
                 found.push(ConfigError::from_figment(&error, source));
-                if !remove(&mut tree, &error_path(&error)) {
+                if !remove_or_its_list(&mut tree, &error_path(&error)) {
                     break;
                 }
             }
@@ -144,6 +177,24 @@ fn remove(tree: &mut Value, path: &[String]) -> bool {
     }
 }
 
+/// Takes the value at `path` out of the tree or, when it is an item of a list, the whole list (whose
+/// default then applies), so a wrong item does not stop the search for the other mistakes.
+fn remove_or_its_list(tree: &mut Value, mut path: &[String]) -> bool {
+    loop {
+        if remove(tree, path) {
+            return true;
+        }
+        match path.iter().rposition(|p| is_index(p)) {
+            Some(at) if at > 0 => path = &path[..at],
+            _ => return false,
+        }
+    }
+}
+
+fn is_index(part: &str) -> bool {
+    !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// A key as errors name it (`routes[0].signature.secret`) as a path (`routes`, `0`, `signature`, …).
 pub(super) fn key_path(key: &str) -> Vec<String> {
     let mut path = Vec::new();
@@ -181,7 +232,11 @@ pub(super) fn source(
     if let Some(variable) = variable_for(vars, links, path) {
         return Some(variable.to_owned());
     }
-    let metadata = figment.find_metadata(&path.join("."))?;
+    // figment finds no value inside a list: a list comes whole from one layer, so its layer is the item's.
+    let whole = path.iter().position(|p| is_index(p)).unwrap_or(path.len());
+    let metadata = figment
+        .find_metadata(&path.join("."))
+        .or_else(|| figment.find_metadata(&path[..whole].join(".")))?;
     match &metadata.source {
         Some(figment::Source::File(file)) => Some(file.display().to_string()),
         _ => None,

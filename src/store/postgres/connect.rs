@@ -266,8 +266,16 @@ mod tests {
 
     #[test]
     fn every_sslmode_but_disable_gets_a_tls_connector_and_the_driver_reads_the_url() {
+        let ca = rcgen::generate_simple_self_signed(vec!["db.internal".into()]).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), ca.cert.pem()).unwrap();
         for mode in ["allow", "prefer", "require", "verify-ca", "verify-full"] {
-            let config = store(&format!("postgres://db.internal/keys?sslmode={mode}"));
+            let config = crate::Config::from_toml_str(&format!(
+                "[store]\nurl = \"postgres://db.internal/keys?sslmode={mode}\"\ntls_ca_file = {:?}\n",
+                file.path()
+            ))
+            .unwrap()
+            .store;
             assert!(tls_connector(&config).unwrap().is_some(), "{mode}");
             let pg = pg_config(&config).expect("the driver reads the URL");
             let want = match mode {
