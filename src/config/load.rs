@@ -125,10 +125,18 @@ pub(super) fn collect(
         .extract()
         .map_err(|e| ConfigError::from_figment(&e, source))?;
     let mut found = Vec::new();
+    let mut defaulted = Vec::new();
     for _ in 0..MOST_ROUNDS {
         match Figment::from(Serialized::defaults(&tree)).extract::<RawConfig>() {
-            Ok(raw) => return finish(raw.validate_with(secrets), found, source),
+            Ok(raw) => return finish(raw.validate_with(secrets), found, &defaulted, source),
             Err(error) => {
+                // A value taken out gives way to its default, which the section's checks would then
+                // judge beside the values written (an unknown key changes nothing).
+                if !matches!(error.kind, figment::error::Kind::UnknownField(..))
+                    && let Some(section) = error_path(&error).first()
+                {
+                    defaulted.push(section.clone());
+                }
                 found.push(ConfigError::from_figment(&error, source));
                 if !remove_or_its_list(&mut tree, &error_path(&error)) {
                     break;
@@ -139,10 +147,14 @@ pub(super) fn collect(
     Err(all(found))
 }
 
-/// The validated configuration if nothing was found before validating, else every problem.
+/// The validated configuration if nothing was found before validating, else every problem. A check of a
+/// section one of whose values was taken out (`defaulted`) is not reported: it judged the default put
+/// in its place, not what was written (a wrong `store.url` made `store.tls_ca_file` "only used with a
+/// PostgreSQL store"); it is judged again once the value is mended.
 fn finish(
     validated: Result<Config, ConfigError>,
     mut found: Vec<ConfigError>,
+    defaulted: &[String],
     source: &Source<'_>,
 ) -> Result<Config, ConfigError> {
     match validated {
@@ -150,6 +162,10 @@ fn finish(
         Ok(_) => Err(all(found)),
         Err(errors) => {
             for error in errors.into_list() {
+                let section = key_path(&error.key).into_iter().next().unwrap_or_default();
+                if defaulted.contains(&section) {
+                    continue;
+                }
                 let from = source(&key_path(&error.key));
                 found.push(error.naming_source(from));
             }
@@ -262,6 +278,28 @@ fn variable_for<'a>(vars: &'a [(String, String)], links: &[String], path: &[Stri
 mod tests {
 
     use super::*;
+
+    #[test]
+    fn a_default_put_in_place_of_a_wrong_value_is_never_reported_as_wrong() {
+        for (toml, only) in [
+            (
+                "[store]\nurl = [\"postgres://db/idem?sslmode=verify-full\"]\ntls_ca_file = \"/etc/hostname\"\n",
+                "store.url",
+            ),
+            (
+                "[server]\nlisten = 8080\nadmin_listen = \":8080\"\n",
+                "server.listen",
+            ),
+            (
+                "[server]\nmax_buffered_responses = \"x\"\nmax_buffered_responses_per_scope = \"1 GiB\"\n",
+                "server.max_buffered_responses",
+            ),
+        ] {
+            let err = Config::from_toml_str(toml).unwrap_err();
+            let keys: Vec<&str> = err.problems().map(|(key, _)| key).collect();
+            assert_eq!(keys, [only], "{err}");
+        }
+    }
 
     #[test]
     fn a_key_as_errors_write_it_is_a_path() {
