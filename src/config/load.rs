@@ -6,11 +6,12 @@
 //! problems. Each problem names its key and the file, variable or flag that set it. Touches the
 //! configuration file (to say why it cannot be read) and the process's environment (to name a variable).
 
-use std::path::Path;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
-use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
-use figment::value::Value;
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
 
 use super::error::error_path;
 use super::{Config, ConfigError, Overrides, ProcessSecrets, RawConfig, SecretReader, service_links};
@@ -22,6 +23,10 @@ pub(super) const CONFIG_VARIABLE_KEY: &str = "CONFIG";
 /// Most keys taken out of the tree before giving up: more mistakes than this in one file are not read
 /// one by one.
 const MOST_ROUNDS: usize = 100;
+
+/// Largest configuration file read: a file past it (or an endless one, `/dev/zero`) is refused rather
+/// than read into memory until the process is killed.
+const MOST_FILE_BYTES: u64 = 16 << 20;
 
 /// Which file, variable or flag set the key at a path, if one did.
 pub(super) type Source<'a> = dyn Fn(&[String]) -> Option<String> + 'a;
@@ -46,8 +51,11 @@ impl Config {
     pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
         if let Some(path) = file {
-            readable(path)?;
-            figment = figment.merge(Toml::file_exact(path));
+            // Read once: a pipe (`--config <(…)`, `/dev/stdin`) gives its text only to the first read.
+            figment = figment.merge(FileText {
+                path: path.to_owned(),
+                text: read(path)?,
+            });
         }
         let vars: Vec<(String, String)> = std::env::vars_os()
             .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
@@ -71,14 +79,39 @@ impl Config {
     }
 }
 
-/// The configuration file can be read; if not, why not, as the OS says it, and where.
-pub(super) fn readable(path: &Path) -> Result<(), ConfigError> {
-    match std::fs::read(path) {
-        Ok(_) => Ok(()),
-        Err(error) => Err(ConfigError::new(
+/// The configuration file's text, read once and at most [`MOST_FILE_BYTES`]; if it cannot be read, why
+/// not, as the OS says it, and where.
+pub(super) fn read(path: &Path) -> Result<String, ConfigError> {
+    let refused = |why: String| {
+        ConfigError::new(
             "config",
-            format!("cannot read the configuration file {}: {error}", path.display()),
-        )),
+            format!("cannot read the configuration file {}: {why}", path.display()),
+        )
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|file| file.take(MOST_FILE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| refused(e.to_string()))?;
+    if bytes.len() as u64 > MOST_FILE_BYTES {
+        return Err(refused(format!("larger than {} MiB", MOST_FILE_BYTES >> 20)));
+    }
+    String::from_utf8(bytes).map_err(|e| refused(format!("not UTF-8 text ({e})")))
+}
+
+/// The configuration file's TOML as read by [`read`], named by its path as `Toml::file_exact` names it
+/// (so each problem says `(from FILE)`).
+struct FileText {
+    path: PathBuf,
+    text: String,
+}
+
+impl Provider for FileText {
+    fn metadata(&self) -> Metadata {
+        Metadata::from("TOML file", self.path.as_path())
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        Toml::string(&self.text).data()
     }
 }
 
@@ -92,12 +125,20 @@ pub(super) fn collect(
         .extract()
         .map_err(|e| ConfigError::from_figment(&e, source))?;
     let mut found = Vec::new();
+    let mut defaulted = Vec::new();
     for _ in 0..MOST_ROUNDS {
         match Figment::from(Serialized::defaults(&tree)).extract::<RawConfig>() {
-            Ok(raw) => return finish(raw.validate_with(secrets), found, source),
+            Ok(raw) => return finish(raw.validate_with(secrets), found, &defaulted, source),
             Err(error) => {
+                // A value taken out gives way to its default, which the section's checks would then
+                // judge beside the values written (an unknown key changes nothing).
+                if !matches!(error.kind, figment::error::Kind::UnknownField(..))
+                    && let Some(section) = error_path(&error).first()
+                {
+                    defaulted.push(section.clone());
+                }
                 found.push(ConfigError::from_figment(&error, source));
-                if !remove(&mut tree, &error_path(&error)) {
+                if !remove_or_its_list(&mut tree, &error_path(&error)) {
                     break;
                 }
             }
@@ -106,10 +147,14 @@ pub(super) fn collect(
     Err(all(found))
 }
 
-/// The validated configuration if nothing was found before validating, else every problem.
+/// The validated configuration if nothing was found before validating, else every problem. A check of a
+/// section one of whose values was taken out (`defaulted`) is not reported: it judged the default put
+/// in its place, not what was written (a wrong `store.url` made `store.tls_ca_file` "only used with a
+/// PostgreSQL store"); it is judged again once the value is mended.
 fn finish(
     validated: Result<Config, ConfigError>,
     mut found: Vec<ConfigError>,
+    defaulted: &[String],
     source: &Source<'_>,
 ) -> Result<Config, ConfigError> {
     match validated {
@@ -117,6 +162,10 @@ fn finish(
         Ok(_) => Err(all(found)),
         Err(errors) => {
             for error in errors.into_list() {
+                let section = key_path(&error.key).into_iter().next().unwrap_or_default();
+                if defaulted.contains(&section) {
+                    continue;
+                }
                 let from = source(&key_path(&error.key));
                 found.push(error.naming_source(from));
             }
@@ -142,6 +191,24 @@ fn remove(tree: &mut Value, path: &[String]) -> bool {
             .is_some_and(|v| remove(v, rest)),
         _ => false,
     }
+}
+
+/// Takes the value at `path` out of the tree or, when it is an item of a list, the whole list (whose
+/// default then applies), so a wrong item does not stop the search for the other mistakes.
+fn remove_or_its_list(tree: &mut Value, mut path: &[String]) -> bool {
+    loop {
+        if remove(tree, path) {
+            return true;
+        }
+        match path.iter().rposition(|p| is_index(p)) {
+            Some(at) if at > 0 => path = &path[..at],
+            _ => return false,
+        }
+    }
+}
+
+fn is_index(part: &str) -> bool {
+    !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// A key as errors name it (`routes[0].signature.secret`) as a path (`routes`, `0`, `signature`, …).
@@ -181,7 +248,11 @@ pub(super) fn source(
     if let Some(variable) = variable_for(vars, links, path) {
         return Some(variable.to_owned());
     }
-    let metadata = figment.find_metadata(&path.join("."))?;
+    // figment finds no value inside a list: a list comes whole from one layer, so its layer is the item's.
+    let whole = path.iter().position(|p| is_index(p)).unwrap_or(path.len());
+    let metadata = figment
+        .find_metadata(&path.join("."))
+        .or_else(|| figment.find_metadata(&path[..whole].join(".")))?;
     match &metadata.source {
         Some(figment::Source::File(file)) => Some(file.display().to_string()),
         _ => None,
@@ -207,6 +278,28 @@ fn variable_for<'a>(vars: &'a [(String, String)], links: &[String], path: &[Stri
 mod tests {
 
     use super::*;
+
+    #[test]
+    fn a_default_put_in_place_of_a_wrong_value_is_never_reported_as_wrong() {
+        for (toml, only) in [
+            (
+                "[store]\nurl = [\"postgres://db/idem?sslmode=verify-full\"]\ntls_ca_file = \"/etc/hostname\"\n",
+                "store.url",
+            ),
+            (
+                "[server]\nlisten = 8080\nadmin_listen = \":8080\"\n",
+                "server.listen",
+            ),
+            (
+                "[server]\nmax_buffered_responses = \"x\"\nmax_buffered_responses_per_scope = \"1 GiB\"\n",
+                "server.max_buffered_responses",
+            ),
+        ] {
+            let err = Config::from_toml_str(toml).unwrap_err();
+            let keys: Vec<&str> = err.problems().map(|(key, _)| key).collect();
+            assert_eq!(keys, [only], "{err}");
+        }
+    }
 
     #[test]
     fn a_key_as_errors_write_it_is_a_path() {

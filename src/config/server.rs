@@ -291,11 +291,24 @@ impl RawServer {
 
     /// Checks the section and converts it; the first problem found is returned.
     pub fn validate(&self) -> Result<ServerConfig, ConfigError> {
+        let listen = self.listen()?;
+        let admin_listen = self.admin_listen()?;
+        if let ListenAddr::Tcp(proxy) = &listen
+            && same_port(*proxy, admin_listen)
+        {
+            return Err(ConfigError::new(
+                "server.admin_listen",
+                format!(
+                    "{admin_listen} takes the port of server.listen ({proxy}), so one of the two could never \
+                     listen: give the admin listener a port of its own"
+                ),
+            ));
+        }
         Ok(ServerConfig {
-            listen: self.listen()?,
+            listen,
             trust_unix_forwarded_for: self.trust_unix_forwarded_for,
             trusted_proxies: trusted_proxies(&self.trusted_proxies)?,
-            admin_listen: self.admin_listen()?,
+            admin_listen,
             shutdown_grace: self.shutdown_grace,
             tls: self.tls.as_ref().map(RawServerTls::validate).transpose()?,
             header_read_timeout: positive("server.header_read_timeout", self.header_read_timeout)?,
@@ -516,6 +529,15 @@ impl RawServerTls {
     }
 }
 
+/// Whether listeners on `a` and `b` would take the same port: the same fixed port on the same address,
+/// or on an address one of them covers (`0.0.0.0` every IPv4 one, `[::]` every one, IPv4 included).
+fn same_port(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers = |wide: SocketAddr, other: SocketAddr| {
+        wide.ip().is_unspecified() && (wide.is_ipv6() || other.is_ipv4())
+    };
+    a.port() != 0 && a.port() == b.port() && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -725,6 +747,31 @@ mod tests {
         .unwrap();
         assert_eq!(written.server.max_buffered_responses_per_scope, 128 << 20);
         assert_eq!(written.server.capture_wait, Duration::ZERO);
+    }
+
+    #[test]
+    fn the_admin_listener_may_not_take_the_proxy_listeners_port() {
+        for (listen, admin) in [
+            (":8080", ":8080"),
+            (":8080", "localhost:8080"),
+            ("localhost:8080", "127.0.0.1:8080"),
+            ("127.0.0.1:8080", "[::]:8080"),
+        ] {
+            let toml = format!("[server]\nlisten = \"{listen}\"\nadmin_listen = \"{admin}\"\n");
+            let err = crate::Config::from_toml_str(&toml).unwrap_err();
+            assert_eq!(err.key, "server.admin_listen", "{listen} {admin}: {err}");
+            assert!(err.message.contains("a port of its own"), "{err}");
+        }
+        for (listen, admin) in [
+            (":0", ":0"),
+            (":8080", "127.0.0.1:9090"),
+            ("127.0.0.2:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "[::1]:8080"),
+            ("unix:/run/idemproxy.sock", "127.0.0.1:8080"),
+        ] {
+            let toml = format!("[server]\nlisten = \"{listen}\"\nadmin_listen = \"{admin}\"\n");
+            assert!(crate::Config::from_toml_str(&toml).is_ok(), "{listen} {admin}");
+        }
     }
 
     #[test]

@@ -236,6 +236,14 @@ impl RawStore {
         }
         // tokio-postgres reads a URL without sslmode as `prefer`, so what the URL wrote is read here.
         let mode = ssl_mode(&url)?;
+        if mode == SslMode::VerifyCa && self.tls_ca_file.is_none() {
+            return Err(ConfigError::new(
+                key,
+                "sslmode=verify-ca checks no host name, so it trusts only the CAs of store.tls_ca_file, \
+                 never the system's (a public CA signs certificates for anyone's names): set \
+                 store.tls_ca_file to your database's CA, or write sslmode=verify-full",
+            ));
+        }
         driver_url(&self.url)
             .parse::<tokio_postgres::Config>()
             .map_err(|e| ConfigError::new(key, format!("invalid PostgreSQL URL: {e}")))?;
@@ -446,14 +454,25 @@ mod tests {
             ("verify-ca", SslMode::VerifyCa, true),
             ("verify-full", SslMode::VerifyFull, true),
         ] {
-            let store = store_url(&format!("postgres://db/idem?sslmode={mode}"))
-                .unwrap()
-                .store;
+            // verify-ca trusts only store.tls_ca_file, which needs a mode that may use TLS.
+            let ca = if mode == "disable" {
+                ""
+            } else {
+                "tls_ca_file = \"/etc/hostname\"\n"
+            };
+            let store = Config::from_toml_str(&format!(
+                "[store]\nurl = \"postgres://db/idem?sslmode={mode}\"\n{ca}"
+            ))
+            .unwrap()
+            .store;
             assert_eq!(store.ssl_mode, want, "{mode}");
             assert_eq!(store.tls, tls, "{mode}: TLS on every connection");
             assert_eq!(want.may_use_tls(), mode != "disable", "{mode}");
             assert_eq!(want.verifies_host_name(), mode != "verify-ca", "{mode}");
         }
+        let err = store_url("postgres://db/idem?sslmode=verify-ca").unwrap_err();
+        assert_eq!(err.key, "store.url");
+        assert!(err.message.contains("store.tls_ca_file"), "{err}");
         for mode in ["Require", "bogus", "verify_full"] {
             let err = store_url(&format!("postgres://db/idem?sslmode={mode}")).unwrap_err();
             assert_eq!(err.key, "store.url", "{mode}");

@@ -128,7 +128,7 @@ pub(super) fn pool_failure(error: &deadpool_postgres::PoolError, pg: &tokio_post
 /// `text`, followed by what mends the error where the server's code names a cause an operator fixes
 /// (beyond a missing database, which [`connect_failure`] names).
 pub(super) fn with_fix(text: String, error: &tokio_postgres::Error, pg: &tokio_postgres::Config) -> String {
-    let user = pg.get_user().unwrap_or("the store.url user");
+    let user = pg.get_user().map_or("the store.url user".to_owned(), identifier);
     let fix = match error.code() {
         Some(code) if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::INVALID_SCHEMA_NAME => {
             "the key table is not there: apply the migrations with `idemproxy migrate`".to_owned()
@@ -170,9 +170,12 @@ pub(super) fn with_migration_fix(
     else {
         return text;
     };
-    let user = pg.get_user().unwrap_or("the store.url user");
+    let user = pg.get_user().map_or("the store.url user".to_owned(), identifier);
     let fix = if db_error.message().starts_with("permission denied for database") {
-        let database = pg.get_dbname().or(pg.get_user()).unwrap_or("the database");
+        let database = pg
+            .get_dbname()
+            .or(pg.get_user())
+            .map_or("the database".to_owned(), identifier);
         format!(
             "{user} may not create the idemproxy schema: `GRANT CREATE ON DATABASE {database} TO {user}`, \
              or run `idemproxy migrate` as the database's owner"
@@ -204,6 +207,20 @@ fn createdb(pg: &tokio_postgres::Config) -> String {
         command.push(quoted(name));
     }
     command.join(" ")
+}
+
+/// `name` as SQL names a role or database in the statements the hints give: as written when PostgreSQL
+/// would read it unchanged, else in double quotes (`"App-User"`; unquoted, it would be folded to lower
+/// case or not parse).
+fn identifier(name: &str) -> String {
+    let plain = name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if plain {
+        return name.to_owned();
+    }
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// `word` as one shell word.
@@ -266,8 +283,16 @@ mod tests {
 
     #[test]
     fn every_sslmode_but_disable_gets_a_tls_connector_and_the_driver_reads_the_url() {
+        let ca = rcgen::generate_simple_self_signed(vec!["db.internal".into()]).unwrap();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), ca.cert.pem()).unwrap();
         for mode in ["allow", "prefer", "require", "verify-ca", "verify-full"] {
-            let config = store(&format!("postgres://db.internal/keys?sslmode={mode}"));
+            let config = crate::Config::from_toml_str(&format!(
+                "[store]\nurl = \"postgres://db.internal/keys?sslmode={mode}\"\ntls_ca_file = {:?}\n",
+                file.path()
+            ))
+            .unwrap()
+            .store;
             assert!(tls_connector(&config).unwrap().is_some(), "{mode}");
             let pg = pg_config(&config).expect("the driver reads the URL");
             let want = match mode {
@@ -307,6 +332,14 @@ mod tests {
         );
         let pg = pg_config(&store("postgres://app@db.internal/it%27s")).unwrap();
         assert_eq!(createdb(&pg), "createdb -h db.internal -p 5432 -U app 'it'\\''s'");
+    }
+
+    #[test]
+    fn a_role_sql_would_fold_or_not_parse_is_quoted_in_the_hints() {
+        assert_eq!(identifier("app_user2"), "app_user2");
+        assert_eq!(identifier("App-User"), "\"App-User\"");
+        assert_eq!(identifier("a\"b"), "\"a\"\"b\"");
+        assert_eq!(identifier("2fa"), "\"2fa\"");
     }
 
     #[test]

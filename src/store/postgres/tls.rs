@@ -13,7 +13,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
 
 use crate::config::SslMode;
-use crate::config::tls::{provider, roots};
+use crate::config::tls::{provider, roots, roots_from};
 
 /// What is wrong with a TLS setting, naming the file it came from.
 #[derive(Debug, thiserror::Error)]
@@ -32,9 +32,19 @@ pub fn client_config(ca_file: Option<&Path>, mode: SslMode) -> Result<rustls::Cl
 }
 
 /// How the server's certificate is checked under `mode`: webpki's chain and host name checks against
-/// the trusted CA certificates, or under `verify-ca` the chain alone.
+/// the trusted CA certificates, or under `verify-ca` the chain alone, to the CAs of `ca_file` only: with
+/// no name checked, a certificate any public CA of the system's signed (for any name, anyone's) would
+/// do, so libpq too never takes the system's CAs for `verify-ca`.
 fn verifier(ca_file: Option<&Path>, mode: SslMode) -> Result<Arc<dyn ServerCertVerifier>, TlsError> {
-    let roots = roots(ca_file).map_err(TlsError)?;
+    let roots = match (mode.verifies_host_name(), ca_file) {
+        (true, _) => roots(ca_file).map_err(TlsError)?,
+        (false, Some(ca_file)) => roots_from(ca_file).map_err(TlsError)?,
+        (false, None) => {
+            return Err(TlsError(
+                "sslmode=verify-ca trusts only the CAs of store.tls_ca_file, and none is set".into(),
+            ));
+        }
+    };
     if roots.is_empty() {
         return Err(TlsError(
             "no trusted CA certificates; set store.tls_ca_file".into(),
@@ -138,5 +148,13 @@ mod tests {
             !verify(SslMode::VerifyCa, stranger.path(), &leaf, "db.internal"),
             "verify-ca still needs a trusted chain"
         );
+    }
+
+    #[test]
+    fn verify_ca_needs_store_tls_ca_file_and_trusts_only_it() {
+        let Err(error) = verifier(None, SslMode::VerifyCa) else {
+            panic!("verify-ca took the system's CAs");
+        };
+        assert!(error.to_string().contains("store.tls_ca_file"), "{error}");
     }
 }

@@ -125,6 +125,59 @@ async fn a_revoked_login_and_a_login_without_rights_say_so_and_what_mends_them()
         .expect("drop the roles");
 }
 
+/// A role whose name SQL folds or cannot read unquoted (`App-User`): the `GRANT` named quotes it, so
+/// running it as printed gives the rights (unquoted, it did not parse).
+#[tokio::test]
+async fn the_grant_named_for_a_role_with_capitals_or_a_hyphen_quotes_it_and_works() {
+    let db = TestDb::create().await;
+    let migrated = idemproxy(&["migrate", "--store", &db.url()], &[]).await;
+    assert!(
+        migrated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+    let role = format!("{}-App", db.name());
+    let admin = Url::parse(&with(base_url().as_str(), None, db.name())).expect("admin URL");
+    let (client, connection) = tokio_postgres::connect(admin.as_str(), tokio_postgres::NoTls)
+        .await
+        .expect("connect to make the role");
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!("CREATE ROLE \"{role}\" LOGIN"))
+        .await
+        .expect("create the role");
+    let url = with(&db.url(), Some(&role), db.name());
+    let grant = format!(
+        "GRANT USAGE ON SCHEMA idemproxy TO \"{role}\"; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL \
+         TABLES IN SCHEMA idemproxy TO \"{role}\""
+    );
+    keys_stats_says(&url, &["permission denied for schema idemproxy", &grant]).await;
+    client
+        .batch_execute(&grant)
+        .await
+        .expect("the GRANT as printed runs");
+    let out = idemproxy(&["keys", "stats", "--store", &url], &[]).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    client
+        .batch_execute(&format!(
+            "REVOKE ALL ON ALL TABLES IN SCHEMA idemproxy FROM \"{role}\"; \
+             REVOKE ALL ON SCHEMA idemproxy FROM \"{role}\""
+        ))
+        .await
+        .expect("revoke");
+    drop(client);
+    drop(db);
+    let (client, connection) = tokio_postgres::connect(base_url().as_str(), tokio_postgres::NoTls)
+        .await
+        .expect("connect to drop the role");
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!("DROP ROLE IF EXISTS \"{role}\""))
+        .await
+        .expect("drop the role");
+}
+
 /// `idemproxy migrate --store url`'s failure: its stderr, which must hold every one of `expected`.
 async fn migrate_says(url: &str, expected: &[&str]) {
     let out = idemproxy(&["migrate", "--store", url], &[]).await;

@@ -137,3 +137,47 @@ async fn store_certificate_for_another_name_is_refused() {
         .expect_err("start-up must fail on an untrusted store certificate");
     assert!(error.contains("certificate not valid for name"), "{error}");
 }
+
+/// `verify-ca` checks no name, so a certificate any of the system's CAs signed (a public CA signs one for
+/// anyone's own name) must not pass: only the CAs of `store.tls_ca_file` vouch for the server, as in
+/// libpq. Here the server's own certificate stands for the public CA among the system's, and
+/// `store.tls_ca_file` holds the operator's own, unrelated CA.
+#[tokio::test]
+async fn verify_ca_trusts_only_store_tls_ca_file_never_the_systems_cas() {
+    let env = TestEnv::new().await;
+    let Some(certificate) = server_certificate(&env).await else {
+        return;
+    };
+    let system = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(system.path(), certificate).unwrap();
+    let no_dir = tempfile::tempdir().unwrap();
+    let own_ca = rcgen::generate_simple_self_signed(vec!["db.internal".into()]).unwrap();
+    let own = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(own.path(), own_ca.cert.pem()).unwrap();
+    let file = crate::support::cli::config_file(&format!("[store]\ntls_ca_file = {:?}\n", own.path()));
+    let file = file.path().to_str().unwrap();
+    let system_cas = [
+        ("SSL_CERT_FILE", system.path().to_str().unwrap()),
+        ("SSL_CERT_DIR", no_dir.path().to_str().unwrap()),
+    ];
+    let migrate = |host: &str, mode: &str| {
+        let url = tls_url_with(&env, host, mode);
+        async move {
+            crate::support::cli::idemproxy(&["migrate", "--store", &url, "--config", file], &system_cas).await
+        }
+    };
+    let output = migrate("localhost", "verify-full").await;
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "verify-full trusts the system's CAs: {}",
+        crate::support::cli::stderr(&output)
+    );
+    let output = migrate("127.0.0.1", "verify-ca").await;
+    assert_ne!(
+        output.status.code(),
+        Some(0),
+        "verify-ca connected on a certificate of a system CA, not of store.tls_ca_file: {}",
+        crate::support::cli::stderr(&output)
+    );
+}
