@@ -43,6 +43,19 @@ pub enum ReloadError {
         /// The proxy's reason.
         error: String,
     },
+    /// The address is not an idemproxy admin listener (the proxy's own port, whose requests go to the
+    /// app, or another program): nothing was asked of it.
+    #[error(
+        "{url}: does not answer as idemproxy's admin listener (GET answered {status}, not 405 with Allow: \
+         POST), so no reload was asked of it: give the admin address (server.admin_listen, \
+         --admin-listen), not the proxy's own port"
+    )]
+    NotAdmin {
+        /// The endpoint probed.
+        url: String,
+        /// What the GET answered.
+        status: StatusCode,
+    },
     /// An answer this command does not understand (another program on that port?).
     #[error("{url}: unexpected answer: status {status}: {body}")]
     Unexpected {
@@ -66,6 +79,13 @@ pub async fn run(
     let addr = health::reachable(config.server.admin_listen);
     let url = format!("http://{addr}/-/reload");
     let asked = async {
+        // A GET first, which an admin listener refuses and which is safe to send anywhere: on the
+        // proxy's own port a POST would be forwarded to the app, and run there.
+        let probe = health::call(addr, Method::GET, "/-/reload", &url).await?;
+        let allow = probe.headers().get(http::header::ALLOW).map(|v| v.as_bytes());
+        if probe.status() != StatusCode::METHOD_NOT_ALLOWED || allow != Some(b"POST".as_slice()) {
+            return Ok(Err(probe.status()));
+        }
         let response = health::call(addr, Method::POST, "/-/reload", &url).await?;
         let status = response.status();
         let body = response
@@ -74,14 +94,18 @@ pub async fn run(
             .await
             .map(|b| b.to_bytes())
             .unwrap_or_default();
-        Ok::<_, HealthError>((status, body))
+        Ok::<_, HealthError>(Ok((status, body)))
     };
-    let (status, body) = tokio::time::timeout(timeout, asked)
+    let answered = tokio::time::timeout(timeout, asked)
         .await
         .map_err(|_| HealthError::Timeout {
             url: url.clone(),
             timeout,
         })??;
+    let (status, body) = answered.map_err(|status| ReloadError::NotAdmin {
+        url: url.clone(),
+        status,
+    })?;
     let answer: Option<Answer> = serde_json::from_slice(&body).ok();
     match answer {
         Some(answer) if answer.reloaded && status == StatusCode::OK => Ok(answer),

@@ -14,7 +14,10 @@ use super::error::ConfigError;
 pub(super) fn parse_addr(key: &str, value: &str) -> Result<SocketAddr, ConfigError> {
     let spelled = if let Some(port) = value.strip_prefix(':') {
         format!("0.0.0.0:{port}")
-    } else if let Some(port) = value.strip_prefix("localhost:") {
+    } else if let Some((host, port)) = value.split_once(':')
+        && host.eq_ignore_ascii_case("localhost")
+    {
+        // A host name is the same name in any case.
         format!("127.0.0.1:{port}")
     } else {
         value.to_owned()
@@ -107,6 +110,7 @@ mod tests {
         assert_eq!(addr(":8080").unwrap(), "0.0.0.0:8080");
         assert_eq!(addr(":0").unwrap(), "0.0.0.0:0");
         assert_eq!(addr("localhost:9090").unwrap(), "127.0.0.1:9090");
+        assert_eq!(addr("LocalHost:9090").unwrap(), "127.0.0.1:9090");
         assert_eq!(addr("[::]:8080").unwrap(), "[::]:8080");
         assert_eq!(addr("10.0.0.1:80").unwrap(), "10.0.0.1:80");
         for bad in [":", ":http", "localhost", "localhost:", "example.com:80", "8080"] {

@@ -306,6 +306,21 @@ async fn a_broken_file_is_refused_by_the_reload_command_and_the_proxy_serves_on(
     );
     assert!(said.contains("upstream.timeout"), "names the key: {said}");
     assert_eq!(said.lines().count(), 1, "{said}");
+    // Pointed at the proxy's own port, it asks nothing: a POST there would run in the app.
+    let proxy_addr = proxy.url.trim_start_matches("http://").to_owned();
+    let output = idemproxy(&["reload", "--admin-listen", &proxy_addr], &[]).await;
+    assert_eq!(output.status.code(), Some(1), "{}", stdout(&output));
+    assert!(
+        stderr(&output).contains("does not answer as idemproxy's admin listener"),
+        "{}",
+        stderr(&output)
+    );
+    let posted = env
+        .upstream
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path_and_query == "/-/reload");
+    assert_eq!(posted.count(), 0, "no reload was sent to the app");
     // Given the broken file too, it says so itself.
     let output = reload_command(&proxy).await;
     assert_eq!(output.status.code(), Some(1), "{}", stdout(&output));
