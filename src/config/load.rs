@@ -28,6 +28,9 @@ const MOST_ROUNDS: usize = 100;
 /// than read into memory until the process is killed.
 const MOST_FILE_BYTES: u64 = 16 << 20;
 
+/// The longest a configuration file that is not a regular file (a pipe, a device) is waited for.
+const PIPE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Which file, variable or flag set the key at a path, if one did.
 pub(super) type Source<'a> = dyn Fn(&[String]) -> Option<String> + 'a;
 
@@ -88,14 +91,37 @@ pub(super) fn read(path: &Path) -> Result<String, ConfigError> {
             format!("cannot read the configuration file {}: {why}", path.display()),
         )
     };
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|file| file.take(MOST_FILE_BYTES + 1).read_to_end(&mut bytes))
-        .map_err(|e| refused(e.to_string()))?;
+    let bytes = if std::fs::metadata(path).is_ok_and(|meta| meta.is_file()) {
+        read_bytes(path).map_err(|e| refused(e.to_string()))?
+    } else {
+        // A pipe (`--config <(...)`) or a device: opening a named pipe waits for a writer, and reading
+        // waits for its data, so the read runs beside and is waited for at most PIPE_WAIT.
+        let (sent, read) = std::sync::mpsc::channel();
+        let owned = path.to_owned();
+        std::thread::spawn(move || sent.send(read_bytes(&owned)));
+        match read.recv_timeout(PIPE_WAIT) {
+            Ok(bytes) => bytes.map_err(|e| refused(e.to_string()))?,
+            Err(_) => {
+                return Err(refused(format!(
+                    "nothing came from it within {} s (a named pipe nothing writes to?)",
+                    PIPE_WAIT.as_secs()
+                )));
+            }
+        }
+    };
     if bytes.len() as u64 > MOST_FILE_BYTES {
         return Err(refused(format!("larger than {} MiB", MOST_FILE_BYTES >> 20)));
     }
     String::from_utf8(bytes).map_err(|e| refused(format!("not UTF-8 text ({e})")))
+}
+
+/// At most [`MOST_FILE_BYTES`] and one more of the file at `path`.
+fn read_bytes(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MOST_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// The configuration file's TOML as read by [`read`], named by its path as `Toml::file_exact` names it
