@@ -187,6 +187,14 @@ impl Reload {
         let config = keep_running(&running.config, loaded);
         // A risky setting the reload brings is said as a start says it (`check-config`'s warnings): an
         // upstream no longer named, `fail_open`, a route whose scope is shared.
+        for route in rules_changed(&running.config, &config) {
+            tracing::warn!(
+                route,
+                "{why}: how this route reads keys, scopes or fingerprints changed: a retry of a key it \
+                 completed before is judged by the new rules, so it may run again (in another scope) or \
+                 get 422 (another payload), as after a restart"
+            );
+        }
         let before = running.config.warnings();
         for warning in config.warnings().into_iter().filter(|w| !before.contains(w)) {
             tracing::warn!(key = %warning.key, "{why}: {}", warning.message);
@@ -274,6 +282,31 @@ fn keep_running(running: &Config, loaded: Config) -> Config {
     config.traces = running.traces.clone();
     config.log.format = running.log.format;
     config
+}
+
+/// The routes, by name, that both configurations have and whose key rules (source, scope, fingerprint)
+/// or scope differ: their earlier keys' retries are judged anew.
+fn rules_changed<'a>(running: &Config, loaded: &'a Config) -> Vec<&'a str> {
+    let rules = |route: &crate::config::Route| (route.scope.clone(), format!("{:?}", route.policy.key));
+    let old = &running.routes;
+    let before: std::collections::HashMap<&str, (String, String)> = old
+        .routes
+        .iter()
+        .chain(std::iter::once(&old.default))
+        .map(|route| (route.name.as_str(), rules(route)))
+        .collect();
+    let table = &loaded.routes;
+    table
+        .routes
+        .iter()
+        .chain(std::iter::once(&table.default))
+        .filter(|route| {
+            before
+                .get(route.name.as_str())
+                .is_some_and(|old| *old != rules(route))
+        })
+        .map(|route| route.name.as_str())
+        .collect()
 }
 
 /// The settings of `config` as `check-config` prints them (secrets masked), as a table.
@@ -368,5 +401,31 @@ mod tests {
         ] {
             assert!(!applies(key), "{key}");
         }
+    }
+
+    #[test]
+    fn a_route_whose_key_scope_or_fingerprint_rules_change_is_named_and_no_other() {
+        let route = |scope_headers: &str| {
+            format!(
+                "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nscope_headers = [{scope_headers}]\n\
+                 fingerprint_headers = [\"x-a\", \"x-b\", \"x-c\", \"x-d\"]\n\
+                 [[routes]]\nname = \"orders\"\npath_prefix = \"/orders\"\nlock_timeout = \"5s\"\n"
+            )
+        };
+        let load = |text: &str| Config::from_toml_str(text).unwrap();
+        let same = route("\"authorization\", \"x-tenant\", \"x-team\"");
+        for _ in 0..20 {
+            assert!(
+                rules_changed(&load(&same), &load(&same)).is_empty(),
+                "loaded twice, nothing changed"
+            );
+        }
+        let other = route("\"x-tenant\"");
+        assert_eq!(rules_changed(&load(&same), &load(&other)), ["payments"]);
+        let longer_lease = same.replace("lock_timeout = \"5s\"", "lock_timeout = \"9s\"");
+        assert!(
+            rules_changed(&load(&same), &load(&longer_lease)).is_empty(),
+            "a lease is not a key rule"
+        );
     }
 }

@@ -346,3 +346,22 @@ async fn a_broken_file_is_refused_by_the_reload_command_and_the_proxy_serves_on(
     assert_eq!(get.status(), 405, "a reload is a POST");
     assert_eq!(get.headers()["allow"], "POST");
 }
+
+#[tokio::test]
+async fn a_reload_that_changes_how_a_route_scopes_its_keys_warns_naming_the_route() {
+    let env = TestEnv::on(Backend::Sqlite).await;
+    let route =
+        |scope: &str| format!("name = \"payments\"\npath_prefix = \"/payments\"\nscope_headers = [{scope}]");
+    let config = env.config().route(&route("\"authorization\""));
+    let proxy = ProxyProcess::spawn(&config).await;
+    let changed = env.config().route(&route("\"x-tenant\""));
+    std::fs::write(proxy.config_file(), changed.to_toml()).unwrap();
+    let output = reload_command(&proxy).await;
+    assert!(output.status.success(), "{}", stderr(&output));
+    let message = "POST /-/reload: how this route reads keys, scopes or fingerprints changed: a retry of a key \
+                   it completed before is judged by the new rules, so it may run again (in another scope) or \
+                   get 422 (another payload), as after a restart";
+    let warned = logged_after(&proxy, message, 0).await;
+    assert_eq!(warned["route"], "payments", "{warned}");
+    assert_eq!(warned["level"], "WARN", "{warned}");
+}
