@@ -236,15 +236,20 @@ fn toml_document() -> impl Strategy<Value = String> {
     })
 }
 
-fn assert_one_line_naming_a_key(text: &str) -> Result<(), TestCaseError> {
+/// A configuration, or one line per problem found, each naming its key.
+fn assert_a_line_per_problem_naming_its_key(text: &str) -> Result<(), TestCaseError> {
     match Config::from_toml_str(text) {
         Ok(_) => {}
         Err(error) => {
-            let line = error.to_string();
-            prop_assert!(!error.key.is_empty(), "{line}");
-            prop_assert!(!line.contains('\n'), "more than one line: {line:?}");
-            prop_assert!(line.starts_with("config error: "), "{line}");
-            prop_assert!(line.contains(&error.key), "{line}");
+            let said = error.to_string();
+            let problems: Vec<(&str, &str)> = error.problems().collect();
+            let lines: Vec<&str> = said.lines().collect();
+            prop_assert_eq!(lines.len(), problems.len(), "one line per problem: {:?}", said);
+            for (line, (key, message)) in lines.iter().zip(problems) {
+                prop_assert!(!key.is_empty(), "{}", said);
+                prop_assert!(!message.contains('\n'), "a problem in one line: {:?}", said);
+                prop_assert_eq!(*line, format!("config error: {key}: {message}"));
+            }
         }
     }
     Ok(())
@@ -254,13 +259,13 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
     #[test]
-    fn config_loader_answers_any_text_with_a_config_or_one_line(text in "\\PC{0,200}") {
-        assert_one_line_naming_a_key(&text)?;
+    fn config_loader_answers_any_text_with_a_config_or_a_line_per_problem(text in "\\PC{0,200}") {
+        assert_a_line_per_problem_naming_its_key(&text)?;
     }
 
     #[test]
-    fn config_loader_answers_any_toml_ish_document_with_a_config_or_one_line(text in toml_document()) {
-        assert_one_line_naming_a_key(&text)?;
+    fn config_loader_answers_any_toml_ish_document_with_a_config_or_a_line_per_problem(text in toml_document()) {
+        assert_a_line_per_problem_naming_its_key(&text)?;
     }
 }
 
