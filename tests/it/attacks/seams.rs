@@ -107,22 +107,8 @@ async fn world(backend: Backend, protocol: &str, extra: &[(&str, toml::Value)]) 
     let store = TestStore::create(backend).await;
     let secrets = signatures::secrets_file(&[STRIPE_SECRET]);
     let routes = format!(
-        r#"
-[[routes]]
-name = "pay"
-path = "/pay"
-required = true
-
-[[routes]]
-name = "stripe"
-path = "/webhooks/stripe"
-key = "json:/id"
-required = true
-unscoped = "shared"
-scope_headers = []
-signature = {{ scheme = "stripe", secrets_file = "{}" }}
-"#,
-        secrets.path().display()
+        "[[routes]]\nname = \"pay\"\npath = \"/pay\"\nrequired = true\n{}",
+        signatures::stripe_route(secrets.path())
     );
     let mut config = ProxyConfig::on(&store, &upstream)
         .with_toml(&routes)

@@ -8,28 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::support::cli::{idemproxy, stderr, stdout};
 use crate::support::http::client;
-use crate::support::signatures::{STRIPE_SECRET, now, stripe_signature};
+use crate::support::signatures::{STRIPE_SECRET, now, stripe_route, stripe_signature};
 use crate::support::{Backend, ProxyProcess, Reply, TestEnv, Upstream, keyed_post, metric, poll_until};
 
 /// The secret the Stripe route rotates to.
 const ROTATED: &str = "whsec_rotated_by_a_reload";
-
-/// A Stripe route whose secrets are in `secrets` (a file the test rewrites to rotate them).
-fn stripe_route(secrets: &std::path::Path) -> String {
-    format!(
-        r#"
-[[routes]]
-name = "stripe"
-path = "/webhooks/stripe"
-key = "json:/id"
-required = true
-unscoped = "shared"
-scope_headers = []
-signature = {{ scheme = "stripe", secrets_file = "{}" }}
-"#,
-        secrets.display()
-    )
-}
 
 /// A route the reload adds: keys are required on `/payments`.
 const PAYMENTS: &str = "name = \"payments\"\npath_prefix = \"/payments\"\nrequired = true";

@@ -60,12 +60,7 @@ async fn an_unmigrated_database_names_idemproxy_migrate() {
         &["idemproxy.records", "does not exist", "`idemproxy migrate`"],
     )
     .await;
-    let migrated = idemproxy(&["migrate", "--store", &db.url()], &[]).await;
-    assert!(
-        migrated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&migrated.stderr)
-    );
+    migrates(&db.url()).await;
     let stats = idemproxy(&["keys", "stats", "--store", &db.url()], &[]).await;
     assert!(
         stats.status.success(),
@@ -79,12 +74,7 @@ async fn an_unmigrated_database_names_idemproxy_migrate() {
 #[tokio::test]
 async fn a_revoked_login_and_a_login_without_rights_say_so_and_what_mends_them() {
     let db = TestDb::create().await;
-    let migrated = idemproxy(&["migrate", "--store", &db.url()], &[]).await;
-    assert!(
-        migrated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&migrated.stderr)
-    );
+    migrates(&db.url()).await;
     let (revoked, rightless) = (
         format!("{}_revoked", db.name()),
         format!("{}_rightless", db.name()),
@@ -130,12 +120,7 @@ async fn a_revoked_login_and_a_login_without_rights_say_so_and_what_mends_them()
 #[tokio::test]
 async fn the_grant_named_for_a_role_with_capitals_or_a_hyphen_quotes_it_and_works() {
     let db = TestDb::create().await;
-    let migrated = idemproxy(&["migrate", "--store", &db.url()], &[]).await;
-    assert!(
-        migrated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&migrated.stderr)
-    );
+    migrates(&db.url()).await;
     let role = format!("{}-App", db.name());
     let admin = Url::parse(&with(base_url().as_str(), None, db.name())).expect("admin URL");
     let (client, connection) = tokio_postgres::connect(admin.as_str(), tokio_postgres::NoTls)

@@ -20,6 +20,24 @@ pub fn secrets_file(lines: &[&str]) -> tempfile::NamedTempFile {
     file
 }
 
+/// A `[[routes]]` table for Stripe's webhooks at `/webhooks/stripe`, keyed by the event's `id`, its
+/// secrets read from `secrets`.
+pub fn stripe_route(secrets: &std::path::Path) -> String {
+    format!(
+        r#"
+[[routes]]
+name = "stripe"
+path = "/webhooks/stripe"
+key = "json:/id"
+required = true
+unscoped = "shared"
+scope_headers = []
+signature = {{ scheme = "stripe", secrets_file = "{}" }}
+"#,
+        secrets.display()
+    )
+}
+
 /// Seconds since 1970, as a sender stamps a delivery.
 pub fn now() -> u64 {
     SystemTime::now()
