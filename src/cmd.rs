@@ -49,7 +49,8 @@ pub enum Command {
     /// is refused (the running one is kept) or the proxy cannot be asked.
     Reload(ReloadArgs),
     /// Run a tiny demo service to try the proxy on (not for production): it answers every request 201
-    /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds.
+    /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds. Under `/c/` it
+    /// is the conformance suite's counting service (`idemproxy conformance --service`).
     DemoUpstream(DemoArgs),
     /// Run the conformance suite for idempotency keys against BASE_URL (this proxy or any other
     /// implementation), with the counting service (`--service`) behind it: a table of every case,

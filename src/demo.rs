@@ -4,7 +4,9 @@
 //!
 //! It answers every request with `201` and a JSON body that numbers its executions, so a replay is easy
 //! to tell from a second execution; `?delay_ms=N` makes it take N milliseconds, long enough to send a
-//! duplicate while the first request is still in flight. `--probe` connects to the address and exits 0
+//! duplicate while the first request is still in flight. Under `/c/` it is the counting service of
+//! `idemproxy conformance` (docs/conformance.md): each path counted on its own, `GET /count/…` saying how
+//! many times, and the query asking for a status, failures first, a size and a streamed body. `--probe` connects to the address and exits 0
 //! if something accepts: the readiness probe of a pod whose app listens on loopback only, where the
 //! kubelet's own TCP probe cannot reach. It ships in the proxy's binary (as Caddy ships `caddy respond`)
 //! so that trying the proxy builds nothing more than the proxy.
@@ -27,9 +29,11 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
-/// The most distinct `/c/` paths counted; beyond them a new path is answered `503` (a demo that runs
-/// the conformance suite for days must not grow without end).
-const MAX_COUNTED_PATHS: usize = 1_000_000;
+/// The most distinct `/c/` paths counted (about 1,400 runs of the conformance suite); beyond them a new
+/// path is answered `503`, saying to restart the demo: with [`MAX_COUNTED_PATH`], at most about 100 MiB.
+const MAX_COUNTED_PATHS: usize = 100_000;
+/// The longest `/c/` path counted; a longer one is answered `414`, so the table's bound is one of bytes.
+const MAX_COUNTED_PATH: usize = 1024;
 /// The largest `size` and the most `chunks` a request may ask for.
 const MAX_SIZE: usize = 64 << 20;
 const MAX_CHUNKS: usize = 10_000;
@@ -87,11 +91,15 @@ async fn answer(request: Request<Incoming>, counts: Arc<Counts>) -> Result<Respo
     }
     let asked = Asked::from_query(request.uri().query().unwrap_or(""));
     let counted = path.starts_with("/c/");
+    if counted && path.len() > MAX_COUNTED_PATH {
+        let body = full(r#"{"error":"a counted path is at most 1024 bytes"}"#);
+        return Ok(json_response(StatusCode::URI_TOO_LONG, None, body));
+    }
     let execution = if counted {
         match counts.count(&path) {
             Some(n) => n,
             None => {
-                let body = full(r#"{"error":"too many paths counted"}"#);
+                let body = full(r#"{"error":"100000 paths counted: restart the demo to count more"}"#);
                 return Ok(json_response(StatusCode::SERVICE_UNAVAILABLE, None, body));
             }
         }

@@ -12,6 +12,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// The most of one response the suite reads: more than any case asks for (16 MiB), and a bound on what
+/// a target that never ends its body can make the suite hold.
+pub const MAX_READ: usize = 64 << 20;
+
 /// Where the suite sends its requests: a plain `http://` base URL.
 #[derive(Clone, Debug)]
 pub struct Target {
@@ -303,10 +307,15 @@ impl Client {
                 .await
                 .map_err(|e| format!("writing the request: {e}"))?;
             let mut read = Vec::new();
-            stream
+            let limit = u64::try_from(MAX_READ).unwrap_or(u64::MAX) + 1;
+            (&mut stream)
+                .take(limit)
                 .read_to_end(&mut read)
                 .await
                 .map_err(|e| format!("reading the response: {e}"))?;
+            if read.len() > MAX_READ {
+                return Err(format!("the response is longer than {MAX_READ} bytes"));
+            }
             parse_wire(&read, started.elapsed())
         };
         self.bounded(run).await
@@ -393,6 +402,9 @@ impl Client {
                 Some(Err(e)) => return Err(format!("reading the response body: {e}")),
             };
             if let Ok(data) = frame.into_data() {
+                if read.len() + data.len() > MAX_READ {
+                    return Err(format!("the response body is longer than {MAX_READ} bytes"));
+                }
                 read.extend_from_slice(&data);
             }
             match reading {
