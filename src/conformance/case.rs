@@ -205,6 +205,15 @@ impl Ctx {
         }
     }
 
+    /// Whether the target answers a plain retry from its first request (one execution, the same
+    /// answer): what a case that checks the target does not overreach (keeps two keys, two clients, a
+    /// released failure apart) needs first, since a target that replays nothing passes it for nothing.
+    pub async fn replays(&self, slug: &str) -> Result<bool, String> {
+        let probe = format!("{slug}-probe");
+        let (first, retry) = self.twice(&self.post(&probe)).await?;
+        Ok(retry.is_from(&first) && self.count(&probe).await? == 1)
+    }
+
     /// Sends `ask`, then the same again once it is answered (past any `409`): a request and its retry.
     pub async fn twice(&self, ask: &Ask) -> Result<(Answer, Answer), String> {
         let first = self.client.send(ask).await?;
@@ -231,6 +240,15 @@ impl Ctx {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// The verdict for a case that checks the target keeps apart what it should, on a target that replays
+/// nothing ([`Ctx::replays`]).
+pub fn replays_nothing() -> Verdict {
+    not_applicable(
+        "the target executed a plain retry again, so whether it keeps this apart cannot be told",
+        "a keyed request and its retry: two executions",
+    )
 }
 
 /// `label: n executions`, for what was seen.

@@ -142,9 +142,24 @@ async fn the_service_alone_without_an_idempotency_layer_fails_the_required_cases
             run.table
         );
     }
-    assert!(
-        run.with_outcome("pass").contains(&"first-execution".to_owned()),
+    // What a layer must not overreach (two keys, two clients, a released failure) cannot be told of a
+    // target that replays nothing: those cases do not apply, rather than pass for nothing.
+    assert_eq!(
+        run.with_outcome("pass"),
+        vec!["first-execution".to_owned()],
         "{}",
         run.table
     );
+    for case in [
+        "distinct-keys-execute",
+        "scope-between-clients",
+        "503-released",
+        "keyless-not-deduplicated",
+    ] {
+        assert!(
+            run.with_outcome("not_applicable").contains(&case.to_owned()),
+            "{case}:\n{}",
+            run.table
+        );
+    }
 }
