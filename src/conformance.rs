@@ -83,10 +83,13 @@ pub async fn run(args: &ConformanceArgs) -> u8 {
             let started = SystemTime::now();
             let _ = writeln!(
                 out,
-                "idemproxy conformance {} against {url} (run {}): {} cases",
+                "idemproxy conformance {} against {url} (run {}): {} case{}\n\
+                 the counting service answers behind it (`idemproxy conformance --service` says what \
+                 it does)\n",
                 env!("CARGO_PKG_VERSION"),
                 ctx.run,
-                chosen.len()
+                chosen.len(),
+                if chosen.len() == 1 { "" } else { "s" }
             );
             let mut findings = Vec::new();
             for case in chosen {
