@@ -574,7 +574,10 @@ fn not_the_first(first: &Answer, second: &Answer, second_count: u64, first_count
         second.brief()
     );
     if second.body == first.body || (second.is_from(first) && second_count == 0) {
-        fail("the second request got the first request's response", seen)
+        fail(
+            "expected a refusal or an execution of its own, not the first request's response",
+            seen,
+        )
     } else if (400..500).contains(&second.status) && second_count == 0 || second_count == 1 {
         pass(seen)
     } else {
