@@ -366,6 +366,10 @@ pub struct ConformanceArgs {
     /// Start `idemproxy demo-upstream` on ADDR, inside this process, for the target to forward to.
     #[arg(long, value_name = "ADDR")]
     pub demo_upstream: Option<String>,
+    /// Ask the counting service for its counts here (e.g. `http://127.0.0.1:3000`), not through the
+    /// target: for a proxy, whose counts should not be its own word (`--demo-upstream` implies it).
+    #[arg(long, value_name = "SERVICE_URL")]
+    pub counts: Option<String>,
     /// The target's key lifetime, when it is at most 60s: the expiry case then waits it out.
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub ttl: Option<Duration>,

@@ -62,6 +62,17 @@ pub struct Finding<'a> {
     pub took: Duration,
 }
 
+/// How many cases in a row may fail for want of an answer before the run stops: a target that has
+/// stopped answering is not worth 68 timeouts.
+const UNANSWERED_IN_A_ROW: usize = 3;
+
+/// Where the report goes: a file opened before the run (so a path that cannot be written is said at
+/// once), or standard output.
+enum ReportTo {
+    File(std::fs::File),
+    Stdout,
+}
+
 /// Runs the command; its exit code.
 pub async fn run(args: &ConformanceArgs) -> u8 {
     if args.service {
@@ -71,65 +82,82 @@ pub async fn run(args: &ConformanceArgs) -> u8 {
     if args.list {
         return written(std::io::stdout().write_all(listing(&all).as_bytes()));
     }
-    match prepare(args, &all).await {
-        Ok((ctx, chosen)) => {
-            let url = args.base_url.clone().unwrap_or_default();
-            let json_to_stdout = args.json.as_deref() == Some(std::path::Path::new("-"));
-            let mut out: Box<dyn std::io::Write> = if json_to_stdout {
-                Box::new(std::io::stderr())
-            } else {
-                Box::new(std::io::stdout())
-            };
-            let started = SystemTime::now();
-            let _ = writeln!(
-                out,
-                "idemproxy conformance {} against {url} (run {}): {} case{}\n\
-                 the counting service answers behind it (`idemproxy conformance --service` says what \
-                 it does)\n",
-                env!("CARGO_PKG_VERSION"),
-                ctx.run,
-                chosen.len(),
-                if chosen.len() == 1 { "" } else { "s" }
-            );
-            let mut findings = Vec::new();
-            for case in chosen {
-                let began = std::time::Instant::now();
-                let verdict = (case.run)(&ctx)
-                    .await
-                    .unwrap_or_else(|e| case::fail("a request failed", e));
-                let finding = Finding {
-                    case,
-                    verdict,
-                    took: began.elapsed(),
-                };
-                let _ = write!(out, "{}", line(&finding));
-                let _ = out.flush();
-                findings.push(finding);
-            }
-            let _ = write!(out, "{}", summary(&findings));
-            if let Some(path) = &args.json {
-                let report = report(&url, started, &findings);
-                let text = serde_json::to_string_pretty(&report).unwrap_or_default() + "\n";
-                let written = if json_to_stdout {
-                    std::io::stdout().write_all(text.as_bytes())
-                } else {
-                    std::fs::write(path, text)
-                };
-                if let Err(e) = written {
-                    eprintln!("idemproxy conformance: writing {}: {e}", path.display());
-                    return EXIT_CANNOT_RUN;
-                }
-            }
-            if findings.iter().any(|f| f.verdict.outcome == Outcome::Fail) {
-                EXIT_FAILED
-            } else {
-                EXIT_PASSED
-            }
-        }
+    let (ctx, chosen, report_to) = match prepare(args, &all).await {
+        Ok(prepared) => prepared,
         Err(why) => {
             eprintln!("idemproxy conformance: {why}");
-            EXIT_CANNOT_RUN
+            return EXIT_CANNOT_RUN;
         }
+    };
+    let url = args.base_url.clone().unwrap_or_default();
+    let mut out: Box<dyn std::io::Write> = match report_to {
+        Some(ReportTo::Stdout) => Box::new(std::io::stderr()),
+        _ => Box::new(std::io::stdout()),
+    };
+    let started = SystemTime::now();
+    let counted_at = if ctx.counts.target.address == ctx.client.target.address {
+        "through the target, which reports them".to_owned()
+    } else {
+        format!("from the counting service at {}", ctx.counts.target.address)
+    };
+    let _ = writeln!(
+        out,
+        "idemproxy conformance {} against {url} (run {}): {} case{}\n\
+         the counting service answers behind it; executions are counted {counted_at}\n",
+        env!("CARGO_PKG_VERSION"),
+        ctx.run,
+        chosen.len(),
+        if chosen.len() == 1 { "" } else { "s" },
+    );
+    let mut findings = Vec::new();
+    let mut unanswered = 0;
+    for case in chosen {
+        let began = std::time::Instant::now();
+        let verdict = match (case.run)(&ctx).await {
+            Ok(verdict) => {
+                unanswered = 0;
+                verdict
+            }
+            Err(e) => {
+                unanswered += 1;
+                case::fail("an answer to every request", e)
+            }
+        };
+        let finding = Finding {
+            case,
+            verdict,
+            took: began.elapsed(),
+        };
+        let _ = write!(out, "{}", line(&finding));
+        let _ = out.flush();
+        findings.push(finding);
+        if unanswered >= UNANSWERED_IN_A_ROW {
+            let _ = writeln!(
+                out,
+                "\n{UNANSWERED_IN_A_ROW} cases in a row got no answer from {url}: the run stops here"
+            );
+            break;
+        }
+    }
+    let _ = write!(out, "{}", summary(&findings));
+    if let Some(to) = report_to {
+        let report = report(&url, started, &findings);
+        let text = serde_json::to_string_pretty(&report).unwrap_or_default() + "\n";
+        let written = match to {
+            ReportTo::Stdout => std::io::stdout().write_all(text.as_bytes()),
+            ReportTo::File(mut file) => file.write_all(text.as_bytes()),
+        };
+        if let Err(e) = written {
+            eprintln!("idemproxy conformance: writing the report: {e}");
+            return EXIT_CANNOT_RUN;
+        }
+    }
+    if unanswered >= UNANSWERED_IN_A_ROW {
+        EXIT_CANNOT_RUN
+    } else if findings.iter().any(|f| f.verdict.outcome == Outcome::Fail) {
+        EXIT_FAILED
+    } else {
+        EXIT_PASSED
     }
 }
 
@@ -144,39 +172,83 @@ fn written(result: std::io::Result<()>) -> u8 {
     }
 }
 
-/// The context and the cases to run, once the target has been found with the service behind it.
-async fn prepare<'a>(args: &ConformanceArgs, all: &'a [Case]) -> Result<(Ctx, Vec<&'a Case>), String> {
+/// The headers the suite sets itself, which `--header` may not: framing, the target's host, the key
+/// each case chooses, and the credential that names each of its two clients.
+const OWN_HEADERS: [&str; 6] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "idempotency-key",
+    "authorization",
+];
+
+/// The context, the cases to run and where the report goes, once the target has been found with the
+/// service behind it.
+async fn prepare<'a>(
+    args: &ConformanceArgs,
+    all: &'a [Case],
+) -> Result<(Ctx, Vec<&'a Case>, Option<ReportTo>), String> {
     let url = args.base_url.as_deref().unwrap_or_default();
     let target = Target::parse(url)?;
+    if args.timeout < Duration::from_millis(100) {
+        return Err(format!("--timeout {:?}: at least 100ms", args.timeout));
+    }
+    if args.ttl.is_some_and(|t| t.is_zero()) {
+        return Err("--ttl 0s: the target's key lifetime is longer than that".to_owned());
+    }
     let mut extra = Vec::new();
     for header in &args.headers {
-        extra.push(header_line(header)?);
+        let (name, value) = header_line(header)?;
+        if OWN_HEADERS.contains(&name.as_str()) {
+            return Err(format!(
+                "--header {header:?}: the suite sets {name} itself (each case its own key, each of \
+                 its two clients its own Authorization)"
+            ));
+        }
+        extra.push((name, value));
     }
-    let chosen: Vec<&Case> = if args.cases.is_empty() {
-        all.iter().collect()
-    } else {
-        let mut chosen = Vec::new();
-        for id in &args.cases {
-            let case = all
-                .iter()
-                .find(|c| c.id == id)
-                .ok_or_else(|| format!("no case `{id}` (see --list)"))?;
+    let mut chosen: Vec<&Case> = Vec::new();
+    for id in &args.cases {
+        let case = all
+            .iter()
+            .find(|c| c.id == id)
+            .ok_or_else(|| format!("no case `{id}` (see --list)"))?;
+        if !chosen.iter().any(|c| c.id == case.id) {
             chosen.push(case);
         }
-        chosen
+    }
+    if chosen.is_empty() {
+        chosen = all.iter().collect();
+    }
+    let report_to = match &args.json {
+        None => None,
+        Some(path) if path.as_os_str() == "-" => Some(ReportTo::Stdout),
+        Some(path) => Some(ReportTo::File(
+            std::fs::File::create(path).map_err(|e| format!("--json {}: {e}", path.display()))?,
+        )),
     };
+    let client = Client {
+        target,
+        timeout: args.timeout,
+        max_read: client::MAX_READ,
+    };
+    let mut counts = client.clone();
     if let Some(addr) = &args.demo_upstream {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| format!("--demo-upstream {addr}: {e}"))?;
+        let bound = listener.local_addr().map_err(|e| e.to_string())?;
         tokio::spawn(crate::demo::serve(listener));
+        counts.target = Target::parse(&format!("http://{bound}"))?;
+    }
+    if let Some(service) = &args.counts {
+        counts.target = Target::parse(service).map_err(|e| format!("--counts {e}"))?;
     }
     let run = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     let ctx = Ctx {
-        client: Client {
-            target,
-            timeout: args.timeout,
-        },
+        client,
+        counts,
         run,
         extra,
         ttl: args.ttl,
@@ -188,7 +260,7 @@ async fn prepare<'a>(args: &ConformanceArgs, all: &'a [Case]) -> Result<(Ctx, Ve
              `idemproxy demo-upstream` and point the target at it, or add `--demo-upstream ADDR`."
         )
     })?;
-    Ok((ctx, chosen))
+    Ok((ctx, chosen, report_to))
 }
 
 /// `Name: value` as a header.
@@ -228,6 +300,19 @@ fn outcome_word(outcome: Outcome) -> &'static str {
     }
 }
 
+/// `text` with its control characters escaped, for a terminal: what a target answered may hold any.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// One case's line of the table, and for a failure or a case that did not apply, why and what was seen.
 fn line(finding: &Finding) -> String {
     let case = finding.case;
@@ -241,11 +326,11 @@ fn line(finding: &Finding) -> String {
     match finding.verdict.outcome {
         Outcome::Pass => {}
         Outcome::Fail => {
-            let _ = writeln!(text, "      expected: {}", finding.verdict.reason);
-            let _ = writeln!(text, "      seen:     {}", finding.verdict.seen);
+            let _ = writeln!(text, "      expected: {}", printable(&finding.verdict.reason));
+            let _ = writeln!(text, "      seen:     {}", printable(&finding.verdict.seen));
         }
         Outcome::NotApplicable => {
-            let _ = writeln!(text, "      because:  {}", finding.verdict.reason);
+            let _ = writeln!(text, "      because:  {}", printable(&finding.verdict.reason));
         }
     }
     text
@@ -336,6 +421,12 @@ mod tests {
         for group in [Group::Required, Group::Recommended, Group::Beyond] {
             assert!(all.iter().any(|c| c.group == group), "{group:?}");
         }
+    }
+
+    #[test]
+    fn what_a_target_answered_is_printed_without_its_control_characters() {
+        assert_eq!(printable("ok\r\u{1b}[2Kpass"), "ok\\r\\u{1b}[2Kpass");
+        assert_eq!(printable("caf\u{e9} 201"), "caf\u{e9} 201");
     }
 
     #[test]

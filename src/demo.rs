@@ -25,7 +25,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
@@ -34,6 +34,9 @@ use tokio::net::TcpListener;
 const MAX_COUNTED_PATHS: usize = 100_000;
 /// The longest `/c/` path counted; a longer one is answered `414`, so the table's bound is one of bytes.
 const MAX_COUNTED_PATH: usize = 1024;
+/// The largest request body read, and how long a request's head or body may take to arrive.
+const MAX_BODY: usize = 64 << 20;
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The largest `size` and the most `chunks` a request may ask for.
 const MAX_SIZE: usize = 64 << 20;
 const MAX_CHUNKS: usize = 10_000;
@@ -71,13 +74,25 @@ pub async fn serve(listener: TcpListener) -> std::io::Result<()> {
     eprintln!("demo upstream listening on http://{}", listener.local_addr()?);
     let counts = Arc::new(Counts::default());
     loop {
-        let (stream, _) = listener.accept().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, or a connection reset before it was taken: say so, wait a
+                // little and go on, rather than end the service.
+                eprintln!("demo upstream: accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let counts = counts.clone();
         tokio::spawn(async move {
             let service = service_fn(move |request| answer(request, counts.clone()));
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(READ_TIMEOUT);
+            let _ = builder.serve_connection(TokioIo::new(stream), service).await;
         });
     }
 }
@@ -107,12 +122,18 @@ async fn answer(request: Request<Incoming>, counts: Arc<Counts>) -> Result<Respo
         counts.all.fetch_add(1, Ordering::SeqCst) + 1
     };
     let method = request.method().to_string();
-    let body = request
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let limited = http_body_util::Limited::new(request.into_body(), MAX_BODY);
+    let body = match tokio::time::timeout(READ_TIMEOUT, limited.collect()).await {
+        Ok(Ok(body)) => body.to_bytes(),
+        Ok(Err(_)) | Err(_) => {
+            let body = full(r#"{"error":"the request body is over 64 MiB, broken, or too slow"}"#);
+            return Ok(json_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Some(execution),
+                body,
+            ));
+        }
+    };
     tokio::time::sleep(asked.delay).await;
     eprintln!("execution {execution}: {method} {path}");
     let mut json = serde_json::json!({

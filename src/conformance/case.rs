@@ -121,6 +121,9 @@ macro_rules! conformance_case {
 pub struct Ctx {
     /// The client the cases send with.
     pub client: Client,
+    /// Where the counts are asked: the counting service itself where the run was told it (`--counts`,
+    /// `--demo-upstream`), else through the target, which then reports them.
+    pub counts: Client,
     /// This run's id: every path and key starts with it, so runs never meet.
     pub run: String,
     /// Headers every request carries (`--header`).
@@ -179,7 +182,7 @@ impl Ctx {
         let mut ask = self.post(slug).without("idempotency-key").method(Method::GET);
         ask.path = format!("/count/{}/{slug}", self.run);
         ask.body = Bytes::new();
-        let answer = self.client.send(&ask.without("content-type")).await?;
+        let answer = self.counts.send(&ask.without("content-type")).await?;
         if answer.status != 200 {
             return Err(format!(
                 "GET /count/… answered {} (is the counting service behind the target?)",

@@ -13,7 +13,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// The most of one response the suite reads: more than any case asks for (16 MiB), and a bound on what
-/// a target that never ends its body can make the suite hold.
+/// a target that never ends its body can make the suite hold. Requests sent at once read less each
+/// ([`Client::reading_at_most`]), so that no case holds more than about this.
 pub const MAX_READ: usize = 64 << 20;
 
 /// Where the suite sends its requests: a plain `http://` base URL.
@@ -39,6 +40,12 @@ impl Target {
         let host = url
             .host_str()
             .ok_or_else(|| format!("{text}: the URL names no host"))?;
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(format!("{text}: the suite sends no credentials in the URL"));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(format!("{text}: a base URL with no query or fragment"));
+        }
         let port = url.port_or_known_default().unwrap_or(80);
         let host = host.trim_start_matches('[').trim_end_matches(']');
         let joined = if host.contains(':') {
@@ -158,6 +165,12 @@ impl Answer {
             .or_else(|| self.header("x-execution").and_then(|v| v.parse().ok()))
     }
 
+    /// The counting service's echo of the request body it executed (`received`).
+    pub fn received(&self) -> Option<String> {
+        self.json()
+            .and_then(|j| j.get("received").and_then(|r| r.as_str().map(str::to_owned)))
+    }
+
     /// Whether the body is a problem document (RFC 9457).
     pub fn is_problem(&self) -> bool {
         self.header("content-type")
@@ -209,9 +222,19 @@ pub struct Client {
     pub target: Target,
     /// How long one request may take, from connecting to the end of its body.
     pub timeout: Duration,
+    /// The most of one response read ([`MAX_READ`] unless lowered).
+    pub max_read: usize,
 }
 
 impl Client {
+    /// This client reading at most `bytes` of each response: for a case that sends many at once.
+    pub fn reading_at_most(&self, bytes: usize) -> Client {
+        Client {
+            max_read: bytes.min(self.max_read),
+            ..self.clone()
+        }
+    }
+
     /// Sends `ask` over HTTP/1.1 on a new connection and reads the whole response.
     pub async fn send(&self, ask: &Ask) -> Result<Answer, String> {
         self.send_reading(ask, Reading::Whole).await
@@ -307,14 +330,14 @@ impl Client {
                 .await
                 .map_err(|e| format!("writing the request: {e}"))?;
             let mut read = Vec::new();
-            let limit = u64::try_from(MAX_READ).unwrap_or(u64::MAX) + 1;
+            let limit = u64::try_from(self.max_read).unwrap_or(u64::MAX) + 1;
             (&mut stream)
                 .take(limit)
                 .read_to_end(&mut read)
                 .await
                 .map_err(|e| format!("reading the response: {e}"))?;
-            if read.len() > MAX_READ {
-                return Err(format!("the response is longer than {MAX_READ} bytes"));
+            if read.len() > self.max_read {
+                return Err(format!("the response is longer than {} bytes", self.max_read));
             }
             parse_wire(&read, started.elapsed())
         };
@@ -402,8 +425,11 @@ impl Client {
                 Some(Err(e)) => return Err(format!("reading the response body: {e}")),
             };
             if let Ok(data) = frame.into_data() {
-                if read.len() + data.len() > MAX_READ {
-                    return Err(format!("the response body is longer than {MAX_READ} bytes"));
+                if read.len() + data.len() > self.max_read {
+                    return Err(format!(
+                        "the response body is longer than {} bytes",
+                        self.max_read
+                    ));
                 }
                 read.extend_from_slice(&data);
             }
@@ -504,6 +530,16 @@ mod tests {
                 .contains("http://")
         );
         assert!(Target::parse("not a url").is_err());
+        assert!(
+            Target::parse("http://u:p@127.0.0.1:1")
+                .unwrap_err()
+                .contains("credentials")
+        );
+        assert!(
+            Target::parse("http://127.0.0.1:1/?x=1")
+                .unwrap_err()
+                .contains("query")
+        );
     }
 
     #[test]

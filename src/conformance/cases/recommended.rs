@@ -442,8 +442,11 @@ async fn key_empty_refused(ctx: &Ctx) -> Result<Verdict, String> {
         second.brief(),
         executions(count)
     );
+    let own = second.received().as_deref() == Some(r#"{"other":1}"#);
     Ok(
-        if (first.status == 400 && second.status == 400 && count == 0) || count == 2 {
+        if (first.status == 400 && second.status == 400 && count == 0)
+            || (count == 2 && own && second.execution() == Some(2))
+        {
             pass(seen)
         } else {
             fail(
@@ -468,11 +471,13 @@ async fn scope_between_clients(ctx: &Ctx) -> Result<Verdict, String> {
         other.brief(),
         executions(count)
     );
-    Ok(if count == 2 && other.execution() == Some(2) {
-        pass(seen)
-    } else {
-        fail("expected the second client's request to execute for it", seen)
-    })
+    Ok(
+        if count == 2 && other.execution() == Some(2) && other.received() == first.received() {
+            pass(seen)
+        } else {
+            fail("expected the second client's request to execute for it", seen)
+        },
+    )
 }
 
 async fn scope_no_cross_mismatch(ctx: &Ctx) -> Result<Verdict, String> {
@@ -491,17 +496,26 @@ async fn scope_no_cross_mismatch(ctx: &Ctx) -> Result<Verdict, String> {
         other.brief(),
         executions(count)
     );
-    Ok(if count == 2 && other.status == 201 {
-        pass(seen)
-    } else {
-        fail("expected the second client's request to execute", seen)
-    })
+    let own = other.received().as_deref() == Some(r#"{"client":"b"}"#);
+    Ok(
+        if count == 2 && other.status == 201 && own && other.execution() == Some(2) {
+            pass(seen)
+        } else {
+            fail("expected the second client's request to execute", seen)
+        },
+    )
 }
 
 async fn problem_type_uri(ctx: &Ctx) -> Result<Verdict, String> {
     let slug = "problem-type-uri";
     let ask = ctx.post(slug);
-    ctx.client.send(&ask).await?;
+    let first = ctx.client.send(&ask).await?;
+    if first.status != 201 {
+        return Ok(fail(
+            "expected the first request to execute before its key is reused",
+            first.brief(),
+        ));
+    }
     let reuse = ctx.retry_past_409(&ask.body(r#"{"another":"payload"}"#)).await?;
     let seen = reuse.brief();
     if problem_shape(&reuse).is_err() {

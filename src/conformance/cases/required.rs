@@ -363,7 +363,7 @@ async fn concurrent_burst_once(ctx: &Ctx) -> Result<Verdict, String> {
     let ask = ctx.post(slug).query("delay_ms=300");
     let mut sent = Vec::new();
     for _ in 0..16 {
-        let client = ctx.client.clone();
+        let client = ctx.client.reading_at_most(1 << 20);
         let ask = ask.clone();
         sent.push(tokio::spawn(async move { client.send(&ask).await }));
     }
@@ -413,6 +413,12 @@ async fn mismatch_422(ctx: &Ctx) -> Result<Verdict, String> {
 async fn mismatch_keeps_original(ctx: &Ctx) -> Result<Verdict, String> {
     let slug = "mismatch-keeps-original";
     let (first, reuse, _) = mismatch(ctx, slug).await?;
+    if !(400..500).contains(&reuse.status) {
+        return Ok(not_applicable(
+            "the reuse was not refused (see mismatch-not-executed)",
+            reuse.brief(),
+        ));
+    }
     let retry = ctx.retry_past_409(&ctx.post(slug)).await?;
     let count = ctx.count(slug).await?;
     let seen = format!(
@@ -486,7 +492,7 @@ async fn distinct_keys_concurrent(ctx: &Ctx) -> Result<Verdict, String> {
             .post(slug)
             .query("delay_ms=200")
             .set("idempotency-key", ctx.key(&format!("{slug}-{i}")));
-        let client = ctx.client.clone();
+        let client = ctx.client.reading_at_most(1 << 20);
         sent.push(tokio::spawn(async move { client.send(&ask).await }));
     }
     let mut statuses = Vec::new();
@@ -721,7 +727,13 @@ async fn conflict_problem_details(ctx: &Ctx) -> Result<Verdict, String> {
 }
 
 async fn mismatch_problem_details(ctx: &Ctx) -> Result<Verdict, String> {
-    let (_, reuse, _) = mismatch(ctx, "mismatch-problem-details").await?;
+    let (first, reuse, _) = mismatch(ctx, "mismatch-problem-details").await?;
+    if first.status != 201 {
+        return Ok(fail(
+            "expected the first request to execute before its key is reused",
+            first.brief(),
+        ));
+    }
     let text = reuse.brief();
     if !(400..500).contains(&reuse.status) {
         return Ok(fail(

@@ -200,4 +200,60 @@ async fn an_unknown_case_or_a_bad_header_is_refused_before_anything_is_sent() {
     let output = plain(&["https://127.0.0.1:9"]).await;
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("http://"));
+    for own in [
+        "Authorization: Bearer mine",
+        "Idempotency-Key: k",
+        "Content-Length: 0",
+        "Host: evil.example",
+    ] {
+        let output = plain(&["http://127.0.0.1:9", "--header", own]).await;
+        assert_eq!(output.status.code(), Some(2), "{own}");
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("the suite sets"),
+            "{own}"
+        );
+    }
+    let output = plain(&["http://u:p@127.0.0.1:9/"]).await;
+    assert_eq!(output.status.code(), Some(2));
+    let output = plain(&["http://127.0.0.1:9", "--timeout", "0s"]).await;
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--timeout"));
+}
+
+#[tokio::test]
+async fn a_report_path_that_cannot_be_written_is_refused_before_the_run() {
+    let (_demo, demo_url) = demo_upstream().await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let output = plain(&[&demo_url, "--json", dir.path().to_str().expect("a path")]).await;
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--json"), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).is_empty(),
+        "it ran:\n{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
+#[tokio::test]
+async fn with_counts_the_executions_are_asked_of_the_service_not_of_the_target() {
+    // The target here is one demo service; --counts names another, which executes nothing. A target
+    // that reported counts of its own choosing would be believed without --counts; with it, the counts
+    // are the service's, so this run sees none of the target's executions.
+    let (_target, target_url) = demo_upstream().await;
+    let (_service, service_url) = demo_upstream().await;
+    let run = conformance(&[&target_url, "--counts", &service_url, "--case", "first-execution"]).await;
+    assert_eq!(run.code, Some(1), "{}", run.table);
+    let seen = run.case("first-execution")["seen"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    assert!(seen.contains("executed it 0 times"), "{seen}");
+    assert!(
+        run.table.contains(&format!(
+            "counted from the counting service at {}",
+            service_url.trim_start_matches("http://")
+        )),
+        "{}",
+        run.table
+    );
 }

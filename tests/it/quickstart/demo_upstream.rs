@@ -118,3 +118,63 @@ async fn chunks_stream_the_body_in_pieces_apart() {
     );
     assert!(pieces.iter().map(|p| p.0).sum::<usize>() >= 1000);
 }
+
+#[tokio::test]
+async fn a_body_over_64_mib_is_answered_413_without_being_kept() {
+    let (_child, url) = demo().await;
+    let body = vec![b'x'; (64 << 20) + 1];
+    let reply = Reply::of(client().post(format!("{url}/c/big/body")).body(body)).await;
+    assert_eq!(reply.status, 413);
+    let reply = Reply::of(client().post(format!("{url}/c/big/small")).body("{}")).await;
+    assert_eq!(reply.status, 201);
+}
+
+#[tokio::test]
+async fn out_of_file_descriptors_it_goes_on_accepting_once_some_are_free() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let program = env!("CARGO_BIN_EXE_idemproxy");
+    let mut command = tokio::process::Command::new("sh");
+    command
+        .args([
+            "-c",
+            &format!("ulimit -n 64 && exec {program} demo-upstream 127.0.0.1:0"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    crate::support::proxy::without_test_env(&mut command);
+    let mut child = command.spawn().expect("start the demo under ulimit -n 64");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let line = lines.next_line().await.expect("read").expect("a line");
+    let url = line
+        .strip_prefix("demo upstream listening on ")
+        .expect("the listening line")
+        .to_owned();
+    let addr = url.trim_start_matches("http://").to_owned();
+    let (said, mut rest) = tokio::sync::oneshot::channel::<String>();
+    tokio::spawn(async move {
+        let mut said = Some(said);
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("accepting a connection")
+                && let Some(said) = said.take()
+            {
+                let _ = said.send(line);
+            }
+        }
+    });
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        if let Ok(stream) = tokio::net::TcpStream::connect(&addr).await {
+            held.push(stream);
+        }
+    }
+    let line = tokio::time::timeout(Duration::from_secs(20), &mut rest)
+        .await
+        .expect("the demo said it could not accept within 20 s")
+        .expect("a line");
+    assert!(line.contains("Too many open files"), "{line}");
+    drop(held);
+    assert!(matches!(child.try_wait(), Ok(None)), "the demo exited");
+    let reply = Reply::of(client().post(format!("{url}/c/fd/after")).body("{}")).await;
+    assert_eq!(reply.status, 201);
+}
