@@ -1,0 +1,54 @@
+"""A TLS terminator on loopback: accepts TLS on 127.0.0.1:PORT with CERT and KEY and pipes the bytes
+of each connection, unchanged, to the plain-TCP TARGET (host:port).
+
+idempotent-proxy forwards only to https:// URLs (the host from X-Forwarded-Host); this puts the
+counting service, which speaks plain HTTP, behind a certificate that the proxy is told to trust
+(SSL_CERT_FILE). Usage: tls_forward.py PORT TARGET CERT KEY"""
+
+import asyncio
+import ssl
+import sys
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, ssl.SSLError):
+        pass
+    finally:
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+            else:
+                writer.close()
+        except (OSError, RuntimeError):
+            pass
+
+
+async def main() -> None:
+    port, target, cert, key = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    host, target_port = target.rsplit(":", 1)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["http/1.1"])
+
+    async def serve(client_reader, client_writer):
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(target_port))
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(pipe(client_reader, up_writer), pipe(up_reader, client_writer))
+        for w in (up_writer, client_writer):
+            w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", int(port), ssl=context)
+    print(f"tls forward https://127.0.0.1:{port} -> http://{target}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
