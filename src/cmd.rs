@@ -49,8 +49,14 @@ pub enum Command {
     /// is refused (the running one is kept) or the proxy cannot be asked.
     Reload(ReloadArgs),
     /// Run a tiny demo service to try the proxy on (not for production): it answers every request 201
-    /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds.
+    /// with how many times it has executed; `?delay_ms=N` makes it take N milliseconds. Under `/c/` it
+    /// is the conformance suite's counting service (`idemproxy conformance --service`).
     DemoUpstream(DemoArgs),
+    /// Run the conformance suite for idempotency keys against BASE_URL (this proxy or any other
+    /// implementation), with the counting service (`--service`) behind it: a table of every case,
+    /// pass / fail / not applicable, and with --json a report. Exit 0 when no case failed, 1 when one
+    /// did, 2 when the suite could not run.
+    Conformance(ConformanceArgs),
     /// Print a completion script for SHELL on standard output (for example
     /// `idemproxy completions bash > /etc/bash_completion.d/idemproxy`).
     Completions {
@@ -71,9 +77,10 @@ impl Command {
             Command::Keys(args) => (args.config.as_deref(), args.overrides()),
             Command::Health(args) => (args.config.as_deref(), args.overrides()),
             Command::Reload(args) => (args.config.as_deref(), args.overrides()),
-            Command::DemoUpstream(_) | Command::Completions { .. } | Command::Man => {
-                (None, Overrides::default())
-            }
+            Command::DemoUpstream(_)
+            | Command::Conformance(_)
+            | Command::Completions { .. }
+            | Command::Man => (None, Overrides::default()),
         }
     }
 }
@@ -339,6 +346,38 @@ pub struct DemoArgs {
     /// Only check that something accepts connections on ADDR: exit 0 if so, else 1.
     #[arg(long)]
     pub probe: bool,
+}
+
+/// `idemproxy conformance`: where to run the suite, and how.
+#[derive(Debug, Args)]
+pub struct ConformanceArgs {
+    /// The implementation under test, e.g. `http://127.0.0.1:8080` (the counting service behind it).
+    #[arg(value_name = "BASE_URL", required_unless_present_any = ["list", "service"])]
+    pub base_url: Option<String>,
+    /// Write the report as JSON to FILE (`-` for standard output, the table then going to stderr).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Add this header to every request, e.g. `--header 'X-Tenant: t1'` (repeatable).
+    #[arg(long = "header", short = 'H', value_name = "NAME: VALUE")]
+    pub headers: Vec<String>,
+    /// Run only this case (repeatable); see --list.
+    #[arg(long = "case", value_name = "ID")]
+    pub cases: Vec<String>,
+    /// Start `idemproxy demo-upstream` on ADDR, inside this process, for the target to forward to.
+    #[arg(long, value_name = "ADDR")]
+    pub demo_upstream: Option<String>,
+    /// The target's key lifetime, when it is at most 60s: the expiry case then waits it out.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub ttl: Option<Duration>,
+    /// How long one request may take.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// List the cases (id, group, source, what each checks) and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Print the counting service the suite expects behind the target, and exit.
+    #[arg(long)]
+    pub service: bool,
 }
 
 /// Where the configuration comes from.

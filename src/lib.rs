@@ -57,6 +57,7 @@ pub mod admin;
 pub mod body;
 pub mod cmd;
 pub mod config;
+pub mod conformance;
 pub mod demo;
 pub mod error;
 pub mod error_chain;

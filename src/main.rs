@@ -29,6 +29,15 @@ fn main() -> ExitCode {
     if let Command::DemoUpstream(args) = &cli.command {
         return demo_upstream(args);
     }
+    if let Command::Conformance(args) = &cli.command {
+        return match tokio::runtime::Runtime::new() {
+            Ok(runtime) => ExitCode::from(runtime.block_on(idemproxy::conformance::run(args))),
+            Err(error) => {
+                eprintln!("idemproxy conformance: {error}");
+                ExitCode::from(idemproxy::conformance::EXIT_CANNOT_RUN)
+            }
+        };
+    }
     if let Command::Reload(args) = &cli.command {
         return reload(&cli.command, args);
     }

@@ -494,3 +494,89 @@ fn the_readme_stays_a_front_page_of_at_most_300_lines() {
         "README.md has {lines} lines: move reference to a page under docs/ and link to it"
     );
 }
+
+/// The case ids a line of prose names in backticks that look like case ids (lower-case words joined
+/// by `-`).
+fn named_cases(line: &str) -> Vec<&str> {
+    let (_, inside) = code_spans(line);
+    inside
+        .into_iter()
+        .filter(|t| {
+            t.contains('-')
+                && t.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        })
+        .collect()
+}
+
+/// Every problem with the "must"s of `text`: a line that says "must" and does not end naming, after its
+/// last `: `, the cases that check it, or names one that does not exist. Headings are not promises.
+fn check_musts(text: &str, cases: &BTreeSet<&str>) -> Vec<String> {
+    let mut problems = Vec::new();
+    for line in prose(text).lines().filter(|l| !l.starts_with('#')) {
+        let says_must = line
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .any(|word| word.eq_ignore_ascii_case("must"));
+        if !says_must {
+            continue;
+        }
+        let named = line.rsplit_once(": `").map_or(Vec::new(), |(_, list)| {
+            named_cases(&format!("`{list}"))
+                .into_iter()
+                .map(str::to_owned)
+                .collect()
+        });
+        if named.is_empty() {
+            problems.push(format!("a \"must\" that names no conformance case: {line}"));
+        }
+        for id in named.iter().filter(|id| !cases.contains(id.as_str())) {
+            problems.push(format!("`{id}` is not a case of the suite: {line}"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_must_of_the_contract_names_the_conformance_cases_that_check_it() {
+    let all = idemproxy::conformance::cases::all();
+    let cases: BTreeSet<&str> = all.iter().map(|c| c.id).collect();
+    let problems = check_musts(&read("docs/contract.md"), &cases);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    let musts = prose(&read("docs/contract.md"))
+        .lines()
+        .filter(|l| l.contains(" must "))
+        .count();
+    assert!(musts >= 15, "only {musts} lines say must");
+    let cited: BTreeSet<&str> = read("docs/contract.md")
+        .lines()
+        .flat_map(named_cases)
+        .filter(|id| cases.contains(id))
+        .map(|id| *all.iter().find(|c| c.id == id).map(|c| &c.id).unwrap_or(&""))
+        .collect();
+    let unnamed: Vec<&&str> = cases.iter().filter(|id| !cited.contains(*id)).collect();
+    assert!(
+        unnamed.is_empty(),
+        "cases no promise of docs/contract.md names: {unnamed:?}"
+    );
+}
+
+#[test]
+fn every_case_of_the_suite_is_in_the_table_of_docs_conformance() {
+    let page = read("docs/conformance.md");
+    for case in idemproxy::conformance::cases::all() {
+        let row = format!("| `{}` | {} | {} |", case.id, case.group.name(), case.source);
+        assert!(page.contains(&row), "docs/conformance.md has no row {row}");
+    }
+}
+
+#[test]
+fn the_must_check_sees_a_must_without_a_case_and_a_case_that_does_not_exist() {
+    let cases = BTreeSet::from(["first-execution"]);
+    assert!(check_musts("It must run once: `first-execution`.\n", &cases).is_empty());
+    assert_eq!(check_musts("A client must retry.\n", &cases).len(), 1);
+    assert_eq!(
+        check_musts("It must run once: `first-execution`, `no-such-case`.\n", &cases).len(),
+        1
+    );
+    assert!(check_musts("Nothing mustard here.\n", &cases).is_empty());
+}

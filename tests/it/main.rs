@@ -4,6 +4,7 @@
 mod support;
 
 mod attacks;
+mod conformance;
 mod guarantees;
 mod in_flight;
 mod keys;

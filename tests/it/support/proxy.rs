@@ -312,6 +312,30 @@ fn command(config_path: &std::path::Path) -> Command {
     command
 }
 
+/// Starts `idemproxy demo-upstream` on a free port; the child (killed on drop) and its base URL, from the line it prints.
+pub async fn demo_upstream() -> (tokio::process::Child, String) {
+    let mut child = binary()
+        .args(["demo-upstream", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start idemproxy demo-upstream");
+    let stderr = child.stderr.take().expect("its stderr");
+    let mut lines = BufReader::new(stderr).lines();
+    let line = lines
+        .next_line()
+        .await
+        .expect("read stderr")
+        .expect("a first line");
+    let url = line
+        .strip_prefix("demo upstream listening on ")
+        .unwrap_or_else(|| panic!("not the listening line: {line}"))
+        .to_owned();
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, url)
+}
+
 /// The binary, run without the test process's `RUST_LOG` and `IDEMPROXY_*` variables (the binary reads
 /// every `IDEMPROXY_` variable as config, `IDEMPROXY_TEST_CITUS_URL` included): it sees only what the
 /// test gives it.
