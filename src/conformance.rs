@@ -36,7 +36,7 @@ handlers of the app a middleware wraps, written to this:
                         status   the `status` query parameter (default 201)
                         headers  Content-Type: application/json, X-Execution: <this path's count>
                         body     {\"execution\": n, \"method\": \"POST\", \"path\": \"/c/...\",
-                                  \"received\": \"<the request body as text>\"}
+                                  \"received\": \"<the request body as text, its first 64 KiB>\"}
                       Query parameters (integers, all optional):
                         status=N              answer N
                         delay_ms=N            wait N ms after counting, before answering
@@ -85,7 +85,7 @@ pub async fn run(args: &ConformanceArgs) -> u8 {
     let (ctx, chosen, report_to) = match prepare(args, &all).await {
         Ok(prepared) => prepared,
         Err(why) => {
-            eprintln!("idemproxy conformance: {why}");
+            eprintln!("idemproxy conformance: {}", printable_lines(&why));
             return EXIT_CANNOT_RUN;
         }
     };
@@ -172,15 +172,24 @@ fn written(result: std::io::Result<()>) -> u8 {
     }
 }
 
-/// The headers the suite sets itself, which `--header` may not: framing, the target's host, the key
-/// each case chooses, and the credential that names each of its two clients.
-const OWN_HEADERS: [&str; 6] = [
+/// The headers the suite sets itself or that change how a request is read, which `--header` may not:
+/// framing and the connection, the target's host, the body's type, the key each case chooses, and the
+/// credential that names each of its two clients.
+const OWN_HEADERS: [&str; 14] = [
     "host",
     "content-length",
+    "content-type",
     "transfer-encoding",
     "connection",
+    "keep-alive",
+    "te",
+    "upgrade",
+    "expect",
     "idempotency-key",
+    "repeatability-request-id",
+    "repeatability-first-sent",
     "authorization",
+    "proxy-authorization",
 ];
 
 /// The context, the cases to run and where the report goes, once the target has been found with the
@@ -194,16 +203,22 @@ async fn prepare<'a>(
     if args.timeout < Duration::from_millis(100) {
         return Err(format!("--timeout {:?}: at least 100ms", args.timeout));
     }
-    if args.ttl.is_some_and(|t| t.is_zero()) {
-        return Err("--ttl 0s: the target's key lifetime is longer than that".to_owned());
+    if args.ttl.is_some_and(|t| t < Duration::from_secs(1)) {
+        return Err("--ttl: the target's key lifetime, at least 1s".to_owned());
+    }
+    if args.demo_upstream.is_some() && args.counts.is_some() {
+        return Err(
+            "--demo-upstream and --counts: one of them (--demo-upstream asks its own service)".to_owned(),
+        );
     }
     let mut extra = Vec::new();
     for header in &args.headers {
         let (name, value) = header_line(header)?;
         if OWN_HEADERS.contains(&name.as_str()) {
             return Err(format!(
-                "--header {header:?}: the suite sets {name} itself (each case its own key, each of \
-                 its two clients its own Authorization)"
+                "--header {header:?}: the suite sets {name} itself, or it changes how a request is \
+                 read (each case sends its own key and body, each of its two clients its own \
+                 Authorization)"
             ));
         }
         extra.push((name, value));
@@ -221,13 +236,15 @@ async fn prepare<'a>(
     if chosen.is_empty() {
         chosen = all.iter().collect();
     }
-    let report_to = match &args.json {
-        None => None,
-        Some(path) if path.as_os_str() == "-" => Some(ReportTo::Stdout),
-        Some(path) => Some(ReportTo::File(
-            std::fs::File::create(path).map_err(|e| format!("--json {}: {e}", path.display()))?,
-        )),
-    };
+    if let Some(path) = args.json.as_deref().filter(|p| p.as_os_str() != "-") {
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+        if folder.is_some_and(|f| !f.is_dir()) {
+            return Err(format!("--json {}: no such folder", path.display()));
+        }
+        if path.exists() && !path.is_file() {
+            return Err(format!("--json {}: not a regular file", path.display()));
+        }
+    }
     let client = Client {
         target,
         timeout: args.timeout,
@@ -260,6 +277,25 @@ async fn prepare<'a>(
              `idemproxy demo-upstream` and point the target at it, or add `--demo-upstream ADDR`."
         )
     })?;
+    if ctx.counts.target.address != ctx.client.target.address {
+        // The target must reach the service the counts are asked of: one keyed request through it
+        // must be counted there.
+        let probe = ctx.client.send(&ctx.post("preflight-reaches")).await?;
+        if ctx.count_reaches("preflight-reaches", 1).await? == 0 {
+            return Err(format!(
+                "a request sent to {url} (answered {}) was not counted by the service at {}: \
+                 the target does not forward to it",
+                probe.status, ctx.counts.target.address
+            ));
+        }
+    }
+    let report_to = match &args.json {
+        None => None,
+        Some(path) if path.as_os_str() == "-" => Some(ReportTo::Stdout),
+        Some(path) => Some(ReportTo::File(
+            std::fs::File::create(path).map_err(|e| format!("--json {}: {e}", path.display()))?,
+        )),
+    };
     Ok((ctx, chosen, report_to))
 }
 
@@ -300,17 +336,24 @@ fn outcome_word(outcome: Outcome) -> &'static str {
     }
 }
 
-/// `text` with its control characters escaped, for a terminal: what a target answered may hold any.
+/// `text` with its control characters, and the format characters that reorder or hide text (bidi
+/// overrides, zero-width ones), escaped, for a terminal: what a target answered may hold any.
 fn printable(text: &str) -> String {
     text.chars()
         .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
+            let hiding = matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}');
+            if c.is_control() || hiding {
+                c.escape_unicode().to_string()
             } else {
                 c.to_string()
             }
         })
         .collect()
+}
+
+/// [`printable`], line by line, keeping the line breaks of the suite's own messages.
+fn printable_lines(text: &str) -> String {
+    text.split('\n').map(printable).collect::<Vec<_>>().join("\n")
 }
 
 /// One case's line of the table, and for a failure or a case that did not apply, why and what was seen.
@@ -425,8 +468,10 @@ mod tests {
 
     #[test]
     fn what_a_target_answered_is_printed_without_its_control_characters() {
-        assert_eq!(printable("ok\r\u{1b}[2Kpass"), "ok\\r\\u{1b}[2Kpass");
+        assert_eq!(printable("ok\r\u{1b}[2Kpass"), "ok\\u{d}\\u{1b}[2Kpass");
+        assert_eq!(printable("a\u{202e}b\u{200b}c"), "a\\u{202e}b\\u{200b}c");
         assert_eq!(printable("caf\u{e9} 201"), "caf\u{e9} 201");
+        assert_eq!(printable_lines("one\ntwo\u{7}"), "one\ntwo\\u{7}");
     }
 
     #[test]

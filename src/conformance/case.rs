@@ -136,6 +136,10 @@ pub struct Ctx {
 /// after its client left).
 pub const PATIENCE: Duration = Duration::from_secs(15);
 
+/// How long a case that finds a request was not executed waits before it asks (see
+/// [`Ctx::settled_count`]): an execution later than this is not seen.
+pub const SETTLE: Duration = Duration::from_secs(1);
+
 impl Ctx {
     /// The counting service's path for `slug`, below the target's base.
     pub fn path(&self, slug: &str) -> String {
@@ -193,6 +197,14 @@ impl Ctx {
             .json()
             .and_then(|j| j.get("count").and_then(serde_json::Value::as_u64))
             .ok_or_else(|| format!("GET /count/… answered {}", answer.brief()))
+    }
+
+    /// How many times the service has executed `slug`, asked once [`SETTLE`] has passed: for a case
+    /// whose verdict is that a request did not execute, which a target could otherwise pass by
+    /// refusing it and executing it anyway a moment later.
+    pub async fn settled_count(&self, slug: &str) -> Result<u64, String> {
+        tokio::time::sleep(SETTLE).await;
+        self.count(slug).await
     }
 
     /// Waits until the service has executed `slug` at least `n` times (at most [`PATIENCE`]); the

@@ -66,7 +66,7 @@ pub fn cases() -> Vec<Case> {
             Beyond,
             "trace-refused",
             "project contract (docs/contract.md#what-each-request-gets)",
-            "TRACE is refused 405 and never reaches the service",
+            "TRACE is refused (405 or 501) and never reaches the service",
             trace_refused
         ),
         case!(
@@ -204,7 +204,7 @@ async fn duplicate_key_header_refused(ctx: &Ctx) -> Result<Verdict, String> {
         .post(slug)
         .header("idempotency-key", format!("{}-other", ctx.key(slug)));
     let answer = ctx.client.send(&ask).await?;
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     let seen = format!("{}; {}", answer.brief(), executions(count));
     Ok(if answer.status == 400 && count == 0 {
         pass(seen)
@@ -247,7 +247,7 @@ async fn content_type_in_payload(ctx: &Ctx) -> Result<Verdict, String> {
     let ask = ctx.post(slug);
     ctx.client.send(&ask).await?;
     let other = ctx.retry_past_409(&ask.set("content-type", "text/plain")).await?;
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     let seen = format!("as text/plain {}; {}", other.brief(), executions(count));
     Ok(if (400..500).contains(&other.status) && count == 1 {
         pass(seen)
@@ -289,7 +289,7 @@ async fn trace_refused(ctx: &Ctx) -> Result<Verdict, String> {
         .body("")
         .without("content-type");
     let answer = ctx.client.send(&ask).await?;
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     let seen = format!("{}; {}", answer.brief(), executions(count));
     Ok(if (answer.status == 405 || answer.status == 501) && count == 0 {
         pass(seen)
@@ -309,7 +309,7 @@ async fn keep_alive_retry(ctx: &Ctx) -> Result<Verdict, String> {
 /// The verdict on an HTTP/2 exchange that failed: the target does not speak h2c where nothing more than
 /// the `executed` before it reached the service; else a failure, with the count.
 async fn h2_refused(ctx: &Ctx, slug: &str, executed: u64, error: String) -> Result<Verdict, String> {
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     Ok(if count == executed {
         not_applicable(
             "the target does not speak HTTP/2 with prior knowledge (h2c)",

@@ -313,7 +313,7 @@ async fn duplicate_in_flight(ctx: &Ctx, slug: &str, duplicate: Ask) -> Result<In
     }
     let duplicate = ctx.client.send(&duplicate).await?;
     let original = original.await.map_err(|e| e.to_string())??;
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     Ok(InFlight {
         original,
         duplicate,
@@ -372,7 +372,7 @@ async fn concurrent_burst_once(ctx: &Ctx) -> Result<Verdict, String> {
         statuses.push(task.await.map_err(|e| e.to_string())??.status);
     }
     statuses.sort_unstable();
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     let seen = format!("statuses {statuses:?}; {}", executions(count));
     Ok(if count == 1 {
         pass(seen)
@@ -386,7 +386,7 @@ async fn mismatch(ctx: &Ctx, slug: &str) -> Result<(Answer, Answer, u64), String
     let first = ctx.client.send(&ask).await?;
     let other = ask.body(format!(r#"{{"case":"{slug}","amount":999}}"#));
     let reuse = ctx.retry_past_409(&other).await?;
-    let count = ctx.count(slug).await?;
+    let count = ctx.settled_count(slug).await?;
     Ok((first, reuse, count))
 }
 

@@ -215,6 +215,15 @@ async fn an_unknown_case_or_a_bad_header_is_refused_before_anything_is_sent() {
     }
     let output = plain(&["http://u:p@127.0.0.1:9/"]).await;
     assert_eq!(output.status.code(), Some(2));
+    let output = plain(&[
+        "http://127.0.0.1:9",
+        "--demo-upstream",
+        "127.0.0.1:0",
+        "--counts",
+        "http://127.0.0.1:9",
+    ])
+    .await;
+    assert!(String::from_utf8_lossy(&output.stderr).contains("one of them"));
     let output = plain(&["http://127.0.0.1:9", "--timeout", "0s"]).await;
     assert!(String::from_utf8_lossy(&output.stderr).contains("--timeout"));
 }
@@ -235,25 +244,58 @@ async fn a_report_path_that_cannot_be_written_is_refused_before_the_run() {
 }
 
 #[tokio::test]
-async fn with_counts_the_executions_are_asked_of_the_service_not_of_the_target() {
-    // The target here is one demo service; --counts names another, which executes nothing. A target
-    // that reported counts of its own choosing would be believed without --counts; with it, the counts
-    // are the service's, so this run sees none of the target's executions.
+async fn with_counts_the_executions_are_asked_of_the_service_and_a_target_that_does_not_reach_it_is_refused()
+{
+    // The target is one demo service; --counts names another, which the target does not forward to.
+    // A target that reported counts of its own choosing would be believed without --counts; with it,
+    // the counts are the service's, and a request through the target that it never counts ends the
+    // run before any case.
     let (_target, target_url) = demo_upstream().await;
     let (_service, service_url) = demo_upstream().await;
-    let run = conformance(&[&target_url, "--counts", &service_url, "--case", "first-execution"]).await;
-    assert_eq!(run.code, Some(1), "{}", run.table);
-    let seen = run.case("first-execution")["seen"]
-        .as_str()
-        .unwrap_or("")
-        .to_owned();
-    assert!(seen.contains("executed it 0 times"), "{seen}");
+    let output = plain(&[&target_url, "--counts", &service_url]).await;
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("does not forward to it"), "{stderr}");
+    assert!(String::from_utf8_lossy(&output.stdout).is_empty());
+    // Where the target does reach it, the run says the counts are the service's.
+    let store = TestStore::create(Backend::Sqlite).await;
+    let proxy = ProxyProcess::spawn(&ProxyConfig::on(&store, &service_url)).await;
+    let run = conformance(&[
+        &proxy.url,
+        "--counts",
+        &service_url,
+        "--case",
+        "retries-execute-once",
+    ])
+    .await;
+    assert_eq!(run.code, Some(0), "{}", run.table);
+    let at = service_url.trim_start_matches("http://");
     assert!(
-        run.table.contains(&format!(
-            "counted from the counting service at {}",
-            service_url.trim_start_matches("http://")
-        )),
+        run.table
+            .contains(&format!("counted from the counting service at {at}")),
         "{}",
         run.table
+    );
+}
+
+#[tokio::test]
+async fn a_run_that_cannot_start_leaves_an_earlier_report_as_it_was() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let earlier = dir.path().join("report.json");
+    std::fs::write(&earlier, "{\"earlier\": true}").expect("an earlier report");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("a port")
+        .local_addr()
+        .expect("its address");
+    let output = plain(&[
+        &format!("http://{closed}"),
+        "--json",
+        earlier.to_str().expect("a path"),
+    ])
+    .await;
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        std::fs::read_to_string(&earlier).expect("still there"),
+        "{\"earlier\": true}"
     );
 }
