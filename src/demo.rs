@@ -2,14 +2,15 @@
 //! service of your own (the README's quickstart, docker-compose.yml, the Kubernetes examples). Not part
 //! of the proxy: it runs only when asked for, and touches nothing else in the crate.
 //!
-//! It answers every request with `201` and a JSON body that numbers its executions, so a replay is easy
-//! to tell from a second execution; `?delay_ms=N` makes it take N milliseconds, long enough to send a
-//! duplicate while the first request is still in flight. Under `/c/` it is the counting service of
-//! `idemproxy conformance` (docs/conformance.md): each path counted on its own, `GET /count/…` saying how
-//! many times, and the query asking for a status, failures first, a size and a streamed body. `--probe` connects to the address and exits 0
-//! if something accepts: the readiness probe of a pod whose app listens on loopback only, where the
-//! kubelet's own TCP probe cannot reach. It ships in the proxy's binary (as Caddy ships `caddy respond`)
-//! so that trying the proxy builds nothing more than the proxy.
+//! It answers every request with `201` and a JSON body that numbers its executions, so a replay is
+//! easy to tell from a second execution; `?delay_ms=N` makes it take N milliseconds, long enough to
+//! send a duplicate while the first request is still in flight. Under `/c/` it is the counting
+//! service of `idemproxy conformance` (docs/conformance.md): each path counted on its own,
+//! `GET /count/…` saying how many times, and the query asking for a status, failures first, a size and a
+//! streamed body. `--probe` connects to the address and exits 0 if something accepts: the readiness
+//! probe of a pod whose app listens on loopback only, where the kubelet's own TCP probe cannot
+//! reach. It ships in the proxy's binary (as Caddy ships `caddy respond`) so that trying the proxy
+//! builds nothing more than the proxy.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
