@@ -76,6 +76,11 @@ pub fn fail(reason: impl Into<String>, seen: impl Into<String>) -> Verdict {
     }
 }
 
+/// Passed when `kept` (the promise was kept), else failed: `expected` says what was, `seen` what came.
+pub fn judge(kept: bool, expected: impl Into<String>, seen: String) -> Verdict {
+    if kept { pass(seen) } else { fail(expected, seen) }
+}
+
 /// Does not apply to this target, for `reason`.
 pub fn not_applicable(reason: impl Into<String>, seen: impl Into<String>) -> Verdict {
     Verdict {
@@ -227,6 +232,45 @@ impl Ctx {
         let probe = format!("{slug}-probe");
         let (first, retry) = self.twice(&self.post(&probe)).await?;
         Ok(retry.is_from(&first) && self.count(&probe).await? == 1)
+    }
+
+    /// The verdict on a first request and a retry meant to be one operation (`what` says how they
+    /// were sent): executed once, the retry answered from the first.
+    pub async fn one_operation(
+        &self,
+        slug: &str,
+        first: Answer,
+        retry: Answer,
+        what: &str,
+    ) -> Result<Verdict, String> {
+        let count = self.count(slug).await?;
+        let seen = format!(
+            "{what}: first {}; retry {}; {}",
+            first.status,
+            retry.brief(),
+            executions(count)
+        );
+        Ok(judge(
+            first.status == 201 && count == 1 && retry.is_from(&first),
+            "expected one execution, the retry answered from the first",
+            seen,
+        ))
+    }
+
+    /// A keyed request, then its key reused with another payload: the reuse's answer, or the verdict
+    /// that the first did not execute (so the reuse's refusal would tell nothing).
+    pub async fn reused(&self, slug: &str) -> Result<Result<Answer, Verdict>, String> {
+        let ask = self.post(slug);
+        let first = self.client.send(&ask).await?;
+        if first.status != 201 {
+            return Ok(Err(fail(
+                "expected the first request to execute before its key is reused",
+                first.brief(),
+            )));
+        }
+        Ok(Ok(self
+            .retry_past_409(&ask.body(r#"{"another":"payload"}"#))
+            .await?))
     }
 
     /// Sends `ask`, then the same again once it is answered (past any `409`): a request and its retry.

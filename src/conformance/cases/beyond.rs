@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime};
 
 use http::Method;
 
-use crate::conformance::case::{Case, Ctx, Verdict, executions, fail, not_applicable, pass, replays_nothing};
+use crate::conformance::case::{
+    Case, Ctx, Verdict, executions, fail, judge, not_applicable, pass, replays_nothing,
+};
 use crate::conformance::client::{Answer, Ask, Reading};
 use crate::conformance_case as case;
 
@@ -156,29 +158,6 @@ pub fn cases() -> Vec<Case> {
     ]
 }
 
-/// A first request `first` and a retry `retry` meant to be one operation: executed once, the retry
-/// answered from the first.
-async fn one_operation(
-    ctx: &Ctx,
-    slug: &str,
-    first: Answer,
-    retry: Answer,
-    what: &str,
-) -> Result<Verdict, String> {
-    let count = ctx.count(slug).await?;
-    let seen = format!(
-        "{what}: first {}; retry {}; {}",
-        first.status,
-        retry.brief(),
-        executions(count)
-    );
-    Ok(if first.status == 201 && count == 1 && retry.is_from(&first) {
-        pass(seen)
-    } else {
-        fail("expected one execution, the retry answered from the first", seen)
-    })
-}
-
 async fn quoted_and_bare_same_key(ctx: &Ctx) -> Result<Verdict, String> {
     let slug = "quoted-and-bare-same-key";
     let first = ctx.client.send(&ctx.post(slug)).await?;
@@ -186,7 +165,7 @@ async fn quoted_and_bare_same_key(ctx: &Ctx) -> Result<Verdict, String> {
         .post(slug)
         .set("idempotency-key", format!("\"{}\"", ctx.key(slug)));
     let retry = ctx.retry_past_409(&quoted).await?;
-    one_operation(ctx, slug, first, retry, "bare then quoted").await
+    ctx.one_operation(slug, first, retry, "bare then quoted").await
 }
 
 async fn comma_in_quoted_key(ctx: &Ctx) -> Result<Verdict, String> {
@@ -195,7 +174,7 @@ async fn comma_in_quoted_key(ctx: &Ctx) -> Result<Verdict, String> {
         .post(slug)
         .set("idempotency-key", format!("\"{},x\"", ctx.key(slug)));
     let (first, retry) = ctx.twice(&ask).await?;
-    one_operation(ctx, slug, first, retry, "\"key,x\"").await
+    ctx.one_operation(slug, first, retry, "\"key,x\"").await
 }
 
 async fn duplicate_key_header_refused(ctx: &Ctx) -> Result<Verdict, String> {
@@ -206,11 +185,11 @@ async fn duplicate_key_header_refused(ctx: &Ctx) -> Result<Verdict, String> {
     let answer = ctx.client.send(&ask).await?;
     let count = ctx.settled_count(slug).await?;
     let seen = format!("{}; {}", answer.brief(), executions(count));
-    Ok(if answer.status == 400 && count == 0 {
-        pass(seen)
-    } else {
-        fail("expected 400 and no execution", seen)
-    })
+    Ok(judge(
+        answer.status == 400 && count == 0,
+        "expected 400 and no execution",
+        seen,
+    ))
 }
 
 async fn lowercase_method(ctx: &Ctx) -> Result<Verdict, String> {
@@ -223,14 +202,10 @@ async fn lowercase_method(ctx: &Ctx) -> Result<Verdict, String> {
     if first.status == 400 || first.status == 405 || first.status == 501 {
         let count = ctx.count(slug).await?;
         let seen = format!("`post` answered {}; {}", first.brief(), executions(count));
-        return Ok(if count == 0 {
-            pass(seen)
-        } else {
-            fail("refused, yet executed", seen)
-        });
+        return Ok(judge(count == 0, "refused, yet executed", seen));
     }
     let retry = ctx.retry_past_409(&ask).await?;
-    one_operation(ctx, slug, first, retry, "`post` then `POST`").await
+    ctx.one_operation(slug, first, retry, "`post` then `POST`").await
 }
 
 async fn bearer_scheme_case(ctx: &Ctx) -> Result<Verdict, String> {
@@ -239,7 +214,7 @@ async fn bearer_scheme_case(ctx: &Ctx) -> Result<Verdict, String> {
     let first = ctx.client.send(&ask).await?;
     let lower = ctx.credential("a").replacen("Bearer", "bearer", 1);
     let retry = ctx.retry_past_409(&ask.set("authorization", lower)).await?;
-    one_operation(ctx, slug, first, retry, "Bearer then bearer").await
+    ctx.one_operation(slug, first, retry, "Bearer then bearer").await
 }
 
 async fn content_type_in_payload(ctx: &Ctx) -> Result<Verdict, String> {
@@ -249,11 +224,11 @@ async fn content_type_in_payload(ctx: &Ctx) -> Result<Verdict, String> {
     let other = ctx.retry_past_409(&ask.set("content-type", "text/plain")).await?;
     let count = ctx.settled_count(slug).await?;
     let seen = format!("as text/plain {}; {}", other.brief(), executions(count));
-    Ok(if (400..500).contains(&other.status) && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected a refusal as another payload", seen)
-    })
+    Ok(judge(
+        (400..500).contains(&other.status) && count == 1,
+        "expected a refusal as another payload",
+        seen,
+    ))
 }
 
 async fn get_not_protected(ctx: &Ctx) -> Result<Verdict, String> {
@@ -274,11 +249,7 @@ async fn get_not_protected(ctx: &Ctx) -> Result<Verdict, String> {
         second.brief(),
         executions(count)
     );
-    Ok(if count == 2 {
-        pass(seen)
-    } else {
-        fail("expected both GETs to reach the service", seen)
-    })
+    Ok(judge(count == 2, "expected both GETs to reach the service", seen))
 }
 
 async fn trace_refused(ctx: &Ctx) -> Result<Verdict, String> {
@@ -291,11 +262,11 @@ async fn trace_refused(ctx: &Ctx) -> Result<Verdict, String> {
     let answer = ctx.client.send(&ask).await?;
     let count = ctx.settled_count(slug).await?;
     let seen = format!("{}; {}", answer.brief(), executions(count));
-    Ok(if (answer.status == 405 || answer.status == 501) && count == 0 {
-        pass(seen)
-    } else {
-        fail("expected 405 (or 501) and no execution", seen)
-    })
+    Ok(judge(
+        (answer.status == 405 || answer.status == 501) && count == 0,
+        "expected 405 (or 501) and no execution",
+        seen,
+    ))
 }
 
 async fn keep_alive_retry(ctx: &Ctx) -> Result<Verdict, String> {
@@ -303,7 +274,7 @@ async fn keep_alive_retry(ctx: &Ctx) -> Result<Verdict, String> {
     let ask = ctx.post(slug);
     let answers = ctx.client.send_on_one_connection(&[ask.clone(), ask]).await?;
     let [first, retry] = <[Answer; 2]>::try_from(answers).map_err(|_| "two answers expected")?;
-    one_operation(ctx, slug, first, retry, "one connection").await
+    ctx.one_operation(slug, first, retry, "one connection").await
 }
 
 /// The verdict on an HTTP/2 exchange that failed: the target does not speak h2c where nothing more than
@@ -331,7 +302,8 @@ async fn h2_retry_replayed(ctx: &Ctx) -> Result<Verdict, String> {
         Ok(retry) => retry,
         Err(e) => return h2_refused(ctx, slug, 1, e).await,
     };
-    one_operation(ctx, slug, first, retry, "HTTP/1.1 then HTTP/2").await
+    ctx.one_operation(slug, first, retry, "HTTP/1.1 then HTTP/2")
+        .await
 }
 
 async fn h2_streams_once(ctx: &Ctx) -> Result<Verdict, String> {
@@ -345,11 +317,7 @@ async fn h2_streams_once(ctx: &Ctx) -> Result<Verdict, String> {
     let statuses: Vec<u16> = answers.iter().map(|a| a.status).collect();
     let count = ctx.count(slug).await?;
     let seen = format!("statuses {statuses:?}; {}", executions(count));
-    Ok(if count == 1 {
-        pass(seen)
-    } else {
-        fail("expected one execution", seen)
-    })
+    Ok(judge(count == 1, "expected one execution", seen))
 }
 
 async fn client_leaves_mid_request(ctx: &Ctx) -> Result<Verdict, String> {
@@ -368,16 +336,11 @@ async fn client_leaves_mid_request(ctx: &Ctx) -> Result<Verdict, String> {
     let retry = ctx.retry_past_409(&ask).await?;
     let count = ctx.count(slug).await?;
     let seen = format!("retry {}; {}", retry.brief(), executions(count));
-    Ok(
-        if count == 1 && retry.execution() == Some(1) && retry.status == 201 {
-            pass(seen)
-        } else {
-            fail(
-                "expected the retry to get the completed request's answer, executed once",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        count == 1 && retry.execution() == Some(1) && retry.status == 201,
+        "expected the retry to get the completed request's answer, executed once",
+        seen,
+    ))
 }
 
 async fn client_leaves_mid_response(ctx: &Ctx) -> Result<Verdict, String> {
@@ -394,13 +357,11 @@ async fn client_leaves_mid_response(ctx: &Ctx) -> Result<Verdict, String> {
         retry.body.len(),
         executions(count)
     );
-    Ok(
-        if count == 1 && retry.status == 201 && retry.body.len() >= 65536 && retry.execution() == Some(1) {
-            pass(seen)
-        } else {
-            fail("expected the retry to get the whole answer, executed once", seen)
-        },
-    )
+    Ok(judge(
+        count == 1 && retry.status == 201 && retry.body.len() >= 65536 && retry.execution() == Some(1),
+        "expected the retry to get the whole answer, executed once",
+        seen,
+    ))
 }
 
 async fn slow_reader(ctx: &Ctx) -> Result<Verdict, String> {
@@ -420,29 +381,19 @@ async fn slow_reader(ctx: &Ctx) -> Result<Verdict, String> {
         retry.body.len(),
         executions(count)
     );
-    Ok(
-        if first.body.len() >= 2 << 20 && retry.body == first.body && count == 1 {
-            pass(seen)
-        } else {
-            fail(
-                "expected the whole answer, and the same to the retry, executed once",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        first.body.len() >= 2 << 20 && retry.body == first.body && count == 1,
+        "expected the whole answer, and the same to the retry, executed once",
+        seen,
+    ))
 }
 
 async fn problem_operation_state(ctx: &Ctx) -> Result<Verdict, String> {
     let slug = "problem-operation-state";
-    let ask = ctx.post(slug);
-    let first = ctx.client.send(&ask).await?;
-    if first.status != 201 {
-        return Ok(fail(
-            "expected the first request to execute before its key is reused",
-            first.brief(),
-        ));
-    }
-    let reuse = ctx.retry_past_409(&ask.body(r#"{"another":"payload"}"#)).await?;
+    let reuse = match ctx.reused(slug).await? {
+        Ok(reuse) => reuse,
+        Err(first_not_executed) => return Ok(first_not_executed),
+    };
     let json = reuse.json().unwrap_or_default();
     let seen = format!("reuse {}", reuse.brief());
     Ok(
@@ -461,30 +412,22 @@ async fn problem_operation_state(ctx: &Ctx) -> Result<Verdict, String> {
 
 async fn problem_no_store(ctx: &Ctx) -> Result<Verdict, String> {
     let slug = "problem-no-store";
-    let ask = ctx.post(slug);
-    let first = ctx.client.send(&ask).await?;
-    if first.status != 201 {
-        return Ok(fail(
-            "expected the first request to execute before its key is reused",
-            first.brief(),
-        ));
-    }
-    let reuse = ctx.retry_past_409(&ask.body(r#"{"another":"payload"}"#)).await?;
+    let reuse = match ctx.reused(slug).await? {
+        Ok(reuse) => reuse,
+        Err(first_not_executed) => return Ok(first_not_executed),
+    };
     let seen = format!(
         "reuse {}; Cache-Control: {:?}",
         reuse.status,
         reuse.header("cache-control")
     );
-    Ok(
-        if reuse
+    Ok(judge(
+        reuse
             .header("cache-control")
-            .is_some_and(|v| v.to_ascii_lowercase().contains("no-store"))
-        {
-            pass(seen)
-        } else {
-            fail("expected Cache-Control: no-store", seen)
-        },
-    )
+            .is_some_and(|v| v.to_ascii_lowercase().contains("no-store")),
+        "expected Cache-Control: no-store",
+        seen,
+    ))
 }
 
 /// The header a target announces a key's expiry in, if any (the draft names none).
@@ -502,11 +445,11 @@ async fn expires_header(ctx: &Ctx) -> Result<Verdict, String> {
     let value = first.header(name).unwrap_or_default();
     let seen = format!("{name}: {value}; on the replay: {:?}", retry.header(name));
     let future = httpdate::parse_http_date(value).is_ok_and(|t| t > SystemTime::now());
-    Ok(if future && retry.header(name) == Some(value) {
-        pass(seen)
-    } else {
-        fail("expected a future HTTP date, the same on the replay", seen)
-    })
+    Ok(judge(
+        future && retry.header(name) == Some(value),
+        "expected a future HTTP date, the same on the replay",
+        seen,
+    ))
 }
 
 async fn expired_key_executes(ctx: &Ctx) -> Result<Verdict, String> {
@@ -528,11 +471,11 @@ async fn expired_key_executes(ctx: &Ctx) -> Result<Verdict, String> {
         again.brief(),
         executions(count)
     );
-    Ok(if count == 2 && again.execution() == Some(2) {
-        pass(seen)
-    } else {
-        fail("expected a second execution after the key's lifetime", seen)
-    })
+    Ok(judge(
+        count == 2 && again.execution() == Some(2),
+        "expected a second execution after the key's lifetime",
+        seen,
+    ))
 }
 
 /// A request keyed the OASIS way, first sent `ago` ago.
@@ -562,16 +505,11 @@ async fn repeatability_accepted(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(
-        if first.header("repeatability-result") == Some("accepted") && count == 1 && retry.is_from(&first) {
-            pass(seen)
-        } else {
-            fail(
-                "expected accepted, one execution, the repeat answered from the first",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        first.header("repeatability-result") == Some("accepted") && count == 1 && retry.is_from(&first),
+        "expected accepted, one execution, the repeat answered from the first",
+        seen,
+    ))
 }
 
 async fn repeatability_too_old(ctx: &Ctx) -> Result<Verdict, String> {
@@ -593,9 +531,9 @@ async fn repeatability_too_old(ctx: &Ctx) -> Result<Verdict, String> {
             seen,
         ));
     }
-    Ok(if answer.status == 412 && count == 0 {
-        pass(seen)
-    } else {
-        fail("expected 412 and no execution", seen)
-    })
+    Ok(judge(
+        answer.status == 412 && count == 0,
+        "expected 412 and no execution",
+        seen,
+    ))
 }

@@ -3,7 +3,9 @@
 //! length and a character set, one client's key is not another's, and what is replayed is everything
 //! the first answer was, however large or slow it came.
 
-use crate::conformance::case::{Case, Ctx, Verdict, executions, fail, not_applicable, pass, replays_nothing};
+use crate::conformance::case::{
+    Case, Ctx, Verdict, executions, fail, judge, not_applicable, pass, replays_nothing,
+};
 use crate::conformance::cases::required::problem_shape;
 use crate::conformance::client::{Answer, Ask};
 use crate::conformance_case as case;
@@ -208,14 +210,11 @@ async fn replay_keeps_headers(ctx: &Ctx) -> Result<Verdict, String> {
         )
     };
     let seen = format!("first {:?}; retry {:?}", pick(&first), pick(&retry));
-    Ok(if pick(&first) == pick(&retry) && pick(&first).1.is_some() {
-        pass(seen)
-    } else {
-        fail(
-            "expected Content-Type and X-Execution as the first answer had them",
-            seen,
-        )
-    })
+    Ok(judge(
+        pick(&first) == pick(&retry) && pick(&first).1.is_some(),
+        "expected Content-Type and X-Execution as the first answer had them",
+        seen,
+    ))
 }
 
 async fn replay_empty_204(ctx: &Ctx) -> Result<Verdict, String> {
@@ -230,13 +229,11 @@ async fn replay_empty_204(ctx: &Ctx) -> Result<Verdict, String> {
         retry.body.len(),
         executions(count)
     );
-    Ok(
-        if first.status == 204 && retry.status == 204 && retry.body.is_empty() && count == 1 {
-            pass(seen)
-        } else {
-            fail("expected 204, empty, executed once", seen)
-        },
-    )
+    Ok(judge(
+        first.status == 204 && retry.status == 204 && retry.body.is_empty() && count == 1,
+        "expected 204, empty, executed once",
+        seen,
+    ))
 }
 
 async fn service_422_replayed(ctx: &Ctx) -> Result<Verdict, String> {
@@ -250,11 +247,11 @@ async fn service_422_replayed(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if retry.status == 422 && retry.body == first.body && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected the service's 422 replayed, executed once", seen)
-    })
+    Ok(judge(
+        retry.status == 422 && retry.body == first.body && count == 1,
+        "expected the service's 422 replayed, executed once",
+        seen,
+    ))
 }
 
 /// A request the service fails with `status` the first time, and its retry, which should run again.
@@ -274,14 +271,11 @@ async fn released(ctx: &Ctx, slug: &str, status: u16) -> Result<Verdict, String>
         retry.brief(),
         executions(count)
     );
-    Ok(if first.status == status && retry.status == 201 && count == 2 {
-        pass(seen)
-    } else {
-        fail(
-            format!("expected the {status} not to be kept and the retry to execute"),
-            seen,
-        )
-    })
+    Ok(judge(
+        first.status == status && retry.status == 201 && count == 2,
+        format!("expected the {status} not to be kept and the retry to execute"),
+        seen,
+    ))
 }
 
 async fn released_503(ctx: &Ctx) -> Result<Verdict, String> {
@@ -322,11 +316,11 @@ async fn conflict_retry_after(ctx: &Ctx) -> Result<Verdict, String> {
     let valid = duplicate
         .header("retry-after")
         .is_some_and(|v| v.trim().parse::<u64>().is_ok() || httpdate::parse_http_date(v).is_ok());
-    Ok(if valid {
-        pass(seen)
-    } else {
-        fail("expected Retry-After with seconds or an HTTP date", seen)
-    })
+    Ok(judge(
+        valid,
+        "expected Retry-After with seconds or an HTTP date",
+        seen,
+    ))
 }
 
 async fn in_flight_then_replayed(ctx: &Ctx) -> Result<Verdict, String> {
@@ -341,11 +335,11 @@ async fn in_flight_then_replayed(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if retry.body == original.body && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected the original's answer, executed once", seen)
-    })
+    Ok(judge(
+        retry.body == original.body && count == 1,
+        "expected the original's answer, executed once",
+        seen,
+    ))
 }
 
 async fn retry_the_moment_read(ctx: &Ctx) -> Result<Verdict, String> {
@@ -368,11 +362,7 @@ async fn retry_the_moment_read(ctx: &Ctx) -> Result<Verdict, String> {
         "10 keys, each retried the moment its answer was read; {}",
         executions(count)
     );
-    Ok(if count == 10 {
-        pass(seen)
-    } else {
-        fail("expected ten executions", seen)
-    })
+    Ok(judge(count == 10, "expected ten executions", seen))
 }
 
 async fn key_255_accepted(ctx: &Ctx) -> Result<Verdict, String> {
@@ -390,11 +380,11 @@ async fn key_255_accepted(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if first.status == 201 && retry.body == first.body && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected the key to work", seen)
-    })
+    Ok(judge(
+        first.status == 201 && retry.body == first.body && count == 1,
+        "expected the key to work",
+        seen,
+    ))
 }
 
 /// A request with `key` as its key: refused 400 without executing passes.
@@ -405,11 +395,11 @@ async fn refused_key(ctx: &Ctx, slug: &str, key: &[u8]) -> Result<Verdict, Strin
         .await?;
     let count = ctx.settled_count(slug).await?;
     let seen = format!("{}; {}", answer.brief(), executions(count));
-    Ok(if answer.status == 400 && count == 0 {
-        pass(seen)
-    } else {
-        fail("expected 400 and no execution", seen)
-    })
+    Ok(judge(
+        answer.status == 400 && count == 0,
+        "expected 400 and no execution",
+        seen,
+    ))
 }
 
 async fn key_oversized_refused(ctx: &Ctx) -> Result<Verdict, String> {
@@ -443,18 +433,12 @@ async fn key_empty_refused(ctx: &Ctx) -> Result<Verdict, String> {
         executions(count)
     );
     let own = second.received().as_deref() == Some(r#"{"other":1}"#);
-    Ok(
-        if (first.status == 400 && second.status == 400 && count == 0)
-            || (count == 2 && own && second.execution() == Some(2))
-        {
-            pass(seen)
-        } else {
-            fail(
-                "expected 400 (or both executed as keyless), never one empty key shared by two requests",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        (first.status == 400 && second.status == 400 && count == 0)
+            || (count == 2 && own && second.execution() == Some(2)),
+        "expected 400 (or both executed as keyless), never one empty key shared by two requests",
+        seen,
+    ))
 }
 
 async fn scope_between_clients(ctx: &Ctx) -> Result<Verdict, String> {
@@ -474,20 +458,14 @@ async fn scope_between_clients(ctx: &Ctx) -> Result<Verdict, String> {
         again.brief(),
         executions(count)
     );
-    Ok(
-        if count == 2
+    Ok(judge(
+        count == 2
             && other.execution() == Some(2)
             && other.received() == first.received()
-            && again.is_from(&first)
-        {
-            pass(seen)
-        } else {
-            fail(
-                "expected the second client's request to execute for it, and the first client's retry to get the first answer",
-                seen,
-            )
-        },
-    )
+            && again.is_from(&first),
+        "expected the second client's request to execute for it, and the first client's retry to get the first answer",
+        seen,
+    ))
 }
 
 async fn scope_no_cross_mismatch(ctx: &Ctx) -> Result<Verdict, String> {
@@ -507,26 +485,19 @@ async fn scope_no_cross_mismatch(ctx: &Ctx) -> Result<Verdict, String> {
         executions(count)
     );
     let own = other.received().as_deref() == Some(r#"{"client":"b"}"#);
-    Ok(
-        if count == 2 && other.status == 201 && own && other.execution() == Some(2) {
-            pass(seen)
-        } else {
-            fail("expected the second client's request to execute", seen)
-        },
-    )
+    Ok(judge(
+        count == 2 && other.status == 201 && own && other.execution() == Some(2),
+        "expected the second client's request to execute",
+        seen,
+    ))
 }
 
 async fn problem_type_uri(ctx: &Ctx) -> Result<Verdict, String> {
     let slug = "problem-type-uri";
-    let ask = ctx.post(slug);
-    let first = ctx.client.send(&ask).await?;
-    if first.status != 201 {
-        return Ok(fail(
-            "expected the first request to execute before its key is reused",
-            first.brief(),
-        ));
-    }
-    let reuse = ctx.retry_past_409(&ask.body(r#"{"another":"payload"}"#)).await?;
+    let reuse = match ctx.reused(slug).await? {
+        Ok(reuse) => reuse,
+        Err(first_not_executed) => return Ok(first_not_executed),
+    };
     let seen = reuse.brief();
     if problem_shape(&reuse).is_err() {
         return Ok(fail(
@@ -557,17 +528,11 @@ async fn replayed_whole(ctx: &Ctx, slug: &str, ask: &Ask, least: usize) -> Resul
         retry.body.len(),
         executions(count)
     );
-    Ok(
-        if first.body.len() >= least && retry.body == first.body && retry.status == first.status && count == 1
-        {
-            pass(seen)
-        } else {
-            fail(
-                "expected the whole answer replayed byte for byte, executed once",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        first.body.len() >= least && retry.body == first.body && retry.status == first.status && count == 1,
+        "expected the whole answer replayed byte for byte, executed once",
+        seen,
+    ))
 }
 
 async fn large_response_replayed(ctx: &Ctx) -> Result<Verdict, String> {
@@ -589,16 +554,11 @@ async fn oversized_response_not_rerun(ctx: &Ctx) -> Result<Verdict, String> {
     );
     let replayed = retry.body == first.body && retry.status == first.status;
     let refused = (400..500).contains(&retry.status);
-    Ok(
-        if first.body.len() >= 16 << 20 && count == 1 && (replayed || refused) {
-            pass(seen)
-        } else {
-            fail(
-                "expected the retry to be replayed, or refused (410), never executed again",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        first.body.len() >= 16 << 20 && count == 1 && (replayed || refused),
+        "expected the retry to be replayed, or refused (410), never executed again",
+        seen,
+    ))
 }
 
 async fn streamed_response_replayed(ctx: &Ctx) -> Result<Verdict, String> {
@@ -630,11 +590,11 @@ async fn large_request_once(ctx: &Ctx) -> Result<Verdict, String> {
         retry.status,
         executions(count)
     );
-    Ok(if first.status == 201 && retry.body == first.body && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected one execution and the replay", seen)
-    })
+    Ok(judge(
+        first.status == 201 && retry.body == first.body && count == 1,
+        "expected one execution and the replay",
+        seen,
+    ))
 }
 
 async fn mismatch_last_byte(ctx: &Ctx) -> Result<Verdict, String> {
@@ -644,9 +604,9 @@ async fn mismatch_last_byte(ctx: &Ctx) -> Result<Verdict, String> {
     let other = ctx.retry_past_409(&ask.body(megabyte_body(b'b'))).await?;
     let count = ctx.settled_count(slug).await?;
     let seen = format!("other body {}; {}", other.brief(), executions(count));
-    Ok(if (400..500).contains(&other.status) && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected a refusal and one execution", seen)
-    })
+    Ok(judge(
+        (400..500).contains(&other.status) && count == 1,
+        "expected a refusal and one execution",
+        seen,
+    ))
 }

@@ -5,7 +5,9 @@
 
 use http::Method;
 
-use crate::conformance::case::{Case, Ctx, Verdict, executions, fail, not_applicable, pass, replays_nothing};
+use crate::conformance::case::{
+    Case, Ctx, Verdict, executions, fail, judge, not_applicable, pass, replays_nothing,
+};
 use crate::conformance::client::{Answer, Ask};
 use crate::conformance_case as case;
 
@@ -217,14 +219,11 @@ async fn retry_same_status(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if retry.status == first.status && count == 1 {
-        pass(seen)
-    } else {
-        fail(
-            "expected the retry to get the first status without executing",
-            seen,
-        )
-    })
+    Ok(judge(
+        retry.status == first.status && count == 1,
+        "expected the retry to get the first status without executing",
+        seen,
+    ))
 }
 
 async fn retry_same_body(ctx: &Ctx) -> Result<Verdict, String> {
@@ -236,11 +235,11 @@ async fn retry_same_body(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if retry.body == first.body && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected the retry's body to be the first's, byte for byte", seen)
-    })
+    Ok(judge(
+        retry.body == first.body && count == 1,
+        "expected the retry's body to be the first's, byte for byte",
+        seen,
+    ))
 }
 
 async fn retries_execute_once(ctx: &Ctx) -> Result<Verdict, String> {
@@ -263,11 +262,7 @@ async fn retries_execute_once(ctx: &Ctx) -> Result<Verdict, String> {
     }
     let count = ctx.count(slug).await?;
     let seen = format!("11 requests; {}", executions(count));
-    Ok(if count == 1 {
-        pass(seen)
-    } else {
-        fail("expected one execution", seen)
-    })
+    Ok(judge(count == 1, "expected one execution", seen))
 }
 
 async fn error_result_replayed(ctx: &Ctx) -> Result<Verdict, String> {
@@ -280,16 +275,11 @@ async fn error_result_replayed(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(
-        if first.status == 400 && retry.status == 400 && retry.body == first.body && count == 1 {
-            pass(seen)
-        } else {
-            fail(
-                "expected the service's 400 to be the answer to the retry too, without executing again",
-                seen,
-            )
-        },
-    )
+    Ok(judge(
+        first.status == 400 && retry.status == 400 && retry.body == first.body && count == 1,
+        "expected the service's 400 to be the answer to the retry too, without executing again",
+        seen,
+    ))
 }
 
 /// The original (slow) running, a duplicate sent once the service has it, and then the original's
@@ -326,20 +316,14 @@ async fn concurrent_duplicate_not_executed(ctx: &Ctx) -> Result<Verdict, String>
     let seen = duplicate_in_flight(ctx, slug, ctx.post(slug)).await?;
     let text = format!("duplicate {}; {}", seen.duplicate.brief(), executions(seen.count));
     let answered_from_original = seen.duplicate.is_from(&seen.original);
-    Ok(
-        if seen.count == 1
+    Ok(judge(
+        seen.count == 1
             && (seen.duplicate.status == 409
                 || answered_from_original
-                || (400..500).contains(&seen.duplicate.status))
-        {
-            pass(text)
-        } else {
-            fail(
-                "expected the duplicate to be refused (or answered with the original's result) without executing",
-                text,
-            )
-        },
-    )
+                || (400..500).contains(&seen.duplicate.status)),
+        "expected the duplicate to be refused (or answered with the original's result) without executing",
+        text,
+    ))
 }
 
 async fn concurrent_duplicate_409(ctx: &Ctx) -> Result<Verdict, String> {
@@ -374,11 +358,7 @@ async fn concurrent_burst_once(ctx: &Ctx) -> Result<Verdict, String> {
     statuses.sort_unstable();
     let count = ctx.settled_count(slug).await?;
     let seen = format!("statuses {statuses:?}; {}", executions(count));
-    Ok(if count == 1 {
-        pass(seen)
-    } else {
-        fail("expected exactly one execution", seen)
-    })
+    Ok(judge(count == 1, "expected exactly one execution", seen))
 }
 
 async fn mismatch(ctx: &Ctx, slug: &str) -> Result<(Answer, Answer, u64), String> {
@@ -393,21 +373,21 @@ async fn mismatch(ctx: &Ctx, slug: &str) -> Result<(Answer, Answer, u64), String
 async fn mismatch_not_executed(ctx: &Ctx) -> Result<Verdict, String> {
     let (_, reuse, count) = mismatch(ctx, "mismatch-not-executed").await?;
     let seen = format!("reuse {}; {}", reuse.brief(), executions(count));
-    Ok(if (400..500).contains(&reuse.status) && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected a 4xx refusal and no second execution", seen)
-    })
+    Ok(judge(
+        (400..500).contains(&reuse.status) && count == 1,
+        "expected a 4xx refusal and no second execution",
+        seen,
+    ))
 }
 
 async fn mismatch_422(ctx: &Ctx) -> Result<Verdict, String> {
     let (_, reuse, count) = mismatch(ctx, "mismatch-422").await?;
     let seen = format!("reuse {}; {}", reuse.brief(), executions(count));
-    Ok(if reuse.status == 422 {
-        pass(seen)
-    } else {
-        fail("expected 422 Unprocessable Content", seen)
-    })
+    Ok(judge(
+        reuse.status == 422,
+        "expected 422 Unprocessable Content",
+        seen,
+    ))
 }
 
 async fn mismatch_keeps_original(ctx: &Ctx) -> Result<Verdict, String> {
@@ -427,13 +407,11 @@ async fn mismatch_keeps_original(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(
-        if retry.body == first.body && retry.status == first.status && count == 1 {
-            pass(seen)
-        } else {
-            fail("expected the original's retry to get the original's answer", seen)
-        },
-    )
+    Ok(judge(
+        retry.body == first.body && retry.status == first.status && count == 1,
+        "expected the original's retry to get the original's answer",
+        seen,
+    ))
 }
 
 async fn mismatch_in_flight_not_executed(ctx: &Ctx) -> Result<Verdict, String> {
@@ -445,13 +423,11 @@ async fn mismatch_in_flight_not_executed(ctx: &Ctx) -> Result<Verdict, String> {
         seen.duplicate.brief(),
         executions(seen.count)
     );
-    Ok(
-        if (400..500).contains(&seen.duplicate.status) && seen.count == 1 {
-            pass(text)
-        } else {
-            fail("expected 409 or 422 and no second execution", text)
-        },
-    )
+    Ok(judge(
+        (400..500).contains(&seen.duplicate.status) && seen.count == 1,
+        "expected 409 or 422 and no second execution",
+        text,
+    ))
 }
 
 async fn distinct_keys_execute(ctx: &Ctx) -> Result<Verdict, String> {
@@ -474,11 +450,11 @@ async fn distinct_keys_execute(ctx: &Ctx) -> Result<Verdict, String> {
         second.brief(),
         executions(count)
     );
-    Ok(if count == 2 && second.execution() == Some(2) {
-        pass(seen)
-    } else {
-        fail("expected two executions", seen)
-    })
+    Ok(judge(
+        count == 2 && second.execution() == Some(2),
+        "expected two executions",
+        seen,
+    ))
 }
 
 async fn distinct_keys_concurrent(ctx: &Ctx) -> Result<Verdict, String> {
@@ -501,11 +477,7 @@ async fn distinct_keys_concurrent(ctx: &Ctx) -> Result<Verdict, String> {
     }
     let count = ctx.count(slug).await?;
     let seen = format!("statuses {statuses:?}; {}", executions(count));
-    Ok(if count == 8 {
-        pass(seen)
-    } else {
-        fail("expected eight executions", seen)
-    })
+    Ok(judge(count == 8, "expected eight executions", seen))
 }
 
 async fn keyless_not_deduplicated(ctx: &Ctx) -> Result<Verdict, String> {
@@ -523,13 +495,11 @@ async fn keyless_not_deduplicated(ctx: &Ctx) -> Result<Verdict, String> {
         second.brief(),
         executions(count)
     );
-    Ok(
-        if count == 2 || (count == 0 && first.status == 400 && second.status == 400) {
-            pass(seen)
-        } else {
-            fail("expected both to execute (or both to be refused 400)", seen)
-        },
-    )
+    Ok(judge(
+        count == 2 || (count == 0 && first.status == 400 && second.status == 400),
+        "expected both to execute (or both to be refused 400)",
+        seen,
+    ))
 }
 
 async fn key_sf_string(ctx: &Ctx) -> Result<Verdict, String> {
@@ -544,14 +514,11 @@ async fn key_sf_string(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if first.status == 201 && retry.body == first.body && count == 1 {
-        pass(seen)
-    } else {
-        fail(
-            "expected the quoted key to be executed once and its retry answered from the first",
-            seen,
-        )
-    })
+    Ok(judge(
+        first.status == 201 && retry.body == first.body && count == 1,
+        "expected the quoted key to be executed once and its retry answered from the first",
+        seen,
+    ))
 }
 
 async fn patch_protected(ctx: &Ctx) -> Result<Verdict, String> {
@@ -564,11 +531,11 @@ async fn patch_protected(ctx: &Ctx) -> Result<Verdict, String> {
         retry.brief(),
         executions(count)
     );
-    Ok(if retry.body == first.body && count == 1 {
-        pass(seen)
-    } else {
-        fail("expected one execution", seen)
-    })
+    Ok(judge(
+        retry.body == first.body && count == 1,
+        "expected one execution",
+        seen,
+    ))
 }
 
 /// The verdict on a second request under the first's key that differs from it: it may be refused (a
@@ -651,18 +618,8 @@ async fn header_name_any_case(ctx: &Ctx) -> Result<Verdict, String> {
     );
     let first = ctx.client.send_wire(&wire).await?;
     let retry = ctx.retry_past_409(&ask).await?;
-    let count = ctx.count(slug).await?;
-    let seen = format!(
-        "first (IDEMPOTENCY-KEY) {}; retry (idempotency-key) {}; {}",
-        first.status,
-        retry.brief(),
-        executions(count)
-    );
-    Ok(if first.status == 201 && count == 1 && retry.is_from(&first) {
-        pass(seen)
-    } else {
-        fail("expected one execution, the retry answered from the first", seen)
-    })
+    ctx.one_operation(slug, first, retry, "IDEMPOTENCY-KEY, then idempotency-key")
+        .await
 }
 
 async fn key_value_whitespace(ctx: &Ctx) -> Result<Verdict, String> {
@@ -674,18 +631,7 @@ async fn key_value_whitespace(ctx: &Ctx) -> Result<Verdict, String> {
     let wire = spaced.to_wire(&ctx.client.target, "POST", &[]);
     let first = ctx.client.send_wire(&wire).await?;
     let retry = ctx.retry_past_409(&ask).await?;
-    let count = ctx.count(slug).await?;
-    let seen = format!(
-        "first (spaced) {}; retry {}; {}",
-        first.status,
-        retry.brief(),
-        executions(count)
-    );
-    Ok(if first.status == 201 && count == 1 && retry.is_from(&first) {
-        pass(seen)
-    } else {
-        fail("expected one execution, the retry answered from the first", seen)
-    })
+    ctx.one_operation(slug, first, retry, "spaced, then bare").await
 }
 
 /// Whether `answer` is an RFC 9457 problem document: its media type, and a JSON object with `type`
