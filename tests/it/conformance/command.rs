@@ -299,3 +299,41 @@ async fn a_run_that_cannot_start_leaves_an_earlier_report_as_it_was() {
         "{\"earlier\": true}"
     );
 }
+
+#[tokio::test]
+async fn a_target_that_refuses_a_reused_key_and_executes_it_a_moment_later_fails() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let (_demo, demo_url) = demo_upstream().await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/conformance/late_target.py");
+    let mut late = tokio::process::Command::new("python3")
+        .args([script, &demo_url])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 runs the late target");
+    let mut lines = BufReader::new(late.stdout.take().expect("its stdout")).lines();
+    let first = lines.next_line().await.expect("read").expect("its port line");
+    let port = first.strip_prefix("PORT ").expect("PORT <n>");
+    let run = conformance(&[
+        &format!("http://127.0.0.1:{port}"),
+        "--counts",
+        &demo_url,
+        "--case",
+        "mismatch-not-executed",
+        "--case",
+        "mismatch-422",
+    ])
+    .await;
+    // The 422 is what the draft asks for; the execution behind it is what the suite must see.
+    assert_eq!(
+        run.with_outcome("pass"),
+        vec!["mismatch-422".to_owned()],
+        "{}",
+        run.table
+    );
+    let seen = run.case("mismatch-not-executed")["seen"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    assert!(seen.contains("executed it 2 times"), "{seen}");
+}
